@@ -1,0 +1,71 @@
+"""surgeon-compress: lossy and lossless compression of ONNX models as ONNX graph passes.
+
+The library API. Each pass is a function from model to model that never modifies its input,
+returns a model that passes `onnx.checker.check_model(full_check=True)`, and, when given a
+`Report`, says what it changed.
+
+    import passes
+    q = passes.quantize_weights(model, bits=8)          # float weights -> int8 + DequantizeLinear
+    f = passes.fold_dequantize(q, dtype="float16")      # back to float weights, at load time
+    passes.pack(q, "model.onnxz")                       # lossless entropy-coded file
+    m = passes.load("model.onnxz")                      # the .onnx back, byte for byte
+
+Names are imported lazily so that `import passes` (and the command's start) stays fast.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .errors import (
+    CorruptFileError,
+    FidelityError,
+    FileAccessError,
+    InvalidArgumentError,
+    InvalidModelError,
+    LimitExceededError,
+    NewerFormatError,
+    SurgeonError,
+    UnsupportedFormError,
+)
+from .report import Report, TensorChange
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "quantize_weights": "quantize",
+    "fold_dequantize": "fold",
+    "load_feeds": "fidelity",
+    "evaluate": "fidelity",
+    "parse_requirement": "fidelity",
+    "pack": "pack",
+    "unpack": "pack",
+    "load": "pack",
+    "open_packed": "pack",
+    "verify": "pack",
+    "InferenceSession": "runtime",
+    "load_model": "_fileio",
+    "save_model": "_fileio",
+}
+
+__all__ = sorted(
+    list(_LAZY)
+    + [
+        "CorruptFileError", "FidelityError", "FileAccessError", "InvalidArgumentError",
+        "InvalidModelError", "LimitExceededError", "NewerFormatError", "SurgeonError",
+        "UnsupportedFormError", "Report", "TensorChange",
+    ]
+)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'passes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

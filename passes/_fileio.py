@@ -1,0 +1,269 @@
+"""Reading and writing models and files safely.
+
+Two promises hold for every file surgeon-compress writes: the input is never modified, and an
+output appears under its final name only when it is complete (written to a temporary file in
+the destination folder, flushed, fsynced, then renamed). An existing output is replaced only when
+the caller says `force`.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator, Union
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from .errors import FileAccessError, InvalidModelError
+
+PathLike = Union[str, os.PathLike]
+
+# Protobuf cannot serialise a message of 2 GiB or more; above this many weight bytes a model is
+# written with its tensors in an external data file.
+PROTOBUF_LIMIT = 2**31 - 1
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+
+def _describe_os_error(path: PathLike, exc: OSError, action: str) -> str:
+    reason = {
+        errno.ENOENT: "no such file or folder",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.EROFS: "read-only file system",
+        errno.ENOSPC: "no space left on device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EISDIR: "is a folder",
+        errno.ENOTDIR: "a part of the path is not a folder",
+    }.get(exc.errno, exc.strerror or str(exc))
+    return f"cannot {action} {os.fspath(path)}: {reason}"
+
+
+def check_readable(path: PathLike) -> Path:
+    """Path of an existing regular file, or FileAccessError saying why not."""
+    p = Path(path)
+    if not p.exists():
+        raise FileAccessError(f"{p}: no such file")
+    if p.is_dir():
+        raise FileAccessError(f"{p}: is a folder, not a file")
+    if not os.access(p, os.R_OK):
+        raise FileAccessError(f"{p}: permission denied")
+    return p
+
+
+def check_writable(path: PathLike, force: bool = False) -> Path:
+    """Fail early, before any long work, when `path` cannot be written."""
+    p = Path(path)
+    if p.is_dir():
+        raise FileAccessError(f"{p}: is a folder, not a file")
+    if p.exists() and not force:
+        raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise FileAccessError(f"cannot write {p}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FileAccessError(f"cannot write {p}: folder {parent} is not writable")
+    return p
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
+    """Open a temporary file beside `path`; on success it replaces `path` in one rename.
+
+    On any exception (or interruption) the temporary file is removed and `path` is untouched.
+    """
+    p = check_writable(path, force)
+    folder = p.parent if str(p.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=folder)
+    except OSError as exc:
+        raise FileAccessError(_describe_os_error(p, exc, "write")) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if p.exists() and not force:  # appeared while we worked
+            raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
+        os.replace(tmp, p)
+        _fsync_dir(folder)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        if isinstance(exc, FileAccessError):
+            raise
+        raise FileAccessError(_describe_os_error(p, exc, "write")) from None
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def _remove_quietly(path: PathLike) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def write_bytes_atomic(path: PathLike, data: bytes, force: bool = False) -> None:
+    with atomic_output(path, force) as f:
+        f.write(data)
+
+
+def _safe_external_path(base_dir: Path, location: str) -> Path:
+    """The file an external-data `location` names, refused when it leaves the model's folder."""
+    if not location or os.path.isabs(location) or location.startswith(("/", "\\")):
+        raise InvalidModelError(f"external data path {location!r} is absolute; only paths inside the model's folder are read")
+    base = base_dir.resolve()
+    target = (base / location).resolve()
+    if target != base and base not in target.parents:
+        raise InvalidModelError(f"external data path {location!r} leaves the model's folder; refused")
+    return target
+
+
+def external_tensors(model: onnx.ModelProto):
+    """Every TensorProto of the model (initializers and attributes, subgraphs too) stored externally."""
+    from onnx.external_data_helper import _get_all_tensors  # the helper onnx itself uses
+
+    for tensor in _get_all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            yield tensor
+
+
+def load_external_data(model: onnx.ModelProto, base_dir: PathLike) -> None:
+    """Read external tensor data into `model`, refusing paths outside `base_dir` and out-of-file ranges."""
+    base = Path(base_dir)
+    for tensor in external_tensors(model):
+        info = {e.key: e.value for e in tensor.external_data}
+        target = _safe_external_path(base, info.get("location", ""))
+        try:
+            size = target.stat().st_size
+            offset = int(info.get("offset", 0) or 0)
+            length = int(info["length"]) if info.get("length") else size - offset
+        except FileNotFoundError:
+            raise InvalidModelError(f"external data file {info.get('location')!r} of tensor {tensor.name!r} is missing") from None
+        except ValueError:
+            raise InvalidModelError(f"tensor {tensor.name!r} has a malformed external data offset or length") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise InvalidModelError(
+                f"tensor {tensor.name!r} declares external data bytes {offset}..{offset + length} "
+                f"but {info.get('location')!r} holds {size} bytes"
+            )
+        with open(target, "rb") as f:
+            f.seek(offset)
+            tensor.raw_data = f.read(length)
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+def parse_model_bytes(data: bytes, name: str = "<bytes>") -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise InvalidModelError(f"{name} is not an ONNX model ({exc})") from None
+    if not model.HasField("graph") or model.ir_version <= 0:
+        raise InvalidModelError(f"{name} is not an ONNX model (no graph or IR version)")
+    return model
+
+
+def load_model(source, load_external: bool = True) -> onnx.ModelProto:
+    """A ModelProto from a path (external data read, safely) or a ModelProto (returned as is).
+
+    Passes copy what they are given before changing it, so the caller's model is never modified.
+    """
+    if isinstance(source, onnx.ModelProto):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidModelError(f"expected an onnx.ModelProto or a path, got {type(source).__name__}")
+    p = check_readable(source)
+    if p.suffix == ".onnxz" or _looks_packed(p):
+        from . import load as load_packed  # packed files decode through the pack stage
+
+        return load_packed(p)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise FileAccessError(_describe_os_error(p, exc, "read")) from None
+    model = parse_model_bytes(data, str(p))
+    if load_external:
+        load_external_data(model, p.parent)
+    return model
+
+
+def _looks_packed(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8).startswith(b"ONNXZ")
+    except OSError:
+        return False
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of tensor payloads held in the model (initializers, Constant nodes, subgraphs)."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    total = 0
+    for t in _get_all_tensors(model):
+        total += len(t.raw_data) if t.HasField("raw_data") else 0
+    return total
+
+
+def save_model(model: onnx.ModelProto, path: PathLike, force: bool = False, external_data: bool | None = None) -> None:
+    """Write `model` atomically; tensors go to `<name>.data` beside it when the model is too big
+    for one protobuf (or when `external_data` is True)."""
+    p = check_writable(path, force)
+    if external_data is None:
+        external_data = weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    if not external_data:
+        try:
+            data = model.SerializeToString()
+        except ValueError as exc:  # protobuf size limit
+            raise InvalidModelError(f"cannot serialise model: {exc}") from None
+        write_bytes_atomic(p, data, force)
+        return
+    _save_with_external_data(model, p, force)
+
+
+def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool) -> None:
+    """Model file plus one data file, each written to a temporary name and renamed (data first),
+    so the model file never points at a partial data file."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    data_name = p.name + ".data"
+    data_path = p.parent / data_name
+    check_writable(data_path, force)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    with atomic_output(data_path, force) as f:
+        offset = 0
+        for t in _get_all_tensors(out):
+            if not t.HasField("raw_data") or len(t.raw_data) < 1024:
+                continue
+            # 4 KiB alignment lets readers memory-map tensors directly
+            pad = (-offset) % 4096
+            if pad:
+                f.write(b"\0" * pad)
+                offset += pad
+            payload = t.raw_data
+            f.write(payload)
+            del t.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            t.data_location = onnx.TensorProto.EXTERNAL
+            t.ClearField("raw_data")
+            offset += len(payload)
+    write_bytes_atomic(p, out.SerializeToString(), force)
