@@ -1,0 +1,105 @@
+"""passes._fileio: atomic writes, safe model loading, external data."""
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from passes import FileAccessError, InvalidModelError
+from passes._fileio import atomic_output, load_model, save_model, write_bytes_atomic
+
+
+def _model(n=64):
+    w = numpy_helper.from_array(np.arange(n * n, dtype=np.float32).reshape(n, n), "W")
+    node = helper.make_node("MatMul", ["X", "W"], ["Y"])
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, n])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, n])],
+        [w],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_atomic_write_refuses_existing_without_force(tmp_path):
+    p = tmp_path / "out.bin"
+    write_bytes_atomic(p, b"one")
+    with pytest.raises(FileAccessError, match="exists"):
+        write_bytes_atomic(p, b"two")
+    assert p.read_bytes() == b"one"
+    write_bytes_atomic(p, b"two", force=True)
+    assert p.read_bytes() == b"two"
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    p = tmp_path / "out.bin"
+    with pytest.raises(RuntimeError):
+        with atomic_output(p) as f:
+            f.write(b"partial")
+            raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileAccessError, match="does not exist"):
+        write_bytes_atomic(tmp_path / "nope" / "out.bin", b"x")
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(FileAccessError, match="no such file"):
+        load_model(tmp_path / "missing.onnx")
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"this is not a protobuf \xff\xff\xff")
+    with pytest.raises(InvalidModelError, match="not an ONNX model"):
+        load_model(junk)
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(InvalidModelError, match="not an ONNX model"):
+        load_model(empty)
+
+
+def test_external_data_round_trip(tmp_path):
+    model = _model()
+    p = tmp_path / "m.onnx"
+    save_model(model, p, external_data=True)
+    assert (tmp_path / "m.onnx.data").exists()
+    assert os.path.getsize(p) < 4096  # weights went to the data file
+    onnx.checker.check_model(str(p), full_check=True)
+    back = load_model(p)
+    np.testing.assert_array_equal(
+        numpy_helper.to_array(back.graph.initializer[0]), numpy_helper.to_array(model.graph.initializer[0])
+    )
+    # the caller's model was not changed by saving
+    assert model.graph.initializer[0].data_location == TensorProto.DEFAULT
+
+
+def test_external_data_outside_folder_refused(tmp_path):
+    model = _model()
+    t = model.graph.initializer[0]
+    raw = t.raw_data
+    (tmp_path / "secret.bin").write_bytes(raw)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    t.ClearField("raw_data")
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "../secret.bin"), ("offset", "0"), ("length", str(len(raw)))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    (sub / "m.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(InvalidModelError, match="leaves the model's folder"):
+        load_model(sub / "m.onnx")
+    t.external_data[0].value = str(tmp_path / "secret.bin")
+    (sub / "m.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(InvalidModelError, match="absolute"):
+        load_model(sub / "m.onnx")
+
+
+def test_external_data_range_beyond_file(tmp_path):
+    model = _model()
+    p = tmp_path / "m.onnx"
+    save_model(model, p, external_data=True)
+    data = tmp_path / "m.onnx.data"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(InvalidModelError, match="declares external data bytes"):
+        load_model(p)
