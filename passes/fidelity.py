@@ -1,0 +1,617 @@
+"""How close a compressed model stays to its original: feeds, onnxruntime runs, metrics, the gate.
+
+    feeds = load_feeds("feeds.npz")                    # or synthesize_feeds(model)
+    result = evaluate("model.onnx", "model.int8.onnx", feeds=feeds, metric="top1")
+    for req in parse_requirements("cosine>=0.999,top1>=0.99"):
+        req.check(result)                              # True / False
+    enforce(result, requirements)                      # raises FidelityError naming each miss
+
+Metrics, always on the outputs of the same feed run through both models:
+  cosine      cosine similarity of the flattened output 0, per feed: "cosine" is the mean over
+              feeds, "cosine_min" the worst feed
+  top1        fraction of positions of output 0 whose argmax over the last axis agrees
+  ctc         fraction of identical greedy-CTC index strings of output 0 (one per batch row);
+              needs metric_args time_axis, class_axis and blank (as in the corpus MANIFEST.json)
+  maxabs      largest |original - candidate| over every output of every feed
+  snr         10*log10(sum original^2 / sum (original - candidate)^2) over every float output, dB
+
+A shape that differs between the two models counts as total disagreement for that feed (cosine
+0, top1 0, maxabs and snr infinitely bad), never as an error: a broken candidate is a result.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import onnx
+
+from ._fileio import check_readable, load_model
+from .errors import FidelityError, InvalidArgumentError, InvalidModelError, SurgeonError
+
+Feed = dict  # input name -> np.ndarray
+
+# Metrics a requirement may name, and the direction in which each one is better.
+HIGHER_IS_BETTER = {"cosine": True, "cosine_min": True, "top1": True, "ctc": True, "snr": True, "maxabs": False}
+METRICS = ("cosine", "top1", "ctc", "maxabs", "snr")  # what `metric=` / `--metric` accepts
+
+_INDEXED_KEY = re.compile(r"^(\d+)/(.+)$")
+
+
+# --------------------------------------------------------------------------------------------
+# feeds
+
+
+def load_feeds(path, model=None) -> list[Feed]:
+    """Feeds from an `.npz`: keys "i/NAME" (input NAME of feed i; shapes may differ between
+    feeds) or plain "NAME" (one feed). With `model`, the names are checked against its inputs."""
+    p = check_readable(path)
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            if not hasattr(z, "files"):
+                raise InvalidArgumentError(f"{p}: feeds must be an .npz archive of arrays, not a single .npy array")
+            arrays = {key: z[key] for key in z.files}
+    except SurgeonError:
+        raise
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise InvalidArgumentError(f"{p}: not a readable .npz feeds file ({_first_line(exc)})") from None
+    if not arrays:
+        raise InvalidArgumentError(f"{p}: the feeds file holds no arrays")
+
+    indexed = {key: _INDEXED_KEY.match(key) for key in arrays}
+    if all(indexed.values()):
+        by_index: dict[int, Feed] = {}
+        for key, match in indexed.items():
+            by_index.setdefault(int(match.group(1)), {})[match.group(2)] = arrays[key]
+        feeds = [by_index[i] for i in sorted(by_index)]
+    elif not any(indexed.values()):
+        feeds = [arrays]
+    else:
+        raise InvalidArgumentError(
+            f"{p}: feed keys mix 'INDEX/NAME' and plain 'NAME' forms "
+            f"(e.g. {next(k for k, m in indexed.items() if m)!r} and {next(k for k, m in indexed.items() if not m)!r})"
+        )
+    for i, feed in enumerate(feeds):
+        for name, value in feed.items():
+            if value.dtype == object or value.dtype.kind in "USV":
+                raise InvalidArgumentError(f"{p}: feed {i} input {name!r} has dtype {value.dtype}; only numeric and bool arrays are supported")
+    if model is not None:
+        check_feeds(model, feeds, source=str(p))
+    return feeds
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """Graph inputs a caller must feed (old models also list their initializers as inputs)."""
+    init_names = {t.name for t in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in init_names]
+
+
+def optional_inputs(model: onnx.ModelProto) -> set[str]:
+    init_names = {t.name for t in model.graph.initializer}
+    return {vi.name for vi in model.graph.input if vi.name in init_names}
+
+
+def check_feeds(model, feeds: Sequence[Feed], source: str = "feeds") -> None:
+    """InvalidArgumentError when a feed lacks an input the model needs or has one it does not know."""
+    model = load_model(model)
+    required = [vi.name for vi in model_inputs(model)]
+    allowed = set(required) | optional_inputs(model)
+    if not feeds:
+        raise InvalidArgumentError(f"{source}: no feeds")
+    for i, feed in enumerate(feeds):
+        unknown = sorted(set(feed) - allowed)
+        missing = [name for name in required if name not in feed]
+        if unknown or missing:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {', '.join(map(repr, missing))}")
+            if unknown:
+                parts.append(f"unknown input(s) {', '.join(map(repr, unknown))}")
+            raise InvalidArgumentError(
+                f"{source}: feed {i} does not match the model: {'; '.join(parts)} "
+                f"(model inputs: {', '.join(map(repr, required)) or 'none'})"
+            )
+
+
+# Synthesised inputs: dynamic dimensions get small sizes that most models accept.
+DEFAULT_BATCH = 1
+DEFAULT_DIM = 64
+INT_TOKEN_RANGE = 100  # token ids and other integer inputs: values in [0, 100), valid for any vocabulary >= 100
+
+
+def synthesize_feeds(model, n: int = 4, seed: int = 0) -> list[Feed]:
+    """`n` random feeds built from the model's input specs, the same for the same seed.
+
+    Dynamic dimensions: the first one 1 (batch), others 64; a named dimension keeps one size
+    across inputs. Floats ~ N(0, 1); integer inputs in [0, 100) (valid token ids), except names
+    containing "mask" (ones) and "length" (the sequence size); bool inputs random.
+    """
+    model = load_model(model)
+    if n < 1:
+        raise InvalidArgumentError(f"number of synthesised feeds must be at least 1, got {n}")
+    rng = np.random.default_rng(seed)
+    specs = []
+    named_dims: dict[str, int] = {}
+    for vi in model_inputs(model):
+        if not vi.type.HasField("tensor_type"):
+            raise InvalidArgumentError(f"cannot synthesise input {vi.name!r}: not a tensor (pass --feeds)")
+        elem = vi.type.tensor_type.elem_type
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+        except (KeyError, ValueError, TypeError):
+            dtype = None
+        if dtype is None or np.dtype(dtype).kind not in "fiub":
+            raise InvalidArgumentError(
+                f"cannot synthesise input {vi.name!r} of type {onnx.TensorProto.DataType.Name(elem)} (pass --feeds)"
+            )
+        shape = []
+        for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                shape.append(int(dim.dim_value))
+                continue
+            size = DEFAULT_BATCH if axis == 0 else DEFAULT_DIM
+            if dim.HasField("dim_param") and dim.dim_param:
+                size = named_dims.setdefault(dim.dim_param, size)
+            shape.append(size)
+        specs.append((vi.name, np.dtype(dtype), tuple(shape)))
+
+    feeds = []
+    for _ in range(n):
+        feed = {}
+        for name, dtype, shape in specs:
+            lname = name.lower()
+            if dtype.kind == "f":
+                value = rng.standard_normal(shape).astype(dtype)
+            elif dtype.kind == "b":
+                value = rng.integers(0, 2, size=shape).astype(bool)
+            elif "mask" in lname:
+                value = np.ones(shape, dtype=dtype)
+            elif "length" in lname or "len" == lname:
+                value = np.full(shape, DEFAULT_DIM, dtype=dtype)
+            else:
+                high = min(INT_TOKEN_RANGE, int(np.iinfo(dtype).max) + 1)
+                value = rng.integers(0, high, size=shape).astype(dtype)
+            feed[name] = value
+        feeds.append(feed)
+    return feeds
+
+
+# --------------------------------------------------------------------------------------------
+# running
+
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int8)": np.int8, "tensor(int16)": np.int16, "tensor(int32)": np.int32, "tensor(int64)": np.int64,
+    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64,
+    "tensor(bool)": np.bool_,
+}
+
+PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def resolve_providers(providers) -> list[str]:
+    """onnxruntime provider list from None (CPU), "cpu", "cuda" or a list of full provider names."""
+    import onnxruntime as ort
+
+    if providers is None:
+        return ["CPUExecutionProvider"]
+    if isinstance(providers, str):
+        key = providers.lower()
+        if key not in PROVIDER_NAMES:
+            raise InvalidArgumentError(f"unknown provider {providers!r}: choose cpu or cuda")
+        wanted = PROVIDER_NAMES[key]
+        if wanted not in ort.get_available_providers():
+            raise InvalidArgumentError(
+                f"provider {key} is not available in this onnxruntime (available: {', '.join(ort.get_available_providers())}); "
+                "install onnxruntime-gpu (pip install 'surgeon-compress[gpu]')"
+            )
+        return [wanted] if wanted == "CPUExecutionProvider" else [wanted, "CPUExecutionProvider"]
+    return list(providers)
+
+
+def _session(model_or_path, providers=None, sess_options=None):
+    import onnxruntime as ort
+
+    if sess_options is None:
+        sess_options = ort.SessionOptions()
+        sess_options.log_severity_level = 4  # errors come back as exceptions; keep the terminal clean
+    providers = resolve_providers(providers)
+    label = "model"
+    try:
+        if isinstance(model_or_path, onnx.ModelProto):
+            if model_or_path.ByteSize() < 2**31 - 1:
+                return ort.InferenceSession(model_or_path.SerializeToString(), sess_options, providers=providers)
+            # too big for one protobuf: onnxruntime must read it from a file with external data
+            from ._fileio import save_model
+
+            with tempfile.TemporaryDirectory(prefix="surgeon-eval-") as tmp:
+                path = os.path.join(tmp, "model.onnx")
+                save_model(model_or_path, path, external_data=True)
+                return ort.InferenceSession(path, sess_options, providers=providers)
+        p = check_readable(model_or_path)
+        label = str(p)
+        if p.suffix == ".onnxz":
+            return _session(load_model(p), providers, sess_options)
+        return ort.InferenceSession(str(p), sess_options, providers=providers)
+    except SurgeonError:
+        raise
+    except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph / ... types
+        raise InvalidModelError(f"onnxruntime cannot load {label}: {_first_line(exc)}") from None
+
+
+def _conform(feed: Feed, session, index: int) -> Feed:
+    """The feed with dtypes matched to the session's inputs; a clear error where they cannot be."""
+    out = {}
+    expected = {i.name: i for i in session.get_inputs()}
+    for name, value in feed.items():
+        value = np.asarray(value)
+        spec = expected.get(name)
+        want = _ORT_TYPES.get(spec.type) if spec is not None else None
+        if want is not None and value.dtype != want:
+            want = np.dtype(want)
+            same_kind = value.dtype.kind == want.kind or (value.dtype.kind in "iu" and want.kind in "iu")
+            fits = True
+            if same_kind and want.kind in "iu" and value.size:
+                info = np.iinfo(want)
+                fits = bool(value.min() >= info.min and value.max() <= info.max)
+            if not (same_kind and fits):
+                raise InvalidArgumentError(
+                    f"feed {index} input {name!r} is {value.dtype} but the model expects {want}"
+                )
+            value = value.astype(want)
+        if spec is not None and spec.shape is not None and len(spec.shape) != value.ndim:
+            raise InvalidArgumentError(
+                f"feed {index} input {name!r} has {value.ndim} dimension(s) {list(value.shape)} "
+                f"but the model expects {len(spec.shape)} {list(spec.shape)}"
+            )
+        out[name] = value
+    return out
+
+
+def run_outputs(model_or_path, feeds: Sequence[Feed], *, providers=None, sess_options=None,
+                progress: Callable[[int, int], None] | None = None) -> list[list[np.ndarray]]:
+    """Every output of the model for each feed: `outputs[feed][output]`."""
+    import onnxruntime as ort
+
+    session = _session(model_or_path, providers, sess_options)
+    run_options = ort.RunOptions()
+    run_options.log_severity_level = 4  # a failing run raises; its log line would only repeat it
+    required = {i.name for i in session.get_inputs()}
+    allowed = required | {i.name for i in session.get_overridable_initializers()}
+    results = []
+    for index, feed in enumerate(feeds):
+        unknown = sorted(set(feed) - allowed)
+        missing = sorted(required - set(feed))
+        if unknown or missing:
+            raise InvalidArgumentError(
+                f"feed {index} does not match the model: "
+                + "; ".join(filter(None, [
+                    f"missing input(s) {', '.join(map(repr, missing))}" if missing else "",
+                    f"unknown input(s) {', '.join(map(repr, unknown))}" if unknown else "",
+                ]))
+                + f" (model inputs: {', '.join(sorted(required))})"
+            )
+        feed = _conform(feed, session, index)
+        try:
+            results.append(session.run(None, feed, run_options))
+        except Exception as exc:
+            raise InvalidModelError(f"onnxruntime failed on feed {index}: {_first_line(exc)}") from None
+        if progress is not None:
+            progress(index + 1, len(feeds))
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# metrics
+
+
+def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
+    """Cosine similarity of the flattened output 0, one value per feed."""
+    values = np.empty(len(ref))
+    for i, (r, c) in enumerate(zip(ref, cand)):
+        a, b = np.asarray(r[0]), np.asarray(c[0])
+        if a.shape != b.shape:
+            values[i] = 0.0
+            continue
+        a = a.ravel().astype(np.float64)
+        b = b.ravel().astype(np.float64)
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        if na == 0 or nb == 0:  # both zero: identical; one zero: nothing in common
+            values[i] = float(na == nb)
+        else:
+            values[i] = float(a @ b / (na * nb))
+    return values
+
+
+def top1_agreement(ref, cand) -> float | None:
+    """Fraction of positions of output 0 whose argmax over the last axis agrees (None: scalar output)."""
+    agree = total = 0
+    for r, c in zip(ref, cand):
+        a, b = np.asarray(r[0]), np.asarray(c[0])
+        if a.ndim == 0 or a.shape[-1] == 0:
+            return None
+        positions = a.size // a.shape[-1]
+        total += positions
+        if a.shape == b.shape:
+            agree += int(np.count_nonzero(a.argmax(-1) == b.argmax(-1)))
+    return agree / total if total else None
+
+
+def ctc_strings(y: np.ndarray, time_axis: int, class_axis: int, blank: int = 0) -> list[tuple]:
+    """Greedy CTC decode of one output: argmax per step, repeats merged, blanks dropped; one
+    index string per batch row (every axis other than time and class counts as batch)."""
+    y = np.asarray(y)
+    if y.ndim < 2:
+        raise InvalidArgumentError(f"ctc metric needs an output with time and class axes, got shape {list(y.shape)}")
+    time_axis, class_axis = time_axis % y.ndim, class_axis % y.ndim
+    if time_axis == class_axis:
+        raise InvalidArgumentError("ctc metric: time_axis and class_axis must differ")
+    best = y.argmax(axis=class_axis)
+    t = time_axis - (time_axis > class_axis)  # the time axis once the class axis is gone
+    rows = np.moveaxis(best, t, -1).reshape(-1, best.shape[t])
+    if rows.shape[1] == 0:
+        return [() for _ in range(rows.shape[0])]
+    keep = np.ones(rows.shape, dtype=bool)
+    keep[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    keep &= rows != blank
+    return [tuple(row[mask].tolist()) for row, mask in zip(rows, keep)]
+
+
+def ctc_agreement(ref, cand, time_axis: int, class_axis: int, blank: int = 0) -> float:
+    agree = total = 0
+    for r, c in zip(ref, cand):
+        sr = ctc_strings(r[0], time_axis, class_axis, blank)
+        total += len(sr)
+        if np.shape(r[0]) == np.shape(c[0]):
+            sc = ctc_strings(c[0], time_axis, class_axis, blank)
+            agree += sum(x == y for x, y in zip(sr, sc))
+    return agree / total if total else 1.0
+
+
+def max_abs_difference(ref, cand) -> float:
+    worst = 0.0
+    for r_outs, c_outs in zip(ref, cand):
+        if len(r_outs) != len(c_outs):
+            return math.inf
+        for a, b in zip(r_outs, c_outs):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.shape != b.shape:
+                return math.inf
+            if a.size:
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+                worst = max(worst, float(diff.max()))
+    return worst
+
+
+def output_snr_db(ref, cand) -> float:
+    """Signal-to-noise ratio of the candidate's outputs, over every output of every feed."""
+    signal = noise = 0.0
+    for r_outs, c_outs in zip(ref, cand):
+        if len(r_outs) != len(c_outs):
+            return -math.inf
+        for a, b in zip(r_outs, c_outs):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.shape != b.shape:
+                return -math.inf
+            a64 = a.astype(np.float64)
+            signal += float(np.square(a64).sum())
+            noise += float(np.square(a64 - b.astype(np.float64)).sum())
+    if math.isnan(noise) or math.isnan(signal):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def compute_metrics(ref, cand, *, metric: str | None = None, metric_args: dict | None = None) -> dict[str, float]:
+    """Every metric that applies to these outputs; "ctc" only when asked for (it needs axes)."""
+    if len(ref) != len(cand):
+        raise InvalidArgumentError(f"cannot compare {len(ref)} reference runs with {len(cand)} candidate runs")
+    cos = cosine_per_feed(ref, cand)
+    metrics: dict[str, float] = {
+        "cosine": float(cos.mean()) if cos.size else 1.0,
+        "cosine_min": float(cos.min()) if cos.size else 1.0,
+    }
+    top1 = top1_agreement(ref, cand)
+    if top1 is not None:
+        metrics["top1"] = top1
+    metrics["maxabs"] = max_abs_difference(ref, cand)
+    metrics["snr"] = output_snr_db(ref, cand)
+    args = dict(metric_args or {})
+    if metric == "ctc" or ("time_axis" in args and "class_axis" in args):
+        if "time_axis" not in args or "class_axis" not in args:
+            raise InvalidArgumentError("the ctc metric needs metric_args time_axis and class_axis (and blank, default 0)")
+        try:
+            time_axis, class_axis, blank = int(args["time_axis"]), int(args["class_axis"]), int(args.get("blank", 0))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"ctc metric_args must be integers, got {args}") from None
+        metrics["ctc"] = ctc_agreement(ref, cand, time_axis, class_axis, blank)
+    return metrics
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation
+
+
+def _json_number(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+@dataclass
+class FidelityResult:
+    metrics: dict[str, float]
+    n_feeds: int
+    synthesized: bool
+    metric: str | None = None  # the metric the caller named as the one that matters
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: non-finite numbers become the strings "inf", "-inf", "nan"."""
+        return {
+            "metric": self.metric,
+            "metrics": {k: _json_number(v) for k, v in self.metrics.items()},
+            "n_feeds": self.n_feeds,
+            "synthesized": self.synthesized,
+            "notes": list(self.notes),
+        }
+
+    def summary(self) -> str:
+        """One line for humans, e.g. "top1 1.0000 | cosine 0.999981 (min 0.999902) | ... on 48 feeds"."""
+        m = self.metrics
+        parts = []
+        for name in ("top1", "ctc"):
+            if name in m:
+                parts.append(f"{name} {m[name]:.4f}")
+        if "cosine" in m:
+            parts.append(f"cosine {m['cosine']:.6f} (min {m['cosine_min']:.6f})")
+        if "snr" in m:
+            parts.append(f"snr {m['snr']:.1f} dB")
+        if "maxabs" in m:
+            parts.append(f"maxabs {m['maxabs']:.3g}")
+        where = f"{self.n_feeds} synthesised feed{'s' if self.n_feeds != 1 else ''} (no --feeds given: random inputs, not real data)" \
+            if self.synthesized else f"{self.n_feeds} feed{'s' if self.n_feeds != 1 else ''}"
+        return " | ".join(parts) + f" on {where}"
+
+
+def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metric_args: dict | None = None,
+             providers=None, n_synthesized: int = 4, seed: int = 0,
+             progress: Callable[[int, int], None] | None = None) -> FidelityResult:
+    """Run `original` and `candidate` (ModelProto or path) on the same feeds and compare outputs.
+
+    `feeds`: a list of feed dicts, a path to an .npz, or None (synthesised from the original's
+    input specs; the result says so).
+    """
+    if metric is not None and metric not in METRICS:
+        raise InvalidArgumentError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
+    original_model = load_model(original)
+    synthesized = feeds is None
+    notes = []
+    if feeds is None:
+        feeds = synthesize_feeds(original_model, n=n_synthesized, seed=seed)
+        notes.append(f"inputs synthesised from the model's input specs ({n_synthesized} random feeds, seed {seed}); pass feeds for real data")
+    elif isinstance(feeds, (str, os.PathLike)):
+        feeds = load_feeds(feeds, original_model)
+    else:
+        feeds = list(feeds)
+        check_feeds(original_model, feeds)
+    total = 2 * len(feeds)
+    step = (lambda done, _n: progress(done, total)) if progress else None
+    step2 = (lambda done, _n: progress(len(feeds) + done, total)) if progress else None
+    try:
+        ref = run_outputs(original if not isinstance(original, onnx.ModelProto) else original_model, feeds,
+                          providers=providers, progress=step)
+    except InvalidModelError as exc:
+        if synthesized:
+            raise InvalidArgumentError(f"the original model does not run on synthesised inputs ({exc}); pass real feeds (--feeds)") from None
+        raise
+    cand = run_outputs(candidate, feeds, providers=providers, progress=step2)
+    metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args)
+    return FidelityResult(metrics=metrics, n_feeds=len(feeds), synthesized=synthesized, metric=metric, notes=notes)
+
+
+# --------------------------------------------------------------------------------------------
+# requirements: "cosine>=0.999", "top1>=0.99", "maxabs<=0.01", "snr>=30"
+
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([^\s]+)\s*$")
+_OPS = {
+    ">=": lambda a, b: a >= b, ">": lambda a, b: a > b,
+    "<=": lambda a, b: a <= b, "<": lambda a, b: a < b,
+}
+_RANGES = {
+    "cosine": (-1.0, 1.0), "cosine_min": (-1.0, 1.0), "top1": (0.0, 1.0), "ctc": (0.0, 1.0),
+    "maxabs": (0.0, math.inf), "snr": (-math.inf, math.inf),
+}
+
+
+@dataclass(frozen=True)
+class Requirement:
+    metric: str
+    op: str
+    threshold: float
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.threshold:g}"
+
+    def value(self, result: FidelityResult) -> float:
+        if self.metric not in result.metrics:
+            hint = " (use --metric ctc with metric args time_axis/class_axis)" if self.metric == "ctc" else ""
+            raise InvalidArgumentError(f"requirement {self} names metric {self.metric!r}, which was not computed{hint}")
+        return result.metrics[self.metric]
+
+    def check(self, result: FidelityResult) -> bool:
+        """True when met; NaN (a candidate producing NaN) never meets a requirement."""
+        value = self.value(result)
+        return not math.isnan(value) and bool(_OPS[self.op](value, self.threshold))
+
+    def describe(self, result: FidelityResult) -> str:
+        value = self.value(result)
+        verdict = "ok" if self.check(result) else "FAILED"
+        return f"{self.metric} {value:.6g} (required {self.op}{self.threshold:g}): {verdict}"
+
+
+def parse_requirement(text: str) -> Requirement:
+    """"cosine>=0.999" -> Requirement("cosine", ">=", 0.999); InvalidArgumentError for anything else."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"a requirement must be a string like 'cosine>=0.999', got {type(text).__name__}")
+    match = _REQUIREMENT.match(text)
+    if not match:
+        raise InvalidArgumentError(
+            f"cannot read requirement {text!r}: expected METRIC>=NUMBER or METRIC<=NUMBER, "
+            "e.g. 'cosine>=0.999', 'top1>=0.99', 'maxabs<=0.01', 'snr>=30'"
+        )
+    metric, op, number = match.group(1).lower(), match.group(2), match.group(3)
+    if metric not in HIGHER_IS_BETTER:
+        raise InvalidArgumentError(
+            f"unknown metric {metric!r} in requirement {text!r}: choose one of {', '.join(HIGHER_IS_BETTER)}"
+        )
+    try:
+        threshold = float(number)
+    except ValueError:
+        raise InvalidArgumentError(f"requirement {text!r}: {number!r} is not a number") from None
+    if not math.isfinite(threshold):
+        raise InvalidArgumentError(f"requirement {text!r}: the threshold must be a finite number")
+    higher = HIGHER_IS_BETTER[metric]
+    if higher and op[0] == "<" or not higher and op[0] == ">":
+        better = ">=" if higher else "<="
+        raise InvalidArgumentError(
+            f"requirement {text!r} is backwards: {metric} is better when {'higher' if higher else 'lower'}; use {metric}{better}{number}"
+        )
+    low, high = _RANGES[metric]
+    if not low <= threshold <= high:
+        raise InvalidArgumentError(f"requirement {text!r}: {metric} lies in [{low:g}, {high:g}]")
+    return Requirement(metric, op, threshold)
+
+
+def parse_requirements(text: str | Iterable[str]) -> list[Requirement]:
+    """"cosine>=0.999,top1>=0.99" (or a list of such strings) -> list of Requirements."""
+    items = [text] if isinstance(text, str) else list(text)
+    parts = [p for item in items for p in str(item).split(",")]
+    if not any(p.strip() for p in parts):
+        raise InvalidArgumentError("empty requirement: expected e.g. 'cosine>=0.999'")
+    return [parse_requirement(p) for p in parts if p.strip()]
+
+
+def enforce(result: FidelityResult, requirements: Iterable[Requirement]) -> None:
+    """FidelityError listing every requirement the result misses; nothing when all are met."""
+    failed = [req.describe(result) for req in requirements if not req.check(result)]
+    if failed:
+        raise FidelityError("fidelity gate failed: " + "; ".join(failed))
+
+
+def metrics_needed(requirements: Iterable[Requirement]) -> set[str]:
+    return {r.metric for r in requirements}
