@@ -1,0 +1,273 @@
+"""What a model's weights are and how they are stored: the table behind `surgeon-compress info`.
+
+    desc = describe_model("model.onnx")
+    for row in desc.rows: print(row.name, row.dtype, row.shape, row.bytes, row.scheme, row.location)
+    desc.by_dtype, desc.by_scheme       # {"int8": {"count": 12, "bytes": 123456}, ...}
+
+A weight is every constant tensor the model carries: initializers and `Constant` nodes, in
+subgraphs (`If`/`Loop`/`Scan` bodies) too. Its scheme says how the model uses it:
+
+  float                               a float weight used as it is
+  int8/channel(axis=0)/sym            quantized: input 0 of a DequantizeLinear; granularity from
+  int4/block(32)/asym                 its scale's shape (tensor, channel(axis) or block(size));
+  uint8/tensor/asym                   asym when a non-zero zero point is given
+  dq-scale, dq-zero-point             the scale and zero point of such a DequantizeLinear
+  palette(16)                         integer indices into a float look-up table via Gather
+  palette-table                       that look-up table
+  int8/cast-scale                     Cast to float then Mul by a scale (hand-made dequantization)
+  uint8/MatMulInteger, int8/ConvInteger, ...
+                                      weights of operators that compute on integers directly
+  integer, bool, other                shapes, axes, masks: not weights in the compression sense
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ._fileio import load_model
+
+FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE,
+}
+# element sizes in bits where numpy's itemsize does not say it (packed 4-bit and 2-bit types)
+_BITS = {
+    onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.BFLOAT16: 16, onnx.TensorProto.STRING: 0,
+}
+for _name in ("FLOAT4E2M1",):
+    if hasattr(onnx.TensorProto, _name):
+        _BITS[getattr(onnx.TensorProto, _name)] = 4
+for _name in ("INT2", "UINT2"):
+    if hasattr(onnx.TensorProto, _name):
+        _BITS[getattr(onnx.TensorProto, _name)] = 2
+
+# operators that take integer weights and compute on them without a DequantizeLinear
+INTEGER_WEIGHT_OPS = {
+    "MatMulInteger": {1, 3}, "ConvInteger": {1, 3}, "QLinearConv": {3, 5}, "QLinearMatMul": {3, 5},
+    "DynamicQuantizeLSTM": {1, 2, 9, 10, 11}, "QGemm": {3, 5}, "MatMulIntegerToFloat": {1, 5},
+    "DynamicQuantizeMatMul": {1, 4}, "MatMulNBits": {1, 3}, "GatherBlockQuantized": {0, 3},
+}
+
+
+def dtype_name(elem_type: int) -> str:
+    """numpy-style name: float32, float16, bfloat16, int8, int4, ..."""
+    name = onnx.TensorProto.DataType.Name(elem_type).lower()
+    return {"float": "float32", "double": "float64"}.get(name, name)
+
+
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Payload bytes of a tensor, from its raw data, its external-data length or its dims."""
+    if tensor.HasField("raw_data"):
+        return len(tensor.raw_data)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in tensor.external_data}
+        if info.get("length"):
+            return int(info["length"])
+    count = int(np.prod(tensor.dims, dtype=np.int64)) if len(tensor.dims) else 1
+    bits = _BITS.get(tensor.data_type)
+    if bits is None:
+        try:
+            bits = 8 * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        except (KeyError, TypeError, ValueError):
+            bits = 0
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return sum(len(s) for s in tensor.string_data)
+    return (count * bits + 7) // 8
+
+
+@dataclass
+class WeightRow:
+    name: str
+    dtype: str
+    shape: tuple
+    bytes: int
+    scheme: str
+    consumers: list[str]
+    location: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.bytes,
+            "scheme": self.scheme, "consumers": list(self.consumers), "location": self.location,
+        }
+
+
+@dataclass
+class ModelDescription:
+    rows: list[WeightRow]
+    by_dtype: dict[str, dict[str, int]] = field(default_factory=dict)
+    by_scheme: dict[str, dict[str, int]] = field(default_factory=dict)
+    opsets: dict[str, int] = field(default_factory=dict)
+    ir_version: int = 0
+    nodes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ir_version": self.ir_version,
+            "opsets": dict(self.opsets),
+            "nodes": self.nodes,
+            "weight_bytes": self.total_bytes,
+            "by_dtype": self.by_dtype,
+            "by_scheme": self.by_scheme,
+            "tensors": [r.to_dict() for r in self.rows],
+        }
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: int
+    dims: tuple
+    nbytes: int
+    location: str
+    scalar_values: np.ndarray | None  # decoded only for tiny tensors (zero points)
+
+
+def _small_values(tensor: onnx.TensorProto) -> np.ndarray | None:
+    if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor_nbytes(tensor) > 4096:
+        return None
+    try:
+        return onnx.numpy_helper.to_array(tensor)
+    except Exception:  # an exotic dtype: the scheme simply says less
+        return None
+
+
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The tensor a Constant node produces (value_float(s)/value_int(s) made into tensors)."""
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            return attr.t
+        if attr.name == "value_float":
+            return onnx.helper.make_tensor(node.output[0], onnx.TensorProto.FLOAT, [], [attr.f])
+        if attr.name == "value_floats":
+            return onnx.helper.make_tensor(node.output[0], onnx.TensorProto.FLOAT, [len(attr.floats)], list(attr.floats))
+        if attr.name == "value_int":
+            return onnx.helper.make_tensor(node.output[0], onnx.TensorProto.INT64, [], [attr.i])
+        if attr.name == "value_ints":
+            return onnx.helper.make_tensor(node.output[0], onnx.TensorProto.INT64, [len(attr.ints)], list(attr.ints))
+    return None
+
+
+def _walk(graph: onnx.GraphProto, where: str, tensors: dict, consumers: dict, nodes: list) -> None:
+    """Collect weights (name -> _Tensor) and consumers (name -> [(node, input index)]) of a graph
+    and all its subgraphs. `where` is "" for the main graph, else "subgraph NODE/ATTR"."""
+    prefix = f"{where}: " if where else ""
+    for t in graph.initializer:
+        tensors.setdefault(t.name, _Tensor(t.name, t.data_type, tuple(t.dims), tensor_nbytes(t), prefix + "initializer", _small_values(t)))
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            t = _constant_tensor(node)
+            if t is not None:
+                tensors.setdefault(node.output[0], _Tensor(node.output[0], t.data_type, tuple(t.dims), tensor_nbytes(t),
+                                                           prefix + "Constant node", _small_values(t)))
+        for index, name in enumerate(node.input):
+            if name:
+                consumers[name].append((node, index))
+        for attr in node.attribute:
+            label = f"subgraph {node.name or node.op_type}/{attr.name}"
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _walk(attr.g, label, tensors, consumers, nodes)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for k, g in enumerate(attr.graphs):
+                    _walk(g, f"{label}[{k}]", tensors, consumers, nodes)
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _dequantize_scheme(weight: _Tensor, node: onnx.NodeProto, tensors: dict) -> str:
+    scale = tensors.get(node.input[1]) if len(node.input) > 1 else None
+    zero = tensors.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    block = int(_attr(node, "block_size", 0) or 0)
+    if block > 0:
+        granularity = f"block({block})"
+    elif scale is None:
+        granularity = "dynamic-scale"
+    elif not scale.dims or int(np.prod(scale.dims, dtype=np.int64)) <= 1:
+        granularity = "tensor"
+    else:
+        axis = int(_attr(node, "axis", 1))
+        if axis < 0 and weight.dims:
+            axis += len(weight.dims)
+        granularity = f"channel(axis={axis})"
+    symmetric = zero is None or (zero.scalar_values is not None and not np.any(zero.scalar_values))
+    return f"{dtype_name(weight.dtype)}/{granularity}/{'sym' if symmetric else 'asym'}"
+
+
+def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict) -> str:
+    dtype = dtype_name(weight.dtype)
+    for node, index in uses:
+        op = node.op_type
+        if op == "DequantizeLinear":
+            if index == 0:
+                return _dequantize_scheme(weight, node, tensors)
+            return "dq-scale" if index == 1 else "dq-zero-point"
+        if op in INTEGER_WEIGHT_OPS and index in INTEGER_WEIGHT_OPS[op] and weight.dtype not in FLOAT_TYPES:
+            return f"{dtype}/{op}"
+        if op == "Gather" and len(node.input) > 1:
+            other = tensors.get(node.input[1 - index]) if index in (0, 1) else None
+            if other is not None:
+                if index == 1 and weight.dtype not in FLOAT_TYPES and other.dtype in FLOAT_TYPES:
+                    table = int(other.dims[0]) if other.dims else 1
+                    return f"palette({table})"
+                if index == 0 and weight.dtype in FLOAT_TYPES and other.dtype not in FLOAT_TYPES and other.nbytes > 64:
+                    return "palette-table"
+        if op == "Cast" and weight.dtype not in FLOAT_TYPES and weight.dtype != onnx.TensorProto.BOOL:
+            to = _attr(node, "to")
+            if to in FLOAT_TYPES and any(n.op_type == "Mul" for n, _ in consumers.get(node.output[0], [])):
+                return f"{dtype}/cast-scale"
+    if weight.dtype in FLOAT_TYPES:
+        return "float"
+    if weight.dtype == onnx.TensorProto.BOOL:
+        return "bool"
+    if weight.dtype in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return "other"
+    return "integer"
+
+
+def describe_model(model) -> ModelDescription:
+    """Every weight of `model` (ModelProto or path; external data is not read) with its scheme."""
+    if isinstance(model, (str, os.PathLike)) and not str(model).endswith(".onnxz"):
+        model = load_model(model, load_external=False)
+    else:
+        model = load_model(model)
+    tensors: dict[str, _Tensor] = {}
+    consumers: dict[str, list] = defaultdict(list)
+    nodes: list = []
+    _walk(model.graph, "", tensors, consumers, nodes)
+    rows = []
+    for name, t in tensors.items():
+        uses = consumers.get(name, [])
+        labels = []
+        for node, _ in uses:
+            label = f"{node.op_type}({node.name})" if node.name else node.op_type
+            if label not in labels:
+                labels.append(label)
+        rows.append(WeightRow(name=name, dtype=dtype_name(t.dtype), shape=t.dims, bytes=t.nbytes,
+                              scheme=_scheme(t, uses, tensors, consumers), consumers=labels, location=t.location))
+    by_dtype: dict[str, dict[str, int]] = {}
+    by_scheme: dict[str, dict[str, int]] = {}
+    for r in rows:
+        for table, key in ((by_dtype, r.dtype), (by_scheme, r.scheme)):
+            entry = table.setdefault(key, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += r.bytes
+    sort = lambda table: dict(sorted(table.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])))
+    return ModelDescription(
+        rows=rows, by_dtype=sort(by_dtype), by_scheme=sort(by_scheme),
+        opsets={(o.domain or "ai.onnx"): int(o.version) for o in model.opset_import},
+        ir_version=int(model.ir_version), nodes=len(nodes),
+    )

@@ -1,0 +1,670 @@
+"""surgeon-compress: compress ONNX model weights (int8 + DequantizeLinear), gate on fidelity, pack losslessly.
+
+This module only parses arguments and prints; every decision lives in the `passes` library.
+
+Exit codes:
+  0    success
+  1    error: bad input file or model, unwritable output, unsupported option for this model, ...
+  2    usage error (unknown option, malformed --require expression, ...)
+  3    fidelity gate failed (--require not met); compress then writes no output file
+  4    a packed file is damaged, truncated, foreign or differs from --against (verify, unpack, info)
+  70   internal error (a bug: please report it; SURGEON_DEBUG=1 shows the traceback)
+  130  interrupted (Ctrl-C); no partial output is left behind
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+PROG = "surgeon-compress"
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_GATE_FAILED = 3
+EXIT_CORRUPT = 4
+EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130
+
+
+# --------------------------------------------------------------------------------------------
+# formatting
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _jsonable(value: Any) -> Any:
+    """JSON-ready copy: non-finite floats as "inf"/"-inf"/"nan", tuples as lists, paths as strings."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = value.to_dict() if hasattr(value, "to_dict") else dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
+        value = value.item()  # numpy scalar
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "to_dict"):
+        return _jsonable(value.to_dict())
+    return str(value)
+
+
+def print_json(obj: dict) -> None:
+    print(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False))
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> None:
+    """Plain aligned columns; `right` lists the indexes of right-aligned (numeric) columns."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for k, row in enumerate(cells):
+        line = "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        print("  " + line.rstrip())
+        if k == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def _shape(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _snr(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "exact" if value > 0 else "-inf"
+    return f"{value:.1f}"
+
+
+def file_size(path: str | os.PathLike) -> int:
+    """Bytes of a model on disk, its external data file (`NAME.data`, as save_model writes it) included."""
+    p = Path(path)
+    total = p.stat().st_size if p.exists() else 0
+    data = p.with_name(p.name + ".data")
+    if data.exists():
+        total += data.stat().st_size
+    return total
+
+
+def _progress(label: str):
+    from passes.progress import progress_bar
+
+    return progress_bar(label)
+
+
+# --------------------------------------------------------------------------------------------
+# shared steps
+
+
+def _check_distinct(src: str, dst: str) -> None:
+    from passes import InvalidArgumentError
+
+    try:
+        same = Path(dst).exists() and os.path.samefile(src, dst)
+    except OSError:
+        same = False
+    if same or Path(src).resolve() == Path(dst).resolve():
+        raise InvalidArgumentError(f"output {dst} is the input file; the input is never modified: choose another -o")
+
+
+def _wants_pack(output: str, pack_flag: bool) -> bool:
+    return pack_flag or str(output).endswith(".onnxz")
+
+
+def _write_model(model, output: str, force: bool, pack: bool, threads=None) -> dict:
+    """Save (or pack) `model` atomically; returns what the pack stage reported, if anything."""
+    import passes
+
+    if pack:
+        with _progress("pack") as bar:
+            stats = passes.pack(model, output, threads=threads, force=force, progress=bar)
+        return {"pack": _jsonable(stats)}
+    passes.save_model(model, output, force=force)
+    return {}
+
+
+def _metric_args(items: Sequence[str] | None) -> dict | None:
+    from passes import InvalidArgumentError
+
+    if not items:
+        return None
+    args = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgumentError(f"--metric-arg expects KEY=VALUE (e.g. time_axis=0), got {item!r}")
+        try:
+            args[key.strip()] = int(value)
+        except ValueError:
+            raise InvalidArgumentError(f"--metric-arg {item!r}: the value must be an integer") from None
+    return args
+
+
+def _evaluate(original, candidate, args, original_path=None) -> Any:
+    import passes.fidelity as fidelity
+
+    feeds = None
+    if args.feeds:
+        feeds = fidelity.load_feeds(args.feeds, original)
+    with _progress("evaluate") as bar:
+        return fidelity.evaluate(
+            original, candidate, feeds=feeds, metric=args.metric, metric_args=_metric_args(args.metric_arg),
+            providers=args.provider, progress=bar,
+        )
+
+
+def _gate_lines(result, requirements) -> tuple[list[dict], bool]:
+    checks = [{"requirement": str(r), "value": r.value(result), "passed": r.check(result)} for r in requirements]
+    return checks, all(c["passed"] for c in checks)
+
+
+def _print_fidelity(result, checks) -> None:
+    print(f"  fidelity   {result.summary()}")
+    for note in result.notes:
+        print(f"  note       {note}")
+    for c in checks:
+        verdict = "ok" if c["passed"] else "FAILED"
+        value = c["value"]
+        shown = f"{value:.6g}" if isinstance(value, float) else str(value)
+        print(f"  gate       {c['requirement']}: {shown} {verdict}")
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_compress(args) -> int:
+    import passes
+    from passes import FidelityError
+    from passes._fileio import check_readable, check_writable
+
+    check_readable(args.input)
+    _check_distinct(args.input, args.output)
+    check_writable(args.output, args.force)  # fail before the long work, not after
+    pack = _wants_pack(args.output, args.pack)
+    model = passes.load_model(args.input)
+    feeds = passes.load_feeds(args.feeds, model) if args.feeds else None
+
+    granularity = args.granularity or ("block" if args.block_size else "channel")
+    options: dict[str, Any] = {"bits": args.bits, "granularity": granularity, "symmetric": not args.asymmetric}
+    if args.block_size is not None:
+        options["block_size"] = args.block_size
+    if args.min_elements is not None:
+        options["min_elements"] = args.min_elements
+    if args.include:
+        options["include"] = list(args.include)
+    if args.exclude:
+        options["exclude"] = list(args.exclude)
+
+    report = passes.Report()
+    with _progress("quantize") as bar:
+        compressed = passes.quantize_weights(model, report=report, progress=bar, **options)
+
+    result = None
+    checks: list[dict] = []
+    passed = True
+    if args.require or args.feeds or args.metric:
+        import passes.fidelity as fidelity
+
+        with _progress("evaluate") as bar:
+            result = fidelity.evaluate(
+                model, compressed, feeds=feeds, metric=args.metric, metric_args=_metric_args(args.metric_arg),
+                providers=args.provider, progress=bar,
+            )
+        checks, passed = _gate_lines(result, args.require or [])
+
+    written = False
+    extra: dict = {}
+    if passed:
+        extra = _write_model(compressed, args.output, args.force, pack)
+        written = True
+
+    in_bytes = file_size(args.input)
+    out_bytes = file_size(args.output) if written else None
+    if args.json:
+        print_json({
+            "command": "compress",
+            "input": args.input, "output": args.output, "written": written, "packed": pack,
+            "input_bytes": in_bytes, "output_bytes": out_bytes,
+            "ratio": (out_bytes / in_bytes) if written and in_bytes else None,
+            "options": options,
+            "report": report.to_dict(),
+            "fidelity": result.to_dict() if result else None,
+            "gate": None if not args.require else {"passed": passed, "checks": checks},
+            **extra,
+        })
+    else:
+        quantized = [t for t in report.tensors if t.bytes_after != t.bytes_before]
+        print(f"{'compressed' if written else 'NOT written'}: {args.input} -> {args.output}{' (packed)' if pack else ''}")
+        if written:
+            print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}% of the input)")
+        print(f"  weights    {len(quantized)} tensor(s) rewritten: {human_bytes(report.bytes_before)} -> {human_bytes(report.bytes_after)}"
+              f"; {len(report.tensors) - len(quantized)} kept as they were")
+        for note in report.notes:
+            print(f"  note       {note}")
+        if result is not None:
+            _print_fidelity(result, checks)
+        if args.verbose and report.tensors:
+            print()
+            print_table(
+                ["tensor", "shape", "dtype", "scheme", "before", "after", "SNR dB", "location"],
+                [[t.name, _shape(t.shape), t.dtype, t.scheme, t.bytes_before, t.bytes_after, _snr(t.snr_db), t.location]
+                 for t in report.tensors],
+                right=(4, 5, 6),
+            )
+    if not passed:
+        failed = "; ".join(f"{c['requirement']} (got {c['value']:.6g})" for c in checks if not c["passed"])
+        raise FidelityError(f"fidelity gate failed: {failed}; {args.output} was not written")
+    return EXIT_OK
+
+
+def cmd_fold(args) -> int:
+    import passes
+    from passes._fileio import check_readable, check_writable
+
+    check_readable(args.input)
+    _check_distinct(args.input, args.output)
+    check_writable(args.output, args.force)
+    model = passes.load_model(args.input)
+    report = passes.Report()
+    with _progress("fold") as bar:
+        folded = passes.fold_dequantize(model, dtype=args.dtype, report=report, progress=bar)
+    pack = _wants_pack(args.output, False)
+    extra = _write_model(folded, args.output, args.force, pack)
+    in_bytes, out_bytes = file_size(args.input), file_size(args.output)
+    if args.json:
+        print_json({"command": "fold", "input": args.input, "output": args.output, "dtype": args.dtype,
+                    "input_bytes": in_bytes, "output_bytes": out_bytes, "report": report.to_dict(), **extra})
+    else:
+        print(f"folded: {args.input} -> {args.output}")
+        print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}")
+        print(f"  weights    {len(report.tensors)} DequantizeLinear node(s) folded into float initializers"
+              f"{' of ' + args.dtype if args.dtype else ''}")
+        for note in report.notes:
+            print(f"  note       {note}")
+        if args.verbose and report.tensors:
+            print()
+            print_table(["tensor", "shape", "dtype", "scheme", "before", "after"],
+                        [[t.name, _shape(t.shape), t.dtype, t.scheme, t.bytes_before, t.bytes_after] for t in report.tensors],
+                        right=(4, 5))
+    return EXIT_OK
+
+
+SMALL_TENSOR_BYTES = 1024
+
+
+def cmd_info(args) -> int:
+    import passes
+    from passes._fileio import check_readable
+    from passes.inspect import describe_model
+
+    path = check_readable(args.file)
+    packed_meta = None
+    if path.suffix == ".onnxz" or _looks_packed(path):
+        with passes.open_packed(path) as packed:
+            packed_meta = packed.metadata()
+    desc = describe_model(path)
+    size = file_size(path)
+    if args.json:
+        print_json({"command": "info", "file": str(path), "file_bytes": size, **desc.to_dict(),
+                    "packed": packed_meta})
+        return EXIT_OK
+    opsets = ", ".join(f"{k} {v}" for k, v in desc.opsets.items())
+    print(f"{path}: {human_bytes(size)} on disk, {desc.nodes} nodes, IR {desc.ir_version}, opsets {opsets}")
+    print(f"  weights: {len(desc.rows)} tensors, {human_bytes(desc.total_bytes)}")
+    print()
+    print("  by dtype")
+    print_table(["dtype", "tensors", "bytes", "share"],
+                [[k, v["count"], human_bytes(v["bytes"]), f"{100 * v['bytes'] / max(desc.total_bytes, 1):.1f}%"]
+                 for k, v in desc.by_dtype.items()], right=(1, 2, 3))
+    print()
+    print("  by scheme")
+    print_table(["scheme", "tensors", "bytes", "share"],
+                [[k, v["count"], human_bytes(v["bytes"]), f"{100 * v['bytes'] / max(desc.total_bytes, 1):.1f}%"]
+                 for k, v in desc.by_scheme.items()], right=(1, 2, 3))
+    rows = sorted(desc.rows, key=lambda r: (-r.bytes, r.name))
+    shown = rows if args.all else [r for r in rows if r.bytes >= SMALL_TENSOR_BYTES]
+    print()
+    print("  tensors" + ("" if args.all else f" (>= {SMALL_TENSOR_BYTES} bytes; --all lists every one)"))
+    print_table(["name", "dtype", "shape", "bytes", "scheme", "location"],
+                [[r.name, r.dtype, _shape(r.shape), r.bytes, r.scheme, r.location] for r in shown], right=(3,))
+    hidden = len(rows) - len(shown)
+    if hidden:
+        print(f"  ... and {hidden} smaller tensor(s), {human_bytes(sum(r.bytes for r in rows[len(shown):]))}")
+    if packed_meta is not None:
+        print()
+        _print_packed_metadata(packed_meta)
+    return EXIT_OK
+
+
+def _looks_packed(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8).startswith(b"ONNXZ")
+    except OSError:
+        return False
+
+
+def _print_packed_metadata(meta: Any) -> None:
+    """The pack stage's metadata: scalar fields as lines, lists of records as tables."""
+    meta = _jsonable(meta)
+    if not isinstance(meta, dict):
+        print(f"  packed: {meta}")
+        return
+    print("  packed file")
+    tables = {}
+    for key, value in meta.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            tables[key] = value
+        elif isinstance(value, dict):
+            print(f"    {key}: " + ", ".join(f"{k}={v}" for k, v in value.items()))
+        else:
+            print(f"    {key}: {value}")
+    for key, records in tables.items():
+        print()
+        print(f"  packed {key}")
+        columns = []
+        for record in records:
+            for k in record:
+                if k not in columns:
+                    columns.append(k)
+        print_table(columns, [[_cell(r.get(c, "")) for c in columns] for r in records])
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, list):
+        return _shape(value) if all(isinstance(v, int) for v in value) else f"{len(value)} items"
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def cmd_eval(args) -> int:
+    import passes
+    from passes import FidelityError
+    from passes._fileio import check_readable
+
+    check_readable(args.original)
+    check_readable(args.candidate)
+    original = passes.load_model(args.original)
+    result = _evaluate(original, args.candidate, args)
+    checks, passed = _gate_lines(result, args.require or [])
+    if args.json:
+        print_json({"command": "eval", "original": args.original, "candidate": args.candidate,
+                    "original_bytes": file_size(args.original), "candidate_bytes": file_size(args.candidate),
+                    "fidelity": result.to_dict(),
+                    "gate": None if not args.require else {"passed": passed, "checks": checks}})
+    else:
+        print(f"eval: {args.candidate} against {args.original}")
+        print(f"  file       {human_bytes(file_size(args.original))} -> {human_bytes(file_size(args.candidate))}")
+        _print_fidelity(result, checks)
+    if not passed:
+        failed = "; ".join(f"{c['requirement']} (got {c['value']:.6g})" for c in checks if not c["passed"])
+        raise FidelityError(f"fidelity gate failed: {failed}")
+    return EXIT_OK
+
+
+def cmd_pack(args) -> int:
+    import passes
+    from passes._fileio import check_readable, check_writable
+
+    check_readable(args.input)
+    _check_distinct(args.input, args.output)
+    check_writable(args.output, args.force)
+    with _progress("pack") as bar:
+        stats = passes.pack(args.input, args.output, threads=args.threads, force=args.force, progress=bar)
+    in_bytes, out_bytes = file_size(args.input), Path(args.output).stat().st_size
+    if args.json:
+        print_json({"command": "pack", "input": args.input, "output": args.output, "input_bytes": in_bytes,
+                    "output_bytes": out_bytes, "ratio": out_bytes / max(in_bytes, 1), "stats": _jsonable(stats)})
+    else:
+        print(f"packed: {args.input} -> {args.output}")
+        print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}%)")
+    return EXIT_OK
+
+
+def cmd_unpack(args) -> int:
+    import passes
+    from passes._fileio import check_readable, check_writable
+
+    check_readable(args.input)
+    if args.output is not None:
+        _check_distinct(args.input, args.output)
+        check_writable(args.output, args.force)
+    out = passes.unpack(args.input, args.output, threads=args.threads, force=args.force)
+    in_bytes, out_bytes = Path(args.input).stat().st_size, file_size(out)
+    if args.json:
+        print_json({"command": "unpack", "input": args.input, "output": str(out),
+                    "input_bytes": in_bytes, "output_bytes": out_bytes})
+    else:
+        print(f"unpacked: {args.input} -> {out}")
+        print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}")
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    import passes
+    from passes import CorruptFileError
+    from passes._fileio import check_readable
+
+    check_readable(args.file)
+    if args.against:
+        check_readable(args.against)
+    result = passes.verify(args.file, args.against, threads=args.threads)
+    ok = bool(getattr(result, "ok", True))
+    if args.json:
+        print_json({"command": "verify", "file": args.file, "against": args.against, "ok": ok, "result": _jsonable(result)})
+    else:
+        what = f" and restores {args.against} byte for byte" if args.against else ""
+        print(f"verify: {args.file}: {'ok: every checksum matches' + what if ok else 'FAILED'}")
+    if not ok:
+        raise CorruptFileError(f"{args.file}: verification failed: {getattr(result, 'message', result)}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# arguments
+
+
+def _requirement(text: str):
+    from passes import SurgeonError
+    from passes.fidelity import parse_requirements
+
+    try:
+        return parse_requirements(text)
+    except SurgeonError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _ExtendRequirements(argparse.Action):
+    """--require may repeat and each may hold several comma-separated expressions."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.extend(values)
+        setattr(namespace, self.dest, items)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
+    from passes.fidelity import METRICS
+
+    p.add_argument("--feeds", metavar="FEEDS.npz",
+                   help="inputs to compare on: .npz with keys INDEX/INPUT_NAME (or INPUT_NAME for one feed); "
+                        "without it, random inputs are synthesised from the model's input specs")
+    p.add_argument("--require", metavar="EXPR", type=_requirement, action=_ExtendRequirements, default=[],
+                   help="fidelity gate, e.g. 'cosine>=0.999', 'top1>=0.99', 'maxabs<=0.01', 'snr>=30' "
+                        "(repeat, or separate with commas); exit 3 when not met")
+    p.add_argument("--metric", choices=METRICS, help="the metric that matters for this model (ctc needs --metric-arg)")
+    p.add_argument("--metric-arg", metavar="KEY=INT", action="append",
+                   help="metric parameter, e.g. --metric-arg time_axis=0 --metric-arg class_axis=2 --metric-arg blank=0")
+    p.add_argument("--provider", choices=("cpu", "cuda"), default=None, help="onnxruntime device for the runs (default cpu)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Compress ONNX model weights to int8 + DequantizeLinear, check fidelity, pack losslessly.",
+        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 fidelity gate failed, 4 damaged packed file, 130 interrupted",
+    )
+    from passes import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def common(p, output=True, output_required=True):
+        if output:
+            p.add_argument("-o", "--output", required=output_required, metavar="OUT", help="output file (never overwritten without --force)")
+            p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+        p.add_argument("--json", action="store_true", help="print a machine-readable report on stdout")
+
+    p = sub.add_parser("compress", help="float weights -> int8 (or fewer bits) + DequantizeLinear",
+                       description="Quantize the float weights of IN and write OUT; with --require, write OUT only "
+                                   "when the fidelity gate passes (exit 3 otherwise).")
+    p.add_argument("input", metavar="IN", help="ONNX model (.onnx or .onnxz)")
+    common(p)
+    p.add_argument("--bits", type=int, default=8, help="bits per weight (default 8)")
+    p.add_argument("--granularity", choices=("tensor", "channel", "block"), help="one scale per tensor, per output channel (default) or per block")
+    p.add_argument("--block-size", type=_positive_int, metavar="N", help="weights per scale block (implies --granularity block)")
+    p.add_argument("--asymmetric", action="store_true", help="use a zero point (default symmetric)")
+    p.add_argument("--include", action="append", metavar="PATTERN", help="only weights whose name or consumer op type matches (repeatable)")
+    p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave weights whose name or consumer op type matches (repeatable)")
+    p.add_argument("--min-elements", type=_non_negative_int, metavar="N", help="leave tensors with fewer elements as they are")
+    p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (implied by -o NAME.onnxz)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
+    _add_fidelity_options(p)
+    p.set_defaults(func=cmd_compress)
+
+    p = sub.add_parser("fold", help="DequantizeLinear of constants -> float initializers",
+                       description="Materialise float weights: every DequantizeLinear of constant inputs becomes an initializer.")
+    p.add_argument("input", metavar="IN")
+    common(p)
+    p.add_argument("--dtype", choices=("float16", "float32"), help="float type of the folded weights (default: what the node produced)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
+    p.set_defaults(func=cmd_fold)
+
+    p = sub.add_parser("info", help="weights by dtype and scheme, sizes, per-tensor table",
+                       description="Describe a model's weights (.onnx; .onnxz also shows the packed tensor table).")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--all", action="store_true", help="list every tensor, small ones too")
+    common(p, output=False)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("eval", help="compare a candidate model's outputs with the original's",
+                       description="Run ORIGINAL and CANDIDATE on the same feeds and print the metrics; with --require, exit 3 when not met.")
+    p.add_argument("original", metavar="ORIGINAL")
+    p.add_argument("candidate", metavar="CANDIDATE")
+    common(p, output=False)
+    _add_fidelity_options(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("pack", help="lossless entropy-coded .onnxz of any ONNX file",
+                       description="Pack IN into OUT.onnxz; unpack restores IN byte for byte.")
+    p.add_argument("input", metavar="IN")
+    common(p)
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("unpack", help=".onnxz -> the original .onnx, byte for byte")
+    p.add_argument("input", metavar="IN.onnxz")
+    common(p, output_required=False)
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
+    p.set_defaults(func=cmd_unpack)
+
+    p = sub.add_parser("verify", help="check every checksum of a .onnxz (and compare with the original)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--against", metavar="ORIGINAL", help="the original .onnx: the unpacked bytes must equal it")
+    p.add_argument("--threads", type=_positive_int, metavar="N")
+    common(p, output=False)
+    p.set_defaults(func=cmd_verify)
+    return parser
+
+
+def _exit_code(exc) -> int:
+    from passes import CorruptFileError, FidelityError
+
+    if isinstance(exc, FidelityError):
+        return EXIT_GATE_FAILED
+    if isinstance(exc, CorruptFileError):
+        return EXIT_CORRUPT
+    return EXIT_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from passes import SurgeonError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage errors exit 2, --help/--version exit 0
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return args.func(args)
+    except SurgeonError as exc:
+        sys.stdout.flush()
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return _exit_code(exc)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except MemoryError:
+        print(f"{PROG}: error: out of memory", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # `surgeon-compress info x | head`: the reader left, nothing to report
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
+    except Exception as exc:  # a bug: one line unless the user asks for the traceback
+        if os.environ.get("SURGEON_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        print(f"{PROG}: internal error: {type(exc).__name__}: {first} (a bug; SURGEON_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())
