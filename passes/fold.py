@@ -1,0 +1,220 @@
+"""The fold pass: materialise constant DequantizeLinear nodes (and, later, other patterns) as
+float weights, bit-identical to what onnxruntime computes for them.
+
+A node folds when every input is a constant (an initializer or a Constant node, visible from
+the node's graph). Its output becomes:
+  - an initializer of the node's graph, named like the node's output, when its inputs were
+    initializers (the layout `quantize_weights` produces for initializers), or
+  - a Constant node at the node's place, when any input came from a Constant node.
+Constants that only fed folded nodes are removed afterwards.
+
+Folders are registered per op type (`register_folder`), so other weight forms (issue 4:
+palettes read through Gather) plug in without touching the walk.
+
+dtype: None keeps the type the node produces (bit-exact). "float16" / "float32" store the folded
+tensor in that type; where that differs from the node's output type, the tensor is stored under
+a new name and a Cast node back to the node's type produces the original name, so every consumer
+still receives the type it was built for and the model stays valid. (onnxruntime folds that Cast
+at session creation; the stored file holds the requested dtype.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import forms, graph
+from ._fileio import load_model
+from .errors import InvalidArgumentError
+from .report import Report, TensorChange
+
+# a folder gets (node, input arrays, input element types) and returns (array, element type) or None
+Folder = Callable[[onnx.NodeProto, list, list], "tuple[np.ndarray, int] | None"]
+FOLDERS: dict[tuple[str, str], Folder] = {}
+
+
+def register_folder(op_type: str, fn: Folder, domain: str = "") -> None:
+    """Register `fn` to fold nodes of `op_type` whose inputs are all constants."""
+    FOLDERS[(domain, op_type)] = fn
+
+
+def _fold_dequantize_linear(node: onnx.NodeProto, arrays: list, types: list):
+    if len(arrays) < 2 or arrays[0] is None or arrays[1] is None:
+        return None
+    q, scale = arrays[0], arrays[1]
+    zp = arrays[2] if len(arrays) > 2 and arrays[2] is not None else None
+    if types[1] not in graph.FLOAT_TYPES:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axis = int(attrs.get("axis", 1))
+    block = int(attrs.get("block_size", 0))
+    if q.ndim == 0 and scale.size != 1:
+        return None
+    result = forms.dequantize_linear(q, scale, zp, axis if q.ndim else 1, block)
+    return result, types[1]
+
+
+register_folder("DequantizeLinear", _fold_dequantize_linear)
+register_folder("DequantizeLinear", _fold_dequantize_linear, domain="ai.onnx")
+
+_DTYPES = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16}
+
+
+@dataclass
+class _Const:
+    tensor: TensorProto
+    graph_key: int
+    node: onnx.NodeProto | None  # the Constant node holding it, else an initializer
+
+
+def _location(info: graph.GraphInfo, constant_node: bool) -> str:
+    where = "Constant node" if constant_node else "initializer"
+    return f"{info.location}: {where}" if info.location else where
+
+
+def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = None,
+                    progress=None) -> onnx.ModelProto:
+    """A new model in which every constant DequantizeLinear (and registered pattern) is a float weight."""
+    if dtype is not None and dtype not in _DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {', '.join(_DTYPES)} or None, got {dtype!r}")
+    source = load_model(model)
+    if report is not None:
+        report.pass_name = report.pass_name or "fold_dequantize"
+    out = onnx.ModelProto()
+    out.CopyFrom(source)
+    weights, graphs = graph.find_weights(out)
+    names = graph.NameAllocator(graph.all_names(out))
+
+    foldable = []  # (graph key, node)
+    for info in graphs:
+        for node in info.graph.node:
+            if (node.domain, node.op_type) in FOLDERS:
+                foldable.append((info.key, node))
+    total = len(foldable)
+
+    # constants visible by scope: resolve through the weight uses computed by find_weights
+    const_of_use: dict[tuple[int, str], _Const] = {}
+    for w in weights:
+        for u in w.uses:
+            const_of_use[(id(u.node), u.index)] = _Const(w.tensor, w.graph_key, w.node)
+
+    folded_output: dict[int, tuple[np.ndarray, int]] = {}  # id(node) -> result
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
+    added_inits: dict[int, list[TensorProto]] = {}
+    consumed: list[_Const] = []
+    decoded: dict[int, np.ndarray] = {}
+    for done, (key, node) in enumerate(foldable, 1):
+        consts = [const_of_use.get((id(node), i)) if name else None for i, name in enumerate(node.input)]
+        if not node.input or any(c is None for c, name in zip(consts, node.input) if name):
+            if progress:
+                progress(done, total)
+            continue
+        arrays, types = [], []
+        for c in consts:
+            if c is None:
+                arrays.append(None)
+                types.append(0)
+                continue
+            if id(c.tensor) not in decoded:
+                decoded[id(c.tensor)] = graph.tensor_to_array(c.tensor)
+            arrays.append(decoded[id(c.tensor)])
+            types.append(c.tensor.data_type)
+        result = FOLDERS[(node.domain, node.op_type)](node, arrays, types)
+        if result is None:
+            if progress:
+                progress(done, total)
+            continue
+        value, elem_type = result
+        out_name = node.output[0]
+        store_type = _DTYPES[dtype] if dtype else elem_type
+        if store_type != elem_type:
+            stored = value.astype(graph.NUMPY_TYPES[store_type])
+            stored_name = names.take(f"{out_name}_{graph.type_name(store_type)}")
+        else:
+            stored, stored_name = value, out_name
+        tensor = graph.array_to_tensor(stored, stored_name, store_type)
+        from_constant_node = any(c is not None and c.node is not None for c in consts)
+        new_nodes = []
+        if from_constant_node:
+            new_nodes.append(helper.make_node("Constant", [], [stored_name], name=names.take(stored_name + "_Constant"),
+                                              value=tensor))
+        else:
+            added_inits.setdefault(key, []).append(tensor)
+        if store_type != elem_type:
+            new_nodes.append(helper.make_node("Cast", [stored_name], [out_name], name=names.take(out_name + "_Cast"),
+                                              to=elem_type))
+        replaced[id(node)] = new_nodes
+        consumed.extend(c for c in consts if c is not None)
+        if report is not None:
+            before = sum(len(c.tensor.raw_data) for c in consts if c is not None)
+            report.add(TensorChange(out_name, tuple(value.shape), graph.type_name(consts[0].tensor.data_type),
+                                    "folded" if store_type == elem_type else f"folded to {graph.type_name(store_type)}",
+                                    before, len(tensor.raw_data), None,
+                                    _location(graphs[key], from_constant_node)))
+        if progress:
+            progress(done, total)
+
+    if not replaced:
+        return out
+    if dtype is not None and report is not None and any(len(v) > 1 or (v and v[-1].op_type == "Cast") for v in replaced.values()):
+        report.note(f"folded weights stored as {dtype}; Cast nodes restore the types the graph expects")
+
+    # which constants are still read after folding (anywhere, any scope: conservative)
+    still_read: set[str] = set()
+    for info in graphs:
+        for node in info.graph.node:
+            if id(node) in replaced:
+                continue
+            still_read.update(node.input)
+        still_read.update(v.name for v in info.graph.output)
+    for nodes in replaced.values():
+        for n in nodes:
+            still_read.update(n.input)
+    dead_inits: dict[int, set[str]] = {}
+    dead_nodes: set[int] = set()
+    for c in consumed:
+        if c.tensor.name and c.node is None and c.tensor.name not in still_read:
+            dead_inits.setdefault(c.graph_key, set()).add(c.tensor.name)
+        if c.node is not None and c.node.output[0] not in still_read:
+            dead_nodes.add(id(c.node))
+
+    for info in reversed(graphs):  # children first: rewriting a parent copies its subgraphs
+        k = info.key
+        g = info.graph
+        touched = any(id(n) in replaced or id(n) in dead_nodes for n in g.node)
+        if k in dead_inits or k in added_inits:
+            dead = dead_inits.get(k, set())
+            kept = []
+            for t in g.initializer:
+                if t.name not in dead:
+                    c = TensorProto()
+                    c.CopyFrom(t)
+                    kept.append(c)
+            kept.extend(added_inits.get(k, []))
+            del g.initializer[:]
+            g.initializer.extend(kept)
+            if dead:
+                vi = [v for v in g.value_info if v.name not in dead]
+                if len(vi) != len(g.value_info):
+                    copies = [onnx.ValueInfoProto() for _ in vi]
+                    for c, v in zip(copies, vi):
+                        c.CopyFrom(v)
+                    del g.value_info[:]
+                    g.value_info.extend(copies)
+        if touched:
+            nodes = []
+            for node in g.node:
+                if id(node) in dead_nodes:
+                    continue
+                if id(node) in replaced:
+                    nodes.extend(replaced[id(node)])
+                    continue
+                c = onnx.NodeProto()
+                c.CopyFrom(node)
+                nodes.append(c)
+            del g.node[:]
+            g.node.extend(nodes)
+    return out

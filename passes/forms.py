@@ -1,0 +1,298 @@
+"""Weight forms: linear n-bit quantization per tensor, per channel and per block.
+
+`quantize_linear` turns a float array into integer levels, scales and zero points;
+`dequantize_linear` turns them back exactly the way onnxruntime's `DequantizeLinear` does
+(`float32(int32(x) - int32(zero_point)) * float32(scale)`, rounded once to the output type), so
+the fold pass and the SNR in the report see the values the model will compute.
+
+Layouts follow `DequantizeLinear`: per tensor, scale is a scalar; per channel, scale is 1-D with
+one entry per index of `axis`; per block, scale has the weight's shape with dimension `axis`
+replaced by ceil(D / block_size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+# clip ratios tried per channel / block: 1.0 (max-abs) down to 0.5 of the range
+_CLIP_GRID = np.linspace(1.0, 0.5, 26, dtype=np.float32)
+# elements processed at once during the scale search (bounds the temporaries to ~16 MB each)
+_SEARCH_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class Levels:
+    bits: int
+    symmetric: bool
+
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.bits - 1) - 1) if self.symmetric else 0
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1 if self.symmetric else 2**self.bits - 1
+
+    @property
+    def storage(self) -> str:
+        """numpy-ish name of the container: int4/uint4 up to 4 bits, int8/uint8 above."""
+        base = "int" if self.symmetric else "uint"
+        return f"{base}4" if self.bits <= 4 else f"{base}8"
+
+    @property
+    def np_dtype(self):
+        return np.int8 if self.symmetric else np.uint8
+
+
+@dataclass
+class Quantized:
+    q: np.ndarray  # int8 / uint8 levels, weight shape
+    scale: np.ndarray  # in the weight's float dtype, DequantizeLinear layout
+    zero_point: np.ndarray | None  # same layout as scale, uint8 levels; None when symmetric
+    axis: int | None  # None: per tensor
+    block_size: int  # 0: not blocked
+
+
+def _groups(w: np.ndarray, axis: int | None, block_size: int) -> tuple[np.ndarray, tuple, int]:
+    """w as a 2-D (groups, members) array where each row shares one scale.
+
+    Returns the 2-D array, the scale layout shape, and the padding added to the blocked axis.
+    """
+    if axis is None:
+        return w.reshape(1, -1), (), 0
+    if not block_size:
+        moved = np.moveaxis(w, axis, 0)
+        return moved.reshape(w.shape[axis], -1), (w.shape[axis],), 0
+    d = w.shape[axis]
+    nb = -(-d // block_size)
+    pad = nb * block_size - d
+    moved = np.moveaxis(w, axis, -1)  # (..., D)
+    if pad:
+        widths = [(0, 0)] * (moved.ndim - 1) + [(0, pad)]
+        moved = np.pad(moved, widths)  # zeros are exact at every scale
+    lead = moved.shape[:-1]
+    layout = list(w.shape)
+    layout[axis] = nb
+    return np.ascontiguousarray(moved).reshape(-1, block_size), (lead, nb, tuple(layout)), pad
+
+
+def _to_layout(per_group: np.ndarray, w_shape: tuple, axis: int | None, block_size: int, info) -> np.ndarray:
+    if axis is None:
+        return per_group.reshape(())
+    if not block_size:
+        return per_group.reshape(info)
+    lead, nb, layout = info
+    arr = per_group.reshape(*lead, nb)  # blocks last
+    return np.moveaxis(arr, -1, axis).reshape(layout)
+
+
+def _from_groups(q2: np.ndarray, w_shape: tuple, axis: int | None, block_size: int, pad: int) -> np.ndarray:
+    if axis is None:
+        return q2.reshape(w_shape)
+    if not block_size:
+        moved_shape = (w_shape[axis],) + tuple(np.delete(np.array(w_shape), axis))
+        return np.moveaxis(q2.reshape(moved_shape), 0, axis)
+    moved_shape = tuple(np.delete(np.array(w_shape), axis)) + (w_shape[axis] + pad,)
+    moved = q2.reshape(moved_shape)
+    if pad:
+        moved = moved[..., : w_shape[axis]]
+    return np.ascontiguousarray(np.moveaxis(moved, -1, axis))
+
+
+def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Scale as the model will store it (weight dtype), back in float32; never zero."""
+    s = scale.astype(dtype)
+    tiny = np.array(np.finfo(dtype).smallest_subnormal, dtype=dtype)
+    s = np.where(s > 0, s, tiny)
+    return s.astype(np.float32)
+
+
+def _search(rows: np.ndarray, levels: Levels, dtype: np.dtype, search: bool):
+    """Per row: the clip ratio minimising squared error; returns (scale f32, zero point f32|None)."""
+    g = rows.shape[0]
+    best_err = np.full(g, np.inf, dtype=np.float64)
+    best_s = np.zeros(g, dtype=np.float32)
+    best_z = None if levels.symmetric else np.zeros(g, dtype=np.float32)
+    if levels.symmetric:
+        amax = np.max(np.abs(rows), axis=1)
+        lo = hi = None
+    else:
+        lo = np.minimum(rows.min(axis=1), 0)
+        hi = np.maximum(rows.max(axis=1), 0)
+    grid = _CLIP_GRID if search else _CLIP_GRID[:1]
+    q = np.empty_like(rows)
+    for c in grid:
+        if levels.symmetric:
+            s = _stored(amax * c / levels.qmax, dtype)
+            z = None
+        else:
+            s = _stored((hi - lo) * c / (levels.qmax - levels.qmin), dtype)
+            z = np.clip(np.rint(-lo * c / s), levels.qmin, levels.qmax).astype(np.float32)
+        np.divide(rows, s[:, None], out=q)
+        np.rint(q, out=q)
+        if z is not None:
+            q += z[:, None]
+        np.clip(q, levels.qmin, levels.qmax, out=q)
+        if z is not None:
+            q -= z[:, None]
+        q *= s[:, None]
+        q -= rows
+        err = np.einsum("ij,ij->i", q, q, dtype=np.float64)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s = np.where(better, s, best_s)
+        if z is not None:
+            best_z = np.where(better, z, best_z)
+    return best_s, best_z
+
+
+def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size: int = 0,
+                    search: bool = True) -> Quantized:
+    """Quantize float weights `w` (float32/float16/bfloat16) with scales in w's dtype.
+
+    axis None: one scale; axis a without block_size: one scale per index of a; with block_size:
+    blocks of `block_size` consecutive elements along a. With `search` the clip ratio of each
+    scale is chosen from a grid to minimise the squared error (vectorised over all rows).
+    """
+    if w.ndim == 0 and axis is not None:
+        raise InvalidArgumentError("a scalar can only be quantized per tensor")
+    if axis is not None and not -w.ndim <= axis < w.ndim:
+        raise InvalidArgumentError(f"axis {axis} out of range for shape {w.shape}")
+    if axis is not None:
+        axis %= w.ndim
+    dtype = w.dtype
+    w32 = w.astype(np.float32)
+    rows, info, pad = _groups(w32, axis, block_size)
+    scales = np.empty(rows.shape[0], dtype=np.float32)
+    zps = None if levels.symmetric else np.empty(rows.shape[0], dtype=np.float32)
+    q_rows = np.empty(rows.shape, dtype=levels.np_dtype)
+    step = max(1, _SEARCH_CHUNK // max(rows.shape[1], 1))
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
+        s, z = _search(part, levels, dtype, search)
+        scales[start:start + step] = s
+        qf = np.rint(part / s[:, None])
+        if z is not None:
+            zps[start:start + step] = z
+            qf += z[:, None]
+        np.clip(qf, levels.qmin, levels.qmax, out=qf)
+        q_rows[start:start + step] = qf.astype(levels.np_dtype)
+    q = _from_groups(q_rows, w.shape, axis, block_size, pad)
+    scale = _to_layout(scales, w.shape, axis, block_size, info).astype(dtype)
+    zp = None if zps is None else _to_layout(zps, w.shape, axis, block_size, info).astype(np.uint8)
+    return Quantized(q, scale, zp, axis, block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantization, bit-exact with onnxruntime
+
+_CHUNK = 1 << 16  # elements per step: scratch stays in L2 cache
+
+
+def _views(q: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, axis: int, block_size: int):
+    """Pieces (q_view, scale_view, zp_view, out_slice) that broadcast elementwise.
+
+    Every form becomes a 4-D view (pre, groups, members, post) of q; a block axis whose length is
+    not a multiple of block_size gives a second piece for the last, shorter block.
+    """
+    shape = q.shape
+    if block_size == 0 and scale.size == 1:  # per tensor
+        return [(q.reshape(1, 1, -1, 1), scale.reshape(1, 1, 1, 1),
+                 None if zp is None else zp.reshape(1, 1, 1, 1), (1, 1, q.size, 1), None)]
+    axis %= q.ndim
+    pre = int(np.prod(shape[:axis], dtype=np.int64))
+    post = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    d = shape[axis]
+    if not block_size:
+        s4 = scale.reshape(1, d, 1, 1)
+        z4 = None if zp is None else zp.reshape(1, d, 1, 1)
+        return [(q.reshape(pre, d, 1, post), s4, z4, (pre, d, 1, post), None)]
+    nb = scale.shape[axis]
+    full = d // block_size
+    s3 = scale.reshape(pre, nb, post)
+    z3 = None if zp is None else zp.reshape(pre, nb, post)
+    q3 = q.reshape(pre, d, post)
+    pieces = []
+    if full:
+        qv = q3[:, : full * block_size, :].reshape(pre, full, block_size, post)
+        pieces.append((qv, s3[:, :full, None, :], None if z3 is None else z3[:, :full, None, :],
+                       (pre, full, block_size, post), (0, full * block_size)))
+    if d > full * block_size:
+        rest = d - full * block_size
+        qv = q3[:, full * block_size:, :].reshape(pre, 1, rest, post)
+        pieces.append((qv, s3[:, full:full + 1, None, :], None if z3 is None else z3[:, full:full + 1, None, :],
+                       (pre, 1, rest, post), (full * block_size, d)))
+    return pieces
+
+
+def dequantize_linear(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None = None,
+                      axis: int = 1, block_size: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """`DequantizeLinear` exactly as onnxruntime computes it; result dtype is scale's dtype.
+
+    Works in cache-sized chunks into a preallocated output (no full-size temporaries).
+    """
+    out_dtype = scale.dtype
+    if out is None:
+        out = np.empty(q.shape, dtype=out_dtype)
+    if q.size == 0:
+        return out
+    s32 = scale.astype(np.float32)
+    z32 = None
+    if zero_point is not None and np.any(zero_point):
+        z32 = zero_point.astype(np.float32)
+    exact_small = q.dtype.itemsize <= 2  # int8/16 minus zero point is exact in float32
+    direct = out_dtype == np.float32
+    scratch = None if direct else np.empty(_CHUNK, dtype=np.float32)
+    pieces = _views(q, s32, z32, axis, block_size)
+    if len(pieces) == 1 and pieces[0][4] is None:
+        outs = [out.reshape(pieces[0][3])]
+    else:
+        d = q.shape[axis % q.ndim]
+        pre = int(np.prod(q.shape[: axis % q.ndim], dtype=np.int64))
+        o3 = out.reshape(pre, d, -1)
+        outs = [o3[:, a:b, :].reshape(shape4) for (_, _, _, shape4, (a, b)) in pieces]
+    for (qv, sv, zv, _, _), ov in zip(pieces, outs):
+        _apply(qv, sv, zv, ov, scratch, exact_small)
+    return out
+
+
+def _apply(qv, sv, zv, ov, scratch, exact_small) -> None:
+    """ov = (qv - zv) * sv over 4-D views (sv, zv broadcast: each dimension equal or 1), in steps
+    of about _CHUNK elements along the outermost axes."""
+    for ax in range(4):
+        inner = int(np.prod(ov.shape[ax + 1:], dtype=np.int64))
+        if inner <= _CHUNK:
+            break
+    step = max(1, _CHUNK // max(inner, 1))
+
+    def take(v, idx, start):
+        if v is None:
+            return None
+        key = tuple(i if v.shape[k] != 1 else 0 for k, i in enumerate(idx))
+        return v[key + ((slice(start, start + step) if v.shape[ax] != 1 else slice(0, 1)),)]
+
+    for idx in np.ndindex(*ov.shape[:ax]):
+        for start in range(0, ov.shape[ax], step):
+            o = ov[idx + (slice(start, start + step),)]
+            _kernel(qv[idx + (slice(start, start + step),)], take(sv, idx, start), take(zv, idx, start),
+                    o, scratch, exact_small)
+
+
+def _kernel(qq, ss, zz, o, scratch, exact_small) -> None:
+    if scratch is None:
+        tgt = o
+    else:
+        tgt = scratch[: o.size].reshape(o.shape)
+    if zz is None:
+        np.multiply(qq, ss, out=tgt, dtype=np.float32, casting="unsafe")
+    else:
+        if exact_small:
+            np.subtract(qq, zz, out=tgt, dtype=np.float32, casting="unsafe")
+        else:  # int32 levels: subtract in 64-bit integers first, as the int32 arithmetic would
+            np.copyto(tgt, qq.astype(np.int64) - zz.astype(np.int64), casting="unsafe")
+        np.multiply(tgt, ss, out=tgt)
+    if scratch is not None:
+        np.copyto(o, tgt, casting="unsafe")

@@ -1,0 +1,530 @@
+"""Finding weights in an ONNX model and the facts the passes need about them.
+
+Weights live in three places: graph initializers, `Constant` nodes, and both of those inside the
+subgraphs of `If` / `Loop` / `Scan`. This module walks all of them, resolves which nodes consume a
+weight (respecting subgraph scoping), picks the axis that matters for each consumer, sorts graphs
+topologically, and raises the default-domain opset.
+
+Why plain protobuf editing and not onnx-graphsurgeon: a `gs.import_onnx` / `gs.export_onnx` round
+trip (onnx-graphsurgeon 0.6.1) drops the model's doc_string and metadata_props, drops part of
+graph.value_info (355 -> 236 entries on minilm_fp32) and reorders initializers. The passes only
+replace a tensor by a few tensors plus one node, which is simpler and exact on the proto itself.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from .errors import InvalidModelError, UnsupportedFormError
+
+FLOAT_TYPES = {
+    TensorProto.FLOAT: np.dtype(np.float32),
+    TensorProto.FLOAT16: np.dtype(np.float16),
+    TensorProto.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+}
+# element type -> numpy dtype for raw_data views (int4 types are unpacked separately)
+NUMPY_TYPES = {
+    **FLOAT_TYPES,
+    TensorProto.DOUBLE: np.dtype(np.float64),
+    TensorProto.INT8: np.dtype(np.int8),
+    TensorProto.UINT8: np.dtype(np.uint8),
+    TensorProto.INT16: np.dtype(np.int16),
+    TensorProto.UINT16: np.dtype(np.uint16),
+    TensorProto.INT32: np.dtype(np.int32),
+    TensorProto.UINT32: np.dtype(np.uint32),
+    TensorProto.INT64: np.dtype(np.int64),
+    TensorProto.UINT64: np.dtype(np.uint64),
+    TensorProto.BOOL: np.dtype(np.bool_),
+}
+INT4_TYPES = {TensorProto.INT4: np.dtype(np.int8), TensorProto.UINT4: np.dtype(np.uint8)}
+
+
+def type_name(elem_type: int) -> str:
+    return TensorProto.DataType.Name(elem_type).lower()
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors <-> arrays
+
+
+def tensor_to_array(t: TensorProto) -> np.ndarray:
+    """The values of a TensorProto as a numpy array (read-only view of raw_data when possible)."""
+    if t.data_location == TensorProto.EXTERNAL:
+        raise InvalidModelError(f"tensor {t.name!r} has its data in an external file that was not loaded")
+    shape = tuple(t.dims)
+    if t.data_type in INT4_TYPES:
+        n = int(np.prod(shape, dtype=np.int64))
+        if t.HasField("raw_data"):
+            packed = np.frombuffer(t.raw_data, dtype=np.uint8)
+            return unpack_int4(packed, n, signed=t.data_type == TensorProto.INT4).reshape(shape)
+        # int4 in int32_data: one packed byte per int32 entry
+        packed = np.asarray(t.int32_data, dtype=np.int32).astype(np.uint8)
+        return unpack_int4(packed, n, signed=t.data_type == TensorProto.INT4).reshape(shape)
+    dtype = NUMPY_TYPES.get(t.data_type)
+    if dtype is not None and t.HasField("raw_data"):
+        arr = np.frombuffer(t.raw_data, dtype=dtype.newbyteorder("<"))
+        if arr.size != int(np.prod(shape, dtype=np.int64)):
+            raise InvalidModelError(f"tensor {t.name!r}: raw_data holds {arr.size} values, dims say {shape}")
+        return arr.reshape(shape)
+    if t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        bits = np.asarray(t.int32_data, dtype=np.int32).astype(np.uint16)
+        return bits.view(NUMPY_TYPES[t.data_type]).reshape(shape)
+    return onnx.numpy_helper.to_array(t)
+
+
+def array_to_tensor(arr: np.ndarray, name: str, elem_type: int) -> TensorProto:
+    """A TensorProto holding `arr` as `elem_type`, always in raw_data (int4 packed two per byte)."""
+    t = TensorProto()
+    t.name = name
+    t.data_type = elem_type
+    t.dims.extend(int(d) for d in arr.shape)
+    if elem_type in INT4_TYPES:
+        t.raw_data = pack_int4(arr).tobytes()
+    else:
+        t.raw_data = np.ascontiguousarray(arr, dtype=NUMPY_TYPES[elem_type].newbyteorder("<")).tobytes()
+    return t
+
+
+def pack_int4(values: np.ndarray) -> np.ndarray:
+    """Two 4-bit values per byte, first value in the low nibble (the ONNX layout)."""
+    flat = values.reshape(-1).astype(np.uint8) & 0x0F
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def unpack_int4(packed: np.ndarray, n: int, signed: bool) -> np.ndarray:
+    out = np.empty(packed.size * 2, dtype=np.int8 if signed else np.uint8)
+    if signed:
+        p = packed.view(np.int8)
+        out[0::2] = np.left_shift(p, 4) >> 4  # arithmetic shift sign-extends the low nibble
+        out[1::2] = p >> 4
+    else:
+        out[0::2] = packed & 0x0F
+        out[1::2] = packed >> 4
+    return out[:n]
+
+
+# ---------------------------------------------------------------------------------------------
+# walking graphs
+
+
+@dataclass
+class GraphInfo:
+    graph: onnx.GraphProto
+    key: int  # index in walk order; 0 is the main graph
+    location: str  # "" for the main graph, else "subgraph <node>/<attr>"
+    parent: int | None
+
+
+def iter_graphs(model: onnx.ModelProto) -> list[GraphInfo]:
+    """The main graph and every subgraph below it, parents before children, in a fixed order."""
+    out: list[GraphInfo] = []
+
+    def walk(g: onnx.GraphProto, location: str, parent: int | None) -> None:
+        info = GraphInfo(g, len(out), location, parent)
+        out.append(info)
+        for node in g.node:
+            for attr in node.attribute:
+                subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+                for i, sg in enumerate(subs):
+                    suffix = attr.name if len(subs) == 1 else f"{attr.name}[{i}]"
+                    walk(sg, f"subgraph {node.name or node.op_type}/{suffix}", info.key)
+
+    walk(model.graph, "", None)
+    return out
+
+
+def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def all_names(model: onnx.ModelProto) -> set[str]:
+    """Every tensor and node name used anywhere, to keep new names unique."""
+    names: set[str] = set()
+    for info in iter_graphs(model):
+        g = info.graph
+        names.update(v.name for v in itertools.chain(g.input, g.output, g.value_info))
+        names.update(t.name for t in g.initializer)
+        names.update(t.values.name for t in g.sparse_initializer)
+        for node in g.node:
+            names.update(node.output)
+            names.update(node.input)
+            if node.name:
+                names.add(node.name)
+    return names
+
+
+class NameAllocator:
+    """Hands out names not yet used in the model: the wished name, else name_1, name_2, ..."""
+
+    def __init__(self, used: set[str]):
+        self.used = set(used)
+
+    def take(self, wish: str) -> str:
+        name, i = wish, 0
+        while name in self.used:
+            i += 1
+            name = f"{wish}_{i}"
+        self.used.add(name)
+        return name
+
+
+# ---------------------------------------------------------------------------------------------
+# weights and their consumers
+
+
+@dataclass
+class Use:
+    node: onnx.NodeProto
+    index: int  # input index of the weight in `node`
+    graph_key: int
+
+
+@dataclass
+class Weight:
+    name: str
+    tensor: TensorProto
+    graph_key: int  # graph that defines the weight
+    location: str  # "initializer", "Constant node", or "subgraph ...: initializer|Constant node"
+    node: onnx.NodeProto | None = None  # the Constant node, when the weight lives in one
+    attr: str = "value"  # Constant attribute holding it: value, value_float, value_floats
+    uses: list[Use] = field(default_factory=list)
+    graph_output: bool = False  # the name is also an output of its graph
+    graph_input: bool = False  # the name is also a graph input (an overridable initializer)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(int(d) for d in self.tensor.dims)
+
+
+def _constant_tensor(node: onnx.NodeProto) -> tuple[TensorProto, str] | None:
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            return attr.t, "value"
+        if attr.name == "value_float":
+            t = onnx.helper.make_tensor(node.output[0], TensorProto.FLOAT, [], [attr.f])
+            return t, "value_float"
+        if attr.name == "value_floats":
+            t = onnx.helper.make_tensor(node.output[0], TensorProto.FLOAT, [len(attr.floats)], list(attr.floats))
+            return t, "value_floats"
+    return None
+
+
+def find_weights(model: onnx.ModelProto) -> tuple[list[Weight], list[GraphInfo]]:
+    """Every constant tensor (initializers and Constant nodes, all graphs) with its consumers,
+    and the graphs in the order of `iter_graphs` (parents before children).
+
+    Names are resolved with ONNX scoping: a subgraph sees the names of the graphs enclosing it
+    (defined before its node) unless it defines the same name itself.
+    """
+    graphs: list[GraphInfo] = []
+    weights: list[Weight] = []
+    by_scope: dict[tuple[int, str], Weight] = {}
+
+    def walk(g: onnx.GraphProto, location: str, parent: int | None, scope: dict[str, int]) -> None:
+        info = GraphInfo(g, len(graphs), location, parent)
+        graphs.append(info)
+        prefix = f"{location}: " if location else ""
+        local = dict(scope)
+        for v in g.input:
+            local[v.name] = info.key
+        inputs = {v.name for v in g.input}
+        outputs = {v.name for v in g.output}
+        for t in g.initializer:
+            local[t.name] = info.key
+            w = Weight(t.name, t, info.key, prefix + "initializer", graph_input=t.name in inputs)
+            weights.append(w)
+            by_scope[(info.key, t.name)] = w
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                owner = local.get(name)
+                if name and owner is not None and (owner, name) in by_scope:
+                    by_scope[(owner, name)].uses.append(Use(node, i, info.key))
+            for attr in node.attribute:
+                subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+                for i, sg in enumerate(subs):
+                    suffix = attr.name if len(subs) == 1 else f"{attr.name}[{i}]"
+                    walk(sg, f"subgraph {node.name or node.op_type}/{suffix}", info.key, local)
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+                found = _constant_tensor(node)
+                if found is not None:
+                    t, attr_name = found
+                    w = Weight(node.output[0], t, info.key, prefix + "Constant node", node=node, attr=attr_name)
+                    weights.append(w)
+                    by_scope[(info.key, node.output[0])] = w
+            for name in node.output:
+                local[name] = info.key
+        for name in outputs:
+            owner = local.get(name)
+            if owner is not None and (owner, name) in by_scope:
+                by_scope[(owner, name)].graph_output = True
+
+    walk(model.graph, "", None, {})
+    return weights, graphs
+
+
+def consumers_index(weights_graphs: list[GraphInfo]):
+    """A function (name, graph_key) -> Uses of a node output, for following Identity/Transpose."""
+    uses: dict[tuple[int, str], list[Use]] = {}
+    producers: dict[str, int] = {}
+    for info in weights_graphs:
+        for node in info.graph.node:
+            for i, name in enumerate(node.input):
+                if name:
+                    uses.setdefault((info.key, name), []).append(Use(node, i, info.key))
+
+    def consumers_of(name: str, graph_key: int) -> list[Use]:
+        # intermediate tensors of pass-through ops are read in the same graph in practice
+        return uses.get((graph_key, name), [])
+
+    return consumers_of
+
+
+# ---------------------------------------------------------------------------------------------
+# which axis matters for a consumer
+
+# Ops that only move or retype a tensor: the weight's axes reach the next consumer unchanged.
+_PASS_THROUGH = {"Identity", "Cast", "CastLike"}
+# (op, input index) -> which axis of that input holds output channels / the reduction
+_RECURRENT = {"LSTM", "GRU", "RNN"}
+
+
+@dataclass
+class AxisChoice:
+    channel: int | None  # axis whose slices get their own scale (output channels / rows)
+    reduce: int | None  # axis along which blocks run (the dot-product axis), when known
+    why: str  # consumer description for the report
+
+
+def _axis_for_use(op: str, index: int, node: onnx.NodeProto, ndim: int) -> AxisChoice | None:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if op == "Conv" and index == 1:
+        return AxisChoice(0, 1 if ndim > 1 else None, "Conv")
+    if op == "ConvTranspose" and index == 1:
+        return AxisChoice(1 if ndim > 1 else 0, 0, "ConvTranspose")
+    if op == "MatMul" and ndim >= 2:
+        if index == 1:
+            return AxisChoice(ndim - 1, ndim - 2, "MatMul")
+        return AxisChoice(ndim - 2, ndim - 1, "MatMul(A)")
+    if op == "Gemm" and ndim == 2:
+        if index == 1:
+            return (AxisChoice(0, 1, "Gemm(transB=1)") if attrs.get("transB", 0)
+                    else AxisChoice(1, 0, "Gemm(transB=0)"))
+        if index == 0:
+            return (AxisChoice(1, 0, "Gemm(A, transA=1)") if attrs.get("transA", 0)
+                    else AxisChoice(0, 1, "Gemm(A)"))
+    if op == "Gather" and index == 0:
+        axis = int(attrs.get("axis", 0)) % max(ndim, 1)
+        other = None if ndim < 2 else (ndim - 1 if axis != ndim - 1 else 0)
+        return AxisChoice(axis, other, "Gather")
+    if op in _RECURRENT and index in (1, 2) and ndim == 3:
+        return AxisChoice(1, 2, op)  # [directions, gates*hidden, input]: gate rows
+    return None
+
+
+def choose_axis(weight: Weight, consumers_of) -> AxisChoice:
+    """The axis each consumer wants; when consumers disagree or are unknown, channel=None.
+
+    `consumers_of(name, graph_key)` lists Uses of an intermediate tensor, so that a weight reaching
+    its consumer through Identity / Cast / Transpose still gets the consumer's axis.
+    """
+    ndim = len(weight.shape)
+    choices: list[AxisChoice | None] = []
+
+    def follow(uses: list[Use], perm: list[int], depth: int) -> None:
+        for use in uses:
+            op = use.node.op_type if use.node.domain in ("", "ai.onnx") else None
+            if op in _PASS_THROUGH and use.index == 0 and depth < 4:
+                follow(consumers_of(use.node.output[0], use.graph_key), perm, depth + 1)
+                continue
+            if op == "Transpose" and depth < 4:
+                p = None
+                for a in use.node.attribute:
+                    if a.name == "perm":
+                        p = list(a.ints)
+                p = p if p is not None else list(range(ndim))[::-1]
+                if len(p) == ndim:
+                    # axis j of the output is axis p[j] of the input
+                    follow(consumers_of(use.node.output[0], use.graph_key), [perm[k] for k in p], depth + 1)
+                    continue
+            c = _axis_for_use(op, use.index, use.node, ndim) if op else None
+            if c is None:
+                choices.append(None)
+            else:
+                choices.append(AxisChoice(
+                    perm[c.channel] if c.channel is not None else None,
+                    perm[c.reduce] if c.reduce is not None else None, c.why))
+
+    follow(weight.uses, list(range(ndim)), 0)
+    known = [c for c in choices if c is not None]
+    if not known or len(known) != len(choices):
+        return AxisChoice(None, None, "other consumers" if choices else "no consumer")
+    first = known[0]
+    if all(c.channel == first.channel and c.reduce == first.reduce for c in known):
+        return first
+    return AxisChoice(None, None, "consumers disagree")
+
+
+# ---------------------------------------------------------------------------------------------
+# graph order
+
+
+def toposort(model: onnx.ModelProto) -> bool:
+    """Sort the nodes of every graph topologically, keeping the given order where it is valid.
+
+    Returns True when some graph was reordered. A subgraph's reads from enclosing scopes count as
+    inputs of the node that owns the subgraph.
+    """
+    changed = False
+
+    def outer_reads(g: onnx.GraphProto) -> set[str]:
+        defined = {v.name for v in g.input} | {t.name for t in g.initializer}
+        reads: set[str] = set()
+        for node in g.node:
+            for sg in node_subgraphs(node):
+                reads |= outer_reads(sg) - defined
+            reads.update(n for n in node.input if n and n not in defined)
+            defined.update(node.output)
+        return reads
+
+    def sort(g: onnx.GraphProto, outer: set[str]) -> None:
+        nonlocal changed
+        available = set(outer) | {v.name for v in g.input} | {t.name for t in g.initializer} | {""}
+        nodes = list(g.node)
+        needs = []
+        for node in nodes:
+            req = set(node.input)
+            for sg in node_subgraphs(node):
+                req |= outer_reads(sg)
+            needs.append(req)
+        producers: dict[str, int] = {}
+        for i, node in enumerate(nodes):
+            for o in node.output:
+                producers.setdefault(o, i)
+        order: list[int] = []
+        done = [False] * len(nodes)
+        # repeated stable passes: cheap when already sorted (one pass), correct otherwise
+        pending = list(range(len(nodes)))
+        while pending:
+            rest = []
+            for i in pending:
+                if all(n in available or n not in producers for n in needs[i]):
+                    order.append(i)
+                    done[i] = True
+                    available.update(nodes[i].output)
+                else:
+                    rest.append(i)
+            if len(rest) == len(pending):
+                raise InvalidModelError(f"graph {g.name!r} has a cycle or reads a tensor nobody produces")
+            pending = rest
+        if order != list(range(len(nodes))):
+            changed = True
+            reordered = [nodes[i] for i in order]
+            copies = [onnx.NodeProto() for _ in reordered]
+            for c, n in zip(copies, reordered):
+                c.CopyFrom(n)
+            del g.node[:]
+            g.node.extend(copies)
+        scope = set(outer) | {v.name for v in g.input} | {t.name for t in g.initializer}
+        for node in g.node:
+            for sg in node_subgraphs(node):
+                sort(sg, scope)
+            scope.update(node.output)
+
+    sort(model.graph, set())
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------
+# opset
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for op in model.opset_import:
+        if op.domain in ("", "ai.onnx"):
+            return int(op.version)
+    return 0
+
+
+def _ops_used(model: onnx.ModelProto) -> set[str]:
+    ops = set()
+    for info in iter_graphs(model):
+        for node in info.graph.node:
+            if node.domain in ("", "ai.onnx"):
+                ops.add(node.op_type)
+    return ops
+
+
+def _unchanged_between(model: onnx.ModelProto, old: int, new: int) -> bool:
+    """True when no default-domain op of the model got a new version in (old, new]."""
+    for op in _ops_used(model):
+        try:
+            since = onnx.defs.get_schema(op, new, "").since_version
+        except onnx.defs.SchemaError:
+            return False
+        if since > old:
+            return False
+    return True
+
+
+_STASH = "surgeon-stash"
+
+
+def raise_opset(model: onnx.ModelProto, target: int) -> tuple[onnx.ModelProto, str]:
+    """`model` with its default-domain opset raised to `target` (a new model) and how it was done.
+
+    onnx.version_converter adapts the nodes; it runs on a skeleton whose large tensor payloads are
+    stashed (it serialises the model, which would fail over 2 GB and costs memory), and its result
+    is checked. When the converter fails, the opset number is bumped only if no op used by the
+    model changed between the two versions; otherwise UnsupportedFormError says why.
+    """
+    from onnx.external_data_helper import _get_all_tensors
+
+    old = default_opset(model)
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)
+    stash: list[bytes] = []
+    for t in _get_all_tensors(skeleton):
+        if t.HasField("raw_data") and len(t.raw_data) > 1024:
+            stash.append(t.raw_data)
+            t.ClearField("raw_data")
+            t.data_location = TensorProto.EXTERNAL
+            e = t.external_data.add()
+            e.key, e.value = "location", f"{_STASH}-{len(stash) - 1}"
+    how = f"opset raised from {old} to {target} (onnx.version_converter)"
+    try:
+        converted = onnx.version_converter.convert_version(skeleton, target)
+    except Exception as exc:  # the converter raises plain RuntimeError/ValueError with C++ text
+        if not _unchanged_between(model, old, target):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsupportedFormError(
+                f"the chosen weight form needs opset {target} but the model uses opset {old} and "
+                f"onnx.version_converter cannot convert it ({first})"
+            ) from None
+        converted = skeleton
+        for op in converted.opset_import:
+            if op.domain in ("", "ai.onnx"):
+                op.version = target
+        how = f"opset raised from {old} to {target} (no op of the model changed between those versions)"
+    for t in _get_all_tensors(converted):
+        if t.data_location == TensorProto.EXTERNAL:
+            loc = {e.key: e.value for e in t.external_data}.get("location", "")
+            if loc.startswith(_STASH + "-"):
+                t.raw_data = stash[int(loc.rsplit("-", 1)[1])]
+                del t.external_data[:]
+                t.data_location = TensorProto.DEFAULT
+    need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
+    if converted.ir_version < need_ir:
+        converted.ir_version = need_ir
+    return converted, how

@@ -1,0 +1,323 @@
+"""The quantize pass: float weights -> n-bit integer tensors + DequantizeLinear.
+
+Weight W (initializer or Constant node, main graph or subgraph) becomes
+    W_quantized  int8 / uint8 / int4 / uint4 levels      (initializer, or Constant node)
+    W_scale      scales in W's own float dtype            (same place as W)
+    W_zero_point only when asymmetric, same layout
+    DequantizeLinear(W_quantized, W_scale[, W_zero_point]) -> W
+so every consumer still reads W, and `fold_dequantize` restores the original structure.
+For initializers the DequantizeLinear nodes go first in their graph (in weight order); for a
+Constant node they replace it at the same place.
+
+include / exclude: lists of patterns. A pattern that is the name of an op type (e.g. "MatMul",
+"Gather") matches weights consumed by that op; any other pattern is an fnmatch pattern on the
+weight's name ("*embeddings*"). `include` selects (and overrides the size rule: an included
+weight is quantized even when small or 1-D); `exclude` removes. Exclude wins over include.
+
+Axis rules (graph.choose_axis): Conv axis 0, ConvTranspose axis 1, MatMul B the last axis (A:
+the second last), Gemm by transA/transB, Gather its own axis (rows), LSTM/GRU/RNN W and R the gate
+axis 1; followed through Identity / Cast / Transpose. Other or disagreeing consumers get, with
+granularity="channel", the axis whose per-channel scales give the smallest squared error (any
+axis is a correct DequantizeLinear; the choice only affects accuracy), and blocks run along the
+last axis.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import forms, graph
+from ._fileio import load_model
+from .errors import InvalidArgumentError, UnsupportedFormError
+from .report import Report, TensorChange
+
+DEFAULT_MIN_ELEMENTS = 1024
+
+# Float inputs of these ops are quantization parameters or feed kernels that already work on
+# integers: they stay exact.
+_QUANTIZED_OPS = {
+    "DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger",
+    "QLinearConv", "QLinearMatMul", "DynamicQuantizeLSTM", "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat", "QAttention", "QGemm", "QLinearAdd", "QLinearMul", "MatMulNBits",
+    "QLinearSigmoid", "QLinearLeakyRelu", "QLinearConcat", "QLinearGlobalAveragePool",
+    "QLinearAveragePool", "QLinearSoftmax", "QLinearWhere", "QEmbedLayerNormalization",
+    "QOrderedMatMul", "GatherBlockQuantized",
+}
+# (op, input index) that are biases or per-step parameters better left exact
+_BIAS_INPUTS = {("LSTM", 3), ("GRU", 3), ("RNN", 3), ("Gemm", 2), ("Conv", 2), ("ConvTranspose", 2)}
+
+
+@dataclass
+class _Plan:
+    weight: graph.Weight
+    axis: int | None  # scale axis (per channel) or block axis
+    block_size: int
+    why: str
+
+
+def _check_args(bits, granularity, block_size, min_elements):
+    if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool) or not 2 <= bits <= 8:
+        raise InvalidArgumentError(f"bits must be an integer from 2 to 8, got {bits!r}")
+    if granularity not in ("tensor", "channel", "block"):
+        raise InvalidArgumentError(f"granularity must be 'tensor', 'channel' or 'block', got {granularity!r}")
+    if granularity == "block":
+        if block_size is None:
+            block_size = 32 if bits <= 4 else 128
+        if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 2:
+            raise InvalidArgumentError(f"block_size must be an integer >= 2, got {block_size!r}")
+    elif block_size is not None:
+        raise InvalidArgumentError("block_size is only used with granularity='block'")
+    if not isinstance(min_elements, (int, np.integer)) or min_elements < 0:
+        raise InvalidArgumentError(f"min_elements must be a non-negative integer, got {min_elements!r}")
+    return int(block_size or 0)
+
+
+def _patterns(value, what: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    try:
+        items = list(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a pattern or a list of patterns") from None
+    if not all(isinstance(p, str) and p for p in items):
+        raise InvalidArgumentError(f"{what} must hold non-empty strings")
+    return items
+
+
+def _op_types() -> set[str]:
+    return {s.name for s in onnx.defs.get_all_schemas_with_history()}
+
+
+def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
+    consumer_ops = {u.node.op_type for u in w.uses}
+    for p in patterns:
+        if p in ops or p in _QUANTIZED_OPS:
+            if p in consumer_ops:
+                return True
+        elif fnmatch.fnmatchcase(w.name, p):
+            return True
+    return False
+
+
+def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | None:
+    """Why `w` stays as it is, or None when it is to be quantized."""
+    t = w.tensor
+    if t.data_type not in graph.FLOAT_TYPES:
+        return "not float"
+    if exclude and _matches(w, exclude, ops):
+        return "excluded"
+    consumers = {u.node.op_type for u in w.uses}
+    quantized_ops = sorted(consumers & _QUANTIZED_OPS)
+    if quantized_ops:
+        return f"input of {quantized_ops[0]}"
+    if w.graph_input:
+        return "also a graph input (overridable)"
+    if not w.uses and not w.graph_output:
+        return "unused"
+    included = bool(include) and _matches(w, include, ops)
+    if include and not included:
+        return "not included"
+    shape = w.shape
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return "empty"
+    if not included:
+        if all((u.node.op_type, u.index) in _BIAS_INPUTS for u in w.uses) and w.uses:
+            return "bias"
+        if len(shape) < 2 or sum(d > 1 for d in shape) < 2:
+            return "1-D" if len(shape) else "scalar"
+        if n < min_elements:
+            return f"small (<{min_elements} elements)"
+    return None
+
+
+def _required_opset(dtype: int, bits: int, granularity: str) -> int:
+    if granularity == "block" or bits <= 4:
+        return 21  # block_size attribute, int4 / uint4
+    if dtype != TensorProto.FLOAT:
+        return 19  # float16 / bfloat16 scales
+    return 13  # axis attribute (per channel)
+
+
+def _best_axis(w32: np.ndarray, levels: forms.Levels) -> int:
+    """Axis whose per-channel max-abs scales give the smallest squared error (quick estimate)."""
+    best, best_err = 0, math.inf
+    for axis in range(w32.ndim):
+        if w32.shape[axis] == 1:
+            continue
+        qz = forms.quantize_linear(w32, levels, axis, 0, search=False)
+        deq = forms.dequantize_linear(qz.q, qz.scale, qz.zero_point, axis)
+        err = float(np.sum(np.square(deq - w32, dtype=np.float32), dtype=np.float64))
+        if err < best_err:
+            best, best_err = axis, err
+    return best
+
+
+def _scheme(levels: forms.Levels, bits: int, axis, block_size) -> str:
+    kind = levels.storage if bits in (4, 8) else f"{levels.storage}({bits}-bit)"
+    if axis is None:
+        gran = "tensor"
+    elif block_size:
+        gran = f"block(axis={axis},size={block_size})"
+    else:
+        gran = f"channel(axis={axis})"
+    return f"{kind}/{gran}/{'sym' if levels.symmetric else 'asym'}"
+
+
+def _snr_db(w: np.ndarray, deq: np.ndarray) -> float:
+    w64 = w.astype(np.float64)
+    noise = float(np.sum(np.square(deq.astype(np.float64) - w64)))
+    signal = float(np.sum(np.square(w64)))
+    if noise == 0:
+        return 200.0  # exact (capped so that reports stay plain JSON)
+    if signal == 0:
+        return -200.0
+    return round(10 * math.log10(signal / noise), 3)
+
+
+def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", block_size: int | None = None,
+                     symmetric: bool = True, min_elements: int = DEFAULT_MIN_ELEMENTS, include=None,
+                     exclude=None, report: Report | None = None, progress=None) -> onnx.ModelProto:
+    """A new model whose float weights are n-bit integers expanded by DequantizeLinear nodes.
+
+    See the module docstring for naming, include/exclude and axis rules. The input is never
+    modified; the same input and options give the same output bytes.
+    """
+    block = _check_args(bits, granularity, block_size, min_elements)
+    include_p = _patterns(include, "include")
+    exclude_p = _patterns(exclude, "exclude")
+    source = load_model(model)
+    levels = forms.Levels(int(bits), bool(symmetric))
+    ops = _op_types()
+    if report is not None:
+        report.pass_name = report.pass_name or "quantize_weights"
+
+    out = onnx.ModelProto()
+    out.CopyFrom(source)
+    if graph.toposort(out) and report is not None:
+        report.note("nodes sorted topologically (the input graph was not)")
+
+    weights, _ = graph.find_weights(out)
+    chosen = [w for w in weights if _keep_reason(w, include_p, exclude_p, ops, min_elements) is None]
+    need = max((_required_opset(w.tensor.data_type, bits, granularity) for w in chosen), default=0)
+    if chosen and graph.default_opset(out) < need:
+        if graph.default_opset(out) == 0:
+            raise UnsupportedFormError("the model imports no default-domain opset; cannot add DequantizeLinear")
+        out, how = graph.raise_opset(out, need)
+        if report is not None:
+            report.note(how)
+        weights, _ = graph.find_weights(out)
+    if chosen:
+        need_ir = 10 if (bits <= 4 or granularity == "block") else 0
+        out.ir_version = max(out.ir_version, need_ir,
+                             helper.find_min_ir_version_for(list(out.opset_import), True))
+
+    weights, graphs = graph.find_weights(out)
+    consumers_of = graph.consumers_index(graphs)
+    names = graph.NameAllocator(graph.all_names(out))
+    total = len(weights)
+    # per graph: initializer name -> replacement tensors; Constant output -> replacement nodes
+    new_inits: dict[int, dict[str, list[TensorProto]]] = {}
+    new_first_nodes: dict[int, list[onnx.NodeProto]] = {}
+    const_nodes: dict[int, dict[str, list[onnx.NodeProto]]] = {}
+
+    for i, w in enumerate(weights):
+        reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
+        if reason == "not float":
+            if progress:
+                progress(i + 1, total)
+            continue
+        dtype = graph.FLOAT_TYPES[w.tensor.data_type]
+        nbytes = int(np.prod(w.shape, dtype=np.int64)) * dtype.itemsize
+        if reason is None:
+            arr = graph.tensor_to_array(w.tensor)
+            if not np.all(np.isfinite(arr.astype(np.float32))):
+                reason = "non-finite values"
+        if reason is not None:
+            if report is not None:
+                report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type), f"kept: {reason}",
+                                        nbytes, nbytes, None, w.location))
+            if progress:
+                progress(i + 1, total)
+            continue
+
+        choice = graph.choose_axis(w, consumers_of)
+        ndim = arr.ndim
+        if granularity == "tensor" or ndim == 0:
+            axis, blk = None, 0
+        elif granularity == "channel":
+            axis = choice.channel if choice.channel is not None else _best_axis(arr.astype(np.float32), levels)
+            blk = 0
+        else:
+            axis = choice.reduce if choice.reduce is not None else ndim - 1
+            blk = block
+        qz = forms.quantize_linear(arr, levels, axis, blk)
+        deq = forms.dequantize_linear(qz.q, qz.scale, qz.zero_point, axis if axis is not None else 1, blk)
+
+        storage = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8,
+                   "int4": TensorProto.INT4, "uint4": TensorProto.UINT4}[levels.storage]
+        q_name = names.take(w.name + "_quantized")
+        s_name = names.take(w.name + "_scale")
+        z_name = names.take(w.name + "_zero_point") if qz.zero_point is not None else None
+        tensors = [graph.array_to_tensor(qz.q, q_name, storage),
+                   graph.array_to_tensor(qz.scale, s_name, w.tensor.data_type)]
+        if z_name:
+            tensors.append(graph.array_to_tensor(qz.zero_point, z_name, storage))
+        attrs = {}
+        if axis is not None:
+            attrs["axis"] = int(axis)
+        if blk:
+            attrs["block_size"] = int(blk)
+        dq = helper.make_node("DequantizeLinear", [t.name for t in tensors], [w.name],
+                              name=names.take(w.name + "_DequantizeLinear"), **attrs)
+        if w.node is None:
+            new_inits.setdefault(w.graph_key, {})[w.name] = tensors
+            new_first_nodes.setdefault(w.graph_key, []).append(dq)
+        else:
+            repl = [helper.make_node("Constant", [], [t.name], name=names.take(t.name + "_Constant"), value=t)
+                    for t in tensors]
+            const_nodes.setdefault(w.graph_key, {})[w.name] = repl + [dq]
+        if report is not None:
+            after = sum(len(t.raw_data) for t in tensors)
+            report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type),
+                                    _scheme(levels, bits, axis, blk), nbytes, after, _snr_db(arr, deq), w.location))
+        if progress:
+            progress(i + 1, total)
+
+    # children before parents: rewriting a parent copies its nodes, subgraphs included
+    for info in reversed(graphs):
+        k = info.key
+        if k not in new_inits and k not in const_nodes:
+            continue
+        g = info.graph
+        if k in new_inits:
+            repl = new_inits[k]
+            kept = []
+            for t in g.initializer:
+                if t.name in repl:
+                    kept.extend(repl[t.name])
+                else:
+                    c = TensorProto()
+                    c.CopyFrom(t)
+                    kept.append(c)
+            del g.initializer[:]
+            g.initializer.extend(kept)
+        nodes = list(new_first_nodes.get(k, []))
+        cmap = const_nodes.get(k, {})
+        for node in g.node:
+            if node.op_type == "Constant" and node.output and node.output[0] in cmap:
+                nodes.extend(cmap[node.output[0]])
+            else:
+                c = onnx.NodeProto()
+                c.CopyFrom(node)
+                nodes.append(c)
+        del g.node[:]
+        g.node.extend(nodes)
+    return out
