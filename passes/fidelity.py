@@ -52,10 +52,11 @@ def load_feeds(path, model=None) -> list[Feed]:
     feeds) or plain "NAME" (one feed). With `model`, the names are checked against its inputs."""
     p = check_readable(path)
     try:
-        with np.load(p, allow_pickle=False) as z:
-            if not hasattr(z, "files"):
-                raise InvalidArgumentError(f"{p}: feeds must be an .npz archive of arrays, not a single .npy array")
-            arrays = {key: z[key] for key in z.files}
+        archive = np.load(p, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise InvalidArgumentError(f"{p}: feeds must be an .npz archive of arrays, not a single .npy array")
+        with archive:
+            arrays = {key: archive[key] for key in archive.files}
     except SurgeonError:
         raise
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
@@ -527,7 +528,7 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
 # --------------------------------------------------------------------------------------------
 # requirements: "cosine>=0.999", "top1>=0.99", "maxabs<=0.01", "snr>=30"
 
-_REQUIREMENT = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([^\s]+)\s*$")
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([^\s<>=]+)\s*$")
 _OPS = {
     ">=": lambda a, b: a >= b, ">": lambda a, b: a > b,
     "<=": lambda a, b: a <= b, "<": lambda a, b: a < b,

@@ -1,0 +1,349 @@
+"""passes.fidelity: feeds, onnxruntime runs, metrics, requirement expressions and the gate."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes import fidelity as F
+from passes.errors import FidelityError, FileAccessError, InvalidArgumentError, InvalidModelError
+
+
+def linear_model(weight: np.ndarray, batch="batch") -> onnx.ModelProto:
+    """y = x @ W, x [batch, K] float32 -> y [batch, N]."""
+    k, n = weight.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, n])],
+        [numpy_helper.from_array(weight.astype(np.float32), "W")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture
+def weight():
+    return np.random.default_rng(1).standard_normal((8, 5)).astype(np.float32)
+
+
+@pytest.fixture
+def model(weight):
+    return linear_model(weight)
+
+
+# ------------------------------------------------------------------------------ load_feeds
+
+
+def test_load_feeds_indexed_keys_give_one_feed_per_index(tmp_path):
+    path = tmp_path / "f.npz"
+    a0, a1, a10 = np.zeros((1, 8), np.float32), np.ones((2, 8), np.float32), np.full((3, 8), 2, np.float32)
+    np.savez(path, **{"0/x": a0, "1/x": a1, "10/x": a10, "1/y/z": np.arange(3)})
+    feeds = F.load_feeds(path)
+    assert len(feeds) == 3
+    assert [f["x"].shape for f in feeds] == [(1, 8), (2, 8), (3, 8)]  # numeric order, not "10" < "2"
+    assert set(feeds[1]) == {"x", "y/z"}  # an input name may contain "/"
+    np.testing.assert_array_equal(feeds[2]["x"], a10)
+
+
+def test_load_feeds_plain_keys_give_one_feed(tmp_path):
+    path = tmp_path / "f.npz"
+    np.savez(path, x=np.zeros((1, 8), np.float32))
+    feeds = F.load_feeds(path)
+    assert len(feeds) == 1 and feeds[0]["x"].shape == (1, 8)
+
+
+def test_load_feeds_checks_names_against_the_model(tmp_path, model):
+    path = tmp_path / "f.npz"
+    np.savez(path, **{"0/input": np.zeros((1, 8), np.float32)})
+    with pytest.raises(InvalidArgumentError, match=r"missing input\(s\) 'x'.*unknown input\(s\) 'input'"):
+        F.load_feeds(path, model)
+    np.savez(path, **{"0/x": np.zeros((1, 8), np.float32)})
+    assert len(F.load_feeds(path, model)) == 1
+
+
+def test_load_feeds_errors(tmp_path):
+    with pytest.raises(FileAccessError, match="no such file"):
+        F.load_feeds(tmp_path / "absent.npz")
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"this is not a zip archive")
+    with pytest.raises(InvalidArgumentError, match="not a readable .npz"):
+        F.load_feeds(garbage)
+    npy = tmp_path / "one.npy"
+    np.save(npy, np.zeros(3))
+    with pytest.raises(InvalidArgumentError, match="not a single .npy"):
+        F.load_feeds(npy)
+    mixed = tmp_path / "mixed.npz"
+    np.savez(mixed, **{"0/x": np.zeros(2), "x": np.zeros(2)})
+    with pytest.raises(InvalidArgumentError, match="mix"):
+        F.load_feeds(mixed)
+    empty = tmp_path / "empty.npz"
+    np.savez(empty)
+    with pytest.raises(InvalidArgumentError, match="no arrays"):
+        F.load_feeds(empty)
+    pickled = tmp_path / "pickled.npz"
+    np.savez(pickled, x=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(InvalidArgumentError):
+        F.load_feeds(pickled)  # never unpickled: allow_pickle=False
+    with pytest.raises(FileAccessError, match="folder"):
+        F.load_feeds(tmp_path)
+
+
+# ------------------------------------------------------------------------------ synthesize_feeds
+
+
+def test_synthesize_feeds_follow_input_specs_and_seed():
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["ids"], ["o1"]), helper.make_node("Identity", ["attention_mask"], ["o2"]),
+         helper.make_node("Identity", ["flag"], ["o3"]), helper.make_node("Identity", ["pix"], ["o4"])],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]),
+         helper.make_tensor_value_info("flag", TensorProto.BOOL, [3]),
+         helper.make_tensor_value_info("pix", TensorProto.FLOAT16, [None, 3, None, 7])],
+        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in ("o1", "o2", "o3", "o4")],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = F.synthesize_feeds(m, n=3, seed=5)
+    assert len(feeds) == 3
+    f = feeds[0]
+    assert f["ids"].dtype == np.int64 and f["ids"].shape == (F.DEFAULT_BATCH, F.DEFAULT_DIM)
+    assert f["ids"].min() >= 0 and f["ids"].max() < F.INT_TOKEN_RANGE  # valid token ids
+    assert f["attention_mask"].shape == f["ids"].shape and np.all(f["attention_mask"] == 1)  # named dims agree
+    assert f["flag"].dtype == np.bool_ and f["flag"].shape == (3,)
+    assert f["pix"].dtype == np.float16 and f["pix"].shape == (1, 3, F.DEFAULT_DIM, 7)
+    again = F.synthesize_feeds(m, n=3, seed=5)
+    for a, b in zip(feeds, again):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    other = F.synthesize_feeds(m, n=1, seed=6)
+    assert not np.array_equal(other[0]["pix"], feeds[0]["pix"])
+
+
+def test_synthesize_feeds_refuses_string_inputs():
+    graph = helper.make_graph([helper.make_node("Identity", ["s"], ["o"])], "g",
+                              [helper.make_tensor_value_info("s", TensorProto.STRING, [1])],
+                              [helper.make_tensor_value_info("o", TensorProto.STRING, [1])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(InvalidArgumentError, match="cannot synthesise input 's'"):
+        F.synthesize_feeds(m)
+    with pytest.raises(InvalidArgumentError):
+        F.synthesize_feeds(m, n=0)
+
+
+# ------------------------------------------------------------------------------ run_outputs
+
+
+def test_run_outputs_from_proto_and_path_agree(tmp_path, model, weight):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    from_proto = F.run_outputs(model, [{"x": x}])
+    from_path = F.run_outputs(str(path), [{"x": x}])
+    np.testing.assert_allclose(from_proto[0][0], x @ weight, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(from_proto[0][0], from_path[0][0])
+
+
+def test_run_outputs_conforms_or_refuses_dtypes(model):
+    x64 = np.ones((1, 8), np.float64)  # np.savez of a Python float array: float64
+    out = F.run_outputs(model, [{"x": x64}])
+    assert out[0][0].shape == (1, 5)
+    with pytest.raises(InvalidArgumentError, match="is int64 but the model expects float32"):
+        F.run_outputs(model, [{"x": np.ones((1, 8), np.int64)}])
+    with pytest.raises(InvalidArgumentError, match="dimension"):
+        F.run_outputs(model, [{"x": np.ones(8, np.float32)}])
+    with pytest.raises(InvalidArgumentError, match="missing input"):
+        F.run_outputs(model, [{}])
+    with pytest.raises(InvalidArgumentError, match="unknown input"):
+        F.run_outputs(model, [{"x": np.ones((1, 8), np.float32), "extra": np.ones(1)}])
+
+
+def test_run_outputs_wraps_onnxruntime_failures(model, tmp_path):
+    with pytest.raises(InvalidModelError, match="onnxruntime failed on feed 0"):
+        F.run_outputs(model, [{"x": np.ones((1, 7), np.float32)}])  # K=7 does not match W
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    broken.graph.node[0].op_type = "NoSuchOp"
+    with pytest.raises(InvalidModelError, match="onnxruntime cannot load"):
+        F.run_outputs(broken, [{"x": np.ones((1, 8), np.float32)}])
+
+
+def test_provider_names():
+    assert F.resolve_providers(None) == ["CPUExecutionProvider"]
+    assert F.resolve_providers("cpu") == ["CPUExecutionProvider"]
+    with pytest.raises(InvalidArgumentError, match="unknown provider"):
+        F.resolve_providers("tpu")
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def test_cosine_per_feed_values():
+    ref = [[np.array([1.0, 0.0])], [np.array([1.0, 1.0])], [np.zeros(2)], [np.ones(3)]]
+    cand = [[np.array([0.0, 1.0])], [np.array([2.0, 2.0])], [np.zeros(2)], [np.ones(2)]]
+    np.testing.assert_allclose(F.cosine_per_feed(ref, cand), [0.0, 1.0, 1.0, 0.0])  # shape change: 0
+
+
+def test_top1_agreement_counts_positions_and_shape_changes():
+    a = np.array([[[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]])  # 3 positions
+    b = np.array([[[0.7, 0.3], [0.9, 0.1], [0.6, 0.4]]])  # position 1 flips
+    assert F.top1_agreement([[a]], [[b]]) == pytest.approx(2 / 3)
+    assert F.top1_agreement([[a], [a]], [[a], [a[:, :2]]]) == pytest.approx(3 / 6)
+    assert F.top1_agreement([[np.float32(1.0)]], [[np.float32(1.0)]]) is None
+
+
+def test_ctc_strings_greedy_collapse():
+    classes = np.array([0, 3, 3, 0, 3, 5, 5, 0, 0, 2])  # blank 0: "3 3 5 2"
+    y = np.eye(6)[classes]  # [T, C]
+    y = y[:, None, :]  # [T, 1, C] as ddddocr: time axis 0, class axis 2
+    assert F.ctc_strings(y, time_axis=0, class_axis=2, blank=0) == [(3, 3, 5, 2)]
+    assert F.ctc_strings(y, time_axis=0, class_axis=2, blank=3) == [(0, 0, 5, 0, 2)]
+    batch = np.stack([np.eye(6)[classes], np.eye(6)[classes[::-1]]])  # [B, T, C]
+    assert F.ctc_strings(batch, time_axis=1, class_axis=2) == [(3, 3, 5, 2), (2, 5, 3, 3)]
+    with pytest.raises(InvalidArgumentError):
+        F.ctc_strings(y, time_axis=2, class_axis=2)
+
+
+def test_ctc_agreement_per_row():
+    classes = np.array([1, 1, 0, 2])
+    good = np.eye(3)[classes][None]  # [1, T, C]
+    other = np.eye(3)[np.array([1, 0, 1, 2])][None]  # "1 1 2" vs "1 2"
+    assert F.ctc_agreement([[good]], [[good]], time_axis=1, class_axis=2) == 1.0
+    assert F.ctc_agreement([[good], [good]], [[good], [other]], time_axis=1, class_axis=2) == 0.5
+
+
+def test_maxabs_and_snr():
+    ref = [[np.array([1.0, 2.0]), np.array([3.0])]]
+    cand = [[np.array([1.0, 2.5]), np.array([2.9])]]
+    assert F.max_abs_difference(ref, cand) == pytest.approx(0.5)
+    expected = 10 * math.log10((1 + 4 + 9) / (0.25 + 0.01))
+    assert F.output_snr_db(ref, cand) == pytest.approx(expected)
+    assert F.output_snr_db(ref, ref) == math.inf
+    assert F.max_abs_difference(ref, [[np.array([1.0]), np.array([3.0])]]) == math.inf
+    assert math.isnan(F.output_snr_db(ref, [[np.array([np.nan, 2.0]), np.array([3.0])]]))
+
+
+def test_compute_metrics_needs_axes_for_ctc():
+    out = [[np.ones((2, 1, 3))]]
+    with pytest.raises(InvalidArgumentError, match="time_axis"):
+        F.compute_metrics(out, out, metric="ctc")
+    m = F.compute_metrics(out, out, metric="ctc", metric_args={"time_axis": 0, "class_axis": 2, "blank": 0})
+    assert m["ctc"] == 1.0 and m["cosine"] == pytest.approx(1.0) and m["maxabs"] == 0.0
+
+
+# ------------------------------------------------------------------------------ evaluate
+
+
+def test_evaluate_identical_and_perturbed(model, weight, tmp_path):
+    feeds = [{"x": np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32)} for i in range(3)]
+    same = F.evaluate(model, model, feeds=feeds, metric="top1")
+    assert same.n_feeds == 3 and not same.synthesized
+    assert same.metrics["cosine"] == pytest.approx(1.0) and same.metrics["top1"] == 1.0
+    assert same.metrics["maxabs"] == 0.0 and same.metrics["snr"] == math.inf
+    assert same.to_dict()["metrics"]["snr"] == "inf"  # JSON has no Infinity
+
+    noisy = linear_model(weight + 0.05 * np.random.default_rng(9).standard_normal(weight.shape).astype(np.float32))
+    path = tmp_path / "noisy.onnx"
+    path.write_bytes(noisy.SerializeToString())
+    result = F.evaluate(model, str(path), feeds=feeds)
+    assert 0.9 < result.metrics["cosine"] < 1.0
+    assert result.metrics["cosine_min"] <= result.metrics["cosine"]
+    assert 0 < result.metrics["maxabs"] < 1
+    assert 10 < result.metrics["snr"] < 60
+    assert "3 feeds" in result.summary()
+
+
+def test_evaluate_synthesises_feeds_and_says_so(model):
+    result = F.evaluate(model, model)
+    assert result.synthesized and result.n_feeds == 4
+    assert result.notes and "synthesised" in result.notes[0]
+    assert "synthesised" in result.summary()
+
+
+def test_evaluate_with_feeds_file_checks_names(model, tmp_path):
+    path = tmp_path / "f.npz"
+    np.savez(path, **{"0/wrong": np.zeros((1, 8), np.float32)})
+    with pytest.raises(InvalidArgumentError, match="does not match the model"):
+        F.evaluate(model, model, feeds=str(path))
+    with pytest.raises(InvalidArgumentError, match="unknown metric"):
+        F.evaluate(model, model, metric="accuracy")
+
+
+def test_evaluate_reports_progress(model):
+    calls = []
+    F.evaluate(model, model, feeds=[{"x": np.ones((1, 8), np.float32)}] * 2, progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_evaluate_float16_sample_against_float32(sample_model, sample_model_fp16, sample_feeds):
+    result = F.evaluate(str(sample_model), str(sample_model_fp16), feeds=str(sample_feeds), metric="top1")
+    assert result.n_feeds == 8 and not result.synthesized
+    assert result.metrics["top1"] == 1.0
+    assert 0.9999 < result.metrics["cosine_min"] <= 1.0 + 1e-12
+    assert 0 < result.metrics["maxabs"] < 0.01  # float16 compute: close, not identical
+
+
+# ------------------------------------------------------------------------------ requirements
+
+
+@pytest.mark.parametrize("text, metric, op, threshold", [
+    ("cosine>=0.999", "cosine", ">=", 0.999),
+    (" top1 >= 0.99 ", "top1", ">=", 0.99),
+    ("maxabs<=1e-3", "maxabs", "<=", 0.001),
+    ("snr>=30", "snr", ">=", 30.0),
+    ("snr>-5", "snr", ">", -5.0),
+    ("cosine_min>=0.99", "cosine_min", ">=", 0.99),
+    ("ctc>=0.98", "ctc", ">=", 0.98),
+    ("COSINE>=0.5", "cosine", ">=", 0.5),
+])
+def test_parse_requirement_accepts(text, metric, op, threshold):
+    req = F.parse_requirement(text)
+    assert (req.metric, req.op, req.threshold) == (metric, op, pytest.approx(threshold))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("cosine", "expected METRIC>=NUMBER"),
+    ("cosine=0.9", "expected METRIC>=NUMBER"),
+    ("cosine==0.9", "expected METRIC>=NUMBER"),
+    ("cosine>=", "expected METRIC>=NUMBER"),
+    ("accuracy>=0.9", "unknown metric 'accuracy'"),
+    ("cosine>=abc", "is not a number"),
+    ("cosine>=inf", "finite"),
+    ("cosine<=0.9", "backwards"),
+    ("maxabs>=0.1", "backwards"),
+    ("top1>=1.5", r"lies in \[0, 1\]"),
+    ("maxabs<=-1", "lies in"),
+    ("cosine>=0.9 top1>=0.9", "expected METRIC>=NUMBER"),
+])
+def test_parse_requirement_rejects(text, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        F.parse_requirement(text)
+
+
+def test_parse_requirements_splits_commas_and_lists():
+    reqs = F.parse_requirements("cosine>=0.999, top1>=0.99")
+    assert [str(r) for r in reqs] == ["cosine>=0.999", "top1>=0.99"]
+    assert [str(r) for r in F.parse_requirements(["snr>=30", "maxabs<=0.1,top1>=0.5"])] == ["snr>=30", "maxabs<=0.1", "top1>=0.5"]
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        F.parse_requirements(" , ")
+    assert passes.parse_requirement("top1>=0.9") == F.Requirement("top1", ">=", 0.9)
+
+
+def test_requirement_check_and_enforce():
+    result = F.FidelityResult(metrics={"cosine": 0.9985, "cosine_min": 0.99, "top1": 1.0, "maxabs": 0.02,
+                                       "snr": math.nan}, n_feeds=3, synthesized=False)
+    assert F.parse_requirement("top1>=0.99").check(result)
+    assert not F.parse_requirement("cosine>=0.999").check(result)
+    assert F.parse_requirement("maxabs<=0.05").check(result)
+    assert not F.parse_requirement("maxabs<0.02").check(result)
+    assert not F.parse_requirement("snr>=-100").check(result)  # NaN never passes
+    F.enforce(result, F.parse_requirements("top1>=0.99,maxabs<=0.05"))
+    with pytest.raises(FidelityError, match=r"cosine 0.9985 \(required >=0.999\)") as err:
+        F.enforce(result, F.parse_requirements("top1>=0.99,cosine>=0.999"))
+    assert "top1" not in str(err.value)
+    with pytest.raises(InvalidArgumentError, match="not computed"):
+        F.parse_requirement("ctc>=0.9").check(result)
