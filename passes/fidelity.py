@@ -546,7 +546,7 @@ class Requirement:
     threshold: float
 
     def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.threshold:g}"
+        return f"{self.metric}{self.op}{self.threshold:.15g}"
 
     def value(self, result: FidelityResult) -> float:
         if self.metric not in result.metrics:
@@ -562,7 +562,7 @@ class Requirement:
     def describe(self, result: FidelityResult) -> str:
         value = self.value(result)
         verdict = "ok" if self.check(result) else "FAILED"
-        return f"{self.metric} {value:.6g} (required {self.op}{self.threshold:g}): {verdict}"
+        return f"{self.metric} {value:.6g} (required {self.op}{self.threshold:.15g}): {verdict}"
 
 
 def parse_requirement(text: str) -> Requirement:
