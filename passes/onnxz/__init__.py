@@ -1,0 +1,17 @@
+"""The lossless stage: `.onnxz`, an entropy-coded pack of any ONNX file, restored byte for byte.
+
+    stats = pack("model.onnx", "model.onnxz")     # the model and its external data files
+    unpack("model.onnxz", "restored.onnx")        # byte for byte (sha256 checked)
+    model = load("model.onnxz")                   # ModelProto, in memory
+    with open_packed("model.onnxz") as pm:        # lazy: decodes one tensor's chunks only
+        w = pm.get_tensor(pm.keys()[0])
+    verify("model.onnxz", against="model.onnx")
+
+The file format is FORMAT.md at the top of the repository. Damaged, truncated or foreign files
+raise CorruptFileError (NewerFormatError for newer formats), declared sizes beyond the limits
+LimitExceededError; nothing wrong is ever returned.
+"""
+from .reader import PackedModel, VerifyResult, load, open_packed, unpack, verify
+from .writer import PackStats, pack
+
+__all__ = ["pack", "unpack", "load", "open_packed", "verify", "PackStats", "PackedModel", "VerifyResult"]

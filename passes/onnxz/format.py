@@ -1,0 +1,301 @@
+"""The `.onnxz` container (FORMAT.md sections 1, 2, 4): header, index, and their validation.
+
+Nothing read from a file is trusted: `parse_index` checks every offset, size and count against the
+file and the caller's limits before anything is allocated, and turns the JSON into plain typed
+records the reader can use without further checks.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import List, Optional
+
+import zstandard as zstd
+
+from ..errors import CorruptFileError, LimitExceededError, NewerFormatError
+from .codecs import MAX_CHUNK_BYTES, check_params, plane_sizes
+
+MAGIC = b"ONNXZ\r\n\x1a"
+VERSION = (1, 0)
+HEADER_SIZE = 64
+_HEADER = struct.Struct("<8sHHIQQQQI8s")  # up to the header CRC
+assert _HEADER.size == 60
+
+MAX_INDEX_BYTES = 512 << 20  # JSON text
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 40  # restored bytes, all files together; callers may lower it
+_PAYLOAD_FIELDS = {"raw_data", "float_data", "double_data", "int32_data", "int64_data", "uint64_data", "external"}
+
+
+@dataclass
+class Header:
+    version: tuple
+    index_offset: int
+    index_length: int
+    index_raw_length: int
+    file_length: int
+    index_crc: int
+
+
+def pack_header(index_offset: int, index_length: int, index_raw_length: int, file_length: int, index_crc: int) -> bytes:
+    body = _HEADER.pack(MAGIC, VERSION[0], VERSION[1], 0, index_offset, index_length, index_raw_length,
+                        file_length, index_crc, b"\0" * 8)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def parse_header(data: bytes, real_size: int) -> Header:
+    if len(data) < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
+        raise CorruptFileError("not an .onnxz file (bad magic)")
+    if len(data) < HEADER_SIZE:
+        raise CorruptFileError("truncated .onnxz file (header incomplete)")
+    magic, major, minor, flags, ioff, ilen, iraw, flen, icrc, _ = _HEADER.unpack(data[:60])
+    (hcrc,) = struct.unpack("<I", data[60:64])
+    if zlib.crc32(data[:60]) != hcrc:
+        # a newer major version may change the header layout; still say so when the version says so
+        if major > VERSION[0]:
+            raise NewerFormatError(f".onnxz format {major}.{minor} was written by a newer version (this reader: {VERSION[0]}.x)")
+        raise CorruptFileError("damaged .onnxz file (header checksum mismatch)")
+    if major > VERSION[0] or flags:
+        raise NewerFormatError(f".onnxz format {major}.{minor} (flags {flags}) was written by a newer version (this reader: {VERSION[0]}.{VERSION[1]})")
+    if major < 1:
+        raise CorruptFileError(f"damaged .onnxz file (format version {major}.{minor})")
+    if flen != real_size:
+        what = "truncated" if real_size < flen else "damaged"
+        raise CorruptFileError(f"{what} .onnxz file: header says {flen} bytes, file has {real_size}")
+    if ioff < HEADER_SIZE or ioff + ilen != flen or ilen == 0:
+        raise CorruptFileError("damaged .onnxz file (index position)")
+    if iraw > MAX_INDEX_BYTES:
+        raise LimitExceededError(f".onnxz index declares {iraw} bytes, above the limit of {MAX_INDEX_BYTES}")
+    return Header((major, minor), ioff, ilen, iraw, flen, icrc)
+
+
+def encode_index(obj) -> bytes:
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, sort_keys=False).encode("utf-8")
+    frame = zstd.ZstdCompressor(level=19, write_checksum=True, write_content_size=True).compress(text)
+    return text, frame
+
+
+def decode_index(frame: bytes, header: Header) -> dict:
+    if zlib.crc32(frame) != header.index_crc:
+        raise CorruptFileError("damaged .onnxz file (index checksum mismatch)")
+    try:
+        if zstd.frame_content_size(frame) != header.index_raw_length:
+            raise CorruptFileError("damaged .onnxz file (index size)")
+        text = zstd.ZstdDecompressor().decompress(frame, max_output_size=header.index_raw_length)
+        obj = json.loads(text.decode("utf-8"))
+    except (zstd.ZstdError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptFileError(f"damaged .onnxz file (index unreadable: {exc})") from None
+    if not isinstance(obj, dict):
+        raise CorruptFileError("damaged .onnxz file (index is not an object)")
+    return obj
+
+
+# ---------------------------------------------------------------- typed, validated records
+
+@dataclass
+class Chunk:
+    offset: int
+    raw_length: int
+    planes: List[int]  # stored length of each plane
+
+    @property
+    def stored(self) -> int:
+        return sum(self.planes)
+
+
+@dataclass
+class Stream:
+    codec: str
+    params: dict
+    chunks: List[Chunk]
+    raw_length: int
+
+    @property
+    def stored(self) -> int:
+        return sum(c.stored for c in self.chunks)
+
+
+@dataclass
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+    skeleton: Stream
+    cuts: List[tuple]  # (offset, length, tensor index)
+
+
+@dataclass
+class TensorEntry:
+    key: str
+    name: str
+    dtype: int
+    shape: List[int]
+    field: str
+    file: int
+    offset: int
+    length: int
+    stream: Optional[Stream]
+
+
+@dataclass
+class Index:
+    version: tuple
+    writer: str
+    files: List[FileEntry]
+    tensors: List[TensorEntry]
+    raw: dict
+
+
+def _bad(what: str):
+    return CorruptFileError(f"damaged .onnxz index ({what})")
+
+
+def _int(v, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise _bad(f"{what} = {v!r}")
+    return v
+
+
+_SAFE_NAME = re.compile(r"^[^\x00-\x1f\\:]+$")
+
+
+def check_data_name(name) -> str:
+    """An external data file name from the file: relative, inside the folder, printable."""
+    if not isinstance(name, str) or not name or len(name) > 4096 or not _SAFE_NAME.match(name):
+        raise _bad(f"external file name {name!r}")
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise _bad(f"external file name {name!r} leaves the model's folder")
+    return name
+
+
+class _Extents:
+    """Detects chunks that overlap each other or leave the data area."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.spans = []
+
+    def add(self, offset: int, length: int) -> None:
+        if offset < self.lo or offset + length > self.hi:
+            raise _bad(f"chunk at {offset} (+{length}) outside the data area")
+        self.spans.append((offset, length))
+
+    def check(self) -> None:
+        self.spans.sort()
+        end = self.lo
+        for off, ln in self.spans:
+            if off < end:
+                raise _bad(f"chunks overlap at {off}")
+            end = off + ln
+
+
+def _stream(obj, extents: _Extents, what: str) -> Stream:
+    if not isinstance(obj, dict):
+        raise _bad(f"{what}: stream is not an object")
+    codec = obj.get("codec")
+    params = obj.get("params", {})
+    if not isinstance(codec, str):
+        raise _bad(f"{what}: codec")
+    check_params(codec, params)  # NewerFormatError for unknown codecs
+    chunks_in = obj.get("chunks")
+    if not isinstance(chunks_in, list):
+        raise _bad(f"{what}: chunks")
+    chunks = []
+    total = 0
+    for c in chunks_in:
+        if not isinstance(c, list) or len(c) != 3 or not isinstance(c[2], list):
+            raise _bad(f"{what}: chunk entry")
+        off = _int(c[0], "chunk offset")
+        raw = _int(c[1], "chunk length", 0, MAX_CHUNK_BYTES)
+        planes = [_int(p, "plane length", 1, MAX_CHUNK_BYTES + (1 << 16)) for p in c[2]]
+        if len(planes) != len(plane_sizes(codec, params, raw)):
+            raise _bad(f"{what}: {codec} chunk with {len(planes)} planes")
+        extents.add(off, sum(planes))
+        chunks.append(Chunk(off, raw, planes))
+        total += raw
+    return Stream(codec, params, chunks, total)
+
+
+def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
+    fmt = obj.get("format")
+    if not (isinstance(fmt, list) and len(fmt) == 2 and all(type(v) is int for v in fmt)):
+        raise _bad("format")
+    if fmt[0] > VERSION[0]:
+        raise NewerFormatError(f".onnxz format {fmt[0]}.{fmt[1]} was written by a newer version")
+    files_in, tensors_in = obj.get("files"), obj.get("tensors")
+    if not isinstance(files_in, list) or not files_in or not isinstance(tensors_in, list):
+        raise _bad("files / tensors")
+    extents = _Extents(HEADER_SIZE, header.index_offset)
+    tensors = []
+    for i, t in enumerate(tensors_in):
+        if not isinstance(t, dict):
+            raise _bad(f"tensor {i}")
+        key, name = t.get("key"), t.get("name", "")
+        shape = t.get("shape")
+        if not isinstance(key, str) or not isinstance(name, str) or not isinstance(shape, list):
+            raise _bad(f"tensor {i} key/name/shape")
+        shape = [_int(d, "dim", -(1 << 62)) for d in shape]
+        field = t.get("field")
+        if field not in _PAYLOAD_FIELDS:
+            raise _bad(f"tensor {i} field {field!r}")
+        stream = None if t.get("stream") is None else _stream(t["stream"], extents, f"tensor {key!r}")
+        length = _int(t.get("length"), "tensor length")
+        if stream is not None and stream.raw_length != length:
+            raise _bad(f"tensor {key!r} stream decodes to {stream.raw_length} bytes, payload is {length}")
+        tensors.append(TensorEntry(key, name, _int(t.get("dtype"), "dtype", 0, 1 << 16), shape, field,
+                                   _int(t.get("file"), "tensor file", 0, len(files_in) - 1),
+                                   _int(t.get("offset"), "tensor offset"), length, stream))
+    files = []
+    total = 0
+    used = set()
+    for i, f in enumerate(files_in):
+        if not isinstance(f, dict):
+            raise _bad(f"file {i}")
+        name = f.get("name")
+        if i == 0:
+            if not isinstance(name, str):
+                raise _bad("model file name")
+        else:
+            check_data_name(name)
+            if name in used:
+                raise _bad(f"external file {name!r} listed twice")
+            used.add(name)
+        size = _int(f.get("size"), "file size")
+        total += size
+        if total > max_output_bytes:
+            raise LimitExceededError(f".onnxz file restores to more than {max_output_bytes} bytes (the limit set)")
+        sha = f.get("sha256")
+        if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise _bad(f"file {i} sha256")
+        skeleton = _stream(f.get("skeleton"), extents, f"file {i} skeleton")
+        cuts_in = f.get("cuts")
+        if not isinstance(cuts_in, list):
+            raise _bad(f"file {i} cuts")
+        cuts = []
+        end = 0
+        for c in cuts_in:
+            if not isinstance(c, list) or len(c) != 3:
+                raise _bad(f"file {i} cut")
+            off, ln, ti = _int(c[0], "cut offset"), _int(c[1], "cut length", 1), _int(c[2], "cut tensor", 0, len(tensors) - 1)
+            if off < end or off + ln > size:
+                raise _bad(f"file {i} cuts out of order or outside the file")
+            te = tensors[ti]
+            if te.stream is None or te.file != i or te.offset != off or te.length != ln:
+                raise _bad(f"file {i} cut at {off} does not match tensor {te.key!r}")
+            end = off + ln
+            cuts.append((off, ln, ti))
+        if skeleton.raw_length != size - sum(c[1] for c in cuts):
+            raise _bad(f"file {i} skeleton length")
+        files.append(FileEntry(name, size, sha, skeleton, cuts))
+    for t in tensors:
+        if t.offset + t.length > files[t.file].size:
+            raise _bad(f"tensor {t.key!r} lies outside its file")
+    cut_tensors = {c[2] for f in files for c in f.cuts}
+    if any(t.stream is not None and i not in cut_tensors for i, t in enumerate(tensors)):
+        raise _bad("a coded tensor is not placed in any file")
+    extents.check()
+    writer = obj.get("writer", "")
+    return Index(tuple(fmt), writer if isinstance(writer, str) else "", files, tensors, obj)

@@ -1,0 +1,248 @@
+"""pack(): an ONNX file (and its external data files) -> one `.onnxz` file (FORMAT.md)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import onnx
+
+from .. import __version__
+from .._fileio import _safe_external_path, atomic_output, check_readable, check_writable, parse_model_bytes
+from ..errors import FileAccessError, InvalidArgumentError, InvalidModelError
+from . import codecs
+from .format import HEADER_SIZE, check_data_name, encode_index, pack_header
+from .protowire import TensorRef, WireError, find_tensors
+
+MIN_CUT = 64  # payloads smaller than this stay in the skeleton (the index entry would cost more)
+SKELETON_CHUNK = 4 << 20
+
+
+@dataclass
+class PackStats:
+    """What pack() did: sizes, and per codec how many tensors / bytes went where."""
+
+    source: str
+    dest: str
+    original_bytes: int
+    packed_bytes: int
+    files: int
+    tensors: int
+    tensors_coded: int
+    seconds: float
+    by_codec: Dict[str, Dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.packed_bytes / self.original_bytes if self.original_bytes else 1.0
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["ratio"] = self.ratio
+        return d
+
+
+@dataclass
+class _Source:
+    name: str
+    data: bytes  # the file's bytes
+    refs: List[TensorRef] = field(default_factory=list)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _load_sources(model_or_path):
+    """(model file, external data files, label) with every tensor payload located."""
+    if isinstance(model_or_path, onnx.ModelProto):
+        try:
+            data = model_or_path.SerializeToString()
+        except ValueError as exc:
+            raise InvalidModelError(f"cannot serialise the model ({exc}); save it with external data and pack the path") from None
+        base, label, name = None, "<model>", "model.onnx"
+    elif isinstance(model_or_path, (str, os.PathLike)):
+        p = check_readable(model_or_path)
+        data = _read(p)
+        base, label, name = p.parent, str(p), p.name
+        parse_model_bytes(data, str(p))  # refuse what is not an ONNX model
+    else:
+        raise InvalidArgumentError(f"expected an onnx.ModelProto or a path, got {type(model_or_path).__name__}")
+    try:
+        refs = find_tensors(data)
+    except WireError as exc:
+        raise InvalidModelError(f"{label} is not an ONNX model ({exc})") from None
+    model = _Source(name, data)
+    externals: Dict[str, _Source] = {}
+    for ref in refs:
+        if ref.field != "external":
+            model.refs.append(ref)
+            continue
+        if base is None:
+            raise InvalidModelError("the model references external data files; pack it from its path")
+        location = ref.location or ""
+        target = _safe_external_path(base, location)
+        try:
+            check_data_name(location)
+        except Exception:
+            raise InvalidModelError(f"external data location {location!r} is not a plain relative path; not supported") from None
+        src = externals.get(location)
+        if src is None:
+            if not target.is_file():
+                raise InvalidModelError(f"external data file {location!r} of tensor {ref.name!r} is missing")
+            src = externals[location] = _Source(location, _read(target))
+        if ref.length < 0:
+            ref.length = len(src.data) - ref.offset
+        if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > len(src.data):
+            raise InvalidModelError(f"tensor {ref.name!r} declares external bytes outside {location!r}")
+        src.refs.append(ref)
+    return model, list(externals.values()), label
+
+
+def _keys(refs: List[TensorRef]) -> List[str]:
+    keys, seen = [], {}
+    for i, r in enumerate(refs):
+        base = r.name or r.context.lstrip("\0") or f"tensor{i}"
+        n = seen.get(base, 0) + 1
+        seen[base] = n
+        keys.append(base if n == 1 else f"{base}#{n}")
+    return keys
+
+
+def _plan_cuts(src: _Source, min_cut: int):
+    """Non-overlapping payload ranges to cut, sorted; refs not cut stay in the skeleton."""
+    cuts = []
+    end = 0
+    for ref in sorted(src.refs, key=lambda r: (r.offset, -r.length)):
+        if ref.length >= min_cut and ref.offset >= end:
+            cuts.append(ref)
+            end = ref.offset + ref.length
+    return cuts
+
+
+def _skeleton(data: bytes, cuts: List[TensorRef]) -> bytes:
+    parts, pos = [], 0
+    mv = memoryview(data)
+    for r in cuts:
+        parts.append(mv[pos:r.offset])
+        pos = r.offset + r.length
+    parts.append(mv[pos:])
+    return b"".join(parts)
+
+
+def _encode_skeleton(data: bytes) -> codecs.EncodedStream:
+    arr = np.frombuffer(data, dtype=np.uint8)
+    stream = codecs.EncodedStream("bytes")
+    for start in range(0, arr.size, SKELETON_CHUNK):
+        part = arr[start:start + SKELETON_CHUNK]
+        stream.chunks.append(codecs.EncodedChunk(part.size, [codecs.compress_plane(part, "lz")]))
+    if not stream.chunks:
+        stream.chunks = []
+    return stream
+
+
+def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = False, progress=None,
+         chunk_bytes: int = codecs.CHUNK_BYTES) -> PackStats:
+    """Write `model_or_path` (a ModelProto or an .onnx path, with its external data) to `dst` (.onnxz).
+
+    Unpacking restores the model file and its external data files byte for byte.
+    """
+    t0 = time.perf_counter()
+    dst = Path(dst)
+    check_writable(dst, force)
+    if isinstance(model_or_path, (str, os.PathLike)) and Path(model_or_path).resolve() == dst.resolve():
+        raise InvalidArgumentError("the packed file would replace its own source; choose another output name")
+    if not (isinstance(chunk_bytes, int) and 64 <= chunk_bytes <= 4 << 20):
+        raise InvalidArgumentError("chunk_bytes must be between 64 and 4 MiB")
+    model, externals, label = _load_sources(model_or_path)
+    sources = [model] + externals
+    threads = threads or os.cpu_count() or 1
+
+    # one job per cut tensor and per skeleton, encoded in parallel (zstd releases the GIL)
+    all_refs: List[TensorRef] = []
+    ref_file: List[int] = []
+    for fi, src in enumerate(sources):
+        all_refs.extend(src.refs)
+        ref_file.extend([fi] * len(src.refs))
+    keys = _keys(all_refs)
+    ref_index = {id(r): i for i, r in enumerate(all_refs)}
+    plans = [_plan_cuts(src, MIN_CUT if fi == 0 else 1) for fi, src in enumerate(sources)]
+    jobs = []  # (kind, index) in the order chunks are written
+    for fi, cuts in enumerate(plans):
+        for r in cuts:
+            jobs.append(("tensor", ref_index[id(r)]))
+        jobs.append(("skeleton", fi))
+    total = sum(len(s.data) for s in sources)
+    done = 0
+
+    def encode(job):
+        kind, i = job
+        if kind == "skeleton":
+            return _encode_skeleton(_skeleton(sources[i].data, plans[i]))
+        r = all_refs[i]
+        data = np.frombuffer(sources[ref_file[i]].data, dtype=np.uint8, count=r.length, offset=r.offset)
+        return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes)
+
+    tensor_streams: Dict[int, dict] = {}
+    skeletons: Dict[int, dict] = {}
+    by_codec: Dict[str, Dict[str, int]] = {}
+    with atomic_output(dst, force) as f, ThreadPoolExecutor(max_workers=threads) as pool:
+        f.write(b"\0" * HEADER_SIZE)
+        pos = HEADER_SIZE
+        for job, enc in zip(jobs, pool.map(encode, jobs)):
+            chunks = []
+            for c in enc.chunks:
+                chunks.append([pos, c.raw_length, [len(p) for p in c.planes]])
+                for p in c.planes:
+                    f.write(p)
+                    pos += len(p)
+            entry = {"codec": enc.codec, "params": enc.params, "chunks": chunks}
+            kind, i = job
+            if kind == "skeleton":
+                skeletons[i] = entry
+                raw = len(sources[i].data) - sum(r.length for r in plans[i])
+            else:
+                tensor_streams[i] = entry
+                raw = all_refs[i].length
+                b = by_codec.setdefault(enc.codec, {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0})
+                b["tensors"] += 1
+                b["raw_bytes"] += raw
+                b["stored_bytes"] += enc.stored
+            done += raw
+            if progress is not None:
+                progress(done, total)
+        files = []
+        for fi, src in enumerate(sources):
+            files.append({
+                "name": src.name,
+                "size": len(src.data),
+                "sha256": hashlib.sha256(src.data).hexdigest(),
+                "skeleton": skeletons[fi],
+                "cuts": [[r.offset, r.length, ref_index[id(r)]] for r in plans[fi]],
+            })
+        tensors = []
+        for i, r in enumerate(all_refs):
+            tensors.append({
+                "key": keys[i], "name": r.name, "dtype": r.dtype, "shape": r.shape, "field": r.field,
+                "file": ref_file[i], "offset": r.offset, "length": r.length,
+                "stream": tensor_streams.get(i),
+            })
+        index = {"format": [1, 0], "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
+        text, frame = encode_index(index)
+        import zlib
+
+        f.write(frame)
+        file_length = pos + len(frame)
+        f.seek(0)
+        f.write(pack_header(pos, len(frame), len(text), file_length, zlib.crc32(frame)))
+        f.seek(file_length)
+    return PackStats(label, str(dst), total, file_length, len(sources), len(all_refs), len(tensor_streams),
+                     time.perf_counter() - t0, by_codec)
