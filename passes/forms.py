@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from .errors import InvalidArgumentError
@@ -105,7 +106,7 @@ def _from_groups(q2: np.ndarray, w_shape: tuple, axis: int | None, block_size: i
 def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Scale as the model will store it (weight dtype), back in float32; never zero."""
     s = scale.astype(dtype)
-    tiny = np.array(np.finfo(dtype).smallest_subnormal, dtype=dtype)
+    tiny = np.array(ml_dtypes.finfo(dtype).smallest_subnormal, dtype=dtype)
     s = np.where(s > 0, s, tiny)
     return s.astype(np.float32)
 
