@@ -46,7 +46,9 @@ INT4_TYPES = {TensorProto.INT4: np.dtype(np.int8), TensorProto.UINT4: np.dtype(n
 
 
 def type_name(elem_type: int) -> str:
-    return TensorProto.DataType.Name(elem_type).lower()
+    """numpy-style name of an ONNX element type: float32, float16, bfloat16, int8, int4, ..."""
+    special = {TensorProto.FLOAT: "float32", TensorProto.DOUBLE: "float64"}
+    return special.get(elem_type) or TensorProto.DataType.Name(elem_type).lower()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""fold_dequantize: bit-exact with onnxruntime's DequantizeLinear, structure restored, valid models."""
+import itertools
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+import modelgen as mg
+from passes import InvalidArgumentError, Report, fold_dequantize, quantize_weights
+from passes.graph import array_to_tensor, tensor_to_array
+
+LEVELS = {TP.INT8: (-128, 128), TP.UINT8: (0, 256), TP.INT4: (-8, 8), TP.UINT4: (0, 16)}
+SCALES = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16, TP.BFLOAT16: ml_dtypes.bfloat16}
+FORMS = {  # name -> (axis, block_size, scale shape) for q of shape (6, 37, 5)
+    "tensor": (None, 0, ()),
+    "channel0": (0, 0, (6,)),
+    "channel2": (2, 0, (5,)),
+    "block": (1, 8, (6, 5, 5)),  # 37 = 4 full blocks of 8 + a block of 5
+}
+
+
+def _dq_model(q_type, s_type, form, with_zp, seed=0):
+    rng = np.random.default_rng(seed)
+    axis, block, sshape = FORMS[form]
+    lo, hi = LEVELS[q_type]
+    q = rng.integers(lo, hi, size=(6, 37, 5)).astype(np.int8 if lo < 0 else np.uint8)
+    # scales spread over exponents so that rounding to the output type matters
+    scale = (rng.uniform(0.5, 1.5, size=sshape) * 2.0 ** rng.integers(-14, 2, size=sshape)).astype(SCALES[s_type])
+    inits = [array_to_tensor(q, "q", q_type), array_to_tensor(scale, "s", s_type)]
+    ins = ["q", "s"]
+    if with_zp:
+        zp = rng.integers(lo, hi, size=sshape).astype(q.dtype)
+        inits.append(array_to_tensor(zp, "z", q_type))
+        ins.append("z")
+    attrs = {}
+    if axis is not None:
+        attrs["axis"] = axis
+    if block:
+        attrs["block_size"] = block
+    node = helper.make_node("DequantizeLinear", ins, ["w"], **attrs)
+    ident = helper.make_node("Identity", ["w"], ["y"])
+    g = helper.make_graph([node, ident], "g", [], [helper.make_tensor_value_info("y", s_type, [6, 37, 5])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    return m
+
+
+def _ort(model):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {})[0]
+
+
+@pytest.mark.parametrize("q_type,s_type,form,with_zp", list(itertools.product(
+    [TP.INT8, TP.UINT8, TP.INT4, TP.UINT4], [TP.FLOAT, TP.FLOAT16], list(FORMS), [False, True])))
+def test_fold_bit_exact_with_onnxruntime(q_type, s_type, form, with_zp):
+    m = _dq_model(q_type, s_type, form, with_zp)
+    expected = _ort(m)
+    f = fold_dequantize(m)
+    onnx.checker.check_model(f, full_check=True)
+    inits = {t.name: t for t in f.graph.initializer}
+    assert set(inits) == {"w"}  # dead levels / scales / zero points removed
+    got = tensor_to_array(inits["w"])
+    assert got.dtype == expected.dtype
+    assert got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("q_type,form,with_zp", list(itertools.product(
+    [TP.INT8, TP.UINT8, TP.INT4], list(FORMS), [False, True])))
+def test_fold_bfloat16(q_type, form, with_zp):
+    """onnxruntime has no CPU bfloat16 DequantizeLinear; its kernels compute in float32 and round
+    once to the output type, so the reference is onnxruntime's float32 result rounded to bfloat16."""
+    m = _dq_model(q_type, TP.BFLOAT16, form, with_zp)
+    m32 = onnx.ModelProto()
+    m32.CopyFrom(m)
+    s = m32.graph.initializer[1]
+    s32 = tensor_to_array(s).astype(np.float32)
+    m32.graph.initializer[1].CopyFrom(array_to_tensor(s32, "s", TP.FLOAT))
+    m32.graph.output[0].type.tensor_type.elem_type = TP.FLOAT
+    expected = _ort(m32).astype(ml_dtypes.bfloat16)
+    got = tensor_to_array(fold_dequantize(m).graph.initializer[0])
+    assert got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("builder", ["conv", "dense", "gather", "subgraph"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kw", [dict(), dict(symmetric=False, granularity="block", block_size=16), dict(bits=4)])
+def test_quantize_then_fold_restores_structure(builder, dtype, kw):
+    m = mg.BUILDERS[builder](dtype, 13)
+    q = quantize_weights(m, min_elements=64, **kw)
+    before = q.SerializeToString()
+    report = Report()
+    f = fold_dequantize(q, report=report)
+    assert q.SerializeToString() == before  # input untouched
+    onnx.checker.check_model(f, full_check=True)
+
+    def layout(model):
+        out = []
+
+        def walk(g, where):
+            out.append((where, sorted(t.name for t in g.initializer),
+                        [(n.op_type, tuple(n.output)) for n in g.node if n.op_type != "Constant"],
+                        sorted(n.output[0] for n in g.node if n.op_type == "Constant")))
+            for n in g.node:
+                for a in n.attribute:
+                    if a.type == onnx.AttributeProto.GRAPH:
+                        walk(a.g, where + "/" + a.name)
+
+        walk(model.graph, "")
+        return out
+
+    assert layout(f) == layout(m)
+    assert report.tensors and all(t.scheme == "folded" for t in report.tensors)
+    # folded model computes exactly what the quantized one computes (unoptimized sessions)
+    feeds = mg.feeds(m)
+    for a, b in zip(mg.run(q, feeds, optimize=False), mg.run(f, feeds, optimize=False)):
+        assert a.tobytes() == b.tobytes()
+    assert fold_dequantize(q).SerializeToString() == f.SerializeToString()  # deterministic
+
+
+@pytest.mark.parametrize("src,dst", [("float32", "float16"), ("float16", "float32")])
+def test_fold_dtype_inserts_cast(src, dst):
+    m = mg.dense_model(src, 13)
+    q = quantize_weights(m, min_elements=64)
+    report = Report()
+    f = fold_dequantize(q, dtype=dst, report=report)
+    onnx.checker.check_model(f, full_check=True)
+    stored = {t.name: t.data_type for t in f.graph.initializer}
+    want = TP.FLOAT16 if dst == "float16" else TP.FLOAT
+    assert stored[f"W1_{dst}"] == want
+    casts = [n for n in f.graph.node if n.op_type == "Cast" and n.output[0] == "W1"]
+    assert len(casts) == 1 and report.notes
+    feeds = mg.feeds(m)
+    for a, b in zip(mg.run(q, feeds), mg.run(f, feeds)):
+        assert mg.cosine(a, b) > 0.999
+
+
+def test_fold_same_dtype_is_plain():
+    q = quantize_weights(mg.dense_model("float32", 13), min_elements=64)
+    f = fold_dequantize(q, dtype="float32")
+    assert not any(n.op_type == "Cast" and n.output[0] == "W1" for n in f.graph.node)
+
+
+def test_non_constant_dq_left_alone():
+    x = helper.make_tensor_value_info("x", TP.INT8, [4])
+    node = helper.make_node("DequantizeLinear", ["x", "s"], ["y"])
+    g = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TP.FLOAT, [4])],
+                          [onnx.numpy_helper.from_array(np.array(0.5, np.float32), "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    f = fold_dequantize(m)
+    assert [n.op_type for n in f.graph.node] == ["DequantizeLinear"]
+    assert [t.name for t in f.graph.initializer] == ["s"]
+
+
+def test_shared_scale_kept_while_read():
+    """A scale read by a folded DQ and by a live node stays."""
+    m = _dq_model(TP.INT8, TP.FLOAT, "tensor", False)
+    m.graph.node.append(helper.make_node("Identity", ["s"], ["s_out"]))
+    m.graph.output.append(helper.make_tensor_value_info("s_out", TP.FLOAT, []))
+    f = fold_dequantize(m)
+    onnx.checker.check_model(f, full_check=True)
+    assert sorted(t.name for t in f.graph.initializer) == ["s", "w"]
+
+
+def test_bad_dtype():
+    with pytest.raises(InvalidArgumentError):
+        fold_dequantize(mg.dense_model(), dtype="int8")
