@@ -353,7 +353,7 @@ def cmd_info(args) -> int:
         print(f"  ... and {hidden} smaller tensor(s), {human_bytes(sum(r.bytes for r in rows[len(shown):]))}")
     if packed_meta is not None:
         print()
-        _print_packed_metadata(packed_meta)
+        _print_packed_metadata(packed_meta, args.all)
     return EXIT_OK
 
 
@@ -365,8 +365,11 @@ def _looks_packed(path: Path) -> bool:
         return False
 
 
-def _print_packed_metadata(meta: Any) -> None:
-    """The pack stage's metadata: scalar fields as lines, lists of records as tables."""
+PACKED_COLUMNS = ("name", "dtype", "shape", "bytes", "stored", "codec", "chunks", "file")
+
+
+def _print_packed_metadata(meta: Any, show_all: bool = False) -> None:
+    """The pack stage's metadata: scalar fields as lines, the tensor table by codec and per tensor."""
     meta = _jsonable(meta)
     if not isinstance(meta, dict):
         print(f"  packed: {meta}")
@@ -380,15 +383,40 @@ def _print_packed_metadata(meta: Any) -> None:
             print(f"    {key}: " + ", ".join(f"{k}={v}" for k, v in value.items()))
         else:
             print(f"    {key}: {value}")
+    tensors = tables.pop("tensors", None)
     for key, records in tables.items():
         print()
         print(f"  packed {key}")
-        columns = []
-        for record in records:
-            for k in record:
-                if k not in columns:
-                    columns.append(k)
-        print_table(columns, [[_cell(r.get(c, "")) for c in columns] for r in records])
+        _print_records(records, [k for r in records for k in r])
+    if tensors:
+        has_sizes = all(isinstance(r.get("bytes"), int) for r in tensors)
+        if has_sizes and any("codec" in r for r in tensors):
+            by_codec: dict[str, list[int]] = {}
+            for r in tensors:
+                entry = by_codec.setdefault(str(r.get("codec")), [0, 0, 0])
+                entry[0] += 1
+                entry[1] += r["bytes"]
+                entry[2] += r["stored"] if isinstance(r.get("stored"), int) else r["bytes"]  # None: kept in place
+            print()
+            print("  packed tensors by codec")
+            print_table(["codec", "tensors", "bytes", "stored", "stored %"],
+                        [[k, n, human_bytes(b), human_bytes(st), f"{100 * st / max(b, 1):.1f}%"]
+                         for k, (n, b, st) in sorted(by_codec.items(), key=lambda kv: -kv[1][1])], right=(1, 2, 3, 4))
+        shown = tensors
+        if has_sizes:
+            shown = sorted(tensors, key=lambda r: -r["bytes"])
+            if not show_all:
+                shown = [r for r in shown if r["bytes"] >= SMALL_TENSOR_BYTES]
+        print()
+        print("  packed tensors" + ("" if show_all or not has_sizes else f" (>= {SMALL_TENSOR_BYTES} bytes; --all lists every one)"))
+        columns = [c for c in PACKED_COLUMNS if any(c in r for r in tensors)] or [k for r in tensors for k in r]
+        _print_records(shown, columns)
+
+
+def _print_records(records: list[dict], columns: list[str]) -> None:
+    columns = list(dict.fromkeys(columns))
+    numeric = [i for i, c in enumerate(columns) if all(isinstance(r.get(c), int) for r in records if c in r)]
+    print_table(columns, [[_cell(r.get(c, "")) for c in columns] for r in records], right=numeric)
 
 
 def _cell(value: Any) -> str:

@@ -1,0 +1,449 @@
+"""The surgeon-compress command: every subcommand and error path, via main(argv), plus a smoke
+test of the installed console script."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import passes
+from passes.progress import ProgressBar
+from tools import surgeon_compress as cli
+from tools.surgeon_compress import main
+
+from conftest import MODELS, REPO, skip_or_fail
+
+SAMPLE = MODELS / "rapidocr_cls.onnx"
+SAMPLE_FP16 = MODELS / "rapidocr_cls_fp16.onnx"
+FEEDS = MODELS / "rapidocr_cls_feeds.npz"
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *fragments: str):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("surgeon-compress: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory) -> Path:
+    """The sample model compressed once (int8 per channel), shared by read-only tests."""
+    out = tmp_path_factory.mktemp("c") / "r8.onnx"
+    assert main(["compress", str(SAMPLE), "-o", str(out)]) == 0
+    return out
+
+
+# ------------------------------------------------------------------------------ compress
+
+
+def test_compress_writes_a_smaller_valid_model_and_leaves_the_input_alone(tmp_path, capsys):
+    before = sha256(SAMPLE)
+    out = tmp_path / "r8.onnx"
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", out)
+    assert code == 0, err
+    assert sha256(SAMPLE) == before
+    assert out.stat().st_size < SAMPLE.stat().st_size * 0.6
+    onnx.checker.check_model(onnx.load(str(out)), full_check=True)
+    assert "compressed:" in stdout and "% of the input" in stdout
+    assert "fidelity" not in stdout  # no feeds, no requirement: no evaluation asked for
+    assert [p.name for p in tmp_path.iterdir()] == ["r8.onnx"]  # no temporary files left
+
+
+def test_compress_is_deterministic(tmp_path, compressed):
+    again = tmp_path / "again.onnx"
+    assert main(["compress", str(SAMPLE), "-o", str(again)]) == 0
+    assert again.read_bytes() == compressed.read_bytes()
+
+
+def test_compress_gate_passes_with_real_feeds(tmp_path, capsys):
+    out = tmp_path / "gated.onnx"
+    code, stdout, err = run(capsys, "compress", SAMPLE_FP16, "-o", out, "--feeds", FEEDS, "--require", "top1>=0.99",
+                            "--require", "cosine>=0.999", "--metric", "top1")
+    assert code == 0, err
+    assert out.exists()
+    assert "top1 1.0000" in stdout and "on 8 feeds" in stdout
+    assert "gate       top1>=0.99: 1 ok" in stdout and "cosine>=0.999" in stdout
+
+
+def test_compress_gate_fails_exit_3_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "failed.onnx"
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", out, "--feeds", FEEDS, "--require", "top1>=0.99,maxabs<=0")
+    assert code == cli.EXIT_GATE_FAILED == 3
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert_one_line_error(err, "fidelity gate failed", "maxabs<=0", "was not written")
+    assert "top1>=0.99 (got" not in err  # only what failed is named
+    assert "FAILED" in stdout
+
+
+def test_compress_json_report(tmp_path, capsys):
+    out = tmp_path / "j.onnx"
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", out, "--json", "--feeds", FEEDS, "--require", "top1>=0.9")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["command"] == "compress" and report["written"] is True
+    assert report["output_bytes"] == out.stat().st_size and report["input_bytes"] == SAMPLE.stat().st_size
+    assert 0 < report["ratio"] < 1
+    assert report["options"] == {"bits": 8, "granularity": "channel", "symmetric": True}
+    assert report["report"]["tensors"] and report["report"]["bytes_after"] < report["report"]["bytes_before"]
+    assert report["fidelity"]["n_feeds"] == 8 and report["fidelity"]["synthesized"] is False
+    assert report["gate"]["passed"] is True and report["gate"]["checks"][0]["requirement"] == "top1>=0.9"
+
+
+def test_compress_without_feeds_synthesises_and_says_so(tmp_path, capsys):
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "s.onnx", "--require", "cosine>=0.9")
+    assert code == 0, err
+    assert "synthesised" in stdout
+
+
+def test_compress_failed_gate_json_still_reports(tmp_path, capsys):
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "x.onnx", "--json", "--feeds", FEEDS,
+                            "--require", "snr>=200")
+    assert code == 3
+    report = json.loads(stdout)
+    assert report["written"] is False and report["output_bytes"] is None and report["gate"]["passed"] is False
+
+
+def test_compress_options_reach_the_pass(tmp_path, capsys):
+    out = tmp_path / "t.onnx"
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", out, "--granularity", "tensor", "--asymmetric",
+                            "--exclude", "conv1*", "--min-elements", "0", "--json", "-v")
+    assert code == 0, err
+    report = json.loads(stdout)
+    schemes = {t["scheme"] for t in report["report"]["tensors"] if t["bytes_after"] != t["bytes_before"]}
+    assert schemes and all("tensor" in s and "asym" in s for s in schemes), schemes
+    assert all(not t["name"].startswith("conv1") or t["bytes_after"] == t["bytes_before"]
+               for t in report["report"]["tensors"])
+
+
+def test_compress_verbose_prints_the_per_tensor_table(tmp_path, capsys):
+    code, stdout, _ = run(capsys, "compress", SAMPLE, "-o", tmp_path / "v.onnx", "-v")
+    assert code == 0
+    assert "SNR dB" in stdout and "int8/channel(axis=0)/sym" in stdout
+
+
+# ------------------------------------------------------------------------------ error paths
+
+
+def test_missing_input(tmp_path, capsys):
+    code, out, err = run(capsys, "compress", tmp_path / "absent.onnx", "-o", tmp_path / "o.onnx")
+    assert code == 1 and out == ""
+    assert_one_line_error(err, "absent.onnx", "no such file")
+
+
+def test_not_an_onnx_file(tmp_path, capsys):
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\x00\xffthis is not a protobuf\x12\x99" * 10)
+    for argv in (["compress", junk, "-o", tmp_path / "o.onnx"], ["info", junk], ["fold", junk, "-o", tmp_path / "f.onnx"],
+                 ["eval", junk, SAMPLE]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1, argv
+        assert_one_line_error(err, "junk.onnx")
+    assert list(tmp_path.iterdir()) == [junk]
+
+
+def test_output_exists_needs_force(tmp_path, capsys):
+    out = tmp_path / "o.onnx"
+    out.write_bytes(b"keep me")
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", out)
+    assert code == 1
+    assert_one_line_error(err, "exists", "--force")
+    assert out.read_bytes() == b"keep me"
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", out, "--force")
+    assert code == 0, err
+    assert onnx.load(str(out)).graph.node
+
+
+def test_unwritable_destination(tmp_path, capsys):
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "no" / "such" / "dir" / "o.onnx")
+    assert code == 1
+    assert_one_line_error(err, "does not exist")
+    a_file = tmp_path / "plain.txt"
+    a_file.write_text("x")
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", a_file / "o.onnx")
+    assert code == 1
+    assert_one_line_error(err)
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path)
+    assert code == 1
+    assert_one_line_error(err, "folder")
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_destination(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        code, _, err = run(capsys, "compress", SAMPLE, "-o", ro / "o.onnx")
+        assert code == 1
+        assert_one_line_error(err, "not writable")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_output_must_not_be_the_input(tmp_path, capsys):
+    copy = tmp_path / "m.onnx"
+    shutil.copyfile(SAMPLE, copy)
+    before = sha256(copy)
+    code, _, err = run(capsys, "compress", copy, "-o", copy, "--force")
+    assert code == 1
+    assert_one_line_error(err, "is the input")
+    assert sha256(copy) == before
+
+
+@pytest.mark.parametrize("expr", ["cosine", "cosine<=0.9", "accuracy>=0.5", "top1>=2", "maxabs>=1"])
+def test_bad_require_is_a_usage_error(tmp_path, capsys, expr):
+    code, out, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx", "--require", expr)
+    assert code == 2
+    assert "--require" in err and "Traceback" not in err
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_usage_errors_exit_2(capsys):
+    assert run(capsys, "compress", SAMPLE)[0] == 2  # -o missing
+    assert run(capsys, "nosuchcommand")[0] == 2
+    assert run(capsys)[0] == 2
+    assert run(capsys, "compress", SAMPLE, "-o", "x.onnx", "--granularity", "row")[0] == 2
+    assert run(capsys, "compress", SAMPLE, "-o", "x.onnx", "--block-size", "0")[0] == 2
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "compress" in out and "exit codes" in out
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and passes.__version__ in out
+
+
+def test_bad_feeds(tmp_path, capsys):
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, **{"0/image": np.zeros((1, 3, 48, 192), np.float32)})
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx", "--feeds", wrong, "--require", "top1>=0.9")
+    assert code == 1
+    assert_one_line_error(err, "missing input(s) 'x'", "'image'")
+    code, _, err = run(capsys, "eval", SAMPLE, SAMPLE, "--feeds", tmp_path / "absent.npz")
+    assert code == 1
+    assert_one_line_error(err, "absent.npz")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_pass_errors_become_one_line(tmp_path, capsys):
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx", "--bits", "9")
+    assert code == 1
+    assert_one_line_error(err, "bits", "9")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_interrupt_exits_130_without_output(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(passes, "quantize_weights", interrupted)
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx")
+    assert code == 130 and "interrupted" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupt_while_writing_leaves_no_partial_file(tmp_path, capsys, monkeypatch):
+    import passes._fileio as fileio
+
+    real_replace = os.replace
+
+    def interrupted_replace(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fileio.os, "replace", interrupted_replace)
+    code, _, _ = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx")
+    monkeypatch.setattr(fileio.os, "replace", real_replace)
+    assert code == 130
+    assert list(tmp_path.iterdir()) == []  # the temporary file is gone too
+
+
+def test_internal_error_is_one_line(tmp_path, capsys, monkeypatch):
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(passes, "quantize_weights", bug)
+    monkeypatch.delenv("SURGEON_DEBUG", raising=False)
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx")
+    assert code == cli.EXIT_INTERNAL
+    assert "internal error: ZeroDivisionError" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ fold / info / eval
+
+
+def test_fold_restores_float_weights(tmp_path, capsys, compressed):
+    out = tmp_path / "f.onnx"
+    code, stdout, err = run(capsys, "fold", compressed, "-o", out, "--dtype", "float32")
+    assert code == 0, err
+    model = onnx.load(str(out))
+    assert not any(n.op_type == "DequantizeLinear" for n in model.graph.node)
+    assert "folded" in stdout
+    code, stdout, err = run(capsys, "eval", SAMPLE, out, "--feeds", FEEDS, "--require", "top1>=0.99", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["fidelity"]["metrics"]["top1"] == 1.0
+    code, stdout, _ = run(capsys, "fold", compressed, "-o", tmp_path / "j.onnx", "--json")
+    assert code == 0 and json.loads(stdout)["report"]["tensors"]
+    assert run(capsys, "fold", compressed, "-o", tmp_path / "x.onnx", "--dtype", "int8")[0] == 2
+
+
+def test_info_tables_and_json(capsys, compressed):
+    code, stdout, err = run(capsys, "info", compressed)
+    assert code == 0, err
+    assert "by dtype" in stdout and "by scheme" in stdout and "int8/channel(axis=0)/sym" in stdout
+    assert "--all lists every one" in stdout
+    code, stdout, _ = run(capsys, "info", compressed, "--json")
+    info = json.loads(stdout)
+    assert info["file_bytes"] == compressed.stat().st_size
+    assert info["by_dtype"]["int8"]["count"] >= 1 and info["packed"] is None
+    names = {t["name"] for t in info["tensors"]}
+    code, stdout, _ = run(capsys, "info", compressed, "--all")
+    assert all(n in stdout for n in list(names)[:20])
+
+
+def test_eval_gate_and_metrics(tmp_path, capsys, compressed):
+    code, stdout, err = run(capsys, "eval", SAMPLE, compressed, "--feeds", FEEDS, "--metric", "top1")
+    assert code == 0, err
+    assert "top1 1.0000" in stdout and "on 8 feeds" in stdout
+    code, stdout, err = run(capsys, "eval", SAMPLE, compressed, "--feeds", FEEDS, "--require", "maxabs<=0")
+    assert code == 3
+    assert_one_line_error(err, "fidelity gate failed", "maxabs")
+    code, stdout, err = run(capsys, "eval", SAMPLE, compressed, "--metric", "ctc")
+    assert code == 1
+    assert_one_line_error(err, "time_axis")
+    code, stdout, err = run(capsys, "eval", SAMPLE, SAMPLE, "--metric", "ctc", "--metric-arg", "time_axis=0",
+                            "--metric-arg", "class_axis=1", "--require", "ctc>=1", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["fidelity"]["metrics"]["ctc"] == 1.0
+    code, _, err = run(capsys, "eval", SAMPLE, SAMPLE, "--metric-arg", "time_axis")
+    assert code == 1
+    assert_one_line_error(err, "KEY=VALUE")
+
+
+# ------------------------------------------------------------------------------ pack / unpack / verify
+
+
+def _needs_pack_stage():
+    try:
+        passes.pack  # noqa: B018 - resolves the lazy import
+    except (ImportError, AttributeError) as exc:
+        skip_or_fail(f"pack stage not available: {exc}")
+
+
+def test_pack_unpack_verify_round_trip(tmp_path, capsys, compressed):
+    _needs_pack_stage()
+    packed = tmp_path / "m.onnxz"
+    code, stdout, err = run(capsys, "pack", compressed, "-o", packed)
+    assert code == 0, err
+    assert packed.exists() and "packed" in stdout
+    code, stdout, err = run(capsys, "verify", packed, "--against", compressed)
+    assert code == 0, err
+    restored = tmp_path / "back.onnx"
+    code, _, err = run(capsys, "unpack", packed, "-o", restored)
+    assert code == 0, err
+    assert restored.read_bytes() == compressed.read_bytes()
+    code, stdout, err = run(capsys, "info", packed)
+    assert code == 0, err
+    assert "packed file" in stdout
+    code, stdout, err = run(capsys, "info", packed, "--json")
+    assert json.loads(stdout)["packed"] is not None
+    assert run(capsys, "unpack", packed, "-o", restored)[0] == 1  # exists, no --force
+
+
+def test_compress_pack_in_one_step(tmp_path, capsys):
+    _needs_pack_stage()
+    packed = tmp_path / "m.onnxz"
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", packed, "--feeds", FEEDS, "--require", "top1>=0.99")
+    assert code == 0, err
+    assert "(packed)" in stdout
+    code, stdout, err = run(capsys, "eval", SAMPLE, packed, "--feeds", FEEDS, "--metric", "top1")
+    assert code == 0, err
+    assert "top1 1.0000" in stdout
+
+
+def test_damaged_pack_exit_4(tmp_path, capsys, compressed):
+    _needs_pack_stage()
+    packed = tmp_path / "m.onnxz"
+    assert main(["pack", str(compressed), "-o", str(packed)]) == 0
+    data = bytearray(packed.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    packed.write_bytes(bytes(data))
+    code, _, err = run(capsys, "verify", packed)
+    assert code == cli.EXIT_CORRUPT
+    assert_one_line_error(err)
+    code, _, err = run(capsys, "unpack", packed, "-o", tmp_path / "x.onnx")
+    assert code == cli.EXIT_CORRUPT
+    assert not (tmp_path / "x.onnx").exists()
+    foreign = tmp_path / "foreign.onnxz"
+    foreign.write_bytes(b"PK\x03\x04 not a pack")
+    code, _, err = run(capsys, "verify", foreign)
+    assert code == cli.EXIT_CORRUPT
+    assert_one_line_error(err)
+
+
+# ------------------------------------------------------------------------------ progress bar
+
+
+def test_progress_bar_draws_only_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = ProgressBar("work", stream=tty)
+    bar(1, 4)
+    bar(4, 4)
+    bar.close()
+    text = tty.getvalue()
+    assert "work [" in text and "100% (4/4)" in text and text.endswith("\r\x1b[K")
+    pipe = io.StringIO()
+    quiet = ProgressBar("work", stream=pipe)
+    quiet(1, 2)
+    quiet.close()
+    assert pipe.getvalue() == ""
+
+
+# ------------------------------------------------------------------------------ installed command
+
+
+def test_installed_console_script(tmp_path):
+    exe = shutil.which("surgeon-compress")
+    if exe is None:
+        skip_or_fail("surgeon-compress is not installed (python3 -m pip install -e .)")
+    env = {**os.environ, "PYTHONPATH": ""}
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, env=env, timeout=60)
+    assert version.returncode == 0 and passes.__version__ in version.stdout
+    out = tmp_path / "o.onnx"
+    ok = subprocess.run([exe, "compress", str(SAMPLE), "-o", str(out), "--feeds", str(FEEDS), "--require", "top1>=0.99"],
+                        capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert out.exists() and "gate" in ok.stdout
+    assert ok.stderr == ""  # no progress bar when stderr is not a terminal, no warnings
+    failed = subprocess.run([exe, "compress", str(SAMPLE), "-o", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert failed.returncode == 1
+    assert failed.stderr.startswith("surgeon-compress: error: ") and "Traceback" not in failed.stderr
+
+
+def test_module_entry_point(tmp_path):
+    """`python -m tools.surgeon_compress` behaves as the console script (used before installation)."""
+    result = subprocess.run([sys.executable, "-m", "tools.surgeon_compress", "info", str(SAMPLE)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "float32" in result.stdout
