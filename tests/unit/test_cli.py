@@ -423,8 +423,16 @@ def test_progress_bar_draws_only_on_a_terminal():
 # ------------------------------------------------------------------------------ installed command
 
 
+def _console_script() -> str | None:
+    """The installed script of this interpreter (pip puts it in its scripts folder), else PATH's."""
+    import sysconfig
+
+    beside = Path(sysconfig.get_path("scripts")) / "surgeon-compress"
+    return str(beside) if beside.exists() else shutil.which("surgeon-compress")
+
+
 def test_installed_console_script(tmp_path):
-    exe = shutil.which("surgeon-compress")
+    exe = _console_script()
     if exe is None:
         skip_or_fail("surgeon-compress is not installed (python3 -m pip install -e .)")
     env = {**os.environ, "PYTHONPATH": ""}
