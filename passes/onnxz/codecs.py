@@ -124,13 +124,13 @@ def _decompressor() -> zstd.ZstdDecompressor:
 def decompress_plane(frame, expected: int, dest: np.ndarray) -> None:
     """Decode one zstd frame of exactly `expected` bytes into dest[:expected]; CorruptFileError otherwise."""
     try:
-        size = zstd.frame_content_size(frame)
+        fp = zstd.get_frame_parameters(frame)
     except zstd.ZstdError:
         raise CorruptFileError("damaged chunk: not a zstd frame") from None
-    if size != expected:
-        raise CorruptFileError(f"damaged chunk: plane declares {size} bytes, expected {expected}")
+    if fp.content_size != expected or not fp.has_checksum:
+        raise CorruptFileError(f"damaged chunk: plane declares {fp.content_size} bytes, expected {expected}")
     try:
-        data = _decompressor().decompress(frame, max_output_size=expected)
+        data = _decompressor().decompress(frame, max_output_size=expected, allow_extra_data=False)
     except zstd.ZstdError as exc:
         raise CorruptFileError(f"damaged chunk: {exc}") from None
     if len(data) != expected:
@@ -192,10 +192,11 @@ class Scratch:
         return self.buf[:n]
 
 
-def scratch() -> Scratch:
-    s = getattr(_local, "scratch", None)
+def scratch(name: str = "planes") -> Scratch:
+    s = getattr(_local, "scratch_" + name, None)
     if s is None:
-        s = _local.scratch = Scratch()
+        s = Scratch()
+        setattr(_local, "scratch_" + name, s)
     return s
 
 

@@ -26,7 +26,7 @@ assert _HEADER.size == 60
 
 MAX_INDEX_BYTES = 512 << 20  # JSON text
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 40  # restored bytes, all files together; callers may lower it
-_PAYLOAD_FIELDS = {"raw_data", "float_data", "double_data", "int32_data", "int64_data", "uint64_data", "external"}
+_PAYLOAD_FIELDS = {"raw_data", "float_data", "double_data", "int32_data", "int64_data", "uint64_data", "external", "proto"}
 
 
 @dataclass
@@ -83,7 +83,7 @@ def decode_index(frame: bytes, header: Header) -> dict:
     try:
         if zstd.frame_content_size(frame) != header.index_raw_length:
             raise CorruptFileError("damaged .onnxz file (index size)")
-        text = zstd.ZstdDecompressor().decompress(frame, max_output_size=header.index_raw_length)
+        text = zstd.ZstdDecompressor().decompress(frame, max_output_size=header.index_raw_length, allow_extra_data=False)
         obj = json.loads(text.decode("utf-8"))
     except (zstd.ZstdError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"damaged .onnxz file (index unreadable: {exc})") from None

@@ -151,6 +151,8 @@ def _tensor(buf, start: int, end: int, context: str, out: List[TensorRef]) -> No
         return
     for fname, a, b in payloads:
         out.append(TensorRef(name, dtype, dims, fname, a, b - a, context))
+    if not payloads:  # strings, empty tensors, unpacked repeated fields: the whole message
+        out.append(TensorRef(name, dtype, dims, "proto", start, end - start, context))
 
 
 def _walk(buf, start: int, end: int, kind: int, context: str, out: List[TensorRef], depth: int) -> None:

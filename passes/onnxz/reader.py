@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -46,9 +45,11 @@ class PackedFile:
             size = os.fstat(self._f.fileno()).st_size
             head = self._f.read(HEADER_SIZE)
             header = parse_header(head, size)
-            self._map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._fd = self._f.fileno()
             self.size = size
-            frame = self._map[header.index_offset:header.index_offset + header.index_length]
+            frame = os.pread(self._fd, header.index_length, header.index_offset)
+            if len(frame) != header.index_length:
+                raise CorruptFileError("truncated .onnxz file (index)")
             self.index: Index = parse_index(decode_index(frame, header), header, limit)
         except BaseException:
             self._f.close()
@@ -66,7 +67,6 @@ class PackedFile:
         self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._map.close()
         self._f.close()
 
     def _check_open(self):
@@ -74,11 +74,21 @@ class PackedFile:
             raise InvalidArgumentError("the packed file is closed")
 
     def _frames(self, chunk) -> List[memoryview]:
-        mv = memoryview(self._map)
-        frames, pos = [], chunk.offset
-        for n in chunk.planes:
-            frames.append(mv[pos:pos + n])
-            pos += n
+        """The chunk's stored planes, read into this thread's input buffer (no mmap: a file
+        truncated under us must give an error, not SIGBUS)."""
+        n = chunk.stored
+        buf = codecs.scratch("input").get(n)
+        mv = memoryview(buf)[:n]
+        try:
+            got = os.preadv(self._fd, [mv], chunk.offset)
+        except OSError as exc:
+            raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        if got != n:
+            raise CorruptFileError(f"truncated .onnxz file: chunk at {chunk.offset} runs past the end")
+        frames, pos = [], 0
+        for ln in chunk.planes:
+            frames.append(mv[pos:pos + ln])
+            pos += ln
         return frames
 
     def _decode_chunk(self, stream: Stream, chunk, out: np.ndarray) -> None:
@@ -253,7 +263,18 @@ def _varint(v: int) -> bytes:
             return bytes(out)
 
 
+def _parse_tensor(entry, data: bytes) -> np.ndarray:
+    t = onnx.TensorProto()
+    try:
+        t.ParseFromString(data)
+        return onnx.numpy_helper.to_array(t)
+    except Exception as exc:  # the payload does not fit its declared type/shape
+        raise InvalidModelError(f"tensor {entry.key!r}: payload does not match dtype {entry.dtype} / shape {entry.shape} ({exc})") from None
+
+
 def _to_array(entry, payload: np.ndarray) -> np.ndarray:
+    if entry.field == "proto":
+        return _parse_tensor(entry, payload.tobytes())
     field = "raw_data" if entry.field == "external" else entry.field
     np_type = _PLAIN.get(entry.dtype)
     count = int(np.prod(entry.shape, dtype=np.int64)) if entry.shape else 1
@@ -268,12 +289,7 @@ def _to_array(entry, payload: np.ndarray) -> np.ndarray:
         proto += b"\x08" + _varint(d)
     proto += b"\x10" + _varint(entry.dtype)
     proto += _varint(_FIELD_NUMBER[field] << 3 | 2) + _varint(payload.size) + payload.tobytes()
-    t = onnx.TensorProto()
-    try:
-        t.ParseFromString(bytes(proto))
-        return onnx.numpy_helper.to_array(t)
-    except Exception as exc:  # the payload does not fit its declared type/shape
-        raise InvalidModelError(f"tensor {entry.key!r}: payload does not match dtype {entry.dtype} / shape {entry.shape} ({exc})") from None
+    return _parse_tensor(entry, bytes(proto))
 
 
 class PackedModel:

@@ -1,0 +1,457 @@
+"""The lossless stage (passes.onnxz): byte-for-byte round trips of generated models of every dtype
+and layout, lazy tensor access, and the documented errors on bad inputs."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes import onnxz
+from passes.errors import (CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError,
+                           LimitExceededError, NewerFormatError)
+
+RNG = np.random.default_rng(7)
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _raw(name, dtype, shape, data: bytes) -> TensorProto:
+    t = TensorProto()
+    t.name, t.data_type = name, dtype
+    t.dims.extend(shape)
+    t.raw_data = data
+    return t
+
+
+def _weights(n, scale=0.05):
+    return (RNG.standard_normal(n) * scale).astype(np.float32)
+
+
+def all_dtype_tensors():
+    """One initializer per dtype and payload layout (raw_data and the typed repeated fields)."""
+    w = _weights(4096)
+    ts = [
+        numpy_helper.from_array(w.reshape(64, 64), "f32"),
+        numpy_helper.from_array(w.astype(np.float16).reshape(64, 64), "f16"),
+        _raw("bf16", TensorProto.BFLOAT16, [4096], (w.view(np.uint32) >> 16).astype(np.uint16).tobytes()),
+        numpy_helper.from_array(w.astype(np.float64), "f64"),
+        numpy_helper.from_array(w.astype(np.float16).astype(np.float32), "f32_holding_f16"),
+        numpy_helper.from_array((w.view(np.uint32) & 0xFFFF0000).view(np.float32), "f32_holding_bf16"),
+        numpy_helper.from_array(w.astype(np.float64).astype(np.float32).astype(np.float64) * 1.0, "f64_holding_f32"),
+        numpy_helper.from_array(np.clip(np.round(RNG.standard_normal(5000) * 20), -127, 127).astype(np.int8), "i8"),
+        numpy_helper.from_array(RNG.integers(0, 256, 3000).astype(np.uint8), "u8"),
+        numpy_helper.from_array(RNG.integers(-300, 300, 2000).astype(np.int16), "i16"),
+        numpy_helper.from_array(RNG.integers(0, 60000, 2000).astype(np.uint16), "u16"),
+        numpy_helper.from_array(RNG.integers(-2**30, 2**30, 1000).astype(np.int32), "i32"),
+        numpy_helper.from_array(RNG.integers(0, 2**32 - 1, 1000, dtype=np.uint64).astype(np.uint32), "u32"),
+        numpy_helper.from_array(RNG.integers(-2**40, 2**40, 700).astype(np.int64), "i64"),
+        numpy_helper.from_array(RNG.integers(0, 2**63, 700, dtype=np.uint64), "u64"),
+        numpy_helper.from_array(RNG.integers(0, 2, 999).astype(bool), "b"),
+        numpy_helper.from_array((RNG.standard_normal(300) + 1j * RNG.standard_normal(300)).astype(np.complex64), "c64"),
+        numpy_helper.from_array(np.array([b"abc", b"de"] * 50, dtype=object), "strings"),
+        numpy_helper.from_array(np.arange(3, dtype=np.int64), "tiny_shape"),
+        numpy_helper.from_array(np.zeros((0, 4), np.float32), "empty"),
+        numpy_helper.from_array(np.float32(3.5), "scalar"),
+        # typed repeated fields instead of raw_data
+        helper.make_tensor("f32_float_data", TensorProto.FLOAT, [512], w[:512].tolist()),
+        helper.make_tensor("f64_double_data", TensorProto.DOUBLE, [300], w[:300].astype(np.float64).tolist()),
+        helper.make_tensor("i32_int32_data", TensorProto.INT32, [400], RNG.integers(-1000, 1000, 400).tolist()),
+        helper.make_tensor("i64_int64_data", TensorProto.INT64, [400], RNG.integers(-2**40, 2**40, 400).tolist()),
+        helper.make_tensor("u64_uint64_data", TensorProto.UINT64, [100], RNG.integers(0, 2**60, 100).tolist()),
+        helper.make_tensor("f16_int32_data", TensorProto.FLOAT16, [256], w[:256].astype(np.float16).view(np.uint16).tolist()),
+        helper.make_tensor("i8_int32_data", TensorProto.INT8, [256], RNG.integers(-128, 128, 256).tolist()),
+    ]
+    i4 = RNG.integers(-8, 8, 1000).astype(np.int8)
+    ts.append(_raw("i4", TensorProto.INT4, [1000], ((i4[0::2] & 0xF) | ((i4[1::2] & 0xF) << 4)).astype(np.uint8).tobytes()))
+    u4 = RNG.integers(0, 16, 999).astype(np.uint8)
+    u4p = np.concatenate([u4, [0]]).astype(np.uint8)
+    ts.append(_raw("u4", TensorProto.UINT4, [999], (u4p[0::2] | (u4p[1::2] << 4)).astype(np.uint8).tobytes()))
+    return ts
+
+
+def dtype_model() -> onnx.ModelProto:
+    inits = all_dtype_tensors()
+    outputs = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits]
+    nodes = [helper.make_node("Identity", [t.name], [t.name + "_out"]) for t in inits]
+    outputs = [helper.make_tensor_value_info(t.name + "_out", t.data_type, list(t.dims)) for t in inits]
+    g = helper.make_graph(nodes, "dtypes", [], outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    return m
+
+
+def layout_model() -> onnx.ModelProto:
+    """Weights in every place a tensor can live: Constant nodes inside If branches and a Loop body,
+    a ConstantOfShape attribute, a sparse initializer, a function body, training info."""
+    w1, w2, w3 = _weights(2000).reshape(40, 50), _weights(3000), _weights(1500)
+    then_g = helper.make_graph([helper.make_node("Constant", [], ["tc"], value=numpy_helper.from_array(w1, "then_w"))],
+                               "then", [], [helper.make_tensor_value_info("tc", TensorProto.FLOAT, [40, 50])])
+    else_g = helper.make_graph([helper.make_node("Constant", [], ["ec"], value=numpy_helper.from_array(w1 * 2))],
+                               "else", [], [helper.make_tensor_value_info("ec", TensorProto.FLOAT, [40, 50])])
+    inner = helper.make_graph([helper.make_node("Constant", [], ["deep"], value=numpy_helper.from_array(w2))],
+                              "inner", [], [helper.make_tensor_value_info("deep", TensorProto.FLOAT, [3000])])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("If", ["cond_in"], ["body_out"], then_branch=inner, else_branch=inner)],
+        "body",
+        [helper.make_tensor_value_info("iter", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("body_out", TensorProto.FLOAT, [3000])])
+    sparse = helper.make_sparse_tensor(numpy_helper.from_array(w3[:200], "sp"), numpy_helper.from_array(np.arange(0, 1000, 5, dtype=np.int64)), [1000])
+    fn = helper.make_function("local", "WithConst", ["a"], ["b"],
+                              [helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(w3, "fn_w")),
+                               helper.make_node("Add", ["a", "k"], ["b"])],
+                              [helper.make_opsetid("", 21)])
+    nodes = [
+        helper.make_node("If", ["cond"], ["y_if"], then_branch=then_g, else_branch=else_g),
+        helper.make_node("Loop", ["trip", "cond"], ["c_out", "y_loop"], body=body),
+        helper.make_node("ConstantOfShape", ["shape"], ["filled"], value=numpy_helper.from_array(np.array([1.5], np.float32))),
+        helper.make_node("WithConst", ["x"], ["y_fn"], domain="local"),
+    ]
+    g = helper.make_graph(
+        nodes, "layouts",
+        [helper.make_tensor_value_info("cond", TensorProto.BOOL, []), helper.make_tensor_value_info("trip", TensorProto.INT64, []),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [1]), helper.make_tensor_value_info("x", TensorProto.FLOAT, [1500])],
+        [helper.make_tensor_value_info("y_if", TensorProto.FLOAT, [40, 50]), helper.make_tensor_value_info("y_fn", TensorProto.FLOAT, [1500])],
+        [numpy_helper.from_array(_weights(5000).reshape(100, 50), "init_w")],
+        sparse_initializer=[sparse])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("local", 1)], functions=[fn])
+    m.ir_version = 10
+    ti = m.training_info.add()
+    ti.initialization.CopyFrom(helper.make_graph([], "init", [], [], [numpy_helper.from_array(_weights(700), "train_w")]))
+    return m
+
+
+def _expected_arrays(model: onnx.ModelProto):
+    """Every tensor with a payload in the model, as numpy arrays (onnx's own reading)."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    return [numpy_helper.to_array(t) for t in _get_all_tensors(model)]
+
+
+def _roundtrip(tmp_path, model_path: Path, **kw):
+    packed = tmp_path / "m.onnxz"
+    stats = passes.pack(model_path, packed, **kw)
+    out = passes.unpack(packed, tmp_path / "out" / model_path.name) if (tmp_path / "out").exists() else None
+    return packed, stats, out
+
+
+@pytest.fixture
+def outdir(tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("build", [dtype_model, layout_model])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_roundtrip_byte_for_byte(tmp_path, outdir, build, threads):
+    src = tmp_path / "model.onnx"
+    src.write_bytes(build().SerializeToString())
+    packed = tmp_path / "model.onnxz"
+    stats = passes.pack(src, packed, threads=threads)
+    assert stats.packed_bytes == packed.stat().st_size
+    assert stats.original_bytes == src.stat().st_size
+    out = passes.unpack(packed, outdir / "model.onnx", threads=threads)
+    assert _sha(out) == _sha(src)
+    model = passes.load(packed, threads=threads)
+    assert model.SerializeToString() == src.read_bytes()
+
+
+def test_every_tensor_readable_lazily(tmp_path):
+    m = dtype_model()
+    src = tmp_path / "model.onnx"
+    src.write_bytes(m.SerializeToString())
+    passes.pack(src, tmp_path / "m.onnxz")
+    with passes.open_packed(tmp_path / "m.onnxz", threads=2) as pm:
+        assert len(set(pm.keys())) == len(pm.keys()) == len(m.graph.initializer)
+        for t in m.graph.initializer:
+            got, want = pm.get_tensor(t.name), numpy_helper.to_array(t)
+            assert got.dtype == want.dtype and got.shape == want.shape, t.name
+            if want.dtype == object:
+                assert list(got.ravel()) == list(want.ravel())
+            else:
+                assert got.tobytes() == want.tobytes(), t.name
+        meta = pm.metadata()
+        assert meta["format_version"] == "1.0"
+        assert meta["original_bytes"] == src.stat().st_size
+        codecs_used = {t["codec"] for t in meta["tensors"]}
+        assert {"fplanes", "narrow", "skeleton"} <= codecs_used, codecs_used
+        by_key = {t["key"]: t for t in meta["tensors"]}
+        # floats that are exactly narrower are stored narrow
+        assert by_key["f32_holding_f16"]["codec"] == "narrow" and by_key["f32_holding_f16"]["params"]["to"] == TensorProto.FLOAT16
+        assert by_key["f32_holding_bf16"]["params"]["to"] == TensorProto.BFLOAT16
+        assert by_key["f32"]["codec"] == "fplanes"
+        with pytest.raises(KeyError):
+            pm.get_tensor("no such tensor")
+
+
+def test_layout_tensors_found_everywhere(tmp_path):
+    m = layout_model()
+    src = tmp_path / "model.onnx"
+    src.write_bytes(m.SerializeToString())
+    passes.pack(src, tmp_path / "m.onnxz")
+    with passes.open_packed(tmp_path / "m.onnxz") as pm:
+        keys = pm.keys()
+        # Constant nodes are known by their output name; named tensors by their name
+        for k in ("init_w", "then_w", "ec", "deep", "deep#2", "fn_w", "train_w", "sp"):
+            assert k in keys, (k, keys)
+        got = sorted(pm.get_tensor(k).tobytes() for k in keys)
+    want = {a.tobytes() for a in _expected_arrays(m) if a.size}
+    assert want <= set(got)
+
+
+def test_external_data_restored_beside_model(tmp_path, outdir):
+    m = layout_model()
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = src_dir / "model.onnx"
+    onnx.save_model(m, src, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin", size_threshold=512)
+    # a second file in a subfolder, written by hand with a gap before the payload
+    m2 = onnx.load(src, load_external_data=False)
+    assert (src_dir / "weights.bin").exists()
+    packed = tmp_path / "m.onnxz"
+    stats = passes.pack(src, packed)
+    assert stats.files == 2
+    out = passes.unpack(packed, outdir / "restored.onnx")
+    assert _sha(out) == _sha(src)
+    assert _sha(outdir / "weights.bin") == _sha(src_dir / "weights.bin")
+    loaded = passes.load(packed)
+    want = onnx.load(src)
+    assert loaded.SerializeToString() == want.SerializeToString()
+    assert passes.verify(packed, against=src).ok
+    with passes.open_packed(packed) as pm:
+        assert pm.get_tensor("init_w").tobytes() == numpy_helper.to_array(want.graph.initializer[0]).tobytes()
+    del m2
+
+
+def test_external_data_outside_folder_refused(tmp_path):
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(_weights(100), "w")]))
+    t = m.graph.initializer[0]
+    t.ClearField("raw_data")
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "../secret.bin"), ("offset", "0"), ("length", "400")):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 400)
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "m.onnx").write_bytes(m.SerializeToString())
+    with pytest.raises(InvalidModelError):
+        passes.pack(d / "m.onnx", tmp_path / "x.onnxz")
+    assert not (tmp_path / "x.onnxz").exists()
+
+
+def test_pack_from_modelproto_and_determinism(tmp_path):
+    m = dtype_model()
+    src = tmp_path / "model.onnx"
+    src.write_bytes(m.SerializeToString())
+    passes.pack(src, tmp_path / "a.onnxz", threads=1)
+    passes.pack(src, tmp_path / "b.onnxz", threads=2)
+    passes.pack(m, tmp_path / "c.onnxz")
+    a = (tmp_path / "a.onnxz").read_bytes()
+    assert a == (tmp_path / "b.onnxz").read_bytes()
+    out = passes.unpack(tmp_path / "c.onnxz", tmp_path / "c.onnx")
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_compresses_floats_and_ints(tmp_path):
+    w = _weights(1 << 18)
+    q = np.clip(np.round(RNG.laplace(size=1 << 18) * 6), -127, 127).astype(np.int8)
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q")]))
+    src = tmp_path / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    stats = passes.pack(src, tmp_path / "m.onnxz")
+    assert stats.by_codec["fplanes"]["stored_bytes"] < 0.9 * w.nbytes
+    counts = np.bincount(q.view(np.uint8), minlength=256) / q.size
+    h = -(counts[counts > 0] * np.log2(counts[counts > 0])).sum()
+    assert stats.by_codec["bytes"]["stored_bytes"] < 1.03 * h / 8 * q.size
+
+
+# ------------------------------------------------------------------ damage and bad inputs
+
+@pytest.fixture(scope="module")
+def small_packed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    w = _weights(3000)
+    q = np.clip(np.round(RNG.standard_normal(2000) * 10), -127, 127).astype(np.int8)
+    m = helper.make_model(helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(w[:500].astype(np.float16)))], "g", [],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT16, [500])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q")]))
+    src = d / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    packed = d / "m.onnxz"
+    passes.pack(src, packed, chunk_bytes=4096)  # several chunks per tensor
+    return src, packed
+
+
+def _read_everything(path):
+    """Every way of reading: all must fail with CorruptFileError on a damaged file."""
+    passes.verify(path)
+    with passes.open_packed(path) as pm:
+        for k in pm.keys():
+            pm.get_tensor(k)
+    passes.load(path)
+
+
+def test_every_byte_flip_detected(tmp_path, small_packed):
+    src, packed = small_packed
+    data = bytearray(packed.read_bytes())
+    bad = tmp_path / "bad.onnxz"
+    step = max(1, len(data) // 1500)
+    for pos in list(range(0, len(data), step)) + list(range(len(data) - 70, len(data))):
+        damaged = bytearray(data)
+        damaged[pos] ^= 0x41
+        bad.write_bytes(damaged)
+        with pytest.raises(CorruptFileError):
+            _read_everything(bad)
+
+
+def test_truncation_and_extension_detected(tmp_path, small_packed):
+    src, packed = small_packed
+    data = packed.read_bytes()
+    bad = tmp_path / "bad.onnxz"
+    for n in sorted(set(list(range(0, 80)) + list(range(0, len(data), max(1, len(data) // 200))))):
+        bad.write_bytes(data[:n])
+        with pytest.raises(CorruptFileError):
+            _read_everything(bad)
+    bad.write_bytes(data + b"\0")
+    with pytest.raises(CorruptFileError):
+        _read_everything(bad)
+
+
+def _rewrite_index(data: bytes, mutate) -> bytes:
+    """A copy of the packed file with its index changed and every checksum made valid again."""
+    import json
+    import struct
+    import zlib
+
+    import zstandard as zstd
+
+    from passes.onnxz.format import pack_header
+
+    ioff, ilen = struct.unpack_from("<QQ", data, 16)
+    obj = json.loads(zstd.ZstdDecompressor().decompress(data[ioff:ioff + ilen]))
+    mutate(obj)
+    text = json.dumps(obj).encode()
+    frame = zstd.ZstdCompressor(write_checksum=True).compress(text)
+    body = data[64:ioff]
+    return pack_header(ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame)) + body + frame
+
+
+def test_newer_format_and_unknown_codec(tmp_path, small_packed):
+    import struct
+    import zlib
+
+    src, packed = small_packed
+    data = bytearray(packed.read_bytes())
+    newer = bytearray(data)
+    struct.pack_into("<H", newer, 8, 2)
+    struct.pack_into("<I", newer, 60, zlib.crc32(bytes(newer[:60])))
+    bad = tmp_path / "bad.onnxz"
+    bad.write_bytes(newer)
+    with pytest.raises(NewerFormatError, match="newer version"):
+        passes.open_packed(bad)
+
+    def new_codec(obj):
+        obj["tensors"][0]["stream"]["codec"] = "hyper-ans"
+
+    bad.write_bytes(_rewrite_index(bytes(data), new_codec))
+    with pytest.raises(NewerFormatError, match="hyper-ans"):
+        passes.open_packed(bad)
+    bad.write_bytes(_rewrite_index(bytes(data), lambda obj: None))
+    passes.verify(bad)  # the rewriting itself keeps a valid file
+
+
+@pytest.mark.parametrize("mutation", [
+    lambda o: o["files"][0].__setitem__("size", o["files"][0]["size"] + 1),
+    lambda o: o["files"][0].__setitem__("sha256", "0" * 64),
+    lambda o: o["tensors"][0]["stream"]["chunks"][0].__setitem__(1, 10**12),
+    lambda o: o["tensors"][0]["stream"]["chunks"][0].__setitem__(0, 10),
+    lambda o: o["tensors"][0]["stream"]["chunks"][0].__setitem__(0, -5),
+    lambda o: o["tensors"][0]["stream"]["chunks"][0][2].append(5),
+    lambda o: o["tensors"][0]["stream"]["chunks"].append(o["tensors"][0]["stream"]["chunks"][0]),
+    lambda o: o["tensors"][0].__setitem__("length", 3),
+    lambda o: o["tensors"][0]["stream"]["params"].__setitem__("width", 3),
+    lambda o: o["files"][0]["cuts"].reverse(),
+    lambda o: o["files"][0]["cuts"][0].__setitem__(2, 99),
+    lambda o: o["files"].append(dict(o["files"][0], name="../escape.bin")),
+    lambda o: o.__setitem__("tensors", "nope"),
+    lambda o: o["tensors"][1].__setitem__("stream", {"codec": "bytes", "chunks": [[64, 10, [5.5]]]}),
+])
+def test_inconsistent_index_refused(tmp_path, small_packed, mutation):
+    src, packed = small_packed
+    bad = tmp_path / "bad.onnxz"
+    bad.write_bytes(_rewrite_index(packed.read_bytes(), mutation))
+    with pytest.raises(CorruptFileError):
+        _read_everything(bad)
+
+
+def test_size_limit(tmp_path, small_packed):
+    src, packed = small_packed
+    with pytest.raises(LimitExceededError):
+        passes.open_packed(packed, max_bytes=100)
+    with pytest.raises(LimitExceededError):
+        passes.unpack(packed, tmp_path / "x.onnx", max_bytes=100)
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_verify_against(tmp_path, small_packed):
+    src, packed = small_packed
+    r = passes.verify(packed, against=src)
+    assert r.ok and all(c["ok"] for c in r.checks)
+    other = tmp_path / "other.onnx"
+    data = bytearray(src.read_bytes())
+    data[-1] ^= 1
+    other.write_bytes(data)
+    r = passes.verify(packed, against=other)
+    assert not r.ok and any(not c["ok"] for c in r.checks)
+
+
+def test_bad_inputs(tmp_path, small_packed):
+    src, packed = small_packed
+    with pytest.raises(FileAccessError):
+        passes.pack(tmp_path / "missing.onnx", tmp_path / "x.onnxz")
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\xff\xfe not a model at all" * 10)
+    with pytest.raises(InvalidModelError):
+        passes.pack(junk, tmp_path / "x.onnxz")
+    existing = tmp_path / "exists.onnxz"
+    existing.write_bytes(b"keep")
+    with pytest.raises(FileAccessError):
+        passes.pack(src, existing)
+    assert existing.read_bytes() == b"keep"
+    passes.pack(src, existing, force=True)
+    with pytest.raises(InvalidArgumentError):
+        passes.pack(src, src, force=True)
+    with pytest.raises(CorruptFileError):
+        passes.open_packed(src)  # an .onnx is not a packed file
+    with pytest.raises(CorruptFileError):
+        passes.unpack(junk, tmp_path / "y.onnx")
+    with pytest.raises(FileAccessError):
+        passes.unpack(packed, existing)  # exists, no force
+    with pytest.raises(InvalidArgumentError):
+        passes.open_packed(packed, threads=0)
+    with pytest.raises(FileAccessError):
+        passes.open_packed(tmp_path / "missing.onnxz")
+    pm = passes.open_packed(packed)
+    pm.close()
+    with pytest.raises(InvalidArgumentError):
+        pm.get_tensor(pm.keys()[0])
+
+
+def test_load_plain_onnx_and_default_unpack_name(tmp_path, small_packed):
+    src, packed = small_packed
+    assert passes.load(src).SerializeToString() == src.read_bytes()
+    copy = tmp_path / "copy.onnxz"
+    copy.write_bytes(packed.read_bytes())
+    out = passes.unpack(copy)
+    assert out == tmp_path / "copy.onnx" and out.read_bytes() == src.read_bytes()
