@@ -1,0 +1,176 @@
+"""Run a model in a float type it was not made in: float32 as float16 (GPUs), float16 as float32
+(CPUs without fast float16 kernels).
+
+float32 -> float16 uses onnxruntime's own converter (`onnxruntime.transformers.float16`, shipped
+with onnxruntime, so no new dependency), which keeps graph inputs/outputs in float32 when asked
+and leaves the operators of its block list (and those without float16 kernels) in float32 with
+Casts around them. We add the numerically sensitive reductions to its block list. The converter
+works on our skeleton: big weights are placeholders there, it only flips their declared type, and
+we convert the arrays ourselves with the converter's own clamping function.
+
+float16 -> float32 has no maintained converter: every float16 tensor, Cast target, Constant and
+declared type becomes float32; inputs/outputs keep float16 (with a Cast at the boundary) unless
+`keep_io_types=False`. Exact: every float16 value is a float32 value.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .errors import UnsupportedFormError
+from .runtime_feed import SplitModel, is_placeholder
+
+# Reductions and normalisations whose float16 results drift (sums over many terms, exp, variance):
+# kept in float32 on top of onnxruntime's default block list.
+SENSITIVE_OPS = ["ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "Pow", "Exp", "Log",
+                 "Softmax", "LogSoftmax", "CumSum", "Erf"]
+
+_FLOATS = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16)}
+
+
+def dominant_float_dtype(split: SplitModel) -> np.dtype:
+    """The float type holding most weight bytes (DequantizeLinear scales count for their weight)."""
+    counts = {np.dtype(np.float32): 0, np.dtype(np.float16): 0}
+    for name, array in split.weights.items():
+        if array.dtype in counts:
+            counts[array.dtype] += array.nbytes
+    scale_names = {n.input[1]: n.input[0] for n in split.skeleton.graph.node
+                   if n.op_type == "DequantizeLinear" and len(n.input) > 1}
+    for t in split.skeleton.graph.initializer:
+        dtype = _FLOATS.get(t.data_type)
+        if dtype is None:
+            continue
+        if t.name in scale_names:
+            quantized = split.weights.get(scale_names[t.name])
+            counts[dtype] += (quantized.size if quantized is not None else 1) * dtype.itemsize
+        elif not is_placeholder(t):
+            counts[dtype] += int(np.prod(t.dims, dtype=np.int64)) * dtype.itemsize
+    if counts[np.dtype(np.float16)] > counts[np.dtype(np.float32)]:
+        return np.dtype(np.float16)
+    return np.dtype(np.float32)
+
+
+def convert_split(split: SplitModel, target, *, keep_io_types: bool = True, op_block_list=None) -> None:
+    """Convert the split model's float computation to `target` (float16 or float32), in place."""
+    target = np.dtype(target)
+    if target == np.float16:
+        _to_float16(split, keep_io_types, op_block_list)
+    elif target == np.float32:
+        _to_float32(split, keep_io_types)
+    else:
+        raise UnsupportedFormError(f"cannot convert a model to {target}")
+
+
+def _to_float16(split: SplitModel, keep_io_types: bool, op_block_list) -> None:
+    from onnxruntime.transformers import float16 as ort_float16
+
+    blocked = list(ort_float16.DEFAULT_OP_BLOCK_LIST) + SENSITIVE_OPS if op_block_list is None else list(op_block_list)
+    before = {t.name: t.data_type for t in split.skeleton.graph.initializer if is_placeholder(t)}
+    # The converter reads an initializer's values only to learn its shape (for the value_info of a
+    # blocked node's input); a placeholder has no values there, so shapes come from dims instead.
+    original = ort_float16.make_value_info_from_tensor
+    ort_float16.make_value_info_from_tensor = _value_info_from_dims
+    try:
+        converted = ort_float16.convert_float_to_float16(
+            split.skeleton, keep_io_types=keep_io_types, disable_shape_infer=False, op_block_list=blocked
+        )
+    finally:
+        ort_float16.make_value_info_from_tensor = original
+    split.skeleton = converted
+    for t in converted.graph.initializer:
+        if t.name in before and before[t.name] == TensorProto.FLOAT and t.data_type == TensorProto.FLOAT16:
+            split.weights[t.name] = ort_float16.convert_np_to_float16(split.weights[t.name]).astype(np.float16)
+
+
+def _value_info_from_dims(tensor):
+    return helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+
+
+def _to_float32(split: SplitModel, keep_io_types: bool) -> None:
+    model = split.skeleton
+    graph = model.graph
+    for name, array in list(split.weights.items()):
+        if array.dtype == np.float16:
+            split.weights[name] = array.astype(np.float32)
+    for g in _graphs(graph):
+        for t in g.initializer:
+            if t.data_type == TensorProto.FLOAT16 and not is_placeholder(t):
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+            elif is_placeholder(t) and t.data_type == TensorProto.FLOAT16:
+                t.data_type = TensorProto.FLOAT
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT16:
+                    attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
+                elif attr.name in ("to", "dtype", "output_dtype") and attr.type == onnx.AttributeProto.INT \
+                        and attr.i == TensorProto.FLOAT16:
+                    attr.i = TensorProto.FLOAT
+        for vi in list(g.value_info):
+            _retype(vi)
+        if g is not graph:
+            for vi in list(g.input) + list(g.output):
+                _retype(vi)
+    # graph boundary: inner values are float32 now; keep float16 inputs/outputs behind Casts
+    boundary_nodes_in, boundary_nodes_out = [], []
+    for vi in graph.input:
+        if vi.type.tensor_type.elem_type != TensorProto.FLOAT16:
+            continue
+        if keep_io_types:
+            inner = vi.name + "__as_float32"
+            _rename_uses(graph, vi.name, inner)
+            boundary_nodes_in.append(helper.make_node("Cast", [vi.name], [inner], to=TensorProto.FLOAT,
+                                                      name=inner + "_cast"))
+        else:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+    for vi in graph.output:
+        if vi.type.tensor_type.elem_type != TensorProto.FLOAT16:
+            continue
+        if keep_io_types:
+            inner = vi.name + "__as_float32"
+            _rename_producers(graph, vi.name, inner)
+            boundary_nodes_out.append(helper.make_node("Cast", [inner], [vi.name], to=TensorProto.FLOAT16,
+                                                       name=inner + "_cast"))
+        else:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+    if boundary_nodes_in or boundary_nodes_out:
+        nodes = boundary_nodes_in + list(graph.node) + boundary_nodes_out
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+
+def _retype(vi) -> None:
+    if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type == TensorProto.FLOAT16:
+        vi.type.tensor_type.elem_type = TensorProto.FLOAT
+
+
+def _graphs(graph):
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield g
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attr.graphs)
+
+
+def _rename_uses(graph, old: str, new: str) -> None:
+    for g in _graphs(graph):
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                if name == old:
+                    node.input[i] = new
+
+
+def _rename_producers(graph, old: str, new: str) -> None:
+    for node in graph.node:
+        for i, name in enumerate(node.output):
+            if name == old:
+                node.output[i] = new
+    _rename_uses(graph, old, new)
+    for o in graph.output:
+        if o.name == old:
+            pass  # the graph output keeps its name; the final Cast produces it

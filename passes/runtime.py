@@ -1,0 +1,253 @@
+"""`passes.InferenceSession`: an onnxruntime session straight from a compressed `.onnx` or a packed
+`.onnxz`, with the precision chosen at load.
+
+    sess = passes.InferenceSession("model.onnxz", mode="fold")          # float weights, fastest
+    sess = passes.InferenceSession("model.q.onnx", mode="int8")          # weights stay int8 in memory
+    sess = passes.InferenceSession("model.onnxz", mode="auto",
+                                   providers=["CUDAExecutionProvider"])  # says what it picked
+    sess.run(None, feeds)                                                # an onnxruntime.InferenceSession
+
+No temporary model file is written and the weights never go through a protobuf: the model is split
+into a small skeleton and numpy arrays (see `runtime_feed`), each weight is decoded or folded once
+into the array handed to onnxruntime, and models over 2 GB load like small ones.
+
+Modes
+- "fold": every constant DequantizeLinear becomes a float tensor (dtype: the model's own, or
+  `dtype`); the run time of the float model.
+- "int8" / "int4": weights stay quantized in memory, in forms onnxruntime executes without
+  dequantizing the whole weight on every run (see `runtime_int8`): MatMul/Gemm weights as
+  com.microsoft MatMulNBits (8 or 4 bits, block-wise), embedding tables as GatherBlockQuantized,
+  other DequantizeLinear nodes kept as they are. A model whose weights are float (lossless file)
+  is quantized at load (per-channel int8, or 4-bit blocks of 32 for "int4") — lossy, by request.
+- "auto": "fold" on a GPU, and on a CPU when the float weights fit comfortably in the free memory,
+  else "int8". The choice is in `session.mode` and `session.mode_reason`, and logged (INFO,
+  logger "passes.runtime").
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError, UnsupportedFormError
+from .runtime_feed import SplitModel, shareable_names
+from .runtime_options import copy_session_options
+
+log = logging.getLogger("passes.runtime")
+
+MODES = ("fold", "int8", "int4", "auto")
+DTYPES = {"float32": np.float32, "float16": np.float16}
+GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider")
+
+# mode="auto" on a CPU folds when the float weights take at most this share of the free memory
+AUTO_FOLD_MEMORY_SHARE = 0.5
+
+
+def _normalise_mode(mode) -> str:
+    if not isinstance(mode, str) or mode.lower() not in MODES:
+        raise InvalidArgumentError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    return mode.lower()
+
+
+def _normalise_dtype(dtype):
+    if dtype is None:
+        return None
+    try:
+        key = np.dtype(dtype).name
+    except TypeError:
+        key = str(dtype)
+    if key not in DTYPES:
+        raise InvalidArgumentError(f"dtype {dtype!r} is not supported; expected float32 or float16")
+    return np.dtype(DTYPES[key])
+
+
+def _provider_names(providers) -> list:
+    return [p[0] if isinstance(p, (tuple, list)) else p for p in providers or []]
+
+
+def _check_providers(providers) -> list | None:
+    if providers is None:
+        return None
+    if isinstance(providers, str):
+        providers = [providers]
+    available = ort.get_available_providers()
+    for name in _provider_names(providers):
+        if name not in available:
+            hint = " (install surgeon-compress[gpu], i.e. onnxruntime-gpu)" if name in GPU_PROVIDERS else ""
+            raise InvalidArgumentError(
+                f"execution provider {name} is not available in this onnxruntime{hint}; available: {', '.join(available)}"
+            )
+    return list(providers)
+
+
+def _read_split(path, threads) -> SplitModel:
+    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file."""
+    from .runtime_source import read_split
+
+    try:
+        return read_split(path, threads=threads)
+    except SurgeonError:
+        raise
+    except Exception as exc:  # a damaged file that got past the structural checks
+        raise CorruptFileError(f"{path}: cannot read model ({type(exc).__name__}: {exc})") from None
+
+
+def model_float_dtype(split: SplitModel):
+    """The float type the model computes in: that of its DequantizeLinear scales and float weights."""
+    from .precision import dominant_float_dtype
+
+    return dominant_float_dtype(split)
+
+
+def _free_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def choose_mode(split: SplitModel, providers, dtype) -> tuple[str, str]:
+    """("fold" | "int8", why) for mode="auto"."""
+    names = _provider_names(providers)
+    if any(n in GPU_PROVIDERS for n in names):
+        return "fold", f"{names[0]}: float weights run fastest on a GPU"
+    from .runtime_int8 import float_weight_bytes
+
+    need = float_weight_bytes(split, dtype)
+    free = _free_memory_bytes()
+    if free is None:
+        return "fold", "free memory unknown; float weights run fastest"
+    if need <= AUTO_FOLD_MEMORY_SHARE * free:
+        return "fold", f"CPU: float weights {need / 2**20:.0f} MiB fit in free memory {free / 2**20:.0f} MiB"
+    return "int8", f"CPU: float weights {need / 2**20:.0f} MiB exceed half the free memory {free / 2**20:.0f} MiB"
+
+
+class InferenceSession(ort.InferenceSession):
+    """An onnxruntime.InferenceSession built from a compressed `.onnx` or a packed `.onnxz`.
+
+    `sess_options` and `providers` (and `provider_options`) are used as onnxruntime uses them; the
+    caller's SessionOptions is copied, never modified. `threads` sets intra-op threads (and the
+    threads decoding a packed file). Attributes: `mode` (the mode used, "auto" resolved),
+    `mode_reason`, `dtype` (numpy dtype of the float weights), `weight_arrays` (name -> array
+    fed to onnxruntime; shared ones are the session's own weights), `shared_names`.
+    """
+
+    def __init__(self, path, sess_options=None, providers=None, *, mode="fold", dtype=None, threads=None,
+                 provider_options=None, keep_io_types=True, gpu_fold="host", progress=None):
+        mode = _normalise_mode(mode)
+        target = _normalise_dtype(dtype)
+        providers = _check_providers(providers)
+        if threads is not None and (not isinstance(threads, int) or threads < 0):
+            raise InvalidArgumentError(f"threads must be a non-negative integer, got {threads!r}")
+        if gpu_fold not in ("host", "device"):
+            raise InvalidArgumentError(f"gpu_fold must be 'host' or 'device', got {gpu_fold!r}")
+        self.source = Path(path)
+        self.on_gpu = any(n in GPU_PROVIDERS for n in _provider_names(providers))
+        self._settings = dict(mode=mode, target=target, threads=threads, providers=providers,
+                              provider_options=provider_options, keep_io_types=keep_io_types,
+                              gpu_fold=gpu_fold, progress=progress)
+        options, disabled, model_bytes = self._prepare(sess_options)
+        if self.shared_names:  # a failure here is retried without sharing: keep its log quiet
+            options.log_severity_level = max(options.log_severity_level, 4)
+        try:
+            super().__init__(model_bytes, options, providers=providers, provider_options=provider_options,
+                             disabled_optimizers=disabled or None, enable_fallback=0)
+        except SurgeonError:
+            raise
+        except Exception as exc:
+            if not self.shared_names:
+                raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc).splitlines()[0]}") from None
+            # most likely an optimiser wanted the bytes of a shared weight (onnxruntime cannot read
+            # those): start again with every weight handed over as a copy
+            log.info("passes.InferenceSession: retrying with copied weights (%s)", str(exc).splitlines()[0][:200])
+            options, disabled, model_bytes = self._prepare(sess_options, share=False)
+            try:
+                super().__init__(model_bytes, options, providers=providers, provider_options=provider_options,
+                                 disabled_optimizers=disabled or None, enable_fallback=0)
+            except Exception as exc2:
+                raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc2).splitlines()[0]}") from None
+
+    def _prepare(self, sess_options, share=True):
+        """Read, rewrite for the mode and dtype; returns (options, disabled optimisers, skeleton bytes)."""
+        s = self._settings
+        mode, target = s["mode"], s["target"]
+        split = _read_split(self.source, s["threads"])
+        own_dtype = model_float_dtype(split)
+        self.mode_reason = f"requested mode={mode}"
+        if mode == "auto":
+            mode, self.mode_reason = choose_mode(split, s["providers"], target)
+            log.info("passes.InferenceSession(%s): mode=auto picked %s (%s)", self.source.name, mode, self.mode_reason)
+        self.mode = mode
+        options = copy_session_options(sess_options)
+        if s["threads"]:
+            options.intra_op_num_threads = s["threads"]
+        disabled = set()
+        device_values = {}
+        if mode == "fold":
+            if self.on_gpu and s["gpu_fold"] == "device":
+                from .runtime_gpu import fold_on_device
+
+                device_values = fold_on_device(split, s["providers"], s["provider_options"])
+            from .runtime_fold import fold_into
+
+            fold_into(split, progress=s["progress"])
+        else:
+            from .runtime_int8 import prepare_quantized
+
+            disabled |= prepare_quantized(split, bits=4 if mode == "int4" else 8, options=options)
+        self.dtype = np.dtype(target or own_dtype)
+        if target is not None and target != own_dtype:
+            from .precision import convert_split
+
+            convert_split(split, target, keep_io_types=s["keep_io_types"])
+        split.refresh_placeholders()
+        self.weight_arrays = split.weights
+        self.shared_names = shareable_names(split) if share and not self.on_gpu else set()
+        self.shared_names |= set(device_values)
+        self._device_values = device_values
+        model_bytes = split.skeleton.SerializeToString()
+        self.skeleton_bytes = len(model_bytes)
+        return options, disabled, model_bytes
+
+    # onnxruntime's loader, with the weights attached to our private options: shared ones kept
+    # alive with the session, copied ones dropped as soon as onnxruntime holds its copy
+    def _create_inference_session(self, providers, provider_options, disabled_optimizers=None):
+        from onnxruntime.capi import _pybind_state as C
+        from onnxruntime.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
+
+        options = self._sess_options
+        copied = {n: a for n, a in self.weight_arrays.items() if n not in self.shared_names and n not in self._device_values}
+        keep_values = []
+        for name in sorted(self.shared_names):
+            if name in self._device_values:
+                value = self._device_values[name]
+            else:
+                value = ort.OrtValue.ortvalue_from_numpy(self.weight_arrays[name])
+            options.add_initializer(name, value)
+            keep_values.append(value)
+        if copied:
+            names = list(copied)
+            options.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(copied[n]) for n in names])
+        providers, provider_options = check_and_normalize_provider_args(
+            providers, provider_options, C.get_available_providers()
+        )
+        sess = C.InferenceSession(options, self._model_bytes, False, self._read_config_from_model)
+        self._kept_values = keep_values  # shared OrtValues must outlive the session
+        sess.initialize_session(providers, provider_options, set(disabled_optimizers or ()))
+        # onnxruntime holds its own copies of the external initializers once initialised (it still
+        # reads our buffers during initialisation): drop ours
+        for name in copied:
+            self.weight_arrays.pop(name, None)
+        del copied
+        self._bind_session(sess)
+        # the options we made hold OrtValues of released arrays: they are never used again
+        self._sess_options_initial = None
+

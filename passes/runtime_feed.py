@@ -1,0 +1,219 @@
+"""How weights reach onnxruntime without a protobuf copy and without a temporary file.
+
+A model is split into a *skeleton* (the graph, small tensors inline) and a dict of big weights
+(numpy arrays). Each big initializer stays declared in the skeleton as an external-data
+placeholder (name, dtype, shape; onnxruntime requires the declaration) and its bytes are handed to
+onnxruntime as an OrtValue, in one of two ways:
+
+- **shared** (`SessionOptions.add_initializer`): onnxruntime uses our buffer as is, no copy. The
+  buffer must outlive the session (the session object keeps it). Graph optimisers that want to
+  read or rewrite the tensor's bytes (NCHWc reordering of Conv weights, the transpose optimiser,
+  constant folding) cannot see a shared tensor and fail, so only tensors consumed by operators
+  that read weights at kernel creation (MatMul, Gemm, Gather, MatMulNBits, ...) are shared.
+- **copied** (`SessionOptions.add_external_initializers`): onnxruntime copies the bytes into its
+  graph when the model is *loaded*, before optimisation, so every optimiser sees them. Our array
+  is dropped right after that load step (`FeedingSession` splits onnxruntime's load and
+  initialise steps), so the two copies coexist only for a moment, never during optimisation.
+
+The skeleton's placeholders point at ".", a location that is never a data file: onnxruntime never
+reads it, because every placeholder is replaced by an OrtValue before anything reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+log = logging.getLogger("passes.runtime")
+
+# Below this many bytes a tensor stays inline in the skeleton: shape-like inputs (Reshape shapes,
+# Clip bounds, scales) must be visible to onnxruntime's shape inference, and onnxruntime refuses
+# user buffers under 128 bytes anyway.
+INLINE_MAX_BYTES = 4096
+
+# onnxruntime checks that an external-data location exists (relative to the working folder for a
+# model given as bytes) even when the bytes come from an OrtValue; "." always exists and is never a
+# readable data file, so a placeholder cannot be confused with real external data.
+PLACEHOLDER_LOCATION = "."
+
+# Operators whose kernels read a weight input once, at kernel creation, and that no optimiser
+# rewrites by reading the bytes: their weights can be shared with onnxruntime without a copy.
+SHAREABLE_CONSUMERS = {
+    ("", "MatMul"): {1},
+    ("", "Gemm"): {1},
+    ("", "Gather"): {0},
+    ("com.microsoft", "MatMulNBits"): {1, 3},
+    ("com.microsoft", "GatherBlockQuantized"): {0, 3},
+}
+
+
+def np_dtype_to_onnx(dtype: np.dtype) -> int:
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def placeholder(name: str, array: np.ndarray) -> TensorProto:
+    """An initializer declaration whose bytes live outside the protobuf."""
+    t = TensorProto()
+    t.name = name
+    t.data_type = np_dtype_to_onnx(array.dtype)
+    t.dims.extend(array.shape)
+    t.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", PLACEHOLDER_LOCATION), ("offset", "0"), ("length", str(array.nbytes))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t
+
+
+def is_placeholder(t: TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == PLACEHOLDER_LOCATION for e in t.external_data
+    )
+
+
+@dataclasses.dataclass
+class SplitModel:
+    """A skeleton (graph + small tensors) and the big weights, by initializer name."""
+
+    skeleton: onnx.ModelProto
+    weights: dict  # name -> np.ndarray
+
+    def array(self, name: str) -> np.ndarray | None:
+        """The value of a main-graph initializer (big or inline), or None when `name` is not one."""
+        if name in self.weights:
+            return self.weights[name]
+        for t in self.skeleton.graph.initializer:
+            if t.name == name:
+                return None if is_placeholder(t) else numpy_helper.to_array(t)
+        return None
+
+    def initializer_names(self) -> set:
+        return {t.name for t in self.skeleton.graph.initializer}
+
+    def set_weight(self, name: str, array: np.ndarray) -> None:
+        """Add or replace a main-graph initializer; big arrays are fed, small ones go inline."""
+        self.remove_initializer(name)
+        if array.nbytes > INLINE_MAX_BYTES:
+            self.weights[name] = np.ascontiguousarray(array)
+            self.skeleton.graph.initializer.append(placeholder(name, array))
+        else:
+            self.skeleton.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+
+    def remove_initializer(self, name: str) -> None:
+        self.weights.pop(name, None)
+        inits = self.skeleton.graph.initializer
+        for i in range(len(inits) - 1, -1, -1):
+            if inits[i].name == name:
+                del inits[i]
+
+    def refresh_placeholders(self) -> None:
+        """Make every placeholder match the array that will be fed (dtype and shape may have
+        changed in a rewrite, e.g. a float16 conversion) and drop unused ones."""
+        used = _used_names(self.skeleton.graph)
+        inits = self.skeleton.graph.initializer
+        for i in range(len(inits) - 1, -1, -1):
+            t = inits[i]
+            if t.name not in used:
+                self.weights.pop(t.name, None)
+                del inits[i]
+            elif is_placeholder(t):
+                if t.name in self.weights:  # (weights already on a device are declared by their maker)
+                    inits[i].CopyFrom(placeholder(t.name, self.weights[t.name]))
+        for name in list(self.weights):
+            if name not in used:
+                del self.weights[name]
+
+
+def _used_names(graph: onnx.GraphProto) -> set:
+    """Names read by the graph's nodes (subgraphs included, for outer-scope references) or outputs."""
+    used = {o.name for o in graph.output}
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for node in g.node:
+            used.update(node.input)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attr.graphs)
+    return used
+
+
+def split_model(model: onnx.ModelProto, *, take_ownership: bool = False) -> SplitModel:
+    """Move every big main-graph tensor (initializers and Constant-node values) out of the protobuf.
+
+    With `take_ownership` the given model is emptied tensor by tensor as it is read (no moment
+    holds two copies of all weights); otherwise it is left untouched.
+    """
+    if not take_ownership:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        model = copy
+    weights = {}
+    graph = model.graph
+    for t in graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL or _payload_bytes(t) <= INLINE_MAX_BYTES:
+            continue
+        array = numpy_helper.to_array(t)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array).copy()
+        weights[t.name] = array
+        t.CopyFrom(placeholder(t.name, array))
+    # Constant nodes of the main graph holding big tensors become fed initializers too.
+    keep = []
+    for node in graph.node:
+        value = _big_constant_value(node)
+        if value is None:
+            keep.append(node)
+            continue
+        array = np.ascontiguousarray(numpy_helper.to_array(value)).copy()
+        weights[node.output[0]] = array
+        graph.initializer.append(placeholder(node.output[0], array))
+    if len(keep) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(keep)
+    return SplitModel(model, weights)
+
+
+def _payload_bytes(t: TensorProto) -> int:
+    if t.HasField("raw_data"):
+        return len(t.raw_data)
+    return 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
+
+
+def _big_constant_value(node: onnx.NodeProto) -> TensorProto | None:
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        return None
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            if attr.t.data_location != TensorProto.EXTERNAL and _payload_bytes(attr.t) > INLINE_MAX_BYTES:
+                return attr.t
+    return None
+
+
+def shareable_names(split: SplitModel) -> set:
+    """Fed weights that every consumer reads only at kernel creation (safe to share, no copy)."""
+    consumers: dict[str, list] = {}
+    for node in split.skeleton.graph.node:
+        for index, name in enumerate(node.input):
+            if name in split.weights:
+                consumers.setdefault(name, []).append((node.domain or "", node.op_type, index))
+    # names read inside subgraphs (outer-scope references) or returned as outputs stay copied
+    outputs = {o.name for o in split.skeleton.graph.output}
+    for node in split.skeleton.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                outputs |= _used_names(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    outputs |= _used_names(g)
+    shared = set()
+    for name, uses in consumers.items():
+        if name in outputs:
+            continue
+        if all(index in SHAREABLE_CONSUMERS.get((domain, op), ()) for domain, op, index in uses):
+            shared.add(name)
+    return shared

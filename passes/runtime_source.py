@@ -1,0 +1,217 @@
+"""Reading a model for the runtime as a skeleton plus weights, never as a full ModelProto.
+
+- `.onnx`: the file (and any external data file) is memory-mapped; the skeleton is cut from the
+  mapping without reading the weights (`runtime_wire`), and each weight is a read-only numpy view
+  of the mapping: no copy at all until a rewrite (fold, int8 forms, float16) makes its own array.
+- `.onnxz`: the pack's model file is restored with only its graph bytes and small tensors
+  decoded (the big payload ranges stay untouched zero pages), the skeleton is cut the same way,
+  and each big tensor is decoded on its own with `PackedModel.get_tensor`, straight into the array
+  the session keeps.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ._fileio import _safe_external_path, check_readable, parse_model_bytes
+from .errors import CorruptFileError, FileAccessError, InvalidModelError
+from .runtime_feed import INLINE_MAX_BYTES, SplitModel, placeholder
+
+PACKED_MAGIC = b"ONNXZ"
+
+
+def is_packed(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(PACKED_MAGIC)) == PACKED_MAGIC
+    except OSError as exc:
+        raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def read_split(path, threads=None) -> SplitModel:
+    p = check_readable(path)
+    if is_packed(p):
+        return read_packed(p, threads=threads)
+    return read_onnx(p)
+
+
+def _map_file(path: Path):
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return b""
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _cut_skeleton(buf, name: str):
+    from .onnxz.protowire import WireError
+    from .runtime_wire import strip_main_graph_payloads
+
+    try:
+        skeleton_bytes, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)
+    except (WireError, IndexError, ValueError) as exc:
+        raise InvalidModelError(f"{name} is not an ONNX model ({exc})") from None
+    return parse_model_bytes(skeleton_bytes, name), stripped
+
+
+def _assemble(model: onnx.ModelProto, stripped, arrays: dict) -> SplitModel:
+    """The skeleton with a placeholder for each stripped tensor (Constant nodes become initializers)."""
+    graph = model.graph
+    by_name = {s.name: s for s in stripped if not s.constant_node}
+    for i, t in enumerate(graph.initializer):
+        if t.name in by_name and t.name in arrays:
+            graph.initializer[i].CopyFrom(placeholder(t.name, arrays[t.name]))
+    constants = {s.name for s in stripped if s.constant_node}
+    if constants:
+        keep = [n for n in graph.node if not (n.op_type == "Constant" and n.output and n.output[0] in constants)]
+        del graph.node[:]
+        graph.node.extend(keep)
+        for name in sorted(constants):
+            graph.initializer.append(placeholder(name, arrays[name]))
+    return SplitModel(model, arrays)
+
+
+def read_onnx(path: Path) -> SplitModel:
+    buf = _map_file(path)
+    model, stripped = _cut_skeleton(buf, str(path))
+    arrays = {s.name: s.view(buf) for s in stripped}
+    _map_external(model, path.parent, arrays)
+    return _assemble(model, stripped, arrays)
+
+
+def _external_info(t: TensorProto) -> dict:
+    return {e.key: e.value for e in t.external_data}
+
+
+def _map_external(model: onnx.ModelProto, base: Path, arrays: dict) -> None:
+    """Main-graph initializers in external data files become views of those files (mapped once);
+    tensors elsewhere (subgraphs, attributes) are read into the skeleton."""
+    from ._fileio import external_tensors, load_external_data
+
+    maps = {}
+    for t in model.graph.initializer:
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        info = _external_info(t)
+        target = _safe_external_path(base, info.get("location", ""))
+        if target not in maps:
+            if not target.is_file():
+                raise InvalidModelError(f"external data file {info.get('location')!r} of tensor {t.name!r} is missing")
+            maps[target] = _map_file(target)
+        buf = maps[target]
+        array = _view_external(t, info, buf)
+        arrays[t.name] = array
+    for t in model.graph.initializer:
+        if t.name in arrays and t.data_location == TensorProto.EXTERNAL:
+            t.CopyFrom(placeholder(t.name, arrays[t.name]))
+    if any(True for _ in external_tensors(model)):
+        load_external_data(model, base)
+
+
+def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
+    try:
+        offset = int(info.get("offset", 0) or 0)
+        length = int(info["length"]) if info.get("length") else len(buf) - offset
+    except ValueError:
+        raise InvalidModelError(f"tensor {t.name!r} has a malformed external data offset or length") from None
+    if offset < 0 or length < 0 or offset + length > len(buf):
+        raise InvalidModelError(f"tensor {t.name!r} declares external data beyond the end of its file")
+    np_type = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+    count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+    if t.data_type in (TensorProto.INT4, TensorProto.UINT4) or count * np.dtype(np_type).itemsize != length:
+        proto = TensorProto()
+        proto.CopyFrom(t)
+        del proto.external_data[:]
+        proto.data_location = TensorProto.DEFAULT
+        proto.raw_data = bytes(buf[offset:offset + length])
+        return numpy_helper.to_array(proto)
+    return np.frombuffer(buf, dtype=np_type, count=count, offset=offset).reshape(tuple(t.dims))
+
+
+# ---------------------------------------------------------------------- packed files
+
+def read_packed(path: Path, threads=None) -> SplitModel:
+    from .onnxz import open_packed
+
+    with open_packed(path, threads=threads) as packed:
+        pf = packed._pf  # the pack reader's file layer: skeleton pieces and chunk decoding
+        buf = _restore_graph_bytes(pf)
+        model, stripped = _cut_skeleton(buf, str(path))
+        entries = {(t.file, t.offset): t for t in pf.index.tensors}
+        arrays = {}
+        for s in stripped:
+            entry = entries.get((0, s.offset))
+            if entry is not None and entry.length == s.length:
+                arrays[s.name] = _entry_array(packed, entry, s.dtype, s.shape)
+            else:  # payload kept in the pack's skeleton: already restored in `buf`
+                arrays[s.name] = s.view(buf).copy()
+        del buf
+        _packed_external(model, pf, packed, entries, arrays)
+        return _assemble(model, stripped, arrays)
+
+
+def _entry_array(packed, entry, dtype, shape) -> np.ndarray:
+    array = packed.get_tensor(entry.key)
+    if not array.flags.writeable:
+        array = array.copy()
+    return array.reshape(shape) if list(array.shape) != list(shape) else array
+
+
+def _restore_graph_bytes(pf) -> np.ndarray:
+    """File 0 of the pack with every payload chunk left as zero pages except the small ones.
+
+    np.zeros gets fresh zero pages from the kernel: a chunk never written costs no memory."""
+    from .onnxz.protowire import WireError
+    from .runtime_wire import strip_main_graph_payloads
+
+    size = pf.index.files[0].size
+    buf = np.zeros(size, np.uint8)
+    skel = pf.skeleton(0)
+    chunks = []
+    for off, ln, src in pf._pieces(0):
+        if src[0] == "skel":
+            buf[off:off + ln] = skel[src[1]:src[1] + ln]
+        else:
+            chunks.append((off, ln, src))
+    try:  # first pass reads tags and lengths only: which payloads will be stripped
+        _, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)
+    except (WireError, IndexError, ValueError) as exc:
+        raise CorruptFileError(f"damaged .onnxz file: its model does not parse ({exc})") from None
+    big = sorted((s.offset, s.offset + s.length) for s in stripped)
+    import bisect
+
+    starts = [a for a, _ in big]
+    tasks = []
+    for off, ln, src in chunks:
+        i = bisect.bisect_right(starts, off) - 1
+        if i >= 0 and big[i][0] <= off and off + ln <= big[i][1]:
+            continue  # inside a big payload: decoded later, tensor by tensor
+        tasks.append((pf._decode_chunk, src[1], src[2], buf[off:off + ln]))
+    pf._run(tasks)
+    return buf
+
+
+def _packed_external(model, pf, packed, entries, arrays) -> None:
+    names = {f.name: fi for fi, f in enumerate(pf.index.files)}
+    for t in model.graph.initializer:
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        info = _external_info(t)
+        fi = names.get(info.get("location", ""))
+        if fi is None or fi == 0:
+            raise CorruptFileError(f"damaged .onnxz file: external data {info.get('location')!r} of {t.name!r} is not in the pack")
+        offset = int(info.get("offset", 0) or 0)
+        entry = entries.get((fi, offset))
+        if entry is not None:
+            arrays[t.name] = _entry_array(packed, entry, t.data_type, list(t.dims))
+        else:
+            length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
+            arrays[t.name] = _view_external(t, info, pf.read_range(fi, offset, length))
+        t.CopyFrom(placeholder(t.name, arrays[t.name]))
