@@ -200,6 +200,10 @@ _ORT_TYPES = {
 
 PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
+# A ModelProto smaller than this goes to onnxruntime as bytes; a larger one cannot be serialised
+# as one protobuf and goes through a temporary file with external data.
+INLINE_MODEL_LIMIT = 2**31 - 1
+
 
 def resolve_providers(providers) -> list[str]:
     """onnxruntime provider list from None (CPU), "cpu", "cuda" or a list of full provider names."""
@@ -231,7 +235,7 @@ def _session(model_or_path, providers=None, sess_options=None):
     label = "model"
     try:
         if isinstance(model_or_path, onnx.ModelProto):
-            if model_or_path.ByteSize() < 2**31 - 1:
+            if model_or_path.ByteSize() < INLINE_MODEL_LIMIT:
                 return ort.InferenceSession(model_or_path.SerializeToString(), sess_options, providers=providers)
             # too big for one protobuf: onnxruntime must read it from a file with external data
             from ._fileio import save_model

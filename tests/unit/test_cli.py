@@ -142,6 +142,19 @@ def test_compress_verbose_prints_the_per_tensor_table(tmp_path, capsys):
     assert "SNR dB" in stdout and "int8/channel(axis=0)/sym" in stdout
 
 
+def test_compress_weights_in_if_subgraphs_gated_on_cosine(tmp_path, capsys):
+    """silero_vad: every weight is a Constant node inside the If branches."""
+    out = tmp_path / "vad.onnx"
+    code, stdout, err = run(capsys, "compress", MODELS / "silero_vad_v6.onnx", "-o", out, "--feeds",
+                            MODELS / "silero_vad_v6_feeds.npz", "--require", "cosine>=0.999", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    changed = [t for t in report["report"]["tensors"] if t["bytes_after"] < t["bytes_before"]]
+    assert changed and all(t["location"].startswith("subgraph If_0/") for t in changed)
+    assert report["output_bytes"] < 0.4 * report["input_bytes"]
+    assert report["fidelity"]["metrics"]["cosine"] >= 0.999
+
+
 # ------------------------------------------------------------------------------ error paths
 
 
@@ -241,6 +254,16 @@ def test_bad_feeds(tmp_path, capsys):
     assert code == 1
     assert_one_line_error(err, "absent.npz")
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_unavailable_provider(capsys):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("CUDA is available here")
+    code, _, err = run(capsys, "eval", SAMPLE, SAMPLE, "--feeds", FEEDS, "--provider", "cuda")
+    assert code == 1
+    assert_one_line_error(err, "provider cuda is not available", "onnxruntime-gpu")
 
 
 def test_pass_errors_become_one_line(tmp_path, capsys):

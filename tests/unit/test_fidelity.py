@@ -172,6 +172,14 @@ def test_run_outputs_wraps_onnxruntime_failures(model, tmp_path):
         F.run_outputs(broken, [{"x": np.ones((1, 8), np.float32)}])
 
 
+def test_run_outputs_of_a_model_too_big_for_one_protobuf(model, weight, monkeypatch):
+    """Above the protobuf limit the model reaches onnxruntime through a file with external data."""
+    monkeypatch.setattr(F, "INLINE_MODEL_LIMIT", 0)
+    x = np.ones((1, 8), np.float32)
+    out = F.run_outputs(model, [{"x": x}])
+    np.testing.assert_allclose(out[0][0], x @ weight, rtol=1e-5, atol=1e-5)
+
+
 def test_provider_names():
     assert F.resolve_providers(None) == ["CPUExecutionProvider"]
     assert F.resolve_providers("cpu") == ["CPUExecutionProvider"]
@@ -347,3 +355,41 @@ def test_requirement_check_and_enforce():
     assert "top1" not in str(err.value)
     with pytest.raises(InvalidArgumentError, match="not computed"):
         F.parse_requirement("ctc>=0.9").check(result)
+
+
+# ------------------------------------------------------------------------------ against the corpus's own check.py
+
+
+def _corpus_check_module(corpus):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("corpus_check", corpus.path / "check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_metrics_agree_with_corpus_check_py(corpus):
+    """Our ctc and top1 give the corpus reference's numbers on real outputs (ddddocr's CTC head,
+    rapidocr's classifier against its float16 conversion)."""
+    check = _corpus_check_module(corpus)
+    name = "ddddocr_old"
+    _, args = corpus.metric(name)
+    feeds = F.load_feeds(corpus.feeds(name))[:6]
+    outs = F.run_outputs(str(corpus.model(name)), feeds)
+    for out in outs:
+        y = out[0]
+        assert F.ctc_strings(y, args["time_axis"], args["class_axis"], args["blank"]) == \
+            check.ctc_strings(y, args["time_axis"], args["class_axis"], args["blank"])
+    assert F.ctc_agreement(outs, outs, args["time_axis"], args["class_axis"], args["blank"]) == 1.0
+
+    from conftest import MODELS
+
+    feeds = F.load_feeds(corpus.feeds("rapidocr_cls"))
+    ref = F.run_outputs(str(corpus.model("rapidocr_cls")), feeds)
+    cand = F.run_outputs(str(MODELS / "rapidocr_cls_fp16.onnx"), feeds)
+    text, _ = check.score({"metric": "top1"}, ref, cand)
+    ours = F.compute_metrics(ref, cand)
+    assert text.startswith(f"agreement {ours['top1']:.4f}")
+    text, _ = check.score({"metric": "cosine"}, ref, cand)
+    assert text == f"mean {ours['cosine']:.6f} min {ours['cosine_min']:.6f}"
