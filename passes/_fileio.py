@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import re
+import signal
+import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Callable, Iterator, Union
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -89,11 +93,9 @@ def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
     """
     p = check_writable(path, force)
     folder = p.parent if str(p.parent) else Path(".")
+    fd, tmp, release = _make_temp_file(p, folder)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=folder)
-    except OSError as exc:
-        raise FileAccessError(_describe_os_error(p, exc, "write")) from None
-    try:
+        release()
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -112,6 +114,32 @@ def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
         raise
 
 
+def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]]:
+    """mkstemp with SIGINT held back: returns (fd, name, release).
+
+    The caller calls `release()` as the first statement of the `try` that removes the file on
+    failure, so a Ctrl-C that came while the file was being created is raised there (signal
+    handlers run when the mask is lifted) and can never leave the file behind.
+    """
+    previous = None
+    if hasattr(signal, "pthread_sigmask"):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def release() -> None:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=folder)
+    except OSError as exc:
+        release()
+        raise FileAccessError(_describe_os_error(p, exc, "write")) from None
+    except BaseException:
+        release()
+        raise
+    return fd, tmp, release
+
+
 def _remove_quietly(path: PathLike) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
@@ -126,6 +154,8 @@ def _safe_external_path(base_dir: Path, location: str) -> Path:
     """The file an external-data `location` names, refused when it leaves the model's folder."""
     if not location or os.path.isabs(location) or location.startswith(("/", "\\")):
         raise InvalidModelError(f"external data path {location!r} is absolute; only paths inside the model's folder are read")
+    if "\0" in location:
+        raise InvalidModelError(f"external data path {location!r} holds a NUL byte; refused")
     base = base_dir.resolve()
     target = (base / location).resolve()
     if target != base and base not in target.parents:
@@ -149,7 +179,10 @@ def load_external_data(model: onnx.ModelProto, base_dir: PathLike) -> None:
         info = {e.key: e.value for e in tensor.external_data}
         target = _safe_external_path(base, info.get("location", ""))
         try:
-            size = target.stat().st_size
+            st = target.stat()
+            if not stat.S_ISREG(st.st_mode):  # a folder or a FIFO would fail or block in open()
+                raise InvalidModelError(f"external data path {info.get('location')!r} of tensor {tensor.name!r} is not a regular file")
+            size = st.st_size
             offset = int(info.get("offset", 0) or 0)
             length = int(info["length"]) if info.get("length") else size - offset
         except FileNotFoundError:
@@ -238,32 +271,69 @@ def save_model(model: onnx.ModelProto, path: PathLike, force: bool = False, exte
 
 
 def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool) -> None:
-    """Model file plus one data file, each written to a temporary name and renamed (data first),
-    so the model file never points at a partial data file."""
+    """Model file plus one data file.
+
+    The data file is named after a digest of its content (`<model name>.<digest>.data`) and is
+    renamed into place before the model file: replacing a model never lets the old model file
+    read new data (or the reverse), whatever moment a kill lands. The model's rename is the
+    commit point; the data file of the model it replaced is removed after it.
+    """
     from onnx.external_data_helper import _get_all_tensors
 
-    data_name = p.name + ".data"
-    data_path = p.parent / data_name
-    check_writable(data_path, force)
+    folder = p.parent if str(p.parent) else Path(".")
+    previous_data = _own_data_files(p) if p.exists() else []
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    with atomic_output(data_path, force) as f:
-        offset = 0
-        for t in _get_all_tensors(out):
-            if not t.HasField("raw_data") or len(t.raw_data) < 1024:
-                continue
-            # 4 KiB alignment lets readers memory-map tensors directly
-            pad = (-offset) % 4096
-            if pad:
-                f.write(b"\0" * pad)
-                offset += pad
-            payload = t.raw_data
-            f.write(payload)
-            del t.external_data[:]
-            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, value
-            t.data_location = onnx.TensorProto.EXTERNAL
-            t.ClearField("raw_data")
-            offset += len(payload)
+    fd, tmp, release = _make_temp_file(p, folder)
+    digest = hashlib.blake2b(digest_size=8)
+    placed = []
+    try:
+        release()
+        with os.fdopen(fd, "wb") as f:
+            offset = 0
+            for t in _get_all_tensors(out):
+                if not t.HasField("raw_data") or len(t.raw_data) < 1024:
+                    continue
+                pad = (-offset) % 4096  # 4 KiB alignment lets readers memory-map tensors
+                if pad:
+                    f.write(b"\0" * pad)
+                    digest.update(b"\0" * pad)
+                    offset += pad
+                payload = t.raw_data
+                f.write(payload)
+                digest.update(payload)
+                placed.append((t, offset, len(payload)))
+                offset += len(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        data_name = f"{p.name}.{digest.hexdigest()}.data"
+        os.replace(tmp, folder / data_name)  # same content under the same name: harmless
+        _fsync_dir(folder)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        raise FileAccessError(_describe_os_error(p, exc, "write")) from None
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    for t, offset, length in placed:
+        del t.external_data[:]
+        for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        t.data_location = onnx.TensorProto.EXTERNAL
+        t.ClearField("raw_data")
     write_bytes_atomic(p, out.SerializeToString(), force)
+    for old in previous_data:
+        if old.name != data_name:
+            _remove_quietly(old)
+
+
+def _own_data_files(p: Path) -> list[Path]:
+    """Data files an existing model at `p` references that this module would have written for it."""
+    try:
+        old = onnx.load_model(str(p), load_external_data=False)
+    except Exception:  # not a model we can read: leave its neighbours alone
+        return []
+    names = {e.value for t in external_tensors(old) for e in t.external_data if e.key == "location"}
+    ours = re.compile(re.escape(p.name) + r"(\.[0-9a-f]{16})?\.data")
+    return [p.parent / n for n in sorted(names) if ours.fullmatch(n) and "/" not in n]

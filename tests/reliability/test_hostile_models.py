@@ -121,26 +121,17 @@ def test_external_missing_file(layout):
     _load_refused(_external_model(folder, "nope.bin"), "missing")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/_fileio._safe_external_path: a NUL byte in the location makes Path.resolve raise a "
-    "bare ValueError ('embedded null byte') instead of InvalidModelError"))
 def test_external_location_with_nul_byte(layout):
     _, folder, _ = layout
     _load_refused(_external_model(folder, "ok.bin\0../../secret.bin"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/_fileio.load_external_data: a location naming a folder inside the model's folder "
-    "('.', 'sub') reaches open() and raises a bare IsADirectoryError"))
 @pytest.mark.parametrize("location", [".", "sub"])
 def test_external_location_is_a_folder(layout, location):
     _, folder, _ = layout
     _load_refused(_external_model(folder, location, "0", "0"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/_fileio.load_external_data: a location naming a FIFO (or other non-regular file) "
-    "inside the model's folder blocks forever in open(); it should be refused as not a regular file"))
 def test_external_location_is_a_fifo(layout):
     _, folder, _ = layout
     fifo = folder / "pipe.bin"

@@ -36,10 +36,7 @@ def _leftovers(folder, expected_names):
 
 def _check_leftovers(leftovers, final_name, sig, problems, where, point_name):
     pattern = re.compile(r"^\." + re.escape(final_name) + r"\.[A-Za-z0-9_]+\.part$")
-    # A KeyboardInterrupt between mkstemp returning and atomic_output entering its try block
-    # escapes the cleanup; that window has its own (xfail) test below, the name rule still holds.
-    sigint_window = point_name == "after mkstemp"
-    if sig == signal.SIGINT and leftovers and not sigint_window:
+    if sig == signal.SIGINT and leftovers:
         problems.append(f"{where}: SIGINT left {leftovers}")
     for name in leftovers:
         if not pattern.match(name):
@@ -187,19 +184,11 @@ def _external_pair_sweep(tmp_path, sigs):
     return problems
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/_fileio._save_with_external_data renames the new .data file over the old one before "
-    "the model file: a kill between the two renames leaves the old model reading the new data "
-    "(same offsets: loads silently, neither old nor new model)"))
 def test_save_model_external_data_replacement_is_consistent(tmp_path):
     problems = _external_pair_sweep(tmp_path, [signal.SIGKILL])
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/_fileio.atomic_output: tempfile.mkstemp runs before the try block, so a "
-    "KeyboardInterrupt landing just after it returns leaves the .part file behind (narrow window; "
-    "block SIGINT around mkstemp or enter the try first)"))
 def test_sigint_right_after_mkstemp_leaves_no_temp_file(tmp_path):
     final = tmp_path / "out.bin"
 
