@@ -523,8 +523,11 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
     except InvalidModelError as exc:
         if synthesized:
             raise InvalidArgumentError(f"the original model does not run on synthesised inputs ({exc}); pass real feeds (--feeds)") from None
-        raise
-    cand = run_outputs(candidate, feeds, providers=providers, progress=step2)
+        raise InvalidModelError(f"original model: {exc}") from None
+    try:
+        cand = run_outputs(candidate, feeds, providers=providers, progress=step2)
+    except InvalidModelError as exc:  # say which of the two models failed
+        raise InvalidModelError(f"candidate model: {exc}") from None
     metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args)
     return FidelityResult(metrics=metrics, n_feeds=len(feeds), synthesized=synthesized, metric=metric, notes=notes)
 

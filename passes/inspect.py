@@ -104,6 +104,7 @@ class ModelDescription:
     opsets: dict[str, int] = field(default_factory=dict)
     ir_version: int = 0
     nodes: int = 0
+    external_files: list[str] = field(default_factory=list)  # external-data locations, relative to the model
 
     @property
     def total_bytes(self) -> int:
@@ -114,6 +115,7 @@ class ModelDescription:
             "ir_version": self.ir_version,
             "opsets": dict(self.opsets),
             "nodes": self.nodes,
+            "external_files": list(self.external_files),
             "weight_bytes": self.total_bytes,
             "by_dtype": self.by_dtype,
             "by_scheme": self.by_scheme,
@@ -156,17 +158,29 @@ def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
+_EXTERNAL_KEY = "\0external files"  # a key no tensor name can take: where _walk collects locations
+
+
+def _note_external(tensor: onnx.TensorProto, tensors: dict) -> None:
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                tensors.setdefault(_EXTERNAL_KEY, set()).add(entry.value)
+
+
 def _walk(graph: onnx.GraphProto, where: str, tensors: dict, consumers: dict, nodes: list) -> None:
     """Collect weights (name -> _Tensor) and consumers (name -> [(node, input index)]) of a graph
     and all its subgraphs. `where` is "" for the main graph, else "subgraph NODE/ATTR"."""
     prefix = f"{where}: " if where else ""
     for t in graph.initializer:
+        _note_external(t, tensors)
         tensors.setdefault(t.name, _Tensor(t.name, t.data_type, tuple(t.dims), tensor_nbytes(t), prefix + "initializer", _small_values(t)))
     for node in graph.node:
         nodes.append(node)
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
             t = _constant_tensor(node)
             if t is not None:
+                _note_external(t, tensors)
                 tensors.setdefault(node.output[0], _Tensor(node.output[0], t.data_type, tuple(t.dims), tensor_nbytes(t),
                                                            prefix + "Constant node", _small_values(t)))
         for index, name in enumerate(node.input):
@@ -248,6 +262,7 @@ def describe_model(model) -> ModelDescription:
     consumers: dict[str, list] = defaultdict(list)
     nodes: list = []
     _walk(model.graph, "", tensors, consumers, nodes)
+    external = sorted(tensors.pop(_EXTERNAL_KEY, set()))
     rows = []
     for name, t in tensors.items():
         uses = consumers.get(name, [])
@@ -269,5 +284,5 @@ def describe_model(model) -> ModelDescription:
     return ModelDescription(
         rows=rows, by_dtype=sort(by_dtype), by_scheme=sort(by_scheme),
         opsets={(o.domain or "ai.onnx"): int(o.version) for o in model.opset_import},
-        ir_version=int(model.ir_version), nodes=len(nodes),
+        ir_version=int(model.ir_version), nodes=len(nodes), external_files=external,
     )

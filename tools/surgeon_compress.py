@@ -324,13 +324,16 @@ def cmd_info(args) -> int:
         with passes.open_packed(path) as packed:
             packed_meta = packed.metadata()
     desc = describe_model(path)
-    size = file_size(path)
+    size = path.stat().st_size + sum(
+        (path.parent / loc).stat().st_size for loc in desc.external_files if (path.parent / loc).is_file()
+    )
     if args.json:
         print_json({"command": "info", "file": str(path), "file_bytes": size, **desc.to_dict(),
                     "packed": packed_meta})
         return EXIT_OK
     opsets = ", ".join(f"{k} {v}" for k, v in desc.opsets.items())
-    print(f"{path}: {human_bytes(size)} on disk, {desc.nodes} nodes, IR {desc.ir_version}, opsets {opsets}")
+    external = f" (with external data: {', '.join(desc.external_files)})" if desc.external_files else ""
+    print(f"{path}: {human_bytes(size)} on disk{external}, {desc.nodes} nodes, IR {desc.ir_version}, opsets {opsets}")
     print(f"  weights: {len(desc.rows)} tensors, {human_bytes(desc.total_bytes)}")
     print()
     print("  by dtype")

@@ -341,6 +341,31 @@ def test_info_tables_and_json(capsys, compressed):
     assert all(n in stdout for n in list(names)[:20])
 
 
+def test_info_counts_external_data(tmp_path, capsys):
+    model = onnx.load(str(SAMPLE))
+    big = onnx.helper.make_tensor("big", onnx.TensorProto.FLOAT, [256, 16], np.ones(4096, np.float32).tobytes(), raw=True)
+    model.graph.initializer.append(big)
+    onnx.save_model(model, str(tmp_path / "ext.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=1024)
+    code, stdout, err = run(capsys, "info", tmp_path / "ext.onnx", "--json")
+    assert code == 0, err
+    info = json.loads(stdout)
+    assert info["external_files"] == ["weights.bin"]
+    assert info["file_bytes"] == (tmp_path / "ext.onnx").stat().st_size + (tmp_path / "weights.bin").stat().st_size
+
+
+def test_eval_names_the_model_that_fails(tmp_path, capsys):
+    broken = onnx.load(str(SAMPLE))
+    broken.graph.node[-1].op_type = "NoSuchOp"
+    path = tmp_path / "broken.onnx"
+    path.write_bytes(broken.SerializeToString())
+    code, _, err = run(capsys, "eval", SAMPLE, path, "--feeds", FEEDS)
+    assert code == 1
+    assert_one_line_error(err, "candidate model", "onnxruntime cannot load")
+    code, _, err = run(capsys, "eval", path, SAMPLE, "--feeds", FEEDS)
+    assert code == 1
+    assert_one_line_error(err, "original model")
+
+
 def test_eval_gate_and_metrics(tmp_path, capsys, compressed):
     code, stdout, err = run(capsys, "eval", SAMPLE, compressed, "--feeds", FEEDS, "--metric", "top1")
     assert code == 0, err

@@ -117,8 +117,10 @@ def test_external_data_is_not_read(tmp_path):
     onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="m.onnx.data", size_threshold=0)
     (tmp_path / "m.onnx.data").unlink()  # describe_model must not need it: sizes come from the metadata
-    rows = _rows(str(tmp_path / "m.onnx"))
+    desc = describe_model(str(tmp_path / "m.onnx"))
+    rows = {r.name: r for r in desc.rows}
     assert rows["w"].bytes == 64 * 64 * 4 and rows["w"].scheme == "float"
+    assert desc.external_files == ["m.onnx.data"]
 
 
 def test_tensor_nbytes_from_typed_fields():
