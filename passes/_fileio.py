@@ -337,3 +337,30 @@ def _own_data_files(p: Path) -> list[Path]:
     names = {e.value for t in external_tensors(old) for e in t.external_data if e.key == "location"}
     ours = re.compile(re.escape(p.name) + r"(\.[0-9a-f]{16})?\.data")
     return [p.parent / n for n in sorted(names) if ours.fullmatch(n) and "/" not in n]
+
+
+def model_files(path: PathLike) -> list[Path]:
+    """The model file and the external data files it references (those inside its folder)."""
+    p = Path(path)
+    files = [p]
+    try:
+        model = onnx.load_model(str(p), load_external_data=False)
+    except Exception:
+        return files
+    seen = set()
+    for t in external_tensors(model):
+        for e in t.external_data:
+            if e.key == "location" and e.value not in seen:
+                seen.add(e.value)
+                try:
+                    target = _safe_external_path(p.parent, e.value)
+                except InvalidModelError:
+                    continue
+                if target.is_file():
+                    files.append(target)
+    return files
+
+
+def size_on_disk(path: PathLike) -> int:
+    """Bytes of a model file plus the external data files it references."""
+    return sum(f.stat().st_size for f in model_files(path) if f.exists())
