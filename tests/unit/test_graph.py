@@ -1,0 +1,105 @@
+"""passes.graph and passes.forms helpers: tensors, int4 packing, weights, axes, toposort, opset."""
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+import modelgen as mg
+from passes import forms, graph
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_int4_pack_round_trip(signed, n):
+    rng = np.random.default_rng(n)
+    vals = rng.integers(-8, 8, n).astype(np.int8) if signed else rng.integers(0, 16, n).astype(np.uint8)
+    packed = graph.pack_int4(vals)
+    assert packed.size == (n + 1) // 2
+    assert np.array_equal(graph.unpack_int4(packed, n, signed), vals)
+    # ONNX layout: first value in the low nibble, matches onnx's own helper
+    t = helper.make_tensor("t", TP.INT4 if signed else TP.UINT4, [n], vals.tolist())
+    assert np.array_equal(graph.tensor_to_array(t), vals)
+
+
+@pytest.mark.parametrize("et,dtype", [(TP.FLOAT, np.float32), (TP.FLOAT16, np.float16),
+                                      (TP.BFLOAT16, ml_dtypes.bfloat16), (TP.INT8, np.int8), (TP.UINT8, np.uint8)])
+def test_tensor_round_trip_uses_raw_data(et, dtype):
+    arr = (np.arange(24).reshape(2, 3, 4) - 12).astype(np.float32).astype(dtype)
+    t = graph.array_to_tensor(arr, "a", et)
+    assert t.HasField("raw_data") and not t.int32_data and not t.float_data
+    back = graph.tensor_to_array(t)
+    assert back.dtype == arr.dtype and np.array_equal(back.astype(np.float32), arr.astype(np.float32))
+
+
+def test_tensor_from_typed_fields():
+    t = onnx.TensorProto()
+    t.name, t.data_type = "h", TP.FLOAT16
+    t.dims.append(3)
+    t.int32_data.extend(np.array([1, 2, 3], np.float16).view(np.uint16).tolist())  # bits, one per entry
+    assert np.array_equal(graph.tensor_to_array(t), np.array([1, 2, 3], np.float16))
+
+
+def test_find_weights_locations_and_scoping():
+    m = mg.subgraph_model("float32", 13)
+    weights, graphs = graph.find_weights(m)
+    by = {w.name: w for w in weights}
+    assert by["W_OUT"].location == "initializer"
+    assert [u.node.op_type for u in by["W_OUT"].uses] == ["MatMul"]  # read inside the then-branch
+    assert by["Wt"].location.endswith("Constant node") and by["Wt"].node is not None
+    assert len(graphs) == 4  # main, then, else, loop body
+
+
+def test_choose_axis_through_transpose():
+    m = mg.transpose_model("float32", 13)
+    weights, graphs = graph.find_weights(m)
+    w = [w for w in weights if w.name == "W"][0]
+    c = graph.choose_axis(w, graph.consumers_index(graphs))
+    # MatMul B = W^T (32, 24): output channels = axis 1 of W^T = axis 0 of W
+    assert (c.channel, c.reduce) == (0, 1)
+
+
+def test_toposort_keeps_sorted_and_fixes_unsorted():
+    m = mg.dense_model("float32", 13)
+    assert graph.toposort(m) is False
+    nodes = list(m.graph.node)
+    shuffled = [nodes[i] for i in (4, 0, 3, 1, 2, 5)]
+    copies = []
+    for n in shuffled:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        copies.append(c)
+    del m.graph.node[:]
+    m.graph.node.extend(copies)
+    assert graph.toposort(m) is True
+    onnx.checker.check_model(m, full_check=True)
+
+
+def test_name_allocator():
+    names = graph.NameAllocator({"a", "a_1"})
+    assert names.take("a") == "a_2" and names.take("b") == "b" and names.take("b") == "b_1"
+
+
+def test_raise_opset_keeps_weights():
+    m = mg.conv_model("float32", 11)
+    out, how = graph.raise_opset(m, 13)
+    assert graph.default_opset(out) == 13 and "11 to 13" in how
+    before = {t.name: t.raw_data for t in m.graph.initializer}
+    after = {t.name: t.raw_data for t in out.graph.initializer}
+    assert before == after
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("axis,block", [(None, 0), (0, 0), (1, 0), (1, 16), (0, 7)])
+def test_search_beats_max_abs(sym, axis, block):
+    rng = np.random.default_rng(0)
+    w = rng.standard_t(4, size=(32, 48)).astype(np.float32)  # heavy tails: clipping pays
+    levels = forms.Levels(4, sym)
+    err = []
+    for search in (False, True):
+        qz = forms.quantize_linear(w, levels, axis, block, search=search)
+        assert qz.q.min() >= levels.qmin and qz.q.max() <= levels.qmax
+        deq = forms.dequantize_linear(qz.q, qz.scale, qz.zero_point, 1 if axis is None else axis, block)
+        err.append(float(np.sum((deq - w) ** 2)))
+    assert err[1] <= err[0]
