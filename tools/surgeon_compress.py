@@ -503,13 +503,19 @@ def cmd_verify(args) -> int:
         check_readable(args.against)
     result = passes.verify(args.file, args.against, threads=args.threads)
     ok = bool(getattr(result, "ok", True))
+    details = _jsonable(result)
+    checks = details.get("checks", []) if isinstance(details, dict) else []
+    checks = [c for c in checks if isinstance(c, dict)]
     if args.json:
-        print_json({"command": "verify", "file": args.file, "against": args.against, "ok": ok, "result": _jsonable(result)})
+        print_json({"command": "verify", "file": args.file, "against": args.against, "ok": ok, "result": details})
     else:
-        what = f" and restores {args.against} byte for byte" if args.against else ""
-        print(f"verify: {args.file}: {'ok: every checksum matches' + what if ok else 'FAILED'}")
+        what = f", restores {args.against} byte for byte" if args.against and ok else ""
+        print(f"verify: {args.file}: {'ok' + what if ok else 'FAILED'}")
+        for c in checks:
+            print(f"  {'ok    ' if c.get('ok') else 'FAILED'}  {c.get('check', '')}: {c.get('detail', '')}")
     if not ok:
-        raise CorruptFileError(f"{args.file}: verification failed: {getattr(result, 'message', result)}")
+        failed = [f"{c.get('check')}: {c.get('detail')}" for c in checks if not c.get("ok")]
+        raise CorruptFileError(f"{args.file}: verification failed: {'; '.join(failed) or details}")
     return EXIT_OK
 
 

@@ -403,6 +403,11 @@ def test_pack_unpack_verify_round_trip(tmp_path, capsys, compressed):
     assert packed.exists() and "packed" in stdout
     code, stdout, err = run(capsys, "verify", packed, "--against", compressed)
     assert code == 0, err
+    assert "byte for byte" in stdout
+    code, stdout, err = run(capsys, "verify", packed, "--against", SAMPLE)  # a different original
+    assert code == cli.EXIT_CORRUPT
+    assert_one_line_error(err, "verification failed")
+    assert "FAILED" in stdout
     restored = tmp_path / "back.onnx"
     code, _, err = run(capsys, "unpack", packed, "-o", restored)
     assert code == 0, err
