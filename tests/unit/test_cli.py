@@ -201,6 +201,17 @@ def test_unwritable_destination(tmp_path, capsys):
     assert_one_line_error(err, "folder")
 
 
+def test_destination_refusing_writes_even_to_root(capsys):
+    """sysfs refuses new files to everyone, root included: the error comes from the write itself."""
+    target = Path("/sys/surgeon-compress-test.onnx")
+    if not Path("/sys").is_dir() or target.exists():
+        pytest.skip("no sysfs here")
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", target)
+    assert code == 1
+    assert_one_line_error(err, "cannot write", str(target))
+    assert not target.exists()
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_destination(tmp_path, capsys):
     ro = tmp_path / "ro"
