@@ -97,13 +97,10 @@ def _snr(value) -> str:
 
 
 def file_size(path: str | os.PathLike) -> int:
-    """Bytes of a model on disk, its external data file (`NAME.data`, as save_model writes it) included."""
-    p = Path(path)
-    total = p.stat().st_size if p.exists() else 0
-    data = p.with_name(p.name + ".data")
-    if data.exists():
-        total += data.stat().st_size
-    return total
+    """Bytes of a model on disk, its external data files included."""
+    from passes.inspect import files_on_disk
+
+    return sum(p.stat().st_size for p in files_on_disk(path))
 
 
 def _progress(label: str):
@@ -160,12 +157,10 @@ def _metric_args(items: Sequence[str] | None) -> dict | None:
     return args
 
 
-def _evaluate(original, candidate, args, original_path=None) -> Any:
+def _evaluate(original, candidate, args, feeds=None) -> Any:
+    """Run both models on `feeds` (None: synthesised) with the metric options of `args`."""
     import passes.fidelity as fidelity
 
-    feeds = None
-    if args.feeds:
-        feeds = fidelity.load_feeds(args.feeds, original)
     with _progress("evaluate") as bar:
         return fidelity.evaluate(
             original, candidate, feeds=feeds, metric=args.metric, metric_args=_metric_args(args.metric_arg),
@@ -224,13 +219,7 @@ def cmd_compress(args) -> int:
     checks: list[dict] = []
     passed = True
     if args.require or args.feeds or args.metric:
-        import passes.fidelity as fidelity
-
-        with _progress("evaluate") as bar:
-            result = fidelity.evaluate(
-                model, compressed, feeds=feeds, metric=args.metric, metric_args=_metric_args(args.metric_arg),
-                providers=args.provider, progress=bar,
-            )
+        result = _evaluate(model, compressed, args, feeds)
         checks, passed = _gate_lines(result, args.require or [])
 
     written = False
@@ -324,9 +313,7 @@ def cmd_info(args) -> int:
         with passes.open_packed(path) as packed:
             packed_meta = packed.metadata()
     desc = describe_model(path)
-    size = path.stat().st_size + sum(
-        (path.parent / loc).stat().st_size for loc in desc.external_files if (path.parent / loc).is_file()
-    )
+    size = file_size(path)
     if args.json:
         print_json({"command": "info", "file": str(path), "file_bytes": size, **desc.to_dict(),
                     "packed": packed_meta})
@@ -438,7 +425,8 @@ def cmd_eval(args) -> int:
     check_readable(args.original)
     check_readable(args.candidate)
     original = passes.load_model(args.original)
-    result = _evaluate(original, args.candidate, args)
+    feeds = passes.load_feeds(args.feeds, original) if args.feeds else None
+    result = _evaluate(original, args.candidate, args, feeds)
     checks, passed = _gate_lines(result, args.require or [])
     if args.json:
         print_json({"command": "eval", "original": args.original, "candidate": args.candidate,
