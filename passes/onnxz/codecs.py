@@ -50,41 +50,56 @@ class EncodedStream:
         return sum(len(p) for c in self.chunks for p in c.planes)
 
 
-# ---------------------------------------------------------------- transforms (numpy, vectorised)
+# ---------------------------------------------------------------- transforms
+# The C version (_planes.c, built by `pip install -e .` when a compiler is there) runs at memory
+# speed; the numpy one below gives the same bytes at about a third of the speed.
+try:
+    from . import _planes as _fast
+except ImportError:  # not built: numpy does it
+    _fast = None
 
-def split_planes(data: np.ndarray, width: int, sign_move: bool) -> List[np.ndarray]:
-    """Byte planes of little-endian elements, most significant first (FORMAT.md 3)."""
+
+def split_planes(data: np.ndarray, width: int, sign_move: bool) -> np.ndarray:
+    """Byte planes of little-endian elements, most significant first (FORMAT.md 3), back to back
+    in one array of width rows."""
+    n = data.size // width
+    out = np.empty((width, n), np.uint8)
+    if _fast is not None:
+        _fast.split(data, width, sign_move, out)
+        return out
     x = data.reshape(-1, width)
-    planes = [np.ascontiguousarray(x[:, width - 1 - i]) for i in range(width)]
+    for i in range(width):
+        out[i] = x[:, width - 1 - i]
     if sign_move:
-        t, n = planes[0], planes[1]
-        planes[0] = ((t << 1) | (n >> 7)).astype(np.uint8)
-        planes[1] = ((t & 0x80) | (n & 0x7F)).astype(np.uint8)
-    return planes
+        t, m = out[0].copy(), out[1].copy()
+        out[0] = (t << 1) | (m >> 7)
+        out[1] = (t & 0x80) | (m & 0x7F)
+    return out
 
 
-def merge_planes(planes: List[np.ndarray], out: np.ndarray, width: int, sign_move: bool, scratch: np.ndarray) -> None:
-    """Inverse of split_planes, written into `out` (uint8, len = width * plane length)."""
+def merge_planes(planes: np.ndarray, width: int, sign_move: bool, out: np.ndarray) -> None:
+    """Inverse of split_planes: `planes` (width*n bytes, plane after plane) into `out` (uint8)."""
+    if _fast is not None:
+        _fast.merge(planes, width, sign_move, out)
+        return
+    n = planes.size // width
+    p = planes.reshape(width, n)
     x = out.reshape(-1, width)
+    start = 0
     if sign_move:
-        tp, np_ = planes[0], planes[1]
-        n = len(tp)
-        tmp = scratch[:n]
-        # t = (n' & 0x80) | (t' >> 1)
-        np.bitwise_and(np_, 0x80, out=tmp)
+        tp, mp = p[0], p[1]
+        tmp = np.empty(n, np.uint8)
+        np.bitwise_and(mp, 0x80, out=tmp)
         x[:, width - 1] = tmp
         np.right_shift(tp, 1, out=tmp)
         x[:, width - 1] |= tmp
-        # n = ((t' & 1) << 7) | (n' & 0x7F)
         np.left_shift(tp, 7, out=tmp)
         x[:, width - 2] = tmp
-        np.bitwise_and(np_, 0x7F, out=tmp)
+        np.bitwise_and(mp, 0x7F, out=tmp)
         x[:, width - 2] |= tmp
         start = 2
-    else:
-        start = 0
     for i in range(start, width):
-        x[:, width - 1 - i] = planes[i]
+        x[:, width - 1 - i] = p[i]
 
 
 # ---------------------------------------------------------------- zstd planes
@@ -122,7 +137,8 @@ def _decompressor() -> zstd.ZstdDecompressor:
 
 
 def decompress_plane(frame, expected: int, dest: np.ndarray) -> None:
-    """Decode one zstd frame of exactly `expected` bytes into dest[:expected]; CorruptFileError otherwise."""
+    """Decode one zstd frame of exactly `expected` bytes straight into dest[:expected] (no
+    intermediate copy); CorruptFileError when the frame is damaged, short, long or unchecked."""
     try:
         fp = zstd.get_frame_parameters(frame)
     except zstd.ZstdError:
@@ -130,12 +146,19 @@ def decompress_plane(frame, expected: int, dest: np.ndarray) -> None:
     if fp.content_size != expected or not fp.has_checksum:
         raise CorruptFileError(f"damaged chunk: plane declares {fp.content_size} bytes, expected {expected}")
     try:
-        data = _decompressor().decompress(frame, max_output_size=expected, allow_extra_data=False)
+        reader = _decompressor().stream_reader(frame)
+        view = memoryview(dest)[:expected]
+        got = 0
+        while got < expected:
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        # reading past the end makes zstd check the frame's content checksum
+        if got != expected or reader.read(1):
+            raise CorruptFileError("damaged chunk: plane decodes to the wrong size")
     except zstd.ZstdError as exc:
         raise CorruptFileError(f"damaged chunk: {exc}") from None
-    if len(data) != expected:
-        raise CorruptFileError("damaged chunk: plane decodes to the wrong size")
-    dest[:expected] = np.frombuffer(data, dtype=np.uint8)
 
 
 # ---------------------------------------------------------------- plane layout per codec
@@ -211,11 +234,10 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
     if codec in ("planes", "fplanes"):
         w = params["width"]
         n = sizes[0]
-        buf = scratch().get(n * (w + 1))
-        planes = [buf[i * n:(i + 1) * n] for i in range(w)]
-        for frame, plane in zip(frames, planes):
-            decompress_plane(frame, n, plane)
-        merge_planes(planes, out, w, codec == "fplanes", buf[w * n:])
+        buf = scratch().get(n * w)
+        for i, frame in enumerate(frames):
+            decompress_plane(frame, n, buf[i * n:(i + 1) * n])
+        merge_planes(buf, w, codec == "fplanes", out)
         return
     if codec == "narrow":
         inner = params["inner"]
@@ -269,7 +291,7 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int) -
         if codec == "bytes":
             planes = [part]
         else:
-            planes = split_planes(part, width, codec == "fplanes")
+            planes = list(split_planes(part, width, codec == "fplanes"))
         frames = []
         for p in planes:
             entropy = compress_plane(p, "entropy")
