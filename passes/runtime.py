@@ -43,6 +43,11 @@ MODES = ("fold", "int8", "int4", "auto")
 DTYPES = {"float32": np.float32, "float16": np.float16}
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider")
 
+# prepack=None (auto) turns onnxruntime's weight prepacking off when the shared weights exceed this:
+# prepacking would hold a second copy of each MatMul weight (measured: 2x the weights), and the
+# large layers of such models run memory-bound, where prepacking gains little
+PREPACK_AUTO_LIMIT = 1 << 30
+
 # mode="auto" on a CPU folds when the float weights take at most this share of the free memory
 AUTO_FOLD_MEMORY_SHARE = 0.5
 
@@ -141,7 +146,7 @@ class InferenceSession(ort.InferenceSession):
     """
 
     def __init__(self, path, sess_options=None, providers=None, *, mode="fold", dtype=None, threads=None,
-                 provider_options=None, keep_io_types=True, gpu_fold="host", progress=None):
+                 provider_options=None, keep_io_types=True, gpu_fold="host", prepack=None, progress=None):
         mode = _normalise_mode(mode)
         target = _normalise_dtype(dtype)
         providers = _check_providers(providers)
@@ -151,9 +156,11 @@ class InferenceSession(ort.InferenceSession):
             raise InvalidArgumentError(f"gpu_fold must be 'host' or 'device', got {gpu_fold!r}")
         self.source = Path(path)
         self.on_gpu = any(n in GPU_PROVIDERS for n in _provider_names(providers))
+        if prepack not in (None, True, False):
+            raise InvalidArgumentError(f"prepack must be None, True or False, got {prepack!r}")
         self._settings = dict(mode=mode, target=target, threads=threads, providers=providers,
                               provider_options=provider_options, keep_io_types=keep_io_types,
-                              gpu_fold=gpu_fold, progress=progress)
+                              gpu_fold=gpu_fold, prepack=prepack, progress=progress)
         options, disabled, model_bytes = self._prepare(sess_options)
         if self.shared_names:  # a failure here is retried without sharing: keep its log quiet
             options.log_severity_level = max(options.log_severity_level, 4)
@@ -213,6 +220,12 @@ class InferenceSession(ort.InferenceSession):
         self.shared_names = shareable_names(split) if share and not self.on_gpu else set()
         self.shared_names |= set(device_values)
         self._device_values = device_values
+        shared_bytes = sum(self.weight_arrays[n].nbytes for n in self.shared_names if n in self.weight_arrays)
+        self.prepack = s["prepack"] if s["prepack"] is not None else shared_bytes < PREPACK_AUTO_LIMIT
+        if not self.prepack:
+            # prepacking copies every MatMul weight into onnxruntime's own layout; a shared weight
+            # cannot be freed after that, so a big model would be held twice
+            options.add_session_config_entry("session.disable_prepacking", "1")
         model_bytes = split.skeleton.SerializeToString()
         self.skeleton_bytes = len(model_bytes)
         return options, disabled, model_bytes

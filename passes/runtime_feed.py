@@ -45,6 +45,7 @@ SHAREABLE_CONSUMERS = {
     ("", "MatMul"): {1},
     ("", "Gemm"): {1},
     ("", "Gather"): {0},
+    ("", "DequantizeLinear"): {0},  # int8 levels kept for a per-run DequantizeLinear (mode int8)
     ("com.microsoft", "MatMulNBits"): {1, 3},
     ("com.microsoft", "GatherBlockQuantized"): {0, 3},
 }

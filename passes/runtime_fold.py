@@ -1,15 +1,15 @@
 """mode="fold" at load: every DequantizeLinear whose inputs are all constants becomes its float
 output tensor, computed once, tensor by tensor, into the array the session will keep.
 
-The arithmetic is `passes.fold`'s when that module provides it (so a session built here computes
-exactly what `fold_dequantize` writes); a local vectorised equivalent stands in otherwise.
+The arithmetic is `passes.fold`'s registered folders (so a session built here computes exactly
+what `fold_dequantize` writes); a local vectorised DequantizeLinear stands in if that module is
+missing.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx
 
-from .errors import UnsupportedFormError
 from .runtime_feed import SplitModel
 
 
@@ -49,47 +49,52 @@ def dequantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, 
     return y.astype(out_dtype, copy=False)
 
 
-def _fold_math():
-    """passes.fold's array-level dequantization when it exposes one, else ours."""
+def _folders() -> dict:
+    """passes.fold's registry of constant folders ((domain, op) -> fn), so that a session folds
+    exactly what `fold_dequantize` writes (and whatever forms register later, e.g. palettes)."""
     try:
-        from . import fold  # noqa: F401  (owned by the quantize engineer)
+        from .fold import FOLDERS
     except ImportError:
-        return dequantize
-    for name in ("dequantize_array", "dequantize"):
-        fn = getattr(fold, name, None)
-        if callable(fn):
-            return fn
-    return dequantize
+        return {}
+    return FOLDERS
 
 
-def constant_dequantize_nodes(split: SplitModel) -> list:
-    """Main-graph DequantizeLinear nodes whose inputs are all initializers."""
+def _local_dq(node, arrays, types):
+    scale = arrays[1]
+    zp = arrays[2] if len(arrays) > 2 else None
+    return dequantize(arrays[0], scale, zp, axis=_attr(node, "axis", 1), block_size=_attr(node, "block_size", 0),
+                      out_dtype=scale.dtype), types[1]
+
+
+def constant_foldable_nodes(split: SplitModel, folders: dict) -> list:
+    """Main-graph nodes with a folder whose inputs are all initializers."""
     inits = split.initializer_names()
     return [
         n for n in split.skeleton.graph.node
-        if n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx", "com.microsoft")
-        and all((not i) or i in inits for i in n.input)
+        if ((n.domain or "", n.op_type) in folders or (n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx")))
+        and n.input and all((not i) or i in inits for i in n.input)
     ]
 
 
 def fold_into(split: SplitModel, progress=None, only=None) -> int:
-    """Replace constant DequantizeLinear nodes by float initializers; returns how many were folded.
-
-    `only`: optional predicate on a node, to fold a subset (the int8 mode folds what it does not
-    keep quantized)."""
-    math = _fold_math()
-    nodes = [n for n in constant_dequantize_nodes(split) if only is None or only(n)]
+    """Replace constant DequantizeLinear (and other registered constant-form) nodes by their
+    float initializers; returns how many were folded. `only`: optional predicate on a node."""
+    folders = _folders()
+    types = {t.name: t.data_type for t in split.skeleton.graph.initializer}
+    nodes = [n for n in constant_foldable_nodes(split, folders) if only is None or only(n)]
     folded = set()
     consumers = _consumer_counts(split.skeleton.graph)
     for done, node in enumerate(nodes, 1):
-        x = split.array(node.input[0])
-        scale = split.array(node.input[1])
-        zp = split.array(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-        if x is None or scale is None:
-            raise UnsupportedFormError(f"DequantizeLinear {node.name or node.output[0]!r}: inputs are not readable constants")
-        out_dtype = _output_dtype(node, scale)
-        value = _call_math(math, x, scale, zp, node, out_dtype)
+        arrays = [split.array(i) if i else None for i in node.input]
+        if any(a is None for a, i in zip(arrays, node.input) if i):
+            continue
+        fn = folders.get((node.domain or "", node.op_type), _local_dq)
+        result = fn(node, arrays, [types.get(i, 0) for i in node.input])
+        if result is None:
+            continue
+        value = np.asarray(result[0])
         split.set_weight(node.output[0], value)
+        types[node.output[0]] = result[1]
         folded.add(id(node))
         # the quantized inputs are dropped as soon as nothing else reads them (bounded memory)
         for name in node.input:
@@ -118,21 +123,3 @@ def _consumer_counts(graph) -> dict:
     for o in graph.output:
         counts[o.name] = counts.get(o.name, 0) + 1
     return counts
-
-
-def _output_dtype(node, scale):
-    out = _attr(node, "output_dtype", 0)
-    if out:
-        return onnx.helper.tensor_dtype_to_np_dtype(out)
-    return scale.dtype
-
-
-def _call_math(math, x, scale, zp, node, out_dtype):
-    axis = _attr(node, "axis", 1)
-    block_size = _attr(node, "block_size", 0)
-    if math is dequantize:
-        return dequantize(x, scale, zp, axis=axis, block_size=block_size, out_dtype=out_dtype)
-    try:
-        return np.asarray(math(x, scale, zp, axis=axis, block_size=block_size)).astype(out_dtype, copy=False)
-    except TypeError:
-        return dequantize(x, scale, zp, axis=axis, block_size=block_size, out_dtype=out_dtype)

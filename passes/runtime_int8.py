@@ -1,0 +1,404 @@
+"""mode="int8" / "int4" at load: weights stay quantized in memory, in forms onnxruntime runs
+without dequantizing whole weights on every run.
+
+Per weight (a constant DequantizeLinear, or a float weight quantized here at load):
+- consumed only as MatMul's B or Gemm's B -> com.microsoft MatMulNBits (bits 8 or 4, blocks along
+  K; a per-channel or per-tensor scale is repeated over the blocks, so the values are exactly the
+  DequantizeLinear's). onnxruntime prepacks it for its integer kernels;
+- consumed only as Gather's data (embedding tables, gather axis 0) -> Gather on the integer table,
+  then the gathered rows are dequantized (Cast, Sub zero point, Mul scale): only the rows a run
+  needs are ever float;
+- anything else (Conv, ...) -> the DequantizeLinear stays (int8 in memory, dequantized per run);
+  measured on ResNet-50 this beats ConvInteger with dynamically quantized activations, see bench.
+Small DequantizeLinear nodes (biases, norms) are folded to float: they cost nothing.
+
+A float weight of a lossless model is quantized at load (this mode's promise is int8 memory):
+per output channel, max-abs scale (no clip search, to keep load fast), symmetric int8; for
+"int4", blocks of 32 along K for MatMul/Gemm weights and per channel int8 for the others.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .runtime_feed import INLINE_MAX_BYTES, SplitModel
+
+MS_DOMAIN = "com.microsoft"
+# accuracy_level of MatMulNBits: 4 = int8 activations in the kernel (fastest on CPU), chosen by
+# measurement (bench/load.py); 0 = float compute (dequantize inside the kernel)
+ACCURACY_LEVEL = 4
+BLOCK_8BIT = 32     # scales repeated per block of K for per-channel 8-bit weights (32: measured, see bench)
+BLOCK_4BIT = 32     # block size when float weights are quantized to 4 bits at load
+MIN_QUANTIZE_ELEMENTS = 4096  # float weights smaller than this stay float
+
+
+@dataclasses.dataclass
+class QWeight:
+    """Integer levels with DequantizeLinear's parameters: value = (q - zero_point) * scale."""
+
+    q: np.ndarray               # int8/uint8 (int4/uint4 held as int8/uint8 values)
+    scale: np.ndarray
+    zero_point: np.ndarray | None
+    axis: int | None            # None: per tensor
+    block_size: int             # 0: not blocked
+    bits: int                   # 8 or 4
+    signed: bool
+
+
+def _attr(node, name, default):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def float_weight_bytes(split: SplitModel, dtype=None) -> int:
+    """Bytes the weights take once folded to float (dtype, else their own float type)."""
+    total = 0
+    dq_outputs = {}
+    for node in split.skeleton.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in split.weights:
+            dq_outputs[node.input[0]] = node
+    for name, array in split.weights.items():
+        if name in dq_outputs:
+            scale = split.array(dq_outputs[name].input[1])
+            itemsize = np.dtype(dtype).itemsize if dtype is not None else (scale.dtype.itemsize if scale is not None else 4)
+            total += array.size * itemsize
+        elif array.dtype.kind == "f":
+            total += array.size * (np.dtype(dtype).itemsize if dtype is not None else array.dtype.itemsize)
+        else:
+            total += array.nbytes
+    return total
+
+
+def _consumers(graph) -> dict:
+    uses = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node, i))
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                for inner in _subgraph_names(g):
+                    uses.setdefault(inner, []).append((None, -1))
+    for o in graph.output:
+        uses.setdefault(o.name, []).append((None, -1))
+    return uses
+
+
+def _subgraph_names(g) -> set:
+    names = set()
+    for node in g.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                names |= _subgraph_names(sub)
+    return names
+
+
+def _role(uses) -> str | None:
+    """"matmul" | "gemm" | "gather" | None (keep DequantizeLinear) for a weight's consumers."""
+    if len(uses) != 1 or uses[0][0] is None:
+        return None
+    node, index = uses[0]
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "MatMul" and index == 1:
+        return "matmul"
+    if node.op_type == "Gemm" and index == 1 and _attr(node, "alpha", 1.0) == 1.0 and not _attr(node, "transA", 0):
+        return "gemm"
+    if node.op_type == "Gather" and index == 0 and _attr(node, "axis", 0) == 0:
+        return "gather"
+    return None
+
+
+def session_config(options) -> None:
+    """Config entries the int8 forms rely on (added to our private SessionOptions copy)."""
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(ACCURACY_LEVEL))
+
+
+def prepare_quantized(split: SplitModel, bits: int, options) -> set:
+    """Rewrite `split` for mode int8/int4; returns onnxruntime optimisers to disable."""
+    from .runtime_fold import fold_into
+
+    session_config(options)
+    graph = split.skeleton.graph
+    _quantize_float_weights(split, bits)
+    uses = _consumers(graph)
+    inits = split.initializer_names()
+    replaced = {}
+    for node in list(graph.node):
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+            continue
+        if not all((not i) or i in inits for i in node.input):
+            continue
+        qw = _qweight_from_dq(split, node)
+        if qw is None or qw.q.nbytes <= INLINE_MAX_BYTES:
+            continue
+        target_uses = uses.get(node.output[0], [])
+        role = _role(target_uses)
+        consumer = target_uses[0][0] if target_uses else None
+        done = False
+        if role in ("matmul", "gemm"):
+            done = _to_matmulnbits(split, qw, consumer, role, node.output[0])
+        elif role == "gather":
+            done = _to_gather_rows(split, qw, consumer, node.output[0])
+        if done:
+            replaced[id(node)] = node
+    if replaced:
+        keep = [n for n in graph.node if id(n) not in replaced]
+        del graph.node[:]
+        graph.node.extend(keep)
+    # what stays DequantizeLinear: small tensors are folded, big ones run in onnxruntime
+    fold_into(split, only=lambda n: split.array(n.input[0]) is not None and split.array(n.input[0]).nbytes <= INLINE_MAX_BYTES * 4)
+    _ensure_ms_opset(split.skeleton)
+    split.refresh_placeholders()
+    return set()
+
+
+# ---------------------------------------------------------------------- reading DequantizeLinear
+
+def _qweight_from_dq(split: SplitModel, node) -> QWeight | None:
+    q = split.array(node.input[0])
+    scale = split.array(node.input[1])
+    zp = split.array(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    if q is None or scale is None or scale.dtype.kind != "f":
+        return None
+    if q.dtype.name in ("int4", "uint4"):  # ml_dtypes 4-bit arrays from onnx
+        q = q.astype(np.int8 if q.dtype.name == "int4" else np.uint8)
+    if q.dtype not in (np.int8, np.uint8):
+        return None
+    storage = _storage_type(split, node.input[0])
+    bits = 4 if storage in (TensorProto.INT4, TensorProto.UINT4) else 8
+    axis = None if scale.ndim == 0 or scale.size == 1 and _attr(node, "block_size", 0) == 0 else _attr(node, "axis", 1) % max(q.ndim, 1)
+    block = int(_attr(node, "block_size", 0) or 0)
+    return QWeight(q, scale, zp, axis, block, bits, q.dtype == np.int8)
+
+
+def _storage_type(split: SplitModel, name: str) -> int:
+    for t in split.skeleton.graph.initializer:
+        if t.name == name:
+            return t.data_type
+    return 0
+
+
+# ---------------------------------------------------------------------- load-time quantization
+
+def _quantize_float_weights(split: SplitModel, bits: int) -> None:
+    """Float weights of MatMul/Gemm/Gather/Conv become DequantizeLinear(int) in the graph."""
+    from . import forms
+
+    graph = split.skeleton.graph
+    uses = _consumers(graph)
+    new_nodes = []
+    for name in sorted(split.weights):
+        w = split.weights[name]
+        if w.dtype.kind != "f" or w.size < MIN_QUANTIZE_ELEMENTS:
+            continue
+        node_uses = uses.get(name, [])
+        if not node_uses or any(n is None for n, _ in node_uses):
+            continue
+        ops = {(n.op_type, i) for n, i in node_uses}
+        if ops <= {("MatMul", 1)} and w.ndim == 2:
+            axis, block = (0, BLOCK_4BIT) if bits == 4 else (1, 0)
+        elif ops <= {("Gemm", 1)} and w.ndim == 2:
+            trans = all(_attr(n, "transB", 0) for n, _ in node_uses)
+            if bits == 4:
+                axis, block = (1 if trans else 0), BLOCK_4BIT
+            else:
+                axis, block = (0 if trans else 1), 0
+        elif ops <= {("Gather", 0)} or ops <= {("Conv", 1)} or ops <= {("ConvTranspose", 1)}:
+            axis, block = (1 if ops <= {("ConvTranspose", 1)} else 0), 0
+        else:
+            continue
+        if block and w.shape[axis] < block:
+            axis, block = (1 - axis), 0
+        qbits = 4 if bits == 4 and block else 8
+        quant = forms.quantize_linear(w, forms.Levels(qbits, True), axis, block, search=False)
+        q_name, s_name = name + "_quantized", name + "_scale"
+        split.remove_initializer(name)
+        split.set_weight(q_name, quant.q)
+        if qbits == 4:
+            _mark_int4(split, q_name)
+        split.set_weight(s_name, quant.scale)
+        attrs = {"axis": axis}
+        if block:
+            attrs["block_size"] = block
+        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name], [name], name=name + "_dequantize", **attrs))
+    if new_nodes:
+        nodes = new_nodes + list(graph.node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+        _ensure_opset(split.skeleton, 21 if any(_attr(n, "block_size", 0) for n in new_nodes) else 13)
+
+
+def _mark_int4(split: SplitModel, name: str) -> None:
+    """A 4-bit level array held as int8 values: remembered so MatMulNBits packs 4 bits."""
+    split.int4_names = getattr(split, "int4_names", set()) | {name}
+
+
+def _ensure_opset(model, version: int) -> None:
+    for op in model.opset_import:
+        if op.domain in ("", "ai.onnx"):
+            if op.version < version:
+                op.version = version
+            return
+    model.opset_import.append(helper.make_opsetid("", version))
+
+
+def _ensure_ms_opset(model) -> None:
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
+# ---------------------------------------------------------------------- MatMulNBits
+
+def _kn_params(qw: QWeight, transposed: bool):
+    """Levels as [N, K] and scale / zero point as [N, blocks] with the block size along K."""
+    q = qw.q.T if not transposed else qw.q  # MatMul weight is [K, N]; Gemm transB weight is [N, K]
+    n, k = q.shape
+    k_axis = 1 if transposed else 0          # the axis of K in the stored weight
+    if qw.block_size:
+        if qw.axis != k_axis:
+            return None
+        block = qw.block_size
+        if block < 16 or block & (block - 1):
+            return None
+        scale = qw.scale if transposed else qw.scale.T
+        zp = None if qw.zero_point is None else (qw.zero_point if transposed else qw.zero_point.T)
+    else:
+        if qw.axis is not None and qw.axis == k_axis:
+            return None  # one scale per K row: not expressible with blocks along K
+        block = BLOCK_8BIT if qw.bits == 8 else BLOCK_4BIT
+        block = max(16, min(block, 1 << max(4, int(np.ceil(np.log2(max(k, 1)))))))
+        blocks = -(-k // block)
+        per_n = np.broadcast_to(np.asarray(qw.scale).reshape(-1), (n,)) if qw.axis is not None else np.full(n, qw.scale.reshape(-1)[0])
+        scale = np.repeat(per_n.reshape(n, 1), blocks, axis=1)
+        zp = None
+        if qw.zero_point is not None:
+            zpn = np.asarray(qw.zero_point).reshape(-1)
+            zpn = np.broadcast_to(zpn, (n,)) if zpn.size == n else np.full(n, zpn[0])
+            zp = np.repeat(zpn.reshape(n, 1), blocks, axis=1)
+    return q, scale, zp, block, n, k
+
+
+def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_name: str) -> bool:
+    transposed = role == "gemm" and bool(_attr(consumer, "transB", 0))
+    bits = 4 if qw.bits == 4 or weight_name + "_quantized" in getattr(split, "int4_names", set()) else 8
+    params = _kn_params(qw, transposed)
+    if params is None:
+        return False
+    q, scale, zp, block, n, k = params
+    blocks = scale.shape[1]
+    offset = 1 << (bits - 1)
+    # unsigned levels: MatMulNBits dequantizes (u - zp_u) * scale; u = q + offset for signed q
+    u = q.astype(np.int16) + (offset if qw.signed else 0)
+    if zp is None:
+        zp_u = None  # MatMulNBits' default zero point is 2^(bits-1): exact for symmetric levels
+        if not qw.signed:
+            return False  # unsigned levels without zero point: (u - 0); not the default
+    else:
+        zp_u = zp.astype(np.int16) + (offset if qw.signed else 0)
+        if np.all(zp_u == offset):
+            zp_u = None
+    padded = np.empty((n, blocks * block), np.uint8)
+    padded[:, :k] = u.astype(np.uint8)
+    if blocks * block > k:
+        pad_values = np.repeat(zp_u[:, -1:], blocks * block - k, axis=1) if zp_u is not None else offset
+        padded[:, k:] = pad_values
+    if bits == 8:
+        packed = padded.reshape(n, blocks, block)
+    else:
+        pairs = padded.reshape(n, blocks, block // 2, 2)
+        packed = (pairs[..., 0] & 0x0F) | ((pairs[..., 1] & 0x0F) << 4)
+        packed = packed.astype(np.uint8)
+    base = weight_name + "_nbits"
+    split.set_weight(base + "_B", np.ascontiguousarray(packed))
+    split.set_weight(base + "_scales", np.ascontiguousarray(scale.astype(split_float_dtype(qw)).reshape(-1)))
+    inputs = [consumer.input[0], base + "_B", base + "_scales"]
+    if zp_u is not None:
+        if bits == 8:
+            zp_packed = zp_u.astype(np.uint8).reshape(-1)
+        else:
+            zb = zp_u.astype(np.uint8)
+            if zb.shape[1] % 2:
+                zb = np.concatenate([zb, np.full((n, 1), offset, np.uint8)], axis=1)
+            zp_packed = ((zb[:, 0::2] & 0x0F) | ((zb[:, 1::2] & 0x0F) << 4)).astype(np.uint8).reshape(-1)
+        split.set_weight(base + "_zero_points", zp_packed)
+        inputs.append(base + "_zero_points")
+    graph = split.skeleton.graph
+    outputs = list(consumer.output)
+    nodes = []
+    if role == "gemm" and len(consumer.input) > 2 and consumer.input[2]:
+        mm_out = outputs[0] + "_matmul"
+        nodes.append(helper.make_node("MatMulNBits", inputs, [mm_out], domain=MS_DOMAIN, name=base,
+                                      K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL))
+        bias = consumer.input[2]
+        beta = _attr(consumer, "beta", 1.0)
+        if beta != 1.0:
+            beta_name = base + "_beta"
+            split.set_weight(beta_name, np.asarray(beta, dtype=split_float_dtype(qw)))
+            nodes.append(helper.make_node("Mul", [bias, beta_name], [bias + "_scaled_" + base]))
+            bias = bias + "_scaled_" + base
+        nodes.append(helper.make_node("Add", [mm_out, bias], outputs, name=base + "_bias"))
+    else:
+        nodes.append(helper.make_node("MatMulNBits", inputs, outputs, domain=MS_DOMAIN, name=base,
+                                      K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL))
+    _replace_node(graph, consumer, nodes)
+    return True
+
+
+def split_float_dtype(qw: QWeight):
+    return qw.scale.dtype
+
+
+def _replace_node(graph, old, new_nodes) -> None:
+    for i, node in enumerate(graph.node):
+        if node is old or node == old:
+            del graph.node[i]
+            for j, n in enumerate(new_nodes):
+                graph.node.insert(i + j, n)
+            return
+
+
+# ---------------------------------------------------------------------- Gather on integer tables
+
+def _to_gather_rows(split: SplitModel, qw: QWeight, gather, weight_name: str) -> bool:
+    """Gather(levels) then dequantize the gathered rows only."""
+    if qw.block_size or qw.q.ndim < 1:
+        return False
+    last = qw.q.ndim - 1
+    if qw.axis not in (None, 0, last):
+        return False
+    float_type = helper.np_dtype_to_tensor_dtype(qw.scale.dtype)
+    base = weight_name + "_rows"
+    q_name = base + "_levels"
+    split.set_weight(q_name, np.ascontiguousarray(qw.q))
+    idx = gather.input[1]
+    nodes = [helper.make_node("Gather", [q_name, idx], [base + "_q"], axis=0, name=base + "_gather"),
+             helper.make_node("Cast", [base + "_q"], [base + "_f"], to=float_type, name=base + "_cast")]
+    value = base + "_f"
+    if qw.axis == 0 and qw.q.ndim > 1:  # one scale per row: gather the scales with the rows
+        scale_name = base + "_scale"
+        split.set_weight(scale_name, np.ascontiguousarray(qw.scale.reshape((-1,) + (1,) * (qw.q.ndim - 1))))
+        nodes.append(helper.make_node("Gather", [scale_name, idx], [base + "_s"], axis=0, name=base + "_gather_scale"))
+        scale_value = base + "_s"
+        if qw.zero_point is not None and np.any(qw.zero_point):
+            zp_name = base + "_zero_point"
+            split.set_weight(zp_name, qw.zero_point.astype(qw.scale.dtype).reshape((-1,) + (1,) * (qw.q.ndim - 1)))
+            nodes.append(helper.make_node("Gather", [zp_name, idx], [base + "_z"], axis=0, name=base + "_gather_zp"))
+            nodes.append(helper.make_node("Sub", [value, base + "_z"], [base + "_c"], name=base + "_sub"))
+            value = base + "_c"
+    else:  # per tensor, or one scale per column: broadcasts over the gathered rows
+        scale_value = base + "_scale"
+        split.set_weight(scale_value, np.asarray(qw.scale))
+        if qw.zero_point is not None and np.any(qw.zero_point):
+            zp_name = base + "_zero_point"
+            split.set_weight(zp_name, np.asarray(qw.zero_point).astype(qw.scale.dtype))
+            nodes.append(helper.make_node("Sub", [value, zp_name], [base + "_c"], name=base + "_sub"))
+            value = base + "_c"
+    nodes.append(helper.make_node("Mul", [value, scale_value], list(gather.output), name=base + "_scale_mul"))
+    _replace_node(split.skeleton.graph, gather, nodes)
+    return True
