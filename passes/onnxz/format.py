@@ -24,7 +24,8 @@ HEADER_SIZE = 64
 _HEADER = struct.Struct("<8sHHIQQQQI8s")  # up to the header CRC
 assert _HEADER.size == 60
 
-MAX_INDEX_BYTES = 512 << 20  # JSON text
+MAX_INDEX_BYTES = 64 << 20  # JSON text (~300k tensors)
+INDEX_RATIO = 256  # most JSON text per stored index byte
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 40  # restored bytes, all files together; callers may lower it
 _PAYLOAD_FIELDS = {"raw_data", "float_data", "double_data", "int32_data", "int64_data", "uint64_data", "external", "proto"}
 
@@ -66,9 +67,17 @@ def parse_header(data: bytes, real_size: int) -> Header:
         raise CorruptFileError(f"{what} .onnxz file: header says {flen} bytes, file has {real_size}")
     if ioff < HEADER_SIZE or ioff + ilen != flen or ilen == 0:
         raise CorruptFileError("damaged .onnxz file (index position)")
-    if iraw > MAX_INDEX_BYTES:
-        raise LimitExceededError(f".onnxz index declares {iraw} bytes, above the limit of {MAX_INDEX_BYTES}")
     return Header((major, minor), ioff, ilen, iraw, flen, icrc)
+
+
+def check_index_size(header: Header, max_output_bytes: int) -> None:
+    """Refuse, before decompressing it, an index whose declared size is out of proportion: with
+    the stored frame (an index of JSON compresses ~10-30x; far more is a decompression bomb), with
+    the caller's limit, or with MAX_INDEX_BYTES."""
+    limit = min(MAX_INDEX_BYTES, max(1 << 20, INDEX_RATIO * header.index_length), max(1 << 20, max_output_bytes))
+    if header.index_raw_length > limit:
+        raise LimitExceededError(
+            f".onnxz index declares {header.index_raw_length} bytes from {header.index_length} stored, above the limit of {limit}")
 
 
 def encode_index(obj) -> bytes:
@@ -158,12 +167,12 @@ def _int(v, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-_SAFE_NAME = re.compile(r"^[^\x00-\x1f\\:]+$")
+_SAFE_NAME = re.compile(r"[^\x00-\x1f\x7f\\:]+")
 
 
 def check_data_name(name) -> str:
     """An external data file name from the file: relative, inside the folder, printable."""
-    if not isinstance(name, str) or not name or len(name) > 4096 or not _SAFE_NAME.match(name):
+    if not isinstance(name, str) or not name or len(name) > 4096 or not _SAFE_NAME.fullmatch(name):
         raise _bad(f"external file name {name!r}")
     parts = name.split("/")
     if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
@@ -239,7 +248,7 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
             raise _bad(f"tensor {i} key/name/shape")
         shape = [_int(d, "dim", -(1 << 62)) for d in shape]
         field = t.get("field")
-        if field not in _PAYLOAD_FIELDS:
+        if not isinstance(field, str) or field not in _PAYLOAD_FIELDS:
             raise _bad(f"tensor {i} field {field!r}")
         stream = None if t.get("stream") is None else _stream(t["stream"], extents, f"tensor {key!r}")
         length = _int(t.get("length"), "tensor length")

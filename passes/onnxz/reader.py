@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ import onnx
 from .._fileio import atomic_output, check_readable, check_writable, load_external_data, parse_model_bytes
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
-from .format import DEFAULT_MAX_OUTPUT_BYTES, HEADER_SIZE, MAGIC, FileEntry, Index, Stream, decode_index, parse_header, parse_index
+from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, FileEntry, Index, Stream, decode_index, parse_header, parse_index
 
 WINDOW_BYTES = 64 << 20  # restored bytes decoded before they are hashed and written
 
@@ -45,6 +46,7 @@ class PackedFile:
             size = os.fstat(self._f.fileno()).st_size
             head = self._f.read(HEADER_SIZE)
             header = parse_header(head, size)
+            check_index_size(header, limit)
             self._fd = self._f.fileno()
             self.size = size
             frame = os.pread(self._fd, header.index_length, header.index_offset)
@@ -267,6 +269,12 @@ def _parse_tensor(entry, data: bytes) -> np.ndarray:
     t = onnx.TensorProto()
     try:
         t.ParseFromString(data)
+    except Exception as exc:
+        raise CorruptFileError(f"damaged .onnxz file: tensor {entry.key!r} does not parse ({exc})") from None
+    if t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data):
+        # the pack holds external payloads itself; a reference here would make onnx read a file
+        raise CorruptFileError(f"damaged .onnxz file: tensor {entry.key!r} refers to external data")
+    try:
         return onnx.numpy_helper.to_array(t)
     except Exception as exc:  # the payload does not fit its declared type/shape
         raise InvalidModelError(f"tensor {entry.key!r}: payload does not match dtype {entry.dtype} / shape {entry.shape} ({exc})") from None
@@ -276,12 +284,14 @@ def _to_array(entry, payload: np.ndarray) -> np.ndarray:
     if entry.field == "proto":
         return _parse_tensor(entry, payload.tobytes())
     field = "raw_data" if entry.field == "external" else entry.field
+    if any(d < 0 for d in entry.shape):
+        raise InvalidModelError(f"tensor {entry.key!r} has a negative dimension {entry.shape}")
     np_type = _PLAIN.get(entry.dtype)
-    count = int(np.prod(entry.shape, dtype=np.int64)) if entry.shape else 1
+    count = math.prod(entry.shape)  # Python ints: no overflow
     if np_type is not None and field in ("raw_data", "float_data", "double_data"):
         if field == "float_data" and entry.dtype != 1 or field == "double_data" and entry.dtype != 11:
             np_type = None
-        elif count * np.dtype(np_type).itemsize == payload.size and all(d >= 0 for d in entry.shape):
+        elif count * np.dtype(np_type).itemsize == payload.size:
             return payload.view(np_type).reshape(entry.shape)
     # other types and layouts: let onnx interpret a TensorProto holding just this payload
     proto = bytearray()
@@ -374,18 +384,47 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None) 
     check_writable(dst, force)
     with PackedFile(src, threads=threads, max_bytes=max_bytes) as pf:
         files = pf.index.files
-        targets = [dst] + [dst.parent / f.name for f in files[1:]]
+        folder = dst.parent if str(dst.parent) else Path(".")
+        targets = [dst] + [folder / f.name for f in files[1:]]
         for t in targets[1:]:
-            if t.resolve() == src.resolve() or t.resolve() == dst.resolve():
-                raise CorruptFileError(f"damaged .onnxz index (external file {t.name} collides)")
-            t.parent.mkdir(parents=True, exist_ok=True) if t.parent != dst.parent else None
-            check_writable(t, force)
+            _prepare_data_path(folder, t, src, dst, force)
         # data files first: the model file never appears pointing at missing data
         for fi in list(range(1, len(files))) + [0]:
             with atomic_output(targets[fi], force) as f:
                 for window in pf.restore_windows(fi):
                     f.write(window)
     return dst
+
+
+def _prepare_data_path(folder: Path, target: Path, src: Path, dst: Path, force: bool) -> None:
+    """Make the folders of an external data file inside `folder`, refusing any path that would
+    leave it (through a symlink too) or collide with the packed file or the model."""
+    from .._fileio import _describe_os_error
+
+    base = folder.resolve()
+    try:
+        parent = target.parent
+        if parent != folder:
+            rel = parent.relative_to(folder)
+            cur = folder
+            for part in rel.parts:  # one level at a time: never through a symlink
+                cur = cur / part
+                if cur.is_symlink():
+                    raise FileAccessError(f"cannot write {target}: {cur} is a symbolic link")
+                if cur.exists() and not cur.is_dir():
+                    raise FileAccessError(f"cannot write {target}: {cur} is not a folder")
+                if not cur.exists():
+                    cur.mkdir()
+        resolved = target.resolve()
+    except OSError as exc:
+        if isinstance(exc, FileAccessError):
+            raise
+        raise FileAccessError(_describe_os_error(target, exc, "write")) from None
+    if base not in resolved.parents:
+        raise FileAccessError(f"cannot write {target}: it lies outside {folder}")
+    if resolved in (src.resolve(), dst.resolve()):
+        raise CorruptFileError(f"damaged .onnxz index (external file {target.name} collides with {resolved.name})")
+    check_writable(target, force)
 
 
 PackedFile.__enter__ = lambda self: self
