@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +30,6 @@ import numpy as np
 import onnx
 
 from ._fileio import load_model
-from .errors import SurgeonError
 
 FLOAT_TYPES = {
     onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE,
@@ -252,38 +250,6 @@ def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict) -> str:
     if weight.dtype in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
         return "other"
     return "integer"
-
-
-# A model whose weights live in external data files keeps its .onnx small; a file larger than this
-# holds its weights inline, and is not parsed again just to look for external files.
-_EXTERNAL_SCAN_LIMIT = 100_000_000
-
-
-def files_on_disk(path) -> list[Path]:
-    """The files a model occupies: the .onnx (or .onnxz) and the external data files it names
-    that exist inside its folder."""
-    p = Path(path)
-    files = [p] if p.is_file() else []
-    if not files or p.suffix == ".onnxz" or p.stat().st_size > _EXTERNAL_SCAN_LIMIT:
-        return files
-    try:
-        model = load_model(p, load_external=False)
-    except SurgeonError:
-        return files
-    base = p.parent.resolve()
-    locations = set()
-    _collect_locations(model.graph, locations)
-    for location in sorted(locations):
-        target = (p.parent / location).resolve()
-        if (base in target.parents) and target.is_file() and target not in files:
-            files.append(target)
-    return files
-
-
-def _collect_locations(graph: onnx.GraphProto, out: set) -> None:
-    tensors: dict = {}
-    _walk(graph, "", tensors, defaultdict(list), [])
-    out.update(tensors.get(_EXTERNAL_KEY, set()))
 
 
 def describe_model(model) -> ModelDescription:

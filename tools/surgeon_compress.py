@@ -98,9 +98,9 @@ def _snr(value) -> str:
 
 def file_size(path: str | os.PathLike) -> int:
     """Bytes of a model on disk, its external data files included."""
-    from passes.inspect import files_on_disk
+    from passes._fileio import size_on_disk
 
-    return sum(p.stat().st_size for p in files_on_disk(path))
+    return size_on_disk(path)
 
 
 def _progress(label: str):
