@@ -142,7 +142,9 @@ class InferenceSession(ort.InferenceSession):
     caller's SessionOptions is copied, never modified. `threads` sets intra-op threads (and the
     threads decoding a packed file). Attributes: `mode` (the mode used, "auto" resolved),
     `mode_reason`, `dtype` (numpy dtype of the float weights), `weight_arrays` (name -> array
-    fed to onnxruntime; shared ones are the session's own weights), `shared_names`.
+    the session keeps: the shared weights, onnxruntime's own buffers), `shared_names`,
+    `op_counts` (main-graph operators handed to onnxruntime, e.g. MatMulNBits in int8 mode),
+    `prepack`, `skeleton_bytes` (size of the weight-free protobuf given to onnxruntime).
     """
 
     def __init__(self, path, sess_options=None, providers=None, *, mode="fold", dtype=None, threads=None,
@@ -199,7 +201,7 @@ class InferenceSession(ort.InferenceSession):
         disabled = set()
         device_values = {}
         if mode == "fold":
-            if self.on_gpu and s["gpu_fold"] == "device":
+            if self.on_gpu and s["gpu_fold"] == "device" and (target is None or target == own_dtype):
                 from .runtime_gpu import fold_on_device
 
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
@@ -226,6 +228,10 @@ class InferenceSession(ort.InferenceSession):
             # prepacking copies every MatMul weight into onnxruntime's own layout; a shared weight
             # cannot be freed after that, so a big model would be held twice
             options.add_session_config_entry("session.disable_prepacking", "1")
+        counts = {}
+        for node in split.skeleton.graph.node:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        self.op_counts = counts
         model_bytes = split.skeleton.SerializeToString()
         self.skeleton_bytes = len(model_bytes)
         return options, disabled, model_bytes

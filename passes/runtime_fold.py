@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from .runtime_feed import SplitModel
 
@@ -78,8 +79,12 @@ def constant_foldable_nodes(split: SplitModel, folders: dict) -> list:
 
 def fold_into(split: SplitModel, progress=None, only=None) -> int:
     """Replace constant DequantizeLinear (and other registered constant-form) nodes by their
-    float initializers; returns how many were folded. `only`: optional predicate on a node."""
+    float initializers, subgraphs included; returns how many were folded. `only`: optional
+    predicate on a node (main graph)."""
     folders = _folders()
+    constants_to_initializers(split)
+    if only is None:
+        fold_subgraphs(split.skeleton.graph, folders)
     types = {t.name: t.data_type for t in split.skeleton.graph.initializer}
     nodes = [n for n in constant_foldable_nodes(split, folders) if only is None or only(n)]
     folded = set()
@@ -109,6 +114,103 @@ def fold_into(split: SplitModel, progress=None, only=None) -> int:
         split.skeleton.graph.node.extend(keep)
         split.refresh_placeholders()
     return len(folded)
+
+
+def constants_to_initializers(split: SplitModel) -> None:
+    """Main-graph Constant nodes holding a tensor become initializers (small ones stay inline),
+    so that a DequantizeLinear reading e.g. a Constant scale is constant-foldable here."""
+    graph = split.skeleton.graph
+    keep, moved = [], False
+    for node in graph.node:
+        value = _constant_tensor(node)
+        if value is None:
+            keep.append(node)
+            continue
+        split.set_weight(node.output[0], numpy_helper.to_array(value))
+        moved = True
+    if moved:
+        del graph.node[:]
+        graph.node.extend(keep)
+
+
+def _constant_tensor(node):
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+        return None
+    attr = node.attribute[0]
+    if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR and attr.t.data_location != onnx.TensorProto.EXTERNAL:
+        return attr.t
+    return None
+
+
+def fold_subgraphs(graph, folders) -> int:
+    """Fold constant nodes inside If/Loop/Scan bodies (their tensors are inline, small), each
+    subgraph with the constants of its own scope, as fold_dequantize does."""
+    count = 0
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for g in subs:
+                count += _fold_one_graph(g, folders)
+                count += fold_subgraphs(g, folders)
+    return count
+
+
+def _fold_one_graph(g, folders) -> int:
+    consts, types = {}, {}
+    for t in g.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            consts[t.name], types[t.name] = numpy_helper.to_array(t), t.data_type
+    for node in g.node:
+        value = _constant_tensor(node)
+        if value is not None:
+            consts[node.output[0]], types[node.output[0]] = numpy_helper.to_array(value), value.data_type
+    folded = []
+    for node in g.node:
+        key = (node.domain or "", node.op_type)
+        fn = folders.get(key, _local_dq if node.op_type == "DequantizeLinear" and not node.domain else None)
+        if fn is None or not node.input or not all((not i) or i in consts for i in node.input):
+            continue
+        result = fn(node, [consts[i] if i else None for i in node.input], [types.get(i, 0) for i in node.input])
+        if result is None:
+            continue
+        value = np.asarray(result[0])
+        name = node.output[0]
+        tensor = numpy_helper.from_array(value, name) if value.dtype.name != "bfloat16" else None
+        if tensor is None:
+            continue
+        g.initializer.append(tensor)
+        consts[name], types[name] = value, result[1]
+        folded.append(node)
+    if not folded:
+        return 0
+    ids = {id(n) for n in folded}
+    keep = [n for n in g.node if id(n) not in ids]
+    del g.node[:]
+    g.node.extend(keep)
+    _drop_unused_locals(g)
+    return len(folded)
+
+
+def _drop_unused_locals(g) -> None:
+    used = _names_read(g)
+    keep = [n for n in g.node if not (_constant_tensor(n) is not None and n.output[0] not in used)]
+    if len(keep) != len(g.node):
+        del g.node[:]
+        g.node.extend(keep)
+    inits = g.initializer
+    for i in range(len(inits) - 1, -1, -1):
+        if inits[i].name not in used:
+            del inits[i]
+
+
+def _names_read(g) -> set:
+    used = {o.name for o in g.output}
+    for node in g.node:
+        used.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                used |= _names_read(sub)
+    return used
 
 
 def _consumer_counts(graph) -> dict:

@@ -14,7 +14,8 @@ Small DequantizeLinear nodes (biases, norms) are folded to float: they cost noth
 
 A float weight of a lossless model is quantized at load (this mode's promise is int8 memory):
 per output channel, max-abs scale (no clip search, to keep load fast), symmetric int8; for
-"int4", blocks of 32 along K for MatMul/Gemm weights and per channel int8 for the others.
+"int4", blocks of 32 along K for MatMul/Gemm weights with the clip search of passes.forms (at
+4 bits it matters), per channel int8 for the others.
 """
 from __future__ import annotations
 
@@ -216,7 +217,7 @@ def _quantize_float_weights(split: SplitModel, bits: int) -> None:
         if block and w.shape[axis] < block:
             axis, block = (1 - axis), 0
         qbits = 4 if bits == 4 and block else 8
-        quant = forms.quantize_linear(w, forms.Levels(qbits, True), axis, block, search=False)
+        quant = forms.quantize_linear(w, forms.Levels(qbits, True), axis, block, search=qbits == 4)
         q_name, s_name = name + "_quantized", name + "_scale"
         split.remove_initializer(name)
         split.set_weight(q_name, quant.q)

@@ -20,7 +20,7 @@ from onnx import TensorProto, numpy_helper
 
 from ._fileio import _safe_external_path, check_readable, parse_model_bytes
 from .errors import CorruptFileError, FileAccessError, InvalidModelError
-from .runtime_feed import INLINE_MAX_BYTES, SplitModel, placeholder
+from .runtime_feed import INLINE_MAX_BYTES, SplitModel, is_placeholder, placeholder
 
 PACKED_MAGIC = b"ONNXZ"
 
@@ -93,7 +93,7 @@ def _external_info(t: TensorProto) -> dict:
 def _map_external(model: onnx.ModelProto, base: Path, arrays: dict) -> None:
     """Main-graph initializers in external data files become views of those files (mapped once);
     tensors elsewhere (subgraphs, attributes) are read into the skeleton."""
-    from ._fileio import external_tensors, load_external_data
+    from ._fileio import external_tensors
 
     maps = {}
     for t in model.graph.initializer:
@@ -111,8 +111,15 @@ def _map_external(model: onnx.ModelProto, base: Path, arrays: dict) -> None:
     for t in model.graph.initializer:
         if t.name in arrays and t.data_location == TensorProto.EXTERNAL:
             t.CopyFrom(placeholder(t.name, arrays[t.name]))
-    if any(True for _ in external_tensors(model)):
-        load_external_data(model, base)
+    for t in external_tensors(model):  # subgraph / attribute tensors: read into the skeleton
+        if is_placeholder(t):
+            continue
+        info = _external_info(t)
+        target = _safe_external_path(base, info.get("location", ""))
+        if target not in maps:
+            maps[target] = _map_file(target)
+        value = _view_external(t, info, maps[target])
+        t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), t.name))
 
 
 def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:

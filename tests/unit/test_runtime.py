@@ -1,0 +1,347 @@
+"""passes.InferenceSession: sessions from compressed .onnx and packed .onnxz in every mode.
+
+Small generated models (Conv, MatMul, Gemm with transB and bias, Gather, a Constant-node weight,
+If/Loop subgraphs), quantized with passes.quantize_weights, packed with passes.pack.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes.errors import CorruptFileError, FileAccessError, InvalidArgumentError, SurgeonError
+
+import modelgen as mg
+
+CPU = ["CPUExecutionProvider"]
+
+
+def _w(shape, seed, scale=None):
+    rng = np.random.default_rng(seed)
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+    return (rng.standard_normal(shape) * (scale or 1 / np.sqrt(fan_in))).astype(np.float32)
+
+
+def _model(nodes, inputs, outputs, inits, opset=17):
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def dense_model():
+    """MatMul, Gemm (bias, transB=0), Gemm (bias, transB=1): weights big enough to be fed."""
+    inits = [numpy_helper.from_array(_w((256, 384), 1), "W1"), numpy_helper.from_array(_w((384, 128), 2), "W2"),
+             numpy_helper.from_array(_w((128,), 3, 0.1), "C2"), numpy_helper.from_array(_w((96, 128), 4), "W3"),
+             numpy_helper.from_array(_w((96,), 5, 0.1), "C3")]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h1"]), helper.make_node("Relu", ["h1"], ["r1"]),
+             helper.make_node("Gemm", ["r1", "W2", "C2"], ["h2"]),
+             helper.make_node("Gemm", ["h2", "W3", "C3"], ["y"], transB=1)]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 96])], inits)
+
+
+def conv_model():
+    inits = [numpy_helper.from_array(_w((64, 32, 3, 3), 6), "W"), numpy_helper.from_array(_w((64,), 7, 0.1), "B")]
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 12, 12])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 12, 12])], inits)
+
+
+def gather_constant_model():
+    """Embedding Gather, then a MatMul whose weight is a Constant node of the main graph."""
+    const = numpy_helper.from_array(_w((64, 128), 9), "Wc")
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["e"], axis=0),
+             helper.make_node("Constant", [], ["Wc"], value=const),
+             helper.make_node("MatMul", ["e", "Wc"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 7])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 7, 128])],
+                  [numpy_helper.from_array(_w((500, 64), 8, 1.0), "E")])
+
+
+BUILDERS = {"dense": dense_model, "conv": conv_model, "gather": gather_constant_model,
+            "subgraph": lambda: mg.subgraph_model("float32", 17)}
+
+
+def feeds_for(model, n=2):
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(n):
+        f = {}
+        for v in model.graph.input:
+            shape = [d.dim_value for d in v.type.tensor_type.shape.dim]
+            et = v.type.tensor_type.elem_type
+            if et == TensorProto.INT64:
+                f[v.name] = rng.integers(0, 100, size=shape).astype(np.int64)
+            elif et == TensorProto.BOOL:
+                f[v.name] = np.array(i % 2 == 0)
+            else:
+                f[v.name] = rng.standard_normal(shape).astype(np.float32)
+        out.append(f)
+    return out
+
+
+def run_plain(model_or_path, feeds):
+    src = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
+    s = ort.InferenceSession(src, providers=CPU)
+    return [s.run(None, f) for f in feeds]
+
+
+def run(session, feeds):
+    return [session.run(None, f) for f in feeds]
+
+
+def cosine(a, b):
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """name -> {"float", "q8", "q8z", "q4", "floatz"} paths, plus the models."""
+    root = tmp_path_factory.mktemp("runtime")
+    out = {}
+    for name, build in BUILDERS.items():
+        m = build()
+        paths = {"model": m, "float": root / f"{name}.onnx"}
+        onnx.save(m, str(paths["float"]))
+        q8 = passes.quantize_weights(m, bits=8, min_elements=256)
+        paths["q8"] = root / f"{name}.q8.onnx"
+        onnx.save(q8, str(paths["q8"]))
+        paths["folded"] = passes.fold_dequantize(q8)
+        paths["q8z"] = root / f"{name}.q8.onnxz"
+        passes.pack(str(paths["q8"]), str(paths["q8z"]))
+        paths["floatz"] = root / f"{name}.onnxz"
+        passes.pack(str(paths["float"]), str(paths["floatz"]))
+        out[name] = paths
+    q4 = passes.quantize_weights(dense_model(), bits=4, granularity="block", block_size=32, min_elements=256)
+    out["dense"]["q4"] = root / "dense.q4.onnx"
+    onnx.save(q4, str(out["dense"]["q4"]))
+    out["dense"]["q4_folded"] = passes.fold_dequantize(q4)
+    return out
+
+
+# ---------------------------------------------------------------------- fold mode
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("source", ["q8", "q8z"])
+def test_fold_equals_the_folded_model(files, name, source):
+    f = files[name]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f[source], providers=CPU, mode="fold")
+    assert isinstance(session, ort.InferenceSession)
+    assert session.mode == "fold"
+    for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_fold_of_a_lossless_pack_equals_the_original(files, name):
+    f = files[name]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f["floatz"], mode="fold")
+    for got, want in zip(run(session, feeds), run_plain(f["model"], feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_fold_shares_weights_without_a_copy(files):
+    session = passes.InferenceSession(files["dense"]["q8z"], mode="fold")
+    assert session.shared_names  # MatMul/Gemm weights handed over as the session's own buffers
+    for name in session.shared_names:
+        assert session.weight_arrays[name].dtype == np.float32
+    assert session.skeleton_bytes < 4096  # the protobuf carries no weights
+
+
+def test_fold_of_blocked_int4(files):
+    f = files["dense"]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f["q4"], mode="fold")
+    for got, want in zip(run(session, feeds), run_plain(f["q4_folded"], feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_external_data_model(files, tmp_path):
+    f = files["dense"]
+    q8 = onnx.load(str(f["q8"]))
+    path = tmp_path / "ext.onnx"
+    onnx.save(q8, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data",
+              size_threshold=0)
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(path, mode="fold")
+    for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- precision
+
+@pytest.mark.parametrize("name", ["dense", "conv", "gather"])
+def test_float32_model_as_float16(files, name):
+    f = files[name]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f["q8z"], mode="fold", dtype="float16")
+    assert session.dtype == np.float16
+    assert any(a.dtype == np.float16 for a in session.weight_arrays.values()) or not session.shared_names
+    for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
+        assert got[0].dtype == np.float32  # graph inputs/outputs keep their type
+        assert cosine(got[0], want[0]) > 0.999
+
+
+def test_float16_model_as_float32(tmp_path):
+    m = mg.dense_model("float16", 17)
+    path = tmp_path / "fp16.onnx"
+    onnx.save(m, str(path))
+    feeds = mg.feeds(m)
+    want = run_plain(m, feeds)
+    session = passes.InferenceSession(path, mode="fold", dtype="float32")
+    assert session.dtype == np.float32
+    for got, w in zip(run(session, feeds), want):
+        assert got[0].dtype == np.float16  # output type kept
+        np.testing.assert_allclose(got[0].astype(np.float32), w[0].astype(np.float32), rtol=2e-2, atol=2e-2)
+    as32 = passes.InferenceSession(path, mode="fold", dtype="float32", keep_io_types=False)
+    assert as32.get_outputs()[0].type == "tensor(float)"
+
+
+# ---------------------------------------------------------------------- int8 / int4
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("source", ["q8", "q8z"])
+def test_int8_close_to_float(files, name, source):
+    f = files[name]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f[source], mode="int8")
+    assert session.mode == "int8"
+    for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
+        assert cosine(got[0], want[0]) > 0.999
+
+
+def test_int8_keeps_weights_quantized(files):
+    session = passes.InferenceSession(files["dense"]["q8z"], mode="int8")
+    assert session.op_counts.get("MatMulNBits") == 3  # MatMul and both Gemm weights
+    assert all(a.dtype.kind in "iu" or a.size < 1024 for a in session.weight_arrays.values())
+    embed = passes.InferenceSession(files["gather"]["q8z"], mode="int8")
+    assert embed.op_counts.get("Gather", 0) >= 1 and "DequantizeLinear" not in embed.op_counts
+    conv = passes.InferenceSession(files["conv"]["q8z"], mode="int8")
+    assert conv.op_counts.get("DequantizeLinear") == 1  # the Conv weight stays int8, dequantized per run
+
+
+def test_int8_quantizes_a_lossless_model_at_load(files):
+    f = files["dense"]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f["float"], mode="int8")
+    assert session.op_counts.get("MatMulNBits") == 3
+    for got, want in zip(run(session, feeds), run_plain(f["model"], feeds)):
+        assert cosine(got[0], want[0]) > 0.999
+
+
+def test_int4_blocked(files):
+    f = files["dense"]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f["q4"], mode="int4")
+    assert session.op_counts.get("MatMulNBits") == 3
+    for got, want in zip(run(session, feeds), run_plain(f["q4_folded"], feeds)):
+        assert cosine(got[0], want[0]) > 0.995
+    lossless = passes.InferenceSession(f["float"], mode="int4")
+    assert lossless.op_counts.get("MatMulNBits") == 3
+    for got, want in zip(run(lossless, feeds), run_plain(f["model"], feeds)):
+        assert cosine(got[0], want[0]) > 0.97  # 4-bit round-to-nearest of random weights, 3 layers
+
+
+def test_auto_says_what_it_picked(files, caplog):
+    with caplog.at_level("INFO", logger="passes.runtime"):
+        session = passes.InferenceSession(files["dense"]["q8z"], mode="auto")
+    assert session.mode in ("fold", "int8")
+    assert session.mode_reason
+    assert any("mode=auto picked" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------- options and errors
+
+def test_callers_session_options_are_not_modified(files):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = passes.InferenceSession(files["dense"]["q8z"], options, mode="int8")
+    assert session.get_session_options().intra_op_num_threads == 1
+    assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    with pytest.raises(Exception):
+        options.get_session_config_entry("session.qdq_matmulnbits_accuracy_level")
+    # still usable for a plain onnxruntime session of another model
+    plain = ort.InferenceSession(str(files["conv"]["float"]), options, providers=CPU)
+    assert plain.run(None, feeds_for(files["conv"]["model"], 1)[0])[0].shape == (1, 64, 12, 12)
+
+
+def test_threads(files):
+    session = passes.InferenceSession(files["dense"]["q8z"], threads=1)
+    assert session.get_session_options().intra_op_num_threads == 1
+
+
+def test_unknown_mode(files):
+    with pytest.raises(InvalidArgumentError, match="unknown mode"):
+        passes.InferenceSession(files["dense"]["q8"], mode="int3")
+
+
+def test_unsupported_dtype(files):
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        passes.InferenceSession(files["dense"]["q8"], dtype="int8")
+
+
+def test_missing_provider(files):
+    missing = next(p for p in ("CUDAExecutionProvider", "NoSuchExecutionProvider") if p not in ort.get_available_providers())
+    with pytest.raises(InvalidArgumentError, match="not available"):
+        passes.InferenceSession(files["dense"]["q8"], providers=[missing])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileAccessError):
+        passes.InferenceSession(tmp_path / "nope.onnx")
+
+
+def test_corrupt_packed_file(files, tmp_path):
+    data = bytearray(files["dense"]["q8z"].read_bytes())
+    truncated = tmp_path / "truncated.onnxz"
+    truncated.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CorruptFileError):
+        passes.InferenceSession(truncated)
+    flipped = tmp_path / "flipped.onnxz"
+    data[len(data) // 3] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError):
+        passes.InferenceSession(flipped)
+
+
+def test_corrupt_onnx_file(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x0a\xff\xff\xff\xff\x0f not a model")
+    with pytest.raises(SurgeonError):
+        passes.InferenceSession(bad)
+
+
+# ---------------------------------------------------------------------- GPU (skipped without CUDA)
+
+cuda = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                          reason="CUDAExecutionProvider not available (onnxruntime-gpu and a GPU needed)")
+
+
+@cuda
+@pytest.mark.parametrize("gpu_fold", ["host", "device"])
+def test_cuda_fold_matches_cpu(files, gpu_fold):
+    f = files["dense"]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f["q8z"], providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                      mode="fold", gpu_fold=gpu_fold)
+    assert session.get_providers()[0] == "CUDAExecutionProvider"
+    for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-3, atol=1e-3)
+
+
+@cuda
+def test_cuda_float16_and_auto(files):
+    f = files["dense"]
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(f["q8z"], providers=["CUDAExecutionProvider"], mode="auto", dtype="float16")
+    assert session.mode == "fold"
+    for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
+        assert cosine(got[0], want[0]) > 0.999
