@@ -103,7 +103,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
 
     folded_output: dict[int, tuple[np.ndarray, int]] = {}  # id(node) -> result
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
-    added_inits: dict[int, list[TensorProto]] = {}
+    added_inits: dict[int, list[tuple[np.ndarray, str, int]]] = {}
     consumed: list[_Const] = []
     decoded: dict[int, np.ndarray] = {}
     for done, (key, node) in enumerate(foldable, 1):
@@ -135,24 +135,25 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
             stored_name = names.take(f"{out_name}_{graph.type_name(store_type)}")
         else:
             stored, stored_name = value, out_name
-        tensor = graph.array_to_tensor(stored, stored_name, store_type)
         from_constant_node = any(c is not None and c.node is not None for c in consts)
         new_nodes = []
         if from_constant_node:
+            tensor = graph.array_to_tensor(stored, stored_name, store_type)
             new_nodes.append(helper.make_node("Constant", [], [stored_name], name=names.take(stored_name + "_Constant"),
                                               value=tensor))
         else:
-            added_inits.setdefault(key, []).append(tensor)
+            # written straight into the graph at the end: one copy of the payload, not three
+            added_inits.setdefault(key, []).append((stored, stored_name, store_type))
         if store_type != elem_type:
             new_nodes.append(helper.make_node("Cast", [stored_name], [out_name], name=names.take(out_name + "_Cast"),
                                               to=elem_type))
         replaced[id(node)] = new_nodes
         consumed.extend(c for c in consts if c is not None)
         if report is not None:
-            before = sum(len(c.tensor.raw_data) for c in consts if c is not None)
+            before = sum(graph.tensor_nbytes(c.tensor) for c in consts if c is not None)
             report.add(TensorChange(out_name, tuple(value.shape), graph.type_name(consts[0].tensor.data_type),
                                     "folded" if store_type == elem_type else f"folded to {graph.type_name(store_type)}",
-                                    before, len(tensor.raw_data), None,
+                                    before, stored.nbytes, None,
                                     _location(graphs[key], from_constant_node)))
         if progress:
             progress(done, total)
@@ -187,23 +188,14 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
         touched = any(id(n) in replaced or id(n) in dead_nodes for n in g.node)
         if k in dead_inits or k in added_inits:
             dead = dead_inits.get(k, set())
-            kept = []
-            for t in g.initializer:
-                if t.name not in dead:
-                    c = TensorProto()
-                    c.CopyFrom(t)
-                    kept.append(c)
-            kept.extend(added_inits.get(k, []))
-            del g.initializer[:]
-            g.initializer.extend(kept)
+            # in place: deleting and adding entries copies no payload of the kept tensors
+            for i in reversed([i for i, t in enumerate(g.initializer) if t.name in dead]):
+                del g.initializer[i]
+            for arr, name, elem_type in added_inits.get(k, []):
+                graph.fill_tensor(g.initializer.add(), arr, name, elem_type)
             if dead:
-                vi = [v for v in g.value_info if v.name not in dead]
-                if len(vi) != len(g.value_info):
-                    copies = [onnx.ValueInfoProto() for _ in vi]
-                    for c, v in zip(copies, vi):
-                        c.CopyFrom(v)
-                    del g.value_info[:]
-                    g.value_info.extend(copies)
+                for i in reversed([i for i, v in enumerate(g.value_info) if v.name in dead]):
+                    del g.value_info[i]
         if touched:
             nodes = []
             for node in g.node:

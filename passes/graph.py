@@ -82,7 +82,20 @@ def tensor_to_array(t: TensorProto) -> np.ndarray:
 
 def array_to_tensor(arr: np.ndarray, name: str, elem_type: int) -> TensorProto:
     """A TensorProto holding `arr` as `elem_type`, always in raw_data (int4 packed two per byte)."""
-    t = TensorProto()
+    return fill_tensor(TensorProto(), arr, name, elem_type)
+
+
+def tensor_nbytes(t: TensorProto) -> int:
+    """Payload bytes of a tensor without copying raw_data out of the proto."""
+    n = int(np.prod(t.dims, dtype=np.int64))
+    if t.data_type in INT4_TYPES:
+        return (n + 1) // 2
+    dtype = NUMPY_TYPES.get(t.data_type)
+    return n * dtype.itemsize if dtype is not None else t.ByteSize()
+
+
+def fill_tensor(t: TensorProto, arr: np.ndarray, name: str, elem_type: int) -> TensorProto:
+    """Fill an empty TensorProto (e.g. `graph.initializer.add()`) with `arr` as raw_data."""
     t.name = name
     t.data_type = elem_type
     t.dims.extend(int(d) for d in arr.shape)

@@ -285,7 +285,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                     for t in tensors]
             const_nodes.setdefault(w.graph_key, {})[w.name] = repl + [dq]
         if report is not None:
-            after = sum(len(t.raw_data) for t in tensors)
+            after = sum(graph.tensor_nbytes(t) for t in tensors)
             report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type),
                                     _scheme(levels, bits, axis, blk), nbytes, after, _snr_db(arr, deq), w.location))
         if progress:
@@ -299,16 +299,12 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         g = info.graph
         if k in new_inits:
             repl = new_inits[k]
-            kept = []
-            for t in g.initializer:
-                if t.name in repl:
-                    kept.extend(repl[t.name])
-                else:
-                    c = TensorProto()
-                    c.CopyFrom(t)
-                    kept.append(c)
-            del g.initializer[:]
-            g.initializer.extend(kept)
+            # in place: kept tensors are not copied again (they can be most of a large model)
+            for i in reversed([i for i, t in enumerate(g.initializer) if t.name in repl]):
+                del g.initializer[i]
+            for tensors in repl.values():
+                for t in tensors:
+                    g.initializer.add().CopyFrom(t)
         nodes = list(new_first_nodes.get(k, []))
         cmap = const_nodes.get(k, {})
         for node in g.node:

@@ -169,3 +169,20 @@ def test_shared_scale_kept_while_read():
 def test_bad_dtype():
     with pytest.raises(InvalidArgumentError):
         fold_dequantize(mg.dense_model(), dtype="int8")
+
+
+@pytest.mark.parametrize("levels,zp", [(np.arange(-128, 128, dtype=np.int8), None),
+                                       (np.arange(0, 256, dtype=np.uint8), 255)])
+def test_float16_rounding_every_normal_scale(levels, zp):
+    """The bit-level float16 path against numpy's float32 -> float16 cast (round to nearest even),
+    for every normal positive float16 scale and every 8-bit level difference."""
+    from passes import forms
+
+    scales = np.arange(0x0400, 0x5C00, dtype=np.uint16).view(np.float16)  # up to 256: no overflow
+    scales = scales[scales.astype(np.float32) * 255 <= 65504]
+    q = np.broadcast_to(levels, (scales.size, levels.size))
+    z = None if zp is None else np.full(scales.size, zp, dtype=np.uint8)
+    got = forms.dequantize_linear(np.ascontiguousarray(q), scales, z, axis=0)
+    diff = q.astype(np.float32) - (0 if zp is None else np.float32(zp))
+    expected = (diff * scales.astype(np.float32)[:, None]).astype(np.float16)
+    assert got.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
