@@ -292,12 +292,18 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int) -
             planes = [part]
         else:
             planes = list(split_planes(part, width, codec == "fplanes"))
-        frames = []
-        for p in planes:
-            entropy = compress_plane(p, "entropy")
-            frames.append(entropy)
-        stream.chunks.append(EncodedChunk(part.size, frames))
+        stream.chunks.append(EncodedChunk(part.size, [compress_plane(p, _plane_kind(p)) for p in planes]))
     return stream
+
+
+def _plane_kind(plane: np.ndarray) -> str:
+    """'fast' for planes that are noise (order-0 entropy above 7.97 bits/byte: Huffman cannot gain
+    enough to pay for its table, and zstd stores them as raw blocks quickly), else 'entropy'."""
+    if plane.size < 4096:
+        return "entropy"
+    counts = np.bincount(plane, minlength=256)
+    p = counts[counts > 0] / plane.size
+    return "fast" if -(p * np.log2(p)).sum() > 7.97 else "entropy"
 
 
 def _encode_lz(data: np.ndarray, chunk_bytes: int) -> EncodedStream:
@@ -340,9 +346,11 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
             [EncodedChunk(c.raw_length * _SIZE[value_type] // _SIZE[to], c.planes) for c in inner.chunks]))
     else:
         candidates.append(_encode_planes(data, codec, width, chunk_bytes))
+    if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
+        candidates.append(_encode_planes(data, "bytes", 1, chunk_bytes))
     best = min(candidates, key=lambda s: s.stored)
     if try_lz is None:
-        try_lz = data.size >= 4096 and _lz_promising(data, best.stored / max(1, data.size))
+        try_lz = data.size >= 1024 and _lz_promising(data, best.stored / max(1, data.size))
     if try_lz:
         lz = _encode_lz(data, chunk_bytes)
         if lz.stored < best.stored:
@@ -352,6 +360,10 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
 
 def _lz_promising(data: np.ndarray, ratio: float) -> bool:
     """A cheap probe: does a fast LZ pass on a sample already beat the plane coding?"""
-    sample = data[: 1 << 20]
+    if data.size > 1 << 20:  # 8 slices across the tensor: its start alone can mislead (padding rows)
+        step = data.size // 8
+        sample = np.concatenate([data[i * step:i * step + (1 << 17)] for i in range(8)])
+    else:
+        sample = data
     probe = len(zstd.ZstdCompressor(level=3).compress(sample)) / max(1, sample.size)
-    return probe < ratio * 1.02
+    return probe < ratio * 0.99

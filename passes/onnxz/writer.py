@@ -19,7 +19,7 @@ from . import codecs
 from .format import HEADER_SIZE, check_data_name, encode_index, pack_header
 from .protowire import TensorRef, WireError, find_tensors
 
-MIN_CUT = 64  # payloads smaller than this stay in the skeleton (the index entry would cost more)
+MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhead would eat the gain
 SKELETON_CHUNK = 4 << 20
 
 

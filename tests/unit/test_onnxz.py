@@ -283,8 +283,8 @@ def small_packed(tmp_path_factory):
     w = _weights(3000)
     q = np.clip(np.round(RNG.standard_normal(2000) * 10), -127, 127).astype(np.int8)
     m = helper.make_model(helper.make_graph(
-        [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(w[:500].astype(np.float16)))], "g", [],
-        [helper.make_tensor_value_info("c", TensorProto.FLOAT16, [500])],
+        [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(w[:800].astype(np.float16)))], "g", [],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT16, [800])],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q")]))
     src = d / "m.onnx"
     src.write_bytes(m.SerializeToString())
