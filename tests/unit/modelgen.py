@@ -175,11 +175,15 @@ def feeds(model, seed=0, n=2):
     return out
 
 
-def run(model, feed_list, optimize=True):
+def run(model, feed_list, optimize=True, matmulnbits_accuracy=None):
+    """Output 0 per feed. matmulnbits_accuracy: onnxruntime's session.qdq_matmulnbits_accuracy_level
+    for the DequantizeLinear+MatMul -> MatMulNBits fusion ("0": float compute; default 4: int8)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if matmulnbits_accuracy is not None:
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmulnbits_accuracy))
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -55,10 +55,11 @@ def test_runs_and_matches_float_model(builder, dtype, scheme):
     onnx.checker.check_model(q, full_check=True)
     assert _dq_nodes(q), "nothing was quantized"
     feeds = mg.feeds(m)
-    # ORT 1.32's extended optimizations zero a float16 DQ -> MatMul inside an If branch when the
-    # levels live in Constant nodes (the unoptimized run and onnx.reference agree with us)
-    optimize = not (builder == "subgraph" and dtype == "float16")
-    ref, got = mg.run(m, feeds), mg.run(q, feeds, optimize=optimize)
+    # onnxruntime 1.32 fuses DQ+MatMul into MatMulNBits; at its default accuracy level (4, int8
+    # activations) a float16 MatMulNBits inside an If branch returns zeros (an onnxruntime bug:
+    # accuracy level 0, the unoptimized session and onnx.reference all agree with the float model)
+    acc = 0 if (builder == "subgraph" and dtype == "float16") else None
+    ref, got = mg.run(m, feeds), mg.run(q, feeds, matmulnbits_accuracy=acc)
     floor = 0.999 if kw.get("bits", 8) == 8 else 0.95
     for a, b in zip(ref, got):
         assert a.dtype == b.dtype and a.shape == b.shape
