@@ -274,3 +274,27 @@ def test_progress_called():
     calls = []
     quantize_weights(mg.dense_model(), min_elements=64, progress=lambda d, t: calls.append((d, t)))
     assert calls and calls[-1][0] == calls[-1][1]
+
+
+def test_model_fields_preserved():
+    """opset imports, producer, doc strings, metadata, local functions and value_info survive."""
+    m = mg.dense_model("float32", 13)
+    fn = onnx.helper.make_function("local", "Twice", ["a"], ["b"],
+                                   [onnx.helper.make_node("Add", ["a", "a"], ["b"])],
+                                   [onnx.helper.make_opsetid("", 13)])
+    m.functions.append(fn)
+    m.opset_import.append(onnx.helper.make_opsetid("local", 1))
+    m.graph.node.append(onnx.helper.make_node("Twice", ["y"], ["y2"], domain="local"))
+    m.graph.output.append(onnx.helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [4, 40]))
+    m.graph.value_info.append(onnx.helper.make_tensor_value_info("h1", onnx.TensorProto.FLOAT, [4, 48]))
+    m.graph.doc_string = "graph doc"
+    m.graph.node[1].doc_string = "node doc"
+    q = quantize_weights(m, min_elements=64)
+    onnx.checker.check_model(q, full_check=True)
+    assert list(q.functions) == list(m.functions)
+    assert [(o.domain, o.version) for o in q.opset_import] == [(o.domain, o.version) for o in m.opset_import]
+    assert list(q.graph.value_info) == list(m.graph.value_info)
+    assert q.graph.doc_string == "graph doc" and "node doc" in [n.doc_string for n in q.graph.node]
+    assert (q.producer_name, q.doc_string, list(q.metadata_props)) == (m.producer_name, m.doc_string, list(m.metadata_props))
+    f = fold_dequantize(q)
+    assert list(f.functions) == list(m.functions) and list(f.graph.value_info) == list(m.graph.value_info)
