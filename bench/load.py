@@ -241,14 +241,22 @@ def main(argv=None) -> int:
             variants = [("float.onnx", "plain"), ("q8.folded.onnx", "plain"), ("q8.onnx", "plain"),
                         ("float.onnxz", "fold"), ("q8.onnx", "fold"), ("q8.onnxz", "fold"),
                         ("q8.onnx", "int8"), ("q8.onnxz", "int8"), ("float.onnx", "int8"), ("q8.onnxz", "auto")]
+            # precision at load: a float16 model as float32 (CPU), a float32 model as float16
+            variants += [("float.onnxz", "fold:float32" if "fp16" in name else "fold:float16")]
             results = {}
             for key, how in variants:
-                spec = dict(base, path=str(files[key]), how=how, outputs=str(tmp / f"{name}.{key}.{how}.npz"))
-                print(f"[{name}] {key} {how}", file=sys.stderr, flush=True)
+                how, _, dtype = how.partition(":")
+                if dtype:
+                    how_key = f"{how}:{dtype}"
+                else:
+                    how_key = how
+                spec = dict(base, path=str(files[key]), how=how, dtype=dtype or None,
+                            outputs=str(tmp / f"{name}.{key}.{how}{dtype}.npz"))
+                print(f"[{name}] {key} {how_key}", file=sys.stderr, flush=True)
                 r = best_of(spec, args.rounds)
                 if "error" not in r:
                     r["outputs"] = _read_outputs(spec["outputs"])
-                results[(key, how)] = r
+                results[(key, how_key)] = r
             _summarise(name, entry["metric"], results, rows)
         if args.big_gb > 0:
             _big(args, tmp, provider, rows)
@@ -273,6 +281,7 @@ def _summarise(name, metric, results, rows):
             continue
         row.update({k: r[k] for k in ("ready_s", "added_mb", "after_runs_mb", "run_ms", "run_ms_median", "mode")})
         row["mode"] = how if how != "auto" else f"auto->{r['mode']}"
+        row["mode"] = row["mode"].replace("fold:float", "fold->f")
         if "error" not in base:
             row["ready_x"] = r["ready_s"] / base["ready_s"]
             row["added_x"] = r["added_mb"] / base["added_mb"]

@@ -164,8 +164,10 @@ class InferenceSession(ort.InferenceSession):
                               provider_options=provider_options, keep_io_types=keep_io_types,
                               gpu_fold=gpu_fold, prepack=prepack, progress=progress)
         options, disabled, model_bytes = self._prepare(sess_options)
-        if self.shared_names:  # a failure here is retried without sharing: keep its log quiet
-            options.log_severity_level = max(options.log_severity_level, 4)
+        if self.shared_names and sess_options is None:
+            # a failure here is retried without sharing: keep onnxruntime's error log of it quiet
+            # (only when the caller expressed no logging preference)
+            options.log_severity_level = max(options.log_severity_level, 3)
         try:
             super().__init__(model_bytes, options, providers=providers, provider_options=provider_options,
                              disabled_optimizers=disabled or None, enable_fallback=0)
@@ -205,9 +207,12 @@ class InferenceSession(ort.InferenceSession):
                 from .runtime_gpu import fold_on_device
 
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
-            from .runtime_fold import fold_into
+            from .runtime_fold import constants_to_initializers, fold_into, plan_fold
 
-            fold_into(split, progress=s["progress"])
+            constants_to_initializers(split)
+            converting = target is not None and target != own_dtype  # the converter must see float weights
+            deferred = plan_fold(split, options) if not (self.on_gpu or converting) else set()
+            fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
         else:
             from .runtime_int8 import prepare_quantized
 
@@ -219,7 +224,10 @@ class InferenceSession(ort.InferenceSession):
             convert_split(split, target, keep_io_types=s["keep_io_types"])
         split.refresh_placeholders()
         self.weight_arrays = split.weights
-        self.shared_names = shareable_names(split) if share and not self.on_gpu else set()
+        extra = None
+        if mode != "fold":
+            from .runtime_feed import SHAREABLE_DEQUANTIZE as extra
+        self.shared_names = shareable_names(split, extra) if share and not self.on_gpu else set()
         self.shared_names |= set(device_values)
         self._device_values = device_values
         shared_bytes = sum(self.weight_arrays[n].nbytes for n in self.shared_names if n in self.weight_arrays)

@@ -45,7 +45,6 @@ SHAREABLE_CONSUMERS = {
     ("", "MatMul"): {1},
     ("", "Gemm"): {1},
     ("", "Gather"): {0},
-    ("", "DequantizeLinear"): {0},  # int8 levels kept for a per-run DequantizeLinear (mode int8)
     ("com.microsoft", "MatMulNBits"): {1, 3},
     ("com.microsoft", "GatherBlockQuantized"): {0, 3},
 }
@@ -195,8 +194,27 @@ def _big_constant_value(node: onnx.NodeProto) -> TensorProto | None:
     return None
 
 
-def shareable_names(split: SplitModel) -> set:
+# mode int8 keeps DequantizeLinear nodes that onnxruntime runs on every run (never folds): their
+# integer input can be shared too
+SHAREABLE_DEQUANTIZE = {("", "DequantizeLinear"): {0}}
+
+
+def consumers_shareable(graph, name: str, extra=None) -> bool:
+    """True when every reader of `name` in the main graph is a shareable operator input."""
+    table = {**SHAREABLE_CONSUMERS, **(extra or {})}
+    found = False
+    for node in graph.node:
+        for index, inp in enumerate(node.input):
+            if inp == name:
+                found = True
+                if index not in table.get((node.domain or "", node.op_type), ()):
+                    return False
+    return found and name not in {o.name for o in graph.output}
+
+
+def shareable_names(split: SplitModel, extra=None) -> set:
     """Fed weights that every consumer reads only at kernel creation (safe to share, no copy)."""
+    table = {**SHAREABLE_CONSUMERS, **(extra or {})}
     consumers: dict[str, list] = {}
     for node in split.skeleton.graph.node:
         for index, name in enumerate(node.input):
@@ -215,6 +233,6 @@ def shareable_names(split: SplitModel) -> set:
     for name, uses in consumers.items():
         if name in outputs:
             continue
-        if all(index in SHAREABLE_CONSUMERS.get((domain, op), ()) for domain, op, index in uses):
+        if all(index in table.get((domain, op), ()) for domain, op, index in uses):
             shared.add(name)
     return shared

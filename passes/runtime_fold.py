@@ -77,13 +77,13 @@ def constant_foldable_nodes(split: SplitModel, folders: dict) -> list:
     ]
 
 
-def fold_into(split: SplitModel, progress=None, only=None) -> int:
+def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None) -> int:
     """Replace constant DequantizeLinear (and other registered constant-form) nodes by their
-    float initializers, subgraphs included; returns how many were folded. `only`: optional
-    predicate on a node (main graph)."""
+    float initializers (subgraphs too unless `only` is given or subgraphs=False); returns how
+    many were folded. `only`: optional predicate on a main-graph node."""
     folders = _folders()
     constants_to_initializers(split)
-    if only is None:
+    if subgraphs if subgraphs is not None else only is None:
         fold_subgraphs(split.skeleton.graph, folders)
     types = {t.name: t.data_type for t in split.skeleton.graph.initializer}
     nodes = [n for n in constant_foldable_nodes(split, folders) if only is None or only(n)]
@@ -100,7 +100,7 @@ def fold_into(split: SplitModel, progress=None, only=None) -> int:
         value = np.asarray(result[0])
         split.set_weight(node.output[0], value)
         types[node.output[0]] = result[1]
-        folded.add(id(node))
+        folded.add(node.output[0])
         # the quantized inputs are dropped as soon as nothing else reads them (bounded memory)
         for name in node.input:
             if name in split.weights and consumers.get(name, 0) <= 1:
@@ -109,11 +109,42 @@ def fold_into(split: SplitModel, progress=None, only=None) -> int:
         if progress:
             progress(done, len(nodes))
     if folded:
-        keep = [n for n in split.skeleton.graph.node if id(n) not in folded]
+        keep = [n for n in split.skeleton.graph.node if not (n.output and n.output[0] in folded)]
         del split.skeleton.graph.node[:]
         split.skeleton.graph.node.extend(keep)
         split.refresh_placeholders()
     return len(folded)
+
+
+def plan_fold(split: SplitModel, options) -> set:
+    """Which constant DequantizeLinear nodes onnxruntime should fold itself (their output names).
+
+    A weight we fold and share costs one float copy (ours). A weight whose consumers need its
+    bytes at optimisation time (Conv: NCHWc reordering, the transpose optimiser) cannot be
+    shared: handing it over as a copy would hold our float array, onnxruntime's copy and its
+    reordered copy at once. For those, onnxruntime gets the integer levels and folds the
+    DequantizeLinear itself during its constant folding (session.disable_quant_qdq=1 makes its
+    constant folding include DequantizeLinear), with the same arithmetic (passes.forms is
+    bit-exact with onnxruntime's DequantizeLinear). Not done when the graph quantizes activations
+    (QuantizeLinear present): disabling QDQ fusions there would slow it down.
+    """
+    from .runtime_feed import consumers_shareable
+
+    graph = split.skeleton.graph
+    if any(n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear") for n in graph.node):
+        return set()
+    folders = _folders()
+    deferred = set()
+    for node in constant_foldable_nodes(split, folders):
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+            continue
+        if split.array(node.input[0]) is None or split.array(node.input[0]).nbytes <= 4096:
+            continue
+        if not consumers_shareable(graph, node.output[0]):
+            deferred.add(node.output[0])
+    if deferred:
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+    return deferred
 
 
 def constants_to_initializers(split: SplitModel) -> None:
@@ -183,8 +214,8 @@ def _fold_one_graph(g, folders) -> int:
         folded.append(node)
     if not folded:
         return 0
-    ids = {id(n) for n in folded}
-    keep = [n for n in g.node if id(n) not in ids]
+    outs = {n.output[0] for n in folded}
+    keep = [n for n in g.node if not (n.output and n.output[0] in outs)]
     del g.node[:]
     g.node.extend(keep)
     _drop_unused_locals(g)

@@ -81,8 +81,8 @@ def fold_on_device(split: SplitModel, providers, provider_options=None) -> dict:
     values = dict(zip([o.name for o in outputs], binding.get_outputs()))
     del session
     # the main graph: DequantizeLinear nodes gone, their outputs declared as device initializers
-    done = {id(n) for n in nodes}
-    keep = [n for n in split.skeleton.graph.node if id(n) not in done]
+    done = {n.output[0] for n in nodes}
+    keep = [n for n in split.skeleton.graph.node if not (n.output and n.output[0] in done)]
     del split.skeleton.graph.node[:]
     split.skeleton.graph.node.extend(keep)
     for name, value in values.items():

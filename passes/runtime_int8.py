@@ -147,9 +147,9 @@ def prepare_quantized(split: SplitModel, bits: int, options) -> set:
         elif role == "gather":
             done = _to_gather_rows(split, qw, consumer, node.output[0])
         if done:
-            replaced[id(node)] = node
+            replaced[node.output[0]] = node
     if replaced:
-        keep = [n for n in graph.node if id(n) not in replaced]
+        keep = [n for n in graph.node if not (n.op_type == "DequantizeLinear" and n.output[0] in replaced)]
         del graph.node[:]
         graph.node.extend(keep)
     # what stays DequantizeLinear: small tensors are folded, big ones run in onnxruntime

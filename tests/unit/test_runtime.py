@@ -345,3 +345,26 @@ def test_cuda_float16_and_auto(files):
     assert session.mode == "fold"
     for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
         assert cosine(got[0], want[0]) > 0.999
+
+
+def test_auto_picks_int8_when_float_weights_do_not_fit(files, monkeypatch):
+    import passes.runtime as runtime
+
+    monkeypatch.setattr(runtime, "_free_memory_bytes", lambda: 100_000)  # 100 kB free
+    session = passes.InferenceSession(files["dense"]["q8z"], mode="auto")
+    assert session.mode == "int8"
+    assert "exceed" in session.mode_reason
+    monkeypatch.setattr(runtime, "_free_memory_bytes", lambda: 1 << 34)
+    assert passes.InferenceSession(files["dense"]["q8z"], mode="auto").mode == "fold"
+
+
+def test_prepack_option(files):
+    f = files["dense"]
+    feeds = feeds_for(f["model"])
+    off = passes.InferenceSession(f["q8z"], mode="fold", prepack=False)
+    assert off.get_session_options().get_session_config_entry("session.disable_prepacking") == "1"
+    on = passes.InferenceSession(f["q8z"], mode="fold", prepack=True)
+    for a, b in zip(run(off, feeds), run(on, feeds)):
+        np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidArgumentError):
+        passes.InferenceSession(f["q8z"], prepack="yes")
