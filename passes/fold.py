@@ -31,7 +31,9 @@ from ._fileio import load_model
 from .errors import InvalidArgumentError
 from .report import Report, TensorChange
 
-# a folder gets (node, input arrays, input element types) and returns (array, element type) or None
+# A folder gets (node, input arrays, input element types), where arrays[i] is the value of input i
+# (None for an empty optional input), and returns (array, ONNX element type of the output) or None
+# when it cannot fold this node. It must compute exactly what onnxruntime computes.
 Folder = Callable[[onnx.NodeProto, list, list], "tuple[np.ndarray, int] | None"]
 FOLDERS: dict[tuple[str, str], Folder] = {}
 
@@ -51,6 +53,8 @@ def _fold_dequantize_linear(node: onnx.NodeProto, arrays: list, types: list):
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     axis = int(attrs.get("axis", 1))
     block = int(attrs.get("block_size", 0))
+    if int(attrs.get("output_dtype", 0) or 0) not in (0, types[1]):
+        return None  # opset 23 output_dtype other than the scale's type: left to the runtime
     if q.ndim == 0 and scale.size != 1:
         return None
     result = forms.dequantize_linear(q, scale, zp, axis if q.ndim else 1, block)

@@ -247,6 +247,8 @@ def dequantize_linear(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray |
     exact_small = q.dtype.itemsize <= 2  # int8/16 minus zero point is exact in float32
     direct = out_dtype == np.float32
     scratch = None if direct else _Scratch(_CHUNK, _half_bits_exact(q, s32, out_dtype))
+    if scratch is not None and scratch.half_bits:
+        s32 = s32 * _REBIAS  # exact: a power of two, and the products stay normal float32
     pieces = _views(q, s32, z32, axis, block_size)
     if len(pieces) == 1 and pieces[0][4] is None:
         outs = [out.reshape(pieces[0][3])]
@@ -308,29 +310,32 @@ class _Scratch:
         self.f32 = np.empty(n, dtype=np.float32)
         self.half_bits = half_bits
         if half_bits:
-            self.t1 = np.empty(n, dtype=np.uint32)
-            self.t2 = np.empty(n, dtype=np.uint32)
+            self.t = np.empty(n, dtype=np.uint32)
+            self.u16 = np.empty(n, dtype=np.uint16)
 
 
-def _round_to_half_bits(p: np.ndarray, out_u16: np.ndarray, t1: np.ndarray, t2: np.ndarray) -> None:
-    """float32 -> float16 round-to-nearest-even on the bit patterns, for values that are 0 or
-    normal float16 numbers after rounding (checked by _half_bits_exact). Faster than numpy's cast.
+_REBIAS = np.float32(2.0**-112)  # float32 exponent bias 127 -> float16 bias 15
 
-    exponent rebias (127 -> 15) and mantissa 23 -> 10 bits: add 0xFFF plus the lowest kept bit
-    (ties go to even), then shift; a zero is first raised to the bias so it rebiases to 0.
+
+def _round_to_half_bits(p: np.ndarray, out_u16: np.ndarray, t: np.ndarray) -> None:
+    """float32 values already multiplied by 2**-112 -> float16 bit patterns, round to nearest even.
+
+    Valid when every value is 0 or, before the 2**-112, a normal float16 after rounding (checked
+    by _half_bits_exact). The exponent then sits in bits 23..27 with bits 28..30 clear, so the
+    float16 pattern is the float32 pattern shifted right by 13 after adding 0xFFF plus the lowest
+    kept bit (ties to even); the sign lands on bit 18 and is copied down to bit 15. Zero stays 0.
+    Five fewer full passes than numpy's float32 -> float16 cast, which is the slow step here.
     """
     b = p.view(np.uint32)
-    np.bitwise_and(b, 0x7FFFFFFF, out=t1)
-    np.maximum(t1, 0x38000000, out=t1)  # 0 -> exponent 112, which rebiases to +0
-    np.right_shift(t1, 13, out=t2)
-    np.bitwise_and(t2, 1, out=t2)
-    t1 += np.uint32((0xFFF - 0x38000000) % 2**32)
-    t1 += t2
-    t1 >>= 13
-    np.right_shift(b, 16, out=t2)
-    np.bitwise_and(t2, 0x8000, out=t2)
-    t1 |= t2
-    np.copyto(out_u16, t1, casting="unsafe")
+    np.right_shift(b, 13, out=t)
+    np.bitwise_and(t, 1, out=t)
+    t += np.uint32(0xFFF)
+    b += t
+    b >>= 13
+    np.right_shift(b, 3, out=t)
+    np.bitwise_and(t, 0x8000, out=t)
+    b |= t
+    np.copyto(out_u16, b, casting="unsafe")  # keeps the low 16 bits
 
 
 def _kernel(qq, ss, zz, o, scratch, exact_small) -> None:
@@ -350,8 +355,13 @@ def _kernel(qq, ss, zz, o, scratch, exact_small) -> None:
     np.multiply(tgt, ss, out=tgt)
     if scratch is None:
         return
-    if scratch.half_bits and o.flags.c_contiguous:
-        n = o.size
-        _round_to_half_bits(scratch.f32[:n], o.reshape(-1).view(np.uint16), scratch.t1[:n], scratch.t2[:n])
-    else:
+    if not scratch.half_bits:
         np.copyto(o, tgt, casting="unsafe")
+        return
+    n = o.size
+    if o.flags.c_contiguous:
+        _round_to_half_bits(scratch.f32[:n], o.reshape(-1).view(np.uint16), scratch.t[:n])
+    else:  # a block piece in the middle of an axis: round into scratch, then copy into place
+        bits = scratch.u16[:n]
+        _round_to_half_bits(scratch.f32[:n], bits, scratch.t[:n])
+        np.copyto(o.view(np.uint16), bits.reshape(o.shape))

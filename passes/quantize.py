@@ -213,7 +213,6 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         out, how = graph.raise_opset(out, need)
         if report is not None:
             report.note(how)
-        weights, _ = graph.find_weights(out)
     if chosen:
         need_ir = 10 if (bits <= 4 or granularity == "block") else 0
         out.ir_version = max(out.ir_version, need_ir,

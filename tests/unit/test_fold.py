@@ -23,13 +23,13 @@ FORMS = {  # name -> (axis, block_size, scale shape) for q of shape (6, 37, 5)
 }
 
 
-def _dq_model(q_type, s_type, form, with_zp, seed=0):
+def _dq_model(q_type, s_type, form, with_zp, seed=0, exponents=(-14, 2)):
     rng = np.random.default_rng(seed)
     axis, block, sshape = FORMS[form]
     lo, hi = LEVELS[q_type]
     q = rng.integers(lo, hi, size=(6, 37, 5)).astype(np.int8 if lo < 0 else np.uint8)
     # scales spread over exponents so that rounding to the output type matters
-    scale = (rng.uniform(0.5, 1.5, size=sshape) * 2.0 ** rng.integers(-14, 2, size=sshape)).astype(SCALES[s_type])
+    scale = (rng.uniform(0.5, 1.5, size=sshape) * 2.0 ** rng.integers(*exponents, size=sshape)).astype(SCALES[s_type])
     inits = [array_to_tensor(q, "q", q_type), array_to_tensor(scale, "s", s_type)]
     ins = ["q", "s"]
     if with_zp:
@@ -67,6 +67,16 @@ def test_fold_bit_exact_with_onnxruntime(q_type, s_type, form, with_zp):
     got = tensor_to_array(inits["w"])
     assert got.dtype == expected.dtype
     assert got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("q_type,form,with_zp", list(itertools.product(
+    [TP.INT8, TP.UINT8, TP.INT4, TP.UINT4], list(FORMS), [False, True])))
+def test_fold_float16_normal_scales(q_type, form, with_zp):
+    """Scales whose products are all normal float16: the bit-level rounding path (the scales of
+    the test above reach below 2**-14 and take numpy's cast instead)."""
+    m = _dq_model(q_type, TP.FLOAT16, form, with_zp, seed=1, exponents=(-12, 0))
+    got = tensor_to_array(fold_dequantize(m).graph.initializer[0])
+    assert got.tobytes() == _ort(m).tobytes()
 
 
 @pytest.mark.parametrize("q_type,form,with_zp", list(itertools.product(
