@@ -108,12 +108,51 @@ static PyObject *run(PyObject *args, int is_merge) {
     return result;
 }
 
+/* expand(table, ranks, escapes, out) -> bool: the exponent plane of codec `fpairs` from 4-bit
+ * ranks (two per byte, high nibble first): out[k] = table[r] for r < 15, else the next escape.
+ * False when the escapes do not match the ranks (a damaged chunk). */
+static PyObject *py_expand(PyObject *self, PyObject *args) {
+    Py_buffer table, ranks, esc, out;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &table, &ranks, &esc, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = out.len;
+    if (table.len != 15 || ranks.len != (n + 1) / 2) {
+        PyErr_SetString(PyExc_ValueError, "expand: table must hold 15 bytes and ranks (n+1)/2");
+    } else {
+        const uint8_t *tb = (const uint8_t *)table.buf, *rk = (const uint8_t *)ranks.buf, *es = (const uint8_t *)esc.buf;
+        uint8_t *o = (uint8_t *)out.buf;
+        Py_ssize_t j = 0, ne = esc.len;
+        int ok = 1;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < n; k++) {
+            unsigned r = (k & 1) ? (rk[k >> 1] & 15u) : (rk[k >> 1] >> 4);
+            if (r < 15) {
+                o[k] = tb[r];
+            } else if (j < ne) {
+                o[k] = es[j++];
+            } else {
+                ok = 0;
+                break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = (ok && j == ne) ? Py_True : Py_False;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&esc);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *py_split(PyObject *self, PyObject *args) { return run(args, 0); }
 static PyObject *py_merge(PyObject *self, PyObject *args) { return run(args, 1); }
 
 static PyMethodDef methods[] = {
     {"split", py_split, METH_VARARGS, "split(data, width, sign_move, out): byte planes of data into out"},
     {"merge", py_merge, METH_VARARGS, "merge(planes, width, sign_move, out): interleave planes into out"},
+    {"expand", py_expand, METH_VARARGS, "expand(table, ranks, escapes, out) -> bool: exponents from 4-bit ranks"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -28,7 +28,8 @@ WIDTHS = (2, 4, 8)
 
 CHUNK_BYTES = 1 << 20  # raw bytes per chunk written (readers accept any size up to MAX_CHUNK_BYTES)
 MAX_CHUNK_BYTES = 64 << 20
-CODECS = ("bytes", "planes", "fplanes", "narrow")
+CODECS = ("bytes", "planes", "fplanes", "fpairs", "narrow")
+PAIR_TABLE = 15  # fpairs: the 15 most frequent exponent bytes of a chunk get 4-bit ranks, 15 escapes
 NARROW = {(FLOAT, FLOAT16), (FLOAT, BFLOAT16), (DOUBLE, FLOAT)}
 _SIZE = {FLOAT: 4, FLOAT16: 2, BFLOAT16: 2, DOUBLE: 8}
 
@@ -102,13 +103,47 @@ def merge_planes(planes: np.ndarray, width: int, sign_move: bool, out: np.ndarra
         x[:, width - 1 - i] = p[i]
 
 
+def expand_ranks(table: np.ndarray, ranks: np.ndarray, escapes: np.ndarray, out: np.ndarray) -> bool:
+    """The exponent plane of `fpairs` (FORMAT.md 3) into `out`; False if escapes and ranks disagree."""
+    if _fast is not None:
+        return _fast.expand(table, ranks, escapes, out)
+    n = out.size
+    r = np.empty(2 * ranks.size, np.uint8)
+    r[0::2] = ranks >> 4
+    r[1::2] = ranks & 15
+    r = r[:n]
+    escape = r == PAIR_TABLE
+    if int(escape.sum()) != escapes.size:
+        return False
+    lut = np.zeros(16, np.uint8)
+    lut[:PAIR_TABLE] = table
+    np.take(lut, r, out=out)
+    out[escape] = escapes
+    return True
+
+
+def rank_planes(t: np.ndarray):
+    """(table, ranks, escapes) of an exponent plane: inverse of expand_ranks."""
+    counts = np.bincount(t, minlength=256)
+    order = np.argsort(-counts, kind="stable")[:PAIR_TABLE]
+    table = order.astype(np.uint8)
+    lut = np.full(256, PAIR_TABLE, np.uint8)
+    lut[order] = np.arange(PAIR_TABLE, dtype=np.uint8)
+    r = lut[t]
+    escapes = t[r == PAIR_TABLE]
+    if r.size % 2:
+        r = np.append(r, np.uint8(0))
+    ranks = ((r[0::2] << 4) | r[1::2]).astype(np.uint8)
+    return table, ranks, escapes
+
+
 # ---------------------------------------------------------------- zstd planes
 
 _ENTROPY_PARAMS = zstd.ZstdCompressionParameters(
     # an optimal parser with a short search: it keeps literals (Huffman-coded) unless a match
     # really pays, which on weight bytes is what wins; found by measurement on the corpus
     window_log=17, hash_log=12, chain_log=12, search_log=1, min_match=4, target_length=16,
-    strategy=zstd.STRATEGY_BTOPT, write_checksum=True, write_content_size=True)
+    strategy=zstd.STRATEGY_BTOPT, write_checksum=False, write_content_size=True)
 _local = threading.local()
 
 
@@ -118,9 +153,9 @@ def _compressor(kind: str) -> zstd.ZstdCompressor:
         if kind == "entropy":
             c = zstd.ZstdCompressor(compression_params=_ENTROPY_PARAMS)
         elif kind == "lz":
-            c = zstd.ZstdCompressor(level=19, write_checksum=True, write_content_size=True)
+            c = zstd.ZstdCompressor(level=19, write_checksum=False, write_content_size=True)
         else:  # "fast": planes that are noise; zstd stores them as raw blocks
-            c = zstd.ZstdCompressor(level=1, write_checksum=True, write_content_size=True)
+            c = zstd.ZstdCompressor(level=1, write_checksum=False, write_content_size=True)
         setattr(_local, kind, c)
     return c
 
@@ -136,14 +171,19 @@ def _decompressor() -> zstd.ZstdDecompressor:
     return d
 
 
-def decompress_plane(frame, expected: int, dest: np.ndarray) -> None:
-    """Decode one zstd frame of exactly `expected` bytes straight into dest[:expected] (no
-    intermediate copy); CorruptFileError when the frame is damaged, short, long or unchecked."""
+def decompress_plane(frame, expected: int, dest: np.ndarray, at_most: Optional[int] = None) -> int:
+    """Decode one zstd frame of exactly `expected` bytes (or, with expected None, of the size its
+    header declares, up to `at_most`) straight into dest (no intermediate copy); returns the size.
+    CorruptFileError when the frame is damaged, short, long or unchecked."""
     try:
         fp = zstd.get_frame_parameters(frame)
     except zstd.ZstdError:
         raise CorruptFileError("damaged chunk: not a zstd frame") from None
-    if fp.content_size != expected or not fp.has_checksum:
+    if expected is None:
+        expected = fp.content_size
+        if not 0 <= expected <= at_most:
+            raise CorruptFileError(f"damaged chunk: plane declares {fp.content_size} bytes, at most {at_most} expected")
+    if fp.content_size != expected:
         raise CorruptFileError(f"damaged chunk: plane declares {fp.content_size} bytes, expected {expected}")
     try:
         reader = _decompressor().stream_reader(frame)
@@ -154,11 +194,12 @@ def decompress_plane(frame, expected: int, dest: np.ndarray) -> None:
             if not n:
                 break
             got += n
-        # reading past the end makes zstd check the frame's content checksum
+        # nothing may follow (the chunk's CRC-32 already vouches for the stored bytes)
         if got != expected or reader.read(1):
             raise CorruptFileError("damaged chunk: plane decodes to the wrong size")
     except zstd.ZstdError as exc:
         raise CorruptFileError(f"damaged chunk: {exc}") from None
+    return expected
 
 
 # ---------------------------------------------------------------- plane layout per codec
@@ -172,6 +213,12 @@ def plane_sizes(codec: str, params: dict, raw_length: int) -> List[int]:
         if raw_length % w:
             raise CorruptFileError(f"damaged index: chunk of {raw_length} bytes is not a multiple of width {w}")
         return [raw_length // w] * w
+    if codec == "fpairs":
+        w = params["width"]
+        if raw_length % w:
+            raise CorruptFileError(f"damaged index: chunk of {raw_length} bytes is not a multiple of width {w}")
+        n = raw_length // w
+        return [PAIR_TABLE, (n + 1) // 2, None] + [n] * (w - 1)  # None: as many as the ranks say
     if codec == "narrow":
         inner, frm, to = params["inner"], params["from"], params["to"]
         if raw_length % _SIZE[frm]:
@@ -186,13 +233,14 @@ def check_params(codec: str, params) -> None:
         raise CorruptFileError("damaged index: codec params are not an object")
     if codec == "bytes":
         return
-    if codec in ("planes", "fplanes"):
-        if params.get("width") not in WIDTHS:
+    if codec in ("planes", "fplanes", "fpairs"):
+        if type(params.get("width")) is not int or params.get("width") not in WIDTHS:
             raise CorruptFileError(f"damaged index: bad width {params.get('width')!r}")
         return
     if codec == "narrow":
         inner = params.get("inner")
-        if (params.get("from"), params.get("to")) not in NARROW or not isinstance(inner, dict):
+        if type(params.get("from")) is not int or type(params.get("to")) is not int \
+                or (params.get("from"), params.get("to")) not in NARROW or not isinstance(inner, dict):
             raise CorruptFileError("damaged index: bad narrow parameters")
         if inner.get("codec") == "narrow":
             raise CorruptFileError("damaged index: nested narrow codec")
@@ -238,6 +286,22 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         for i, frame in enumerate(frames):
             decompress_plane(frame, n, buf[i * n:(i + 1) * n])
         merge_planes(buf, w, codec == "fplanes", out)
+        return
+    if codec == "fpairs":
+        w = params["width"]
+        n = raw_length // w
+        buf = scratch().get(n * w + 2 * n + 16)
+        planes, table = buf[:n * w], buf[n * w:n * w + PAIR_TABLE]
+        ranks = buf[n * w + 16:n * w + 16 + sizes[1]]
+        escapes = buf[n * w + 16 + sizes[1]:]
+        decompress_plane(frames[0], PAIR_TABLE, table)
+        decompress_plane(frames[1], sizes[1], ranks)
+        ne = decompress_plane(frames[2], None, escapes, at_most=n)
+        for i in range(1, w):
+            decompress_plane(frames[2 + i], n, planes[i * n:(i + 1) * n])
+        if not expand_ranks(table, ranks, escapes[:ne], planes[:n]):
+            raise CorruptFileError("damaged chunk: exponent escapes do not match their ranks")
+        merge_planes(planes, w, True, out)
         return
     if codec == "narrow":
         inner = params["inner"]
@@ -290,6 +354,9 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int) -
         part = data[start:start + step]
         if codec == "bytes":
             planes = [part]
+        elif codec == "fpairs":
+            planes = list(split_planes(part, width, True))
+            planes = list(rank_planes(planes[0])) + planes[1:]
         else:
             planes = list(split_planes(part, width, codec == "fplanes"))
         stream.chunks.append(EncodedChunk(part.size, [compress_plane(p, _plane_kind(p)) for p in planes]))
@@ -340,12 +407,19 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
     narrowed = _narrowed(data, value_type) if codec == "fplanes" else None
     if narrowed is not None:
         to, ndata = narrowed
-        inner = _encode_planes(ndata, "fplanes", _SIZE[to], chunk_bytes * _SIZE[to] // _SIZE[value_type])
+        inner_chunk = chunk_bytes * _SIZE[to] // _SIZE[value_type]
+        inner = _encode_planes(ndata, "fplanes", _SIZE[to], inner_chunk)
+        if to in (FLOAT, BFLOAT16):
+            inner = min(inner, _encode_planes(ndata, "fpairs", _SIZE[to], inner_chunk), key=lambda s: s.stored)
         candidates.append(EncodedStream(
             "narrow", {"from": value_type, "to": to, "inner": {"codec": inner.codec, "params": inner.params}},
             [EncodedChunk(c.raw_length * _SIZE[value_type] // _SIZE[to], c.planes) for c in inner.chunks]))
     else:
         candidates.append(_encode_planes(data, codec, width, chunk_bytes))
+        if codec == "fplanes" and width in (2, 4) and value_type in (FLOAT, BFLOAT16, COMPLEX64):
+            # 8-bit exponents: 4-bit ranks paired in a byte halve the Huffman symbols (faster) and
+            # its redundancy (smaller); kept only where smaller
+            candidates.append(_encode_planes(data, "fpairs", width, chunk_bytes))
     if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
         candidates.append(_encode_planes(data, "bytes", 1, chunk_bytes))
     best = min(candidates, key=lambda s: s.stored)

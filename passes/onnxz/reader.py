@@ -5,6 +5,7 @@ import hashlib
 import math
 import os
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,8 @@ class PackedFile:
             raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
         if got != n:
             raise CorruptFileError(f"truncated .onnxz file: chunk at {chunk.offset} runs past the end")
+        if zlib.crc32(mv) != chunk.crc32:
+            raise CorruptFileError(f"damaged .onnxz file: chunk at {chunk.offset} fails its CRC-32")
         frames, pos = [], 0
         for ln in chunk.planes:
             frames.append(mv[pos:pos + ln])

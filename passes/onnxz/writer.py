@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,7 +201,10 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         for job, enc in zip(jobs, pool.map(encode, jobs)):
             chunks = []
             for c in enc.chunks:
-                chunks.append([pos, c.raw_length, [len(p) for p in c.planes]])
+                crc = 0
+                for p in c.planes:
+                    crc = zlib.crc32(p, crc)
+                chunks.append([pos, c.raw_length, [len(p) for p in c.planes], crc])
                 for p in c.planes:
                     f.write(p)
                     pos += len(p)
@@ -237,8 +241,6 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
             })
         index = {"format": [1, 0], "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
         text, frame = encode_index(index)
-        import zlib
-
         f.write(frame)
         file_length = pos + len(frame)
         f.seek(0)

@@ -183,12 +183,12 @@ def test_every_tensor_readable_lazily(tmp_path):
         assert meta["format_version"] == "1.0"
         assert meta["original_bytes"] == src.stat().st_size
         codecs_used = {t["codec"] for t in meta["tensors"]}
-        assert {"fplanes", "narrow", "skeleton"} <= codecs_used, codecs_used
+        assert {"narrow", "skeleton"} <= codecs_used and codecs_used & {"fplanes", "fpairs"}, codecs_used
         by_key = {t["key"]: t for t in meta["tensors"]}
         # floats that are exactly narrower are stored narrow
         assert by_key["f32_holding_f16"]["codec"] == "narrow" and by_key["f32_holding_f16"]["params"]["to"] == TensorProto.FLOAT16
         assert by_key["f32_holding_bf16"]["params"]["to"] == TensorProto.BFLOAT16
-        assert by_key["f32"]["codec"] == "fplanes"
+        assert by_key["f32"]["codec"] in ("fplanes", "fpairs")
         with pytest.raises(KeyError):
             pm.get_tensor("no such tensor")
 
@@ -269,7 +269,8 @@ def test_compresses_floats_and_ints(tmp_path):
     src = tmp_path / "m.onnx"
     src.write_bytes(m.SerializeToString())
     stats = passes.pack(src, tmp_path / "m.onnxz")
-    assert stats.by_codec["fplanes"]["stored_bytes"] < 0.9 * w.nbytes
+    floats = sum(v["stored_bytes"] for k, v in stats.by_codec.items() if k in ("fplanes", "fpairs"))
+    assert floats < 0.9 * w.nbytes
     counts = np.bincount(q.view(np.uint8), minlength=256) / q.size
     h = -(counts[counts > 0] * np.log2(counts[counts > 0])).sum()
     assert stats.by_codec["bytes"]["stored_bytes"] < 1.03 * h / 8 * q.size
@@ -455,3 +456,57 @@ def test_load_plain_onnx_and_default_unpack_name(tmp_path, small_packed):
     copy.write_bytes(packed.read_bytes())
     out = passes.unpack(copy)
     assert out == tmp_path / "copy.onnx" and out.read_bytes() == src.read_bytes()
+
+
+def test_numpy_fallback_gives_the_same_bytes(tmp_path, monkeypatch):
+    """Without the optional C extension the numpy planes give identical files and tensors."""
+    from passes.onnxz import codecs
+
+    src = tmp_path / "model.onnx"
+    src.write_bytes(dtype_model().SerializeToString())
+    passes.pack(src, tmp_path / "c.onnxz")
+    monkeypatch.setattr(codecs, "_fast", None)
+    passes.pack(src, tmp_path / "n.onnxz")
+    assert (tmp_path / "c.onnxz").read_bytes() == (tmp_path / "n.onnxz").read_bytes()
+    out = passes.unpack(tmp_path / "c.onnxz", tmp_path / "out.onnx")
+    assert out.read_bytes() == src.read_bytes()
+    for width in (2, 4, 8):
+        data = RNG.integers(0, 256, 4096 * width, dtype=np.uint8)
+        for sign in (False, True):
+            planes = codecs.split_planes(data, width, sign)
+            back = np.empty_like(data)
+            codecs.merge_planes(planes.reshape(-1), width, sign, back[:])
+            assert np.array_equal(back, data)
+
+
+def test_fpairs_chunks_round_trip_and_damage_detected(tmp_path, monkeypatch):
+    """The paired-exponent codec, forced on every float tensor: exact, and every flip detected."""
+    from passes.onnxz import codecs
+
+    def forced(data, dtype, field, chunk_bytes=codecs.CHUNK_BYTES, try_lz=None):
+        if dtype == TensorProto.FLOAT and data.size % 4 == 0:
+            return codecs._encode_planes(data, "fpairs", 4, chunk_bytes)
+        return codecs.EncodedStream("bytes", {}, codecs._encode_planes(data, "bytes", 1, chunk_bytes).chunks)
+
+    monkeypatch.setattr(codecs, "encode_tensor", forced)
+    w = np.concatenate([_weights(2001), np.float32([1e-30, -3e20, 0.0, -0.0, np.inf, np.nan])])  # escapes, odd count
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w")]))
+    src = tmp_path / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    packed = tmp_path / "m.onnxz"
+    passes.pack(src, packed, chunk_bytes=4004)
+    with passes.open_packed(packed) as pm:
+        assert pm.metadata()["tensors"][0]["codec"] == "fpairs"
+        assert pm.get_tensor("w").tobytes() == w.tobytes()
+    assert passes.load(packed).SerializeToString() == src.read_bytes()
+    data = packed.read_bytes()
+    bad = tmp_path / "bad.onnxz"
+    for pos in range(0, len(data), max(1, len(data) // 800)):
+        damaged = bytearray(data)
+        damaged[pos] ^= 0x10
+        bad.write_bytes(damaged)
+        with pytest.raises(CorruptFileError):
+            _read_everything(bad)
+    monkeypatch.setattr(codecs, "_fast", None)  # the numpy expand reads the same file
+    with passes.open_packed(packed) as pm:
+        assert pm.get_tensor("w").tobytes() == w.tobytes()
