@@ -28,7 +28,7 @@ from onnx import TensorProto, helper
 
 from . import forms, graph
 from ._fileio import load_model
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidModelError
 from .report import Report, TensorChange
 
 # A folder gets (node, input arrays, input element types), where arrays[i] is the value of input i
@@ -43,22 +43,64 @@ def register_folder(op_type: str, fn: Folder, domain: str = "") -> None:
     FOLDERS[(domain, op_type)] = fn
 
 
+_LEVEL_TYPES = {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16, TensorProto.INT32,
+                TensorProto.INT4, TensorProto.UINT4}
+
+
+def _bad(node: onnx.NodeProto, why: str) -> InvalidModelError:
+    return InvalidModelError(f"DequantizeLinear {node.name or node.output[0]!r}: {why}")
+
+
 def _fold_dequantize_linear(node: onnx.NodeProto, arrays: list, types: list):
+    """DequantizeLinear with constant inputs, checked the way onnxruntime checks it: a node it
+    would refuse raises InvalidModelError instead of becoming a plausible float weight."""
     if len(arrays) < 2 or arrays[0] is None or arrays[1] is None:
         return None
     q, scale = arrays[0], arrays[1]
     zp = arrays[2] if len(arrays) > 2 and arrays[2] is not None else None
+    if types[0] not in _LEVEL_TYPES:
+        if types[0] in graph.FLOAT_TYPES or types[0] == TensorProto.DOUBLE:
+            raise _bad(node, f"input x is {graph.type_name(types[0])}, not an integer type")
+        return None  # float8 and other forms: left to the runtime
     if types[1] not in graph.FLOAT_TYPES:
-        return None
+        raise _bad(node, f"scale is {graph.type_name(types[1])}, not float32/float16/bfloat16")
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axis = int(attrs.get("axis", 1))
-    block = int(attrs.get("block_size", 0))
     if int(attrs.get("output_dtype", 0) or 0) not in (0, types[1]):
         return None  # opset 23 output_dtype other than the scale's type: left to the runtime
-    if q.ndim == 0 and scale.size != 1:
-        return None
-    result = forms.dequantize_linear(q, scale, zp, axis if q.ndim else 1, block)
+    axis = int(attrs.get("axis", 1))
+    block = int(attrs.get("block_size", 0))
+    if zp is not None:
+        if types[2] != types[0]:
+            raise _bad(node, f"zero point is {graph.type_name(types[2])} but x is {graph.type_name(types[0])}")
+        if zp.shape != scale.shape and not (zp.size == 1 and scale.size == 1):
+            raise _bad(node, f"zero point shape {zp.shape} differs from scale shape {scale.shape}")
+    if block < 0:
+        raise _bad(node, f"block_size {block} is negative")
+    per_tensor = block == 0 and scale.size == 1 and scale.ndim <= 1
+    if not per_tensor:
+        if not -q.ndim <= axis < q.ndim:
+            raise _bad(node, f"axis {axis} out of range for x of shape {q.shape}")
+        axis %= q.ndim
+        if block == 0:
+            if scale.ndim != 1 or scale.shape[0] != q.shape[axis]:
+                raise _bad(node, f"scale shape {scale.shape} does not match x {q.shape} along axis {axis}")
+        else:
+            want = list(q.shape)
+            want[axis] = -(-q.shape[axis] // block)
+            if list(scale.shape) != want:
+                raise _bad(node, f"block scales have shape {scale.shape}, x {q.shape} with block_size {block} "
+                                 f"along axis {axis} needs {tuple(want)}")
+    result = forms.dequantize_linear(q, scale, zp, axis if not per_tensor else 1, block if not per_tensor else 0)
     return result, types[1]
+
+
+def _check_opset(node: onnx.NodeProto, opset: int, arrays: list) -> None:
+    """Attributes and forms the node's opset does not define (onnxruntime refuses them)."""
+    names = {a.name for a in node.attribute}
+    if opset and opset < 13 and ("axis" in names or (arrays[1] is not None and arrays[1].size != 1)):
+        raise _bad(node, f"per-axis DequantizeLinear needs opset 13, the model imports opset {opset}")
+    if opset and opset < 21 and "block_size" in names:
+        raise _bad(node, f"block_size needs opset 21, the model imports opset {opset}")
 
 
 register_folder("DequantizeLinear", _fold_dequantize_linear)
@@ -91,6 +133,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     out.CopyFrom(source)
     weights, graphs = graph.find_weights(out)
     names = graph.NameAllocator(graph.all_names(out))
+    opset = graph.default_opset(out)
 
     foldable = []  # (graph key, node)
     for info in graphs:
@@ -126,6 +169,8 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
                 decoded[id(c.tensor)] = graph.tensor_to_array(c.tensor)
             arrays.append(decoded[id(c.tensor)])
             types.append(c.tensor.data_type)
+        if node.op_type == "DequantizeLinear":
+            _check_opset(node, opset, arrays)
         result = FOLDERS[(node.domain, node.op_type)](node, arrays, types)
         if result is None:
             if progress:

@@ -103,11 +103,25 @@ def _from_groups(q2: np.ndarray, w_shape: tuple, axis: int | None, block_size: i
     return np.ascontiguousarray(np.moveaxis(moved, -1, axis))
 
 
-def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Scale as the model will store it (weight dtype), back in float32; never zero."""
+_UINT_OF = {2: np.uint16, 4: np.uint32}
+
+
+def _stored(scale: np.ndarray, dtype: np.dtype, top: int) -> np.ndarray:
+    """Scale as the model will store it (weight dtype), back in float32.
+
+    Never zero, and never so large that `top` (the largest level distance) times it overflows
+    the dtype: rounding 65504/127 up to a float16 scale would make the top level dequantize to
+    inf, so such scales step down by one unit in the last place.
+    """
     s = scale.astype(dtype)
-    tiny = np.array(ml_dtypes.finfo(dtype).smallest_subnormal, dtype=dtype)
+    info = ml_dtypes.finfo(dtype)
+    tiny = np.array(info.smallest_subnormal, dtype=dtype)
     s = np.where(s > 0, s, tiny)
+    over = s.astype(np.float64) * top > float(info.max)
+    if over.any():
+        bits = s.view(_UINT_OF[s.dtype.itemsize]).copy()
+        bits[over] -= 1  # positive finite floats: the next smaller value
+        s = bits.view(s.dtype)
     return s.astype(np.float32)
 
 
@@ -125,12 +139,12 @@ def _search(rows: np.ndarray, levels: Levels, dtype: np.dtype, search: bool):
         hi = np.maximum(rows.max(axis=1), 0)
     grid = _CLIP_GRID if search else _CLIP_GRID[:1]
     q = np.empty_like(rows)
-    for c in grid:
+    for k, c in enumerate(grid):
         if levels.symmetric:
-            s = _stored(amax * c / levels.qmax, dtype)
+            s = _stored(amax * c / levels.qmax, dtype, levels.qmax)
             z = None
         else:
-            s = _stored((hi - lo) * c / (levels.qmax - levels.qmin), dtype)
+            s = _stored((hi - lo) * c / (levels.qmax - levels.qmin), dtype, levels.qmax - levels.qmin)
             z = np.clip(np.rint(-lo * c / s), levels.qmin, levels.qmax).astype(np.float32)
         np.divide(rows, s[:, None], out=q)
         np.rint(q, out=q)
@@ -142,7 +156,7 @@ def _search(rows: np.ndarray, levels: Levels, dtype: np.dtype, search: bool):
         q *= s[:, None]
         q -= rows
         err = np.einsum("ij,ij->i", q, q, dtype=np.float64)
-        better = err < best_err
+        better = (err < best_err) | (k == 0)  # the first candidate always counts (err may be inf)
         best_err = np.where(better, err, best_err)
         best_s = np.where(better, s, best_s)
         if z is not None:
@@ -173,7 +187,8 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     step = max(1, _SEARCH_CHUNK // max(rows.shape[1], 1))
     for start in range(0, rows.shape[0], step):
         part = rows[start:start + step]
-        s, z = _search(part, levels, dtype, search)
+        with np.errstate(over="ignore", invalid="ignore"):  # extreme weights: inf errors just lose
+            s, z = _search(part, levels, dtype, search)
         scales[start:start + step] = s
         qf = np.rint(part / s[:, None])
         if z is not None:
@@ -257,8 +272,9 @@ def dequantize_linear(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray |
         pre = int(np.prod(q.shape[: axis % q.ndim], dtype=np.int64))
         o3 = out.reshape(pre, d, -1)
         outs = [o3[:, a:b, :].reshape(shape4) for (_, _, _, shape4, (a, b)) in pieces]
-    for (qv, sv, zv, _, _), ov in zip(pieces, outs):
-        _apply(qv, sv, zv, ov, scratch, exact_small)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf / nan results are what onnxruntime gives too
+        for (qv, sv, zv, _, _), ov in zip(pieces, outs):
+            _apply(qv, sv, zv, ov, scratch, exact_small)
     return out
 
 
