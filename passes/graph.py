@@ -542,4 +542,24 @@ def raise_opset(model: onnx.ModelProto, target: int) -> tuple[onnx.ModelProto, s
     need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
     if converted.ir_version < need_ir:
         converted.ir_version = need_ir
+    _verify_conversion(model, converted, old, target)
     return converted, how
+
+
+def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, old: int, target: int) -> None:
+    """The converted model must pass the checker whenever the original does (models over 2 GB
+    cannot be checked in memory and are trusted to the converter)."""
+    if converted.ByteSize() >= 2**31 - 1:
+        return
+    try:
+        onnx.checker.check_model(converted, full_check=True)
+    except Exception as exc:  # noqa: BLE001 - the checker raises several C++-bound types
+        try:
+            onnx.checker.check_model(original, full_check=True)
+        except Exception:  # noqa: BLE001 - the original fails too: nothing was made worse
+            return
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UnsupportedFormError(
+            f"raising the opset from {old} to {target} (needed by the chosen weight form) gives an "
+            f"invalid model: {first}"
+        ) from None

@@ -103,3 +103,33 @@ def test_search_beats_max_abs(sym, axis, block):
         deq = forms.dequantize_linear(qz.q, qz.scale, qz.zero_point, 1 if axis is None else axis, block)
         err.append(float(np.sum((deq - w) ** 2)))
     assert err[1] <= err[0]
+
+
+def _failing_converter(monkeypatch):
+    def fail(model, target):
+        raise RuntimeError("No Adapter For Cast")
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", fail)
+
+
+def test_raise_opset_refuses_when_converter_fails_and_ops_changed(monkeypatch):
+    from passes import UnsupportedFormError, quantize_weights
+
+    _failing_converter(monkeypatch)
+    with pytest.raises(UnsupportedFormError, match="opset 13.*opset 11.*No Adapter"):
+        quantize_weights(mg.conv_model("float32", 11), min_elements=64)  # Cast changed in opset 13
+
+
+def test_raise_opset_bumps_when_no_op_changed(monkeypatch):
+    from passes import Report, quantize_weights
+
+    _failing_converter(monkeypatch)
+    w = mg.tensor("W", mg.weight((16, 8, 3, 3)))
+    g = helper.make_graph([helper.make_node("Conv", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TP.FLOAT, [1, 8, 6, 6])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [1, 16, 4, 4])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
+    report = Report()
+    q = quantize_weights(m, min_elements=64, report=report)
+    assert graph.default_opset(q) == 13 and "no op of the model changed" in report.notes[0]
+    onnx.checker.check_model(q, full_check=True)
