@@ -7,6 +7,7 @@ is noticed by `check_families`).
 """
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,26 +42,58 @@ def _graph_with(initializers, extra_nodes=()):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
 
 
-def _family_tensors(rng, n: int):
-    """name -> array, chosen so the writer picks each codec family."""
-    f16 = rng.standard_normal(n).astype(np.float16)
-    bf16_bits = (rng.standard_normal(n).astype(np.float32).view(np.uint32) & 0xFFFF0000).astype(np.uint32)
-    q = np.clip(np.round(rng.laplace(0, 12, n)), -127, 127).astype(np.int8)
+def _family_tensors(rng, nbytes: int):
+    """name -> array of about `nbytes` bytes, chosen so the writer picks each codec family.
+    (The writer leaves payloads under 1 KiB in the skeleton: nbytes must stay >= 1024.)"""
+    def n(itemsize):
+        return max(1, nbytes // itemsize)
+
+    bf16_bits = (rng.standard_normal(n(4)).astype(np.float32).view(np.uint32) & 0xFFFF0000).astype(np.uint32)
+    q = np.clip(np.round(rng.laplace(0, 12, n(1))), -127, 127).astype(np.int8)
     return {
-        "f32": rng.standard_normal(n).astype(np.float32),                 # fplanes w=4
-        "f16": rng.standard_normal(n).astype(np.float16),                 # fplanes w=2
-        "f64": rng.standard_normal(n),                                    # fplanes w=8
-        "f32_holding_f16": f16.astype(np.float32),                        # narrow 1->10
+        "f32": rng.standard_normal(n(4)).astype(np.float32),              # fplanes w=4
+        "f16": rng.standard_normal(n(2)).astype(np.float16),              # fplanes w=2
+        "f64": rng.standard_normal(n(8)),                                 # fplanes w=8
+        "f32_holding_f16": rng.standard_normal(n(4)).astype(np.float16).astype(np.float32),  # narrow 1->10
         "f32_holding_bf16": bf16_bits.view(np.float32),                   # narrow 1->16
-        "f64_holding_f32": rng.standard_normal(n).astype(np.float32).astype(np.float64),  # narrow 11->1
+        "f64_holding_f32": rng.standard_normal(n(8)).astype(np.float32).astype(np.float64),  # narrow 11->1
         "i8": q,                                                          # bytes (entropy)
         "u8": (q.astype(np.int16) + 128).astype(np.uint8),                # bytes
-        "i16": rng.integers(-300, 300, n).astype(np.int16),               # planes w=2
-        "i32": rng.integers(-5000, 5000, n).astype(np.int32),             # planes w=4
-        "i64": rng.integers(-10**6, 10**6, n).astype(np.int64),           # planes w=8
-        "repeated": np.tile(rng.standard_normal(16).astype(np.float32), max(n, 1024) // 16),  # LZ wins (>= 4 KiB)
-        "boolean": rng.integers(0, 2, n).astype(bool),
+        "i16": rng.integers(-300, 300, n(2)).astype(np.int16),            # planes w=2
+        "i32": rng.integers(-5000, 5000, n(4)).astype(np.int32),          # planes w=4
+        "i64": rng.integers(-10**6, 10**6, n(8)).astype(np.int64),        # planes w=8
+        "repeated": np.tile(rng.standard_normal(16).astype(np.float32), max(n(4), 1024) // 16),  # LZ wins (>= 4 KiB)
+        "boolean": rng.integers(0, 2, n(1)).astype(bool),
     }
+
+
+@contextlib.contextmanager
+def forced_fpairs():
+    """While active, the writer codes every float32/bfloat16 payload with `fpairs` (and the inner
+    codec of `narrow` to bfloat16 too). The writer keeps fpairs only where it is smaller, which
+    small generated tensors never are; the samples and golden files must still exercise it.
+    (Patches the writer's private codec choice: a test tool, not an API.)"""
+    from passes.onnxz import codecs
+
+    original = codecs.encode_tensor
+
+    def encode(data, dtype, field, *, chunk_bytes=codecs.CHUNK_BYTES, try_lz=None):
+        if field == "raw_data" and dtype in (codecs.FLOAT, codecs.BFLOAT16) and data.size % 4 == 0:
+            width = 4 if dtype == codecs.FLOAT else 2
+            narrowed = codecs._narrowed(data, dtype) if dtype == codecs.FLOAT else None
+            if narrowed is not None and narrowed[0] == codecs.BFLOAT16:
+                inner = codecs._encode_planes(narrowed[1], "fpairs", 2, chunk_bytes // 2)
+                return codecs.EncodedStream(
+                    "narrow", {"from": dtype, "to": codecs.BFLOAT16, "inner": {"codec": inner.codec, "params": inner.params}},
+                    [codecs.EncodedChunk(c.raw_length * 2, c.planes) for c in inner.chunks])
+            return codecs._encode_planes(data, "fpairs", width, chunk_bytes)
+        return original(data, dtype, field, chunk_bytes=chunk_bytes, try_lz=try_lz)
+
+    codecs.encode_tensor = encode
+    try:
+        yield
+    finally:
+        codecs.encode_tensor = original
 
 
 def _pack_model(model: onnx.ModelProto, *, external: bool = False, chunk_bytes: int = 1 << 20):
@@ -124,18 +157,19 @@ def _all_tensors(model):
 
 # ---------------------------------------------------------------------- the samples
 
-def all_families(n: int = 64, seed: int = 0) -> Sample:
+def all_families(nbytes: int = 1024, seed: int = 0) -> Sample:
     """One small model holding one tensor per codec family (the every-byte sweeps use this one)."""
     rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array(a, k) for k, a in _family_tensors(rng, n).items()]
+    inits = [numpy_helper.from_array(a, k) for k, a in _family_tensors(rng, nbytes).items()]
+    inits.append(numpy_helper.from_array(np.arange(6, dtype=np.float32), "tiny"))  # stays in the skeleton
     return _sample("all_families", _graph_with(inits))
 
 
-def per_family(n: int = 512, seed: int = 1) -> List[Sample]:
+def per_family(nbytes: int = 2048, seed: int = 1) -> List[Sample]:
     """One model per family, tensors big enough to span several chunks (chunk_bytes=256)."""
     rng = np.random.default_rng(seed)
     out = []
-    for key, arr in _family_tensors(rng, n).items():
+    for key, arr in _family_tensors(rng, nbytes).items():
         out.append(_sample(f"family_{key}", _graph_with([numpy_helper.from_array(arr, key)]), chunk_bytes=256))
     return out
 
@@ -145,40 +179,55 @@ def odd_layouts(seed: int = 2) -> List[Sample]:
     samples = []
     # external data file beside the model
     inits = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "ext_a"),
-             numpy_helper.from_array(rng.integers(-100, 100, 300).astype(np.int8), "ext_b")]
+             numpy_helper.from_array(rng.integers(-100, 100, 300).astype(np.int8), "ext_b"),
+             numpy_helper.from_array(np.arange(8, dtype=np.float32), "ext_tiny")]
     samples.append(_sample("external_data", _graph_with(inits), external=True))
     # typed fields instead of raw_data: float_data, int64_data, int32_data (int8 stored as int32), double_data
     typed = [
-        helper.make_tensor("fd", TensorProto.FLOAT, [40], rng.standard_normal(40).astype(np.float32).tolist()),
-        helper.make_tensor("i64d", TensorProto.INT64, [40], rng.integers(-(2**40), 2**40, 40).tolist()),
-        helper.make_tensor("i32d", TensorProto.INT8, [80], rng.integers(-128, 128, 80).tolist()),
-        helper.make_tensor("dd", TensorProto.DOUBLE, [20], rng.standard_normal(20).tolist()),
+        helper.make_tensor("fd", TensorProto.FLOAT, [300], rng.standard_normal(300).astype(np.float32).tolist()),
+        helper.make_tensor("i64d", TensorProto.INT64, [200], rng.integers(-(2**40), 2**40, 200).tolist()),
+        helper.make_tensor("i32d", TensorProto.INT8, [600], rng.integers(-128, 128, 600).tolist()),
+        helper.make_tensor("dd", TensorProto.DOUBLE, [150], rng.standard_normal(150).tolist()),
     ]
     samples.append(_sample("typed_fields", _graph_with(typed)))
     # a Constant inside an If branch, a second Constant at top level, an empty tensor
-    const = helper.make_tensor("branch_w", TensorProto.FLOAT, [32], rng.standard_normal(32).astype(np.float32).tobytes(), raw=True)
+    const = helper.make_tensor("branch_w", TensorProto.FLOAT, [300], rng.standard_normal(300).astype(np.float32).tobytes(), raw=True)
     branch = helper.make_graph([helper.make_node("Constant", [], ["bw"], value=const)], "then", [],
-                               [helper.make_tensor_value_info("bw", TensorProto.FLOAT, [32])])
+                               [helper.make_tensor_value_info("bw", TensorProto.FLOAT, [300])])
     if_node = helper.make_node("If", ["cond"], ["if_out"], then_branch=branch, else_branch=branch)
     top = helper.make_node("Constant", [], ["cond"], value=helper.make_tensor("cond_v", TensorProto.BOOL, [], [True]))
     empty = numpy_helper.from_array(np.zeros((0, 4), np.float32), "empty")
-    big = numpy_helper.from_array(rng.standard_normal(200).astype(np.float32), "plain")
+    big = numpy_helper.from_array(rng.standard_normal(300).astype(np.float32), "plain")
     samples.append(_sample("subgraph_const_empty", _graph_with([empty, big], extra_nodes=[top, if_node])))
     return samples
 
 
+def fpairs_samples(seed: int = 4) -> List[Sample]:
+    """`fpairs` forced: float32 with more than 15 exponents (escapes used), bfloat16 stored as
+    such, float32 holding bfloat16 values (narrow with an fpairs inner codec); several chunks."""
+    rng = np.random.default_rng(seed)
+    wide = (rng.standard_normal(600) * np.exp2(rng.integers(-30, 30, 600))).astype(np.float32)
+    bf16 = helper.make_tensor("bf16", TensorProto.BFLOAT16, [600],
+                              (rng.standard_normal(600).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes(), raw=True)
+    held = (rng.standard_normal(600).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+    inits = [numpy_helper.from_array(wide, "wide_f32"), bf16, numpy_helper.from_array(held, "f32_holding_bf16_pairs")]
+    with forced_fpairs():
+        return [_sample("fpairs_forced", _graph_with(inits), chunk_bytes=1024)]
+
+
 def build_all() -> List[Sample]:
-    return [all_families()] + per_family() + odd_layouts()
+    return [all_families()] + per_family() + odd_layouts() + fpairs_samples()
 
 
 SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
     "all_families": lambda: [all_families()],
     "per_family": per_family,
     "odd_layouts": odd_layouts,
+    "fpairs": fpairs_samples,
 }
 
 
-REQUIRED_FAMILIES = {"bytes", "planes", "fplanes", "narrow"}
+REQUIRED_FAMILIES = {"bytes", "planes", "fplanes", "fpairs", "narrow", "skeleton"}
 
 
 def check_families(samples: List[Sample]) -> set:

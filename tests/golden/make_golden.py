@@ -1,0 +1,249 @@
+"""Regenerate the golden `.onnxz` files of tests/golden/ (format stability, issue 6 item 7).
+
+    python tests/golden/make_golden.py            # writes tests/golden/v1.0/*.onnxz + MANIFEST.json
+    python tests/golden/make_golden.py --check    # only checks that the files decode to the manifest
+
+Each golden file is a tiny model whose weights go through one codec of FORMAT.md (the script
+checks that the writer really chose that codec). MANIFEST.json records, for every file, the
+SHA-256 of the restored model (and external data) files and of every tensor's bytes with its
+dtype and shape, computed here from the arrays *before* packing, so the test never trusts the
+reader to define what is right. `newer-*.onnxz` are the same files with a newer major version,
+nonzero flags or an unknown codec: readers must say "written by a newer version".
+
+When to run it: only when a new format version or codec is added (add a folder v1.1/ etc. and
+keep the old folders: old files must stay readable forever). Never regenerate an existing
+version's folder to make a failing test pass: a failing golden test means the reader broke
+compatibility.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import struct
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+HERE = Path(__file__).resolve().parent
+VERSION_DIR = HERE / "v1.0"
+REPO = HERE.parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # fuzz.samples.forced_fpairs
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _model(inits, extra_nodes=(), opset=17):
+    nodes, outputs = list(extra_nodes), []
+    for t in inits:
+        nodes.append(helper.make_node("Identity", [t.name], [t.name + "_out"]))
+        outputs.append(helper.make_tensor_value_info(t.name + "_out", t.data_type, list(t.dims)))
+    for n in extra_nodes:
+        if n.op_type == "If":
+            outputs.append(helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, [400]))
+    graph = helper.make_graph(nodes, "golden", [], outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="golden")
+    model.ir_version = 8
+    return model
+
+
+def cases():
+    """name -> (model, expected codecs (at least one tensor must use each), pack options, external?)"""
+    rng = np.random.default_rng(20261129)
+    # every payload >= 1 KiB: the writer keeps smaller ones inside the skeleton stream
+    q = np.clip(np.round(rng.laplace(0, 10, 1500)), -127, 127).astype(np.int8)
+    out = {
+        "bytes-int8": ([numpy_helper.from_array(q, "w_int8")], {"bytes"}, {}, False),
+        "bytes-lz": ([numpy_helper.from_array(np.tile(rng.standard_normal(16).astype(np.float32), 128), "w_repeat")],
+                     {"bytes"}, {}, False),
+        "planes-w2": ([numpy_helper.from_array(rng.integers(-300, 300, 800).astype(np.int16), "w_int16")], {"planes"}, {}, False),
+        "planes-w4": ([numpy_helper.from_array(rng.integers(-5000, 5000, 400).astype(np.int32), "w_int32")], {"planes"}, {}, False),
+        "fplanes-w2": ([numpy_helper.from_array(rng.standard_normal(800).astype(np.float16), "w_f16")], {"fplanes"}, {}, False),
+        "fplanes-w4": ([numpy_helper.from_array(rng.standard_normal(400).astype(np.float32), "w_f32")], {"fplanes"}, {}, False),
+        "fplanes-w8": ([numpy_helper.from_array(rng.standard_normal(200) * 1e-3, "w_f64")], {"fplanes"}, {}, False),
+        "narrow-f32-f16": ([numpy_helper.from_array(rng.standard_normal(400).astype(np.float16).astype(np.float32), "w_f32_f16")],
+                           {"narrow"}, {}, False),
+        "narrow-f32-bf16": ([numpy_helper.from_array(
+            (rng.standard_normal(400).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32), "w_f32_bf16")],
+            {"narrow"}, {}, False),
+        "narrow-f64-f32": ([numpy_helper.from_array(rng.standard_normal(200).astype(np.float32).astype(np.float64), "w_f64_f32")],
+                           {"narrow"}, {}, False),
+        "multi-chunk": ([numpy_helper.from_array(rng.standard_normal(1024).astype(np.float32), "w_chunked"),
+                         numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 10, 2048)), -127, 127).astype(np.int8), "w_chunked_i8")],
+                        {"fplanes", "bytes"}, {"chunk_bytes": 256}, False),
+        "typed-fields": ([helper.make_tensor("w_float_data", TensorProto.FLOAT, [400], rng.standard_normal(400).astype(np.float32).tolist()),
+                          helper.make_tensor("w_int64_data", TensorProto.INT64, [200], rng.integers(-2**40, 2**40, 200).tolist()),
+                          helper.make_tensor("w_int32_data", TensorProto.INT8, [600], rng.integers(-128, 128, 600).tolist())],
+                         {"bytes", "fplanes"}, {}, False),
+        "external-data": ([numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w_ext_f32"),
+                           numpy_helper.from_array(q, "w_ext_i8")], {"fplanes", "bytes"}, {}, True),
+    }
+    # fpairs is kept by the writer only where it is smaller: forced here (see fuzz.samples.forced_fpairs)
+    wide = (rng.standard_normal(600) * np.exp2(rng.integers(-30, 30, 600))).astype(np.float32)  # > 15 exponents: escapes
+    bf16 = helper.make_tensor("w_bf16", TensorProto.BFLOAT16, [600],
+                              (rng.standard_normal(600).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes(), raw=True)
+    held = (rng.standard_normal(600).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+    out["fpairs-w4-escapes"] = ([numpy_helper.from_array(wide, "w_f32_wide")], {"fpairs"}, {"force_fpairs": True, "chunk_bytes": 1024}, False)
+    out["fpairs-w2-bfloat16"] = ([bf16], {"fpairs"}, {"force_fpairs": True}, False)
+    out["narrow-bf16-fpairs"] = ([numpy_helper.from_array(held, "w_f32_bf16_pairs")], {"narrow", "fpairs"}, {"force_fpairs": True}, False)
+    # a Constant inside an If branch, an empty tensor, a tiny tensor left in the skeleton
+    branch_w = helper.make_tensor("w_branch", TensorProto.FLOAT, [400], rng.standard_normal(400).astype(np.float32).tobytes(), raw=True)
+    branch = helper.make_graph([helper.make_node("Constant", [], ["b"], value=branch_w)], "then", [],
+                               [helper.make_tensor_value_info("b", TensorProto.FLOAT, [400])])
+    cond = helper.make_node("Constant", [], ["cond"], value=helper.make_tensor("cond_v", TensorProto.BOOL, [], [True]))
+    if_node = helper.make_node("If", ["cond"], ["if_out"], then_branch=branch, else_branch=branch)
+    out["subgraph-empty-small"] = ([numpy_helper.from_array(np.zeros((0, 8), np.float32), "w_empty"),
+                                    numpy_helper.from_array(np.arange(3, dtype=np.float32), "w_tiny")],
+                                   {"fplanes", "skeleton"}, {"extra_nodes": [cond, if_node]}, False)
+    return out
+
+
+def _all_tensors(model):
+    from onnx.external_data_helper import _get_all_tensors
+
+    return list(_get_all_tensors(model))
+
+
+def build(dest: Path) -> dict:
+    from passes import open_packed, pack
+
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": "1.0", "generator": "tests/golden/make_golden.py", "files": {}}
+    for name, (inits, want_codecs, opts, external) in cases().items():
+        opts = dict(opts)
+        model = _model(inits, opts.pop("extra_nodes", ()))
+        force = opts.pop("force_fpairs", False)
+        onnx.checker.check_model(model, full_check=True)
+        expected_tensors = {}
+        for t in _all_tensors(model):
+            arr = numpy_helper.to_array(t)
+            expected_tensors[t.name or "?"] = {"dtype": str(arr.dtype), "shape": list(arr.shape), "sha256": _sha(arr.tobytes())}
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / f"{name}.onnx"
+            if external:
+                onnx.save_model(model, src, save_as_external_data=True, all_tensors_to_one_file=True,
+                                location=f"{name}.weights", size_threshold=0)
+            else:
+                src.write_bytes(model.SerializeToString())
+            files = {p.name: _sha(p.read_bytes()) for p in Path(tmp).iterdir()}
+            out = dest / f"{name}.onnxz"
+            from fuzz.samples import forced_fpairs
+
+            with forced_fpairs() if force else contextlib.nullcontext():
+                pack(src, out, threads=1, force=True, **opts)
+        with open_packed(out, threads=1) as pm:
+            used = {t["codec"] for t in pm.metadata()["tensors"]} | {
+                t["params"]["inner"]["codec"] for t in pm.metadata()["tensors"] if t["codec"] == "narrow"}
+            keys = {k: pm.get_tensor(k) for k in pm.keys()}
+        missing = want_codecs - used
+        print(f"  {name}: codecs {sorted(used)}")
+        if missing:
+            raise SystemExit(f"{name}: the writer used {sorted(used)}, not {sorted(missing)}: update the case")
+        for key in keys:
+            if key.split("#")[0] not in expected_tensors:
+                raise SystemExit(f"{name}: packed key {key!r} matches no tensor of the model")
+        manifest["files"][f"{name}.onnxz"] = {
+            "restored_files": files,
+            "model_file": f"{name}.onnx",
+            "codecs": sorted(used),
+            "tensors": {k: expected_tensors[k.split("#")[0]] for k in sorted(keys)},
+        }
+    _write_newer(dest, manifest)
+    (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def _header_with(data: bytes, **changes) -> bytes:
+    fmt = struct.Struct("<8sHHIQQQQI8s")
+    names = ["magic", "major", "minor", "flags", "index_offset", "index_length", "index_raw_length", "file_length",
+             "index_crc", "reserved"]
+    fields = list(fmt.unpack(data[:60]))
+    for k, v in changes.items():
+        fields[names.index(k)] = v
+    head = fmt.pack(*fields)
+    return head + struct.pack("<I", zlib.crc32(head)) + data[64:]
+
+
+def _with_codec(data: bytes, codec: str) -> bytes:
+    """The file with its first coded tensor's codec renamed (index re-encoded, CRCs and sizes fixed)."""
+    import zstandard as zstd
+
+    fmt = struct.Struct("<8sHHIQQQQI8s")
+    fields = list(fmt.unpack(data[:60]))
+    ioff, ilen = fields[4], fields[5]
+    index = json.loads(zstd.ZstdDecompressor().decompress(data[ioff:ioff + ilen]))
+    for t in index["tensors"]:
+        if t.get("stream"):
+            t["stream"]["codec"] = codec
+            break
+    index["format"] = [1, 9]
+    text = json.dumps(index, separators=(",", ":")).encode()
+    frame = zstd.ZstdCompressor(level=19, write_checksum=True, write_content_size=True).compress(text)
+    body = data[64:ioff]
+    fields[2] = 9
+    fields[4], fields[5], fields[6], fields[7], fields[8] = 64 + len(body), len(frame), len(text), 64 + len(body) + len(frame), zlib.crc32(frame)
+    head = fmt.pack(*fields)
+    return head + struct.pack("<I", zlib.crc32(head)) + body + frame
+
+
+def _write_newer(dest: Path, manifest: dict) -> None:
+    base = (dest / "fplanes-w4.onnxz").read_bytes()
+    newer = {
+        "newer-major.onnxz": (_header_with(base, major=2), "major version 2"),
+        "newer-flags.onnxz": (_header_with(base, flags=4), "unknown header flag"),
+        "newer-codec.onnxz": (_with_codec(base, "future-codec"), "unknown codec 'future-codec' (format 1.9)"),
+    }
+    manifest["newer"] = {}
+    for name, (data, what) in newer.items():
+        (dest / name).write_bytes(data)
+        manifest["newer"][name] = what
+
+
+def check(dest: Path) -> int:
+    """Decode every golden file and compare with the manifest; print one line per file."""
+    from passes import NewerFormatError, load, open_packed
+
+    manifest = json.loads((dest / "MANIFEST.json").read_text())
+    bad = 0
+    for name, entry in manifest["files"].items():
+        with open_packed(dest / name, threads=1) as pm:
+            got = {k: pm.get_tensor(k) for k in pm.keys()}
+        ok = set(got) == set(entry["tensors"]) and all(
+            str(a.dtype) == entry["tensors"][k]["dtype"] and list(a.shape) == entry["tensors"][k]["shape"]
+            and _sha(a.tobytes()) == entry["tensors"][k]["sha256"] for k, a in got.items())
+        ok = ok and _sha(load(dest / name, threads=1).SerializeToString()) is not None
+        print(f"{'ok ' if ok else 'BAD'} {name}")
+        bad += not ok
+    for name in manifest["newer"]:
+        try:
+            open_packed(dest / name)
+            print(f"BAD {name}: opened")
+            bad += 1
+        except NewerFormatError as exc:
+            print(f"ok  {name}: {exc}")
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--dest", type=Path, default=VERSION_DIR)
+    args = ap.parse_args(argv)
+    if not args.check:
+        m = build(args.dest)
+        total = sum((args.dest / n).stat().st_size for n in list(m["files"]) + list(m["newer"]))
+        print(f"wrote {len(m['files'])} golden files + {len(m['newer'])} newer-version files, {total} bytes, to {args.dest}")
+    return check(args.dest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
