@@ -28,7 +28,7 @@ WIDTHS = (2, 4, 8)
 
 CHUNK_BYTES = 1 << 20  # raw bytes per chunk written (readers accept any size up to MAX_CHUNK_BYTES)
 MAX_CHUNK_BYTES = 64 << 20
-CODECS = ("bytes", "planes", "fplanes", "fpairs", "narrow")
+CODECS = ("bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow")
 PAIR_TABLE = 15  # fpairs: the 15 most frequent exponent bytes of a chunk get 4-bit ranks, 15 escapes
 NARROW = {(FLOAT, FLOAT16), (FLOAT, BFLOAT16), (DOUBLE, FLOAT)}
 _SIZE = {FLOAT: 4, FLOAT16: 2, BFLOAT16: 2, DOUBLE: 8}
@@ -213,6 +213,8 @@ def plane_sizes(codec: str, params: dict, raw_length: int) -> List[int]:
         if raw_length % w:
             raise CorruptFileError(f"damaged index: chunk of {raw_length} bytes is not a multiple of width {w}")
         return [raw_length // w] * w
+    if codec == "bpairs":
+        return [PAIR_TABLE, (raw_length + 1) // 2, None]
     if codec == "fpairs":
         w = params["width"]
         if raw_length % w:
@@ -231,7 +233,7 @@ def check_params(codec: str, params) -> None:
     """Validate codec parameters read from an untrusted index."""
     if not isinstance(params, dict):
         raise CorruptFileError("damaged index: codec params are not an object")
-    if codec == "bytes":
+    if codec in ("bytes", "bpairs"):
         return
     if codec in ("planes", "fplanes", "fpairs"):
         if type(params.get("width")) is not int or params.get("width") not in WIDTHS:
@@ -286,6 +288,16 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         for i, frame in enumerate(frames):
             decompress_plane(frame, n, buf[i * n:(i + 1) * n])
         merge_planes(buf, w, codec == "fplanes", out)
+        return
+    if codec == "bpairs":
+        n = raw_length
+        buf = scratch().get(2 * n + 16)
+        table, ranks, escapes = buf[:PAIR_TABLE], buf[16:16 + sizes[1]], buf[16 + sizes[1]:]
+        decompress_plane(frames[0], PAIR_TABLE, table)
+        decompress_plane(frames[1], sizes[1], ranks)
+        ne = decompress_plane(frames[2], None, escapes, at_most=n)
+        if not expand_ranks(table, ranks, escapes[:ne], out):
+            raise CorruptFileError("damaged chunk: escapes do not match their ranks")
         return
     if codec == "fpairs":
         w = params["width"]
@@ -348,12 +360,14 @@ def _narrowed(data: np.ndarray, dtype: int):
 
 
 def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int) -> EncodedStream:
-    stream = EncodedStream(codec, {"width": width} if codec != "bytes" else {})
+    stream = EncodedStream(codec, {"width": width} if codec not in ("bytes", "bpairs") else {})
     step = max(width, chunk_bytes // width * width)
     for start in range(0, data.size, step):
         part = data[start:start + step]
         if codec == "bytes":
             planes = [part]
+        elif codec == "bpairs":
+            planes = list(rank_planes(part))
         elif codec == "fpairs":
             planes = list(split_planes(part, width, True))
             planes = list(rank_planes(planes[0])) + planes[1:]
@@ -361,6 +375,14 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int) -
             planes = list(split_planes(part, width, codec == "fplanes"))
         stream.chunks.append(EncodedChunk(part.size, [compress_plane(p, _plane_kind(p)) for p in planes]))
     return stream
+
+
+def _low_entropy(data: np.ndarray) -> bool:
+    if data.size < 4096:
+        return False
+    sample = data[:: max(1, data.size // (1 << 18))]
+    counts = np.sort(np.bincount(sample, minlength=256))[::-1]
+    return counts[:PAIR_TABLE].sum() >= 0.9 * sample.size
 
 
 def _plane_kind(plane: np.ndarray) -> str:
@@ -422,6 +444,10 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
             candidates.append(_encode_planes(data, "fpairs", width, chunk_bytes))
     if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
         candidates.append(_encode_planes(data, "bytes", 1, chunk_bytes))
+    if codec == "bytes" and _low_entropy(data):
+        # few distinct values (2-5 bits): Huffman on single bytes loses several % there; pairs of
+        # 4-bit ranks per byte halve its redundancy (and the symbols to decode)
+        candidates.append(_encode_planes(data, "bpairs", 1, chunk_bytes))
     best = min(candidates, key=lambda s: s.stored)
     if try_lz is None:
         try_lz = data.size >= 1024 and _lz_promising(data, best.stored / max(1, data.size))

@@ -479,25 +479,27 @@ def test_numpy_fallback_gives_the_same_bytes(tmp_path, monkeypatch):
             assert np.array_equal(back, data)
 
 
-def test_fpairs_chunks_round_trip_and_damage_detected(tmp_path, monkeypatch):
+def test_paired_rank_codecs_round_trip_and_damage_detected(tmp_path, monkeypatch):
     """The paired-exponent codec, forced on every float tensor: exact, and every flip detected."""
     from passes.onnxz import codecs
 
     def forced(data, dtype, field, chunk_bytes=codecs.CHUNK_BYTES, try_lz=None):
         if dtype == TensorProto.FLOAT and data.size % 4 == 0:
             return codecs._encode_planes(data, "fpairs", 4, chunk_bytes)
-        return codecs.EncodedStream("bytes", {}, codecs._encode_planes(data, "bytes", 1, chunk_bytes).chunks)
+        return codecs._encode_planes(data, "bpairs", 1, chunk_bytes)
 
     monkeypatch.setattr(codecs, "encode_tensor", forced)
     w = np.concatenate([_weights(2001), np.float32([1e-30, -3e20, 0.0, -0.0, np.inf, np.nan])])  # escapes, odd count
-    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w")]))
+    q = np.concatenate([np.clip(np.round(RNG.standard_normal(3001) * 2), -8, 8), np.arange(-128, 128)]).astype(np.int8)
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q")]))
     src = tmp_path / "m.onnx"
     src.write_bytes(m.SerializeToString())
     packed = tmp_path / "m.onnxz"
     passes.pack(src, packed, chunk_bytes=4004)
     with passes.open_packed(packed) as pm:
-        assert pm.metadata()["tensors"][0]["codec"] == "fpairs"
+        assert [t["codec"] for t in pm.metadata()["tensors"]] == ["fpairs", "bpairs"]
         assert pm.get_tensor("w").tobytes() == w.tobytes()
+        assert pm.get_tensor("q").tobytes() == q.tobytes()
     assert passes.load(packed).SerializeToString() == src.read_bytes()
     data = packed.read_bytes()
     bad = tmp_path / "bad.onnxz"
@@ -510,3 +512,4 @@ def test_fpairs_chunks_round_trip_and_damage_detected(tmp_path, monkeypatch):
     monkeypatch.setattr(codecs, "_fast", None)  # the numpy expand reads the same file
     with passes.open_packed(packed) as pm:
         assert pm.get_tensor("w").tobytes() == w.tobytes()
+        assert pm.get_tensor("q").tobytes() == q.tobytes()
