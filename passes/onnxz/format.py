@@ -241,6 +241,7 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         raise _bad("files / tensors")
     extents = _Extents(HEADER_SIZE, header.index_offset)
     tensors = []
+    keys = set()
     for i, t in enumerate(tensors_in):
         if not isinstance(t, dict):
             raise _bad(f"tensor {i}")
@@ -248,6 +249,9 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         shape = t.get("shape")
         if not isinstance(key, str) or not isinstance(name, str) or not isinstance(shape, list):
             raise _bad(f"tensor {i} key/name/shape")
+        if key in keys:
+            raise _bad(f"tensor key {key!r} repeated")
+        keys.add(key)
         shape = [_int(d, "dim", -(1 << 62)) for d in shape]
         field = t.get("field")
         if not isinstance(field, str) or field not in _PAYLOAD_FIELDS:
