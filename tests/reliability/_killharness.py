@@ -112,7 +112,8 @@ def run_writer(write, kill_at: int | None, sig: int = signal.SIGKILL) -> RunResu
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _install_checkpoints(report_w, go_r)
-            write()
+            result = write()
+            code = result if isinstance(result, int) else 0
         except KeyboardInterrupt:
             code = 130
         except BaseException:  # noqa: BLE001 - the child reports through its exit code only
