@@ -1,0 +1,83 @@
+"""The command's promises about files (issue 6 item 5): no overwrite without --force, the input
+never modified (also with -o naming it), read-only destinations and damaged inputs give one
+clear line and a documented exit code, and --verify re-reads what was written.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tools.surgeon_compress import main
+
+from ._models import sha256
+
+
+@pytest.fixture
+def files(samples, tmp_path):
+    src = tmp_path / "model.onnx"
+    src.write_bytes(samples["all_families"].files[""])
+    packed = tmp_path / "model.onnxz"
+    packed.write_bytes(samples["all_families"].packed)
+    return src, packed
+
+
+def _commands(src, packed, out):
+    return {
+        "compress": ["compress", str(src), "-o", str(out)],
+        "fold": ["fold", str(src), "-o", str(out)],
+        "pack": ["pack", str(src), "-o", str(out)],
+        "unpack": ["unpack", str(packed), "-o", str(out)],
+    }
+
+
+@pytest.mark.parametrize("command", ["compress", "fold", "pack", "unpack"])
+def test_no_overwrite_without_force(files, tmp_path, command, capsys):
+    src, packed = files
+    out = tmp_path / "existing.out"
+    out.write_bytes(b"keep me")
+    before = {p: sha256(p) for p in (src, packed)}
+    argv = _commands(src, packed, out)[command]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0 and "exists" in err and len(err.strip().splitlines()) == 1, (code, err)
+    assert out.read_bytes() == b"keep me"
+    assert main(argv + ["--force"]) == 0
+    assert out.read_bytes() != b"keep me"
+    assert {p: sha256(p) for p in (src, packed)} == before
+
+
+@pytest.mark.parametrize("command", ["compress", "pack"])
+def test_output_naming_the_input_is_refused_or_replaces_it_whole(files, command, capsys):
+    src, packed = files
+    before = src.read_bytes()
+    code = main(_commands(src, packed, src)[command] + ["--force"])
+    capsys.readouterr()
+    if code != 0:
+        assert src.read_bytes() == before
+    else:  # replaced: by a complete, readable output
+        import passes
+
+        passes.load(src)
+
+
+def test_damaged_packed_input_exit_code(files, tmp_path, capsys):
+    _, packed = files
+    data = bytearray(packed.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    packed.write_bytes(bytes(data))
+    for argv in (["unpack", str(packed), "-o", str(tmp_path / "x.onnx")], ["verify", str(packed)], ["info", str(packed)]):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 4, (argv, code, err)  # EXIT_CORRUPT
+        assert err.count("\n") == 1 and ("damaged" in err or "truncated" in err), err
+    assert not (tmp_path / "x.onnx").exists()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "tools/surgeon_compress: no --verify option on the writing commands (issue 6 item 5: "
+    "'--verify re-reads what was written before reporting success'); only the separate verify command"))
+@pytest.mark.parametrize("command", ["pack", "unpack", "compress"])
+def test_verify_option_rereads_the_output(files, tmp_path, command, capsys):
+    src, packed = files
+    out = tmp_path / "verified.out"
+    assert main(_commands(src, packed, out)[command] + ["--verify"]) == 0
+    assert "verif" in capsys.readouterr().out.lower()
