@@ -50,6 +50,8 @@ _LAZY = {
     "open_packed": "onnxz",
     "verify": "onnxz",
     "InferenceSession": "runtime",
+    "encode_array": "tensorcodec",
+    "decode_array": "tensorcodec",
     "load_model": "_fileio",
     "save_model": "_fileio",
 }

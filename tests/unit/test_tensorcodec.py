@@ -1,0 +1,126 @@
+"""passes.encode_array / decode_array: round trips within the requested error, exact layout,
+clear errors on bad input and on damaged blobs."""
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from passes import CorruptFileError, InvalidArgumentError, NewerFormatError  # noqa: E402
+from passes.tensorcodec import FORMS, decode_array, encode_array  # noqa: E402
+
+
+def _snr(w, w_hat):
+    w = w.astype(np.float64)
+    err = ((w - w_hat.astype(np.float64)) ** 2).sum()
+    return np.inf if err == 0 else 10 * np.log10((w * w).sum() / err)
+
+
+def _weights(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    # rows of different scale, heavy tails: like trained weights
+    w = rng.laplace(size=shape) * rng.uniform(0.2, 2.0, size=(shape[0],) + (1,) * (len(shape) - 1))
+    return (0.05 * w).astype(np.float32)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", [(48, 32, 3, 3), (70, 130), (1000,)])
+def test_snr_target_met_and_shape_kept(form, shape):
+    w = _weights(shape)
+    for target in (12.0, 30.0):
+        blob = encode_array(w, snr_db=target, form=form)
+        out = decode_array(blob)
+        assert out.shape == w.shape and out.dtype == np.float32
+        s = _snr(w, out)
+        assert target <= s < target + 1.0  # the coarsest step meeting the target
+        assert encode_array(w, snr_db=target, form=form) == blob  # deterministic
+
+
+def test_rate_falls_with_snr_and_beats_float():
+    w = _weights((64, 64, 3, 3))
+    sizes = [len(encode_array(w, snr_db=s)) for s in (10, 20, 30, 40)]
+    assert sizes == sorted(sizes)
+    assert sizes[1] * 8 / w.size < 4.5  # 20 dB: well under 5 bits per weight
+
+
+def test_dependent_quantization_beats_scalar_at_equal_snr():
+    w = _weights((96, 256), seed=3)
+    tcq = len(encode_array(w, snr_db=25, form="tcq"))
+    nearest = len(encode_array(w, snr_db=25, form="nearest", contexts="none"))
+    assert tcq < 0.98 * nearest
+
+
+@pytest.mark.parametrize("form", ["nearest", "rdo"])
+def test_bits_bounds_the_number_of_levels(form):
+    w = _weights((40, 50))
+    snrs = []
+    for bits in (2, 4, 8):
+        out = decode_array(encode_array(w, bits=bits, form=form))
+        assert len(np.unique(out)) <= 2 ** bits - 1
+        snrs.append(_snr(w, out))
+    assert snrs[0] + 8 < snrs[1] and snrs[1] + 18 < snrs[2]
+
+
+def test_float16_float64_and_special_shapes():
+    w16 = _weights((30, 40)).astype(np.float16)
+    out = decode_array(encode_array(w16, snr_db=30))
+    assert out.dtype == np.float16 and out.shape == w16.shape and _snr(w16, out) >= 29.9
+    w64 = _weights((100,)).astype(np.float64)
+    assert decode_array(encode_array(w64, snr_db=20)).dtype == np.float64
+    for w in (np.zeros((0, 5), np.float32), np.zeros((7, 3), np.float32), np.float32(1.5).reshape(())):
+        out = decode_array(encode_array(w, snr_db=40))
+        assert out.shape == w.shape
+        assert _snr(w, out) >= 40 or not w.any() and not out.any()
+
+
+def test_decode_into_given_buffer_and_threads():
+    w = _weights((200, 700))  # several chunks
+    blob = encode_array(w, snr_db=25)
+    ref = decode_array(blob, threads=1)
+    buf = np.empty(w.shape, np.float32)
+    got = decode_array(blob, out=buf, threads=2)
+    assert got is buf and np.array_equal(ref, buf)
+    with pytest.raises(InvalidArgumentError):
+        decode_array(blob, out=np.empty(5, np.float32))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(snr_db=0), dict(snr_db=float("nan")), dict(bits=1), dict(bits=20), dict(bits=4.0),
+    dict(snr_db=20, bits=4), dict(form="kmeans"), dict(contexts="all"), dict(lam=-1.0),
+])
+def test_bad_arguments(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        encode_array(_weights((10, 10)), **kwargs)
+
+
+def test_bad_arrays():
+    with pytest.raises(InvalidArgumentError):
+        encode_array(np.arange(10))
+    with pytest.raises(InvalidArgumentError):
+        encode_array(np.array([1.0, np.nan], np.float32))
+
+
+def test_damaged_blobs_raise_corrupt():
+    w = _weights((64, 80))
+    blob = encode_array(w, snr_db=20)
+    with pytest.raises(CorruptFileError):
+        decode_array(blob[:-1])
+    with pytest.raises(CorruptFileError):
+        decode_array(b"XXXX" + blob[4:])
+    with pytest.raises(CorruptFileError):
+        decode_array(b"")
+    rng = np.random.default_rng(0)
+    for pos in rng.integers(0, len(blob), 40):
+        bad = bytearray(blob)
+        bad[pos] ^= 1 << int(rng.integers(0, 8))
+        with pytest.raises(CorruptFileError):
+            decode_array(bytes(bad))
+    newer = bytearray(blob)
+    newer[4] = 99
+    with pytest.raises(NewerFormatError):
+        decode_array(bytes(newer))
+
+
+def test_public_names():
+    import passes
+
+    assert passes.encode_array is encode_array and passes.decode_array is decode_array
