@@ -227,6 +227,10 @@ class InferenceSession(ort.InferenceSession):
         extra = None
         if mode != "fold":
             from .runtime_feed import SHAREABLE_DEQUANTIZE as extra
+        # float16 weights on a CPU: onnxruntime casts them to float32 at optimisation time, which
+        # needs their bytes: sharing would only fail and be retried
+        if self.dtype == np.float16 and not self.on_gpu and mode == "fold":
+            share = False
         self.shared_names = shareable_names(split, extra) if share and not self.on_gpu else set()
         self.shared_names |= set(device_values)
         self._device_values = device_values
