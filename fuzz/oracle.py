@@ -1,7 +1,8 @@
 """Judge what the `.onnxz` readers do with one (possibly damaged) file.
 
 Every public reader is run on the file: `load`, `open_packed` (+ `keys`, `metadata`, `get_tensor`
-of every key), `unpack` and `verify` (with and without `against`). Each one must either
+of every key), `unpack`, `verify` (with and without `against`) and `InferenceSession` in modes
+fold and int8 (its outputs compared with those of the intact file). Each one must either
 
 - raise a documented error of the pack stage (CorruptFileError, including NewerFormatError, or
   LimitExceededError): verdict "refused"; or
@@ -83,8 +84,24 @@ class Oracle:
         ref.write_bytes(sample.packed)
         self.expected_model = load(ref, threads=1).SerializeToString()
         self.expected_files = {(n or "model.onnx"): d for n, d in sample.files.items()}
+        self._session_reference = {}
 
-    def judge(self, data: bytes, *, crafted: bool = False, apis=("load", "open_packed", "unpack", "verify"),
+    SESSION_MODES = ("fold", "int8")
+
+    def session_reference(self, mode):
+        """Outputs of InferenceSession(mode) on the intact file, or None when it cannot run the
+        sample at all (then the mutants are not judged by it)."""
+        if mode not in self._session_reference:
+            from passes import InferenceSession
+
+            try:
+                sess = InferenceSession(self.workdir / "reference.onnxz", mode=mode, threads=1)
+                self._session_reference[mode] = [np.asarray(o) for o in sess.run(None, self.sample.feeds)]
+            except Exception:  # noqa: BLE001 - e.g. a dtype onnxruntime has no kernel for
+                self._session_reference[mode] = None
+        return self._session_reference[mode]
+
+    def judge(self, data: bytes, *, crafted: bool = False, apis=("load", "open_packed", "unpack", "verify", "session"),
               threads: int = 1, max_bytes: Optional[int] = None) -> Verdict:
         from passes import load, open_packed, unpack, verify
 
@@ -135,6 +152,18 @@ class Oracle:
                     v.note("wrong" if ok else "partial", "unpack", f"{rel} is not the original file")
             if ok and not crafted and set(restored) != set(self.expected_files):
                 v.note("wrong", "unpack", "restored files differ from the original set")
+
+        if "session" in apis:
+            from passes import InferenceSession
+
+            for mode in self.SESSION_MODES:
+                want = self.session_reference(mode)
+                if want is None:
+                    continue
+                api = f"InferenceSession({mode})"
+                ok, got = attempt(api, lambda m=mode: InferenceSession(path, mode=m, threads=threads).run(None, self.sample.feeds))
+                if ok and (len(got) != len(want) or not all(_same_array(np.asarray(g), w) for g, w in zip(got, want))):
+                    v.note("accepted" if crafted else "wrong", api, "outputs differ from the intact file's")
 
         if "verify" in apis:
             ok, res = attempt("verify", lambda: verify(path, threads=threads, **limits))

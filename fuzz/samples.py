@@ -27,6 +27,7 @@ class Sample:
     files: Dict[str, bytes]           # original model file ("" key) and its external data files
     tensors: Dict[str, np.ndarray]    # key -> expected array (as get_tensor must return it)
     families: List[str] = field(default_factory=list)  # codec names used in the pack
+    feeds: Dict[str, np.ndarray] = field(default_factory=dict)  # inputs for InferenceSession runs
 
 
 def _graph_with(initializers, extra_nodes=()):
@@ -131,7 +132,7 @@ def _inner(t):
     return "narrow/" + t["params"]["inner"]["codec"] if t.get("codec") == "narrow" else None
 
 
-def _sample(name, model, *, external=False, chunk_bytes=1 << 20) -> Sample:
+def _sample(name, model, *, external=False, chunk_bytes=1 << 20, feeds=None) -> Sample:
     packed, files = _pack_model(model, external=external, chunk_bytes=chunk_bytes)
     got, families = _expected_tensors(packed)
     # the reference: numpy_helper on the original model (external data read by onnx itself)
@@ -146,7 +147,7 @@ def _sample(name, model, *, external=False, chunk_bytes=1 << 20) -> Sample:
         ref = reference.get(key.split("#")[0])
         if ref is None or ref.dtype != arr.dtype or ref.shape != arr.shape or ref.tobytes() != arr.tobytes():
             raise AssertionError(f"sample {name}: the unmutated pack already decodes {key!r} wrongly")
-    return Sample(name, packed, files, got, families)
+    return Sample(name, packed, files, got, families, dict(feeds or {}))
 
 
 def _all_tensors(model):
@@ -215,8 +216,28 @@ def fpairs_samples(seed: int = 4) -> List[Sample]:
         return [_sample("fpairs_forced", _graph_with(inits), chunk_bytes=1024)]
 
 
+def quantized_samples(seed: int = 5) -> List[Sample]:
+    """A small network quantized by our own pass (int8 per channel and int4 blocks behind
+    DequantizeLinear), with an input: the samples InferenceSession runs on (fold and int8 modes)."""
+    from passes import quantize_weights
+
+    rng = np.random.default_rng(seed)
+    w1 = numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32), "W1")
+    w2 = numpy_helper.from_array(rng.standard_normal((64, 16)).astype(np.float32), "W2")
+    nodes = [helper.make_node("MatMul", ["X", "W1"], ["H"]), helper.make_node("Relu", ["H"], ["R"]),
+             helper.make_node("MatMul", ["R", "W2"], ["Y"])]
+    graph = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 32])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 16])], [w1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    feeds = {"X": rng.standard_normal((2, 32)).astype(np.float32)}
+    out = [_sample("quantized_int8", quantize_weights(model, bits=8, min_elements=0), feeds=feeds),
+           _sample("quantized_int4_block", quantize_weights(model, bits=4, granularity="block", block_size=32,
+                                                            min_elements=0), feeds=feeds)]
+    return out
+
+
 def build_all() -> List[Sample]:
-    return [all_families()] + per_family() + odd_layouts() + fpairs_samples()
+    return [all_families()] + per_family() + odd_layouts() + fpairs_samples() + quantized_samples()
 
 
 SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
@@ -224,6 +245,7 @@ SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
     "per_family": per_family,
     "odd_layouts": odd_layouts,
     "fpairs": fpairs_samples,
+    "quantized": quantized_samples,
 }
 
 

@@ -18,7 +18,7 @@ from fuzz.campaign import make_mutant
 from fuzz.samples import REQUIRED_FAMILIES, check_families
 
 CHEAP = ("open_packed",)                 # every mutant: get_tensor hashes no whole file, the riskiest path
-ALL = ("load", "open_packed", "unpack", "verify")  # every FULL_STRIDE-th mutant, and the truncations
+ALL = ("load", "open_packed", "unpack", "verify", "session")  # every FULL_STRIDE-th mutant, and the truncations
 FULL_STRIDE = 8
 SWEPT = ["all_families", "external_data", "fpairs_forced"]  # every codec family between them
 
