@@ -150,3 +150,24 @@ def test_simulated_erofs_at_mkstemp(tmp_path, monkeypatch):
     with pytest.raises(FileAccessError, match="read-only file system"):
         write_bytes_atomic(tmp_path / "out.bin", b"x")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["pack", "unpack", "compress"])
+def test_command_on_a_full_disk(tiny_fs, samples, tmp_path, command, capsys):
+    """The command on a full disk: exit 1, one line naming the problem, nothing left behind."""
+    from tools.surgeon_compress import main
+
+    src = tmp_path / "model.onnx"
+    src.write_bytes(matmul_model(256).SerializeToString())  # 256 KiB of weights
+    packed = tmp_path / "model.onnxz"
+    from passes import pack
+
+    pack(src, packed)
+    argv = {"pack": ["pack", str(src), "-o", str(tiny_fs / "out.onnxz")],
+            "unpack": ["unpack", str(packed), "-o", str(tiny_fs / "out.onnx")],
+            "compress": ["compress", str(src), "-o", str(tiny_fs / "out.onnx"), "--bits", "8"]}[command]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 1, (code, err)
+    assert "no space left on device" in err and len(err.strip().splitlines()) == 1, err
+    assert list(tiny_fs.iterdir()) == []
