@@ -131,6 +131,8 @@ def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]
 
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=folder)
+        # mkstemp makes the file private (0600); the output gets the usual permissions instead
+        os.fchmod(fd, 0o666 & ~_current_umask())
     except OSError as exc:
         release()
         raise FileAccessError(_describe_os_error(p, exc, "write")) from None
@@ -138,6 +140,12 @@ def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]
         release()
         raise
     return fd, tmp, release
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
 
 
 def _remove_quietly(path: PathLike) -> None:

@@ -103,3 +103,14 @@ def test_external_data_range_beyond_file(tmp_path):
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(InvalidModelError, match="declares external data bytes"):
         load_model(p)
+
+
+def test_outputs_get_the_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_bytes_atomic(tmp_path / "out.bin", b"x")
+        save_model(_model(), tmp_path / "m.onnx", external_data=True)
+    finally:
+        os.umask(old)
+    for f in tmp_path.iterdir():
+        assert (f.stat().st_mode & 0o777) == 0o644, f
