@@ -143,7 +143,14 @@ def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]
 
 
 def _current_umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    try:  # Linux reports it without changing it (os.umask would race with other threads)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
