@@ -146,12 +146,58 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* unsplit(ranks, classes, sub, sizes, out) -> bool: the plane of codec `fpairs` with "split":
+ * element k takes the next byte of sub-plane min(rank_k, classes); the sub-planes lie back to
+ * back in `sub`, sizes[j] bytes each (int64). False when the sizes do not match the ranks. */
+static PyObject *py_unsplit(PyObject *self, PyObject *args) {
+    Py_buffer ranks, sub, sizes, out;
+    int classes;
+    if (!PyArg_ParseTuple(args, "y*iy*y*w*", &ranks, &classes, &sub, &sizes, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = out.len;
+    if (classes < 1 || classes > 14 || sizes.len != (Py_ssize_t)sizeof(int64_t) * (classes + 1)
+        || ranks.len != (n + 1) / 2 || sub.len != n) {
+        PyErr_SetString(PyExc_ValueError, "unsplit: inconsistent buffer sizes");
+    } else {
+        const int64_t *sz = (const int64_t *)sizes.buf;
+        Py_ssize_t pos[16], end[16], start = 0;
+        int ok = 1;
+        for (int j = 0; j <= classes; j++) {
+            if (sz[j] < 0 || sz[j] > n - start) { ok = 0; break; }
+            pos[j] = start;
+            start += (Py_ssize_t)sz[j];
+            end[j] = start;
+        }
+        if (start != n) ok = 0;
+        if (ok) {
+            const uint8_t *rk = (const uint8_t *)ranks.buf, *sb = (const uint8_t *)sub.buf;
+            uint8_t *o = (uint8_t *)out.buf;
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t k = 0; k < n; k++) {
+                unsigned r = (k & 1) ? (rk[k >> 1] & 15u) : (rk[k >> 1] >> 4);
+                unsigned j = r < (unsigned)classes ? r : (unsigned)classes;
+                if (pos[j] >= end[j]) { ok = 0; break; }
+                o[k] = sb[pos[j]++];
+            }
+            Py_END_ALLOW_THREADS
+        }
+        result = ok ? Py_True : Py_False;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&sub);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *py_split(PyObject *self, PyObject *args) { return run(args, 0); }
 static PyObject *py_merge(PyObject *self, PyObject *args) { return run(args, 1); }
 
 static PyMethodDef methods[] = {
     {"split", py_split, METH_VARARGS, "split(data, width, sign_move, out): byte planes of data into out"},
     {"merge", py_merge, METH_VARARGS, "merge(planes, width, sign_move, out): interleave planes into out"},
+    {"unsplit", py_unsplit, METH_VARARGS, "unsplit(ranks, classes, sub, sizes, out) -> bool: plane from class sub-planes"},
     {"expand", py_expand, METH_VARARGS, "expand(table, ranks, escapes, out) -> bool: exponents from 4-bit ranks"},
     {NULL, NULL, 0, NULL},
 };

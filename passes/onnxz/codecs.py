@@ -29,6 +29,7 @@ WIDTHS = (2, 4, 8)
 CHUNK_BYTES = 1 << 20  # raw bytes per chunk written (readers accept any size up to MAX_CHUNK_BYTES)
 MAX_CHUNK_BYTES = 64 << 20
 CODECS = ("bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow")
+SPLIT = 6  # fpairs "split": exponent classes given their own sign/mantissa plane
 PAIR_TABLE = 15  # fpairs: the 15 most frequent exponent bytes of a chunk get 4-bit ranks, 15 escapes
 NARROW = {(FLOAT, FLOAT16), (FLOAT, BFLOAT16), (DOUBLE, FLOAT)}
 _SIZE = {FLOAT: 4, FLOAT16: 2, BFLOAT16: 2, DOUBLE: 8}
@@ -120,6 +121,34 @@ def expand_ranks(table: np.ndarray, ranks: np.ndarray, escapes: np.ndarray, out:
     np.take(lut, r, out=out)
     out[escape] = escapes
     return True
+
+
+def unsplit_plane(ranks: np.ndarray, classes: int, sub: np.ndarray, counts, out: np.ndarray) -> bool:
+    """Plane 1 of a split `fpairs` chunk from its class sub-planes; False if the sizes disagree."""
+    sizes = np.asarray(counts, np.int64)
+    if _fast is not None:
+        return _fast.unsplit(ranks, classes, sub, sizes, out)
+    n = out.size
+    r = np.empty(2 * ranks.size, np.uint8)
+    r[0::2] = ranks >> 4
+    r[1::2] = ranks & 15
+    cls = np.minimum(r[:n], classes)
+    if not np.array_equal(np.bincount(cls, minlength=classes + 1), sizes):
+        return False
+    out[np.argsort(cls, kind="stable")] = sub
+    return True
+
+
+def split_plane(b: np.ndarray, ranks: np.ndarray, classes: int) -> List[np.ndarray]:
+    """Inverse of unsplit_plane: the bytes of `b` grouped by min(rank, classes), in element order."""
+    n = b.size
+    r = np.empty(2 * ranks.size, np.uint8)
+    r[0::2] = ranks >> 4
+    r[1::2] = ranks & 15
+    cls = np.minimum(r[:n], classes)
+    counts = np.bincount(cls, minlength=classes + 1)
+    grouped = b[np.argsort(cls, kind="stable")]
+    return np.split(grouped, np.cumsum(counts)[:-1])
 
 
 def rank_planes(t: np.ndarray):
@@ -220,6 +249,9 @@ def plane_sizes(codec: str, params: dict, raw_length: int) -> List[int]:
         if raw_length % w:
             raise CorruptFileError(f"damaged index: chunk of {raw_length} bytes is not a multiple of width {w}")
         n = raw_length // w
+        split = params.get("split", 0)
+        if split:  # plane 1 as split+1 sub-planes, sized by the ranks
+            return [PAIR_TABLE, (n + 1) // 2, None] + [None] * (split + 1) + [n] * (w - 2)
         return [PAIR_TABLE, (n + 1) // 2, None] + [n] * (w - 1)  # None: as many as the ranks say
     if codec == "narrow":
         inner, frm, to = params["inner"], params["from"], params["to"]
@@ -238,6 +270,11 @@ def check_params(codec: str, params) -> None:
     if codec in ("planes", "fplanes", "fpairs"):
         if type(params.get("width")) is not int or params.get("width") not in WIDTHS:
             raise CorruptFileError(f"damaged index: bad width {params.get('width')!r}")
+        if codec == "fpairs" and params.get("width") == 8:
+            raise CorruptFileError("damaged index: fpairs of width 8")
+        split = params.get("split", 0)
+        if codec == "fpairs" and (type(split) is not int or not 0 <= split <= 14):
+            raise CorruptFileError(f"damaged index: bad split {split!r}")
         return
     if codec == "narrow":
         inner = params.get("inner")
@@ -309,10 +346,24 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         decompress_plane(frames[0], PAIR_TABLE, table)
         decompress_plane(frames[1], sizes[1], ranks)
         ne = decompress_plane(frames[2], None, escapes, at_most=n)
-        for i in range(1, w):
-            decompress_plane(frames[2 + i], n, planes[i * n:(i + 1) * n])
         if not expand_ranks(table, ranks, escapes[:ne], planes[:n]):
             raise CorruptFileError("damaged chunk: exponent escapes do not match their ranks")
+        split = params.get("split", 0)
+        rest = frames[3:]
+        if split:
+            sub = escapes  # free again: the escapes are expanded
+            counts, pos = [], 0
+            for frame in rest[:split + 1]:
+                got = decompress_plane(frame, None, sub[pos:], at_most=n - pos)
+                counts.append(got)
+                pos += got
+            if pos != n or not unsplit_plane(ranks, split, sub[:n], counts, planes[n:2 * n]):
+                raise CorruptFileError("damaged chunk: split plane sizes do not match the ranks")
+            rest, first = rest[split + 1:], 2
+        else:
+            first = 1
+        for i, frame in zip(range(first, w), rest):
+            decompress_plane(frame, n, planes[i * n:(i + 1) * n])
         merge_planes(planes, w, True, out)
         return
     if codec == "narrow":
@@ -359,8 +410,10 @@ def _narrowed(data: np.ndarray, dtype: int):
     return None
 
 
-def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int) -> EncodedStream:
+def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, split: int = 0) -> EncodedStream:
     stream = EncodedStream(codec, {"width": width} if codec not in ("bytes", "bpairs") else {})
+    if split:
+        stream.params["split"] = split
     step = max(width, chunk_bytes // width * width)
     for start in range(0, data.size, step):
         part = data[start:start + step]
@@ -370,7 +423,11 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int) -
             planes = list(rank_planes(part))
         elif codec == "fpairs":
             planes = list(split_planes(part, width, True))
-            planes = list(rank_planes(planes[0])) + planes[1:]
+            table, ranks, escapes = rank_planes(planes[0])
+            if split:
+                planes = [table, ranks, escapes] + split_plane(planes[1], ranks, split) + planes[2:]
+            else:
+                planes = [table, ranks, escapes] + planes[1:]
         else:
             planes = list(split_planes(part, width, codec == "fplanes"))
         stream.chunks.append(EncodedChunk(part.size, [compress_plane(p, _plane_kind(p)) for p in planes]))
@@ -442,6 +499,10 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
             # 8-bit exponents: 4-bit ranks paired in a byte halve the Huffman symbols (faster) and
             # its redundancy (smaller); kept only where smaller
             candidates.append(_encode_planes(data, "fpairs", width, chunk_bytes))
+            if data.size >= 1 << 16:
+                # the sign + top mantissa byte depends on the exponent: one Huffman table per
+                # frequent exponent catches part of it (~0.1% of float32 sizes)
+                candidates.append(_encode_planes(data, "fpairs", width, chunk_bytes, split=SPLIT))
     if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
         candidates.append(_encode_planes(data, "bytes", 1, chunk_bytes))
     if codec == "bytes" and _low_entropy(data):

@@ -265,7 +265,9 @@ def test_pack_from_modelproto_and_determinism(tmp_path):
 def test_compresses_floats_and_ints(tmp_path):
     w = _weights(1 << 18)
     q = np.clip(np.round(RNG.laplace(size=1 << 18) * 6), -127, 127).astype(np.int8)
-    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q")]))
+    w2 = w[:1001] * 3  # a second float tensor, small: fpairs without split
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q"),
+                                                             numpy_helper.from_array(w2, "w2")]))
     src = tmp_path / "m.onnx"
     src.write_bytes(m.SerializeToString())
     stats = passes.pack(src, tmp_path / "m.onnxz")
@@ -485,21 +487,26 @@ def test_paired_rank_codecs_round_trip_and_damage_detected(tmp_path, monkeypatch
 
     def forced(data, dtype, field, chunk_bytes=codecs.CHUNK_BYTES, try_lz=None):
         if dtype == TensorProto.FLOAT and data.size % 4 == 0:
-            return codecs._encode_planes(data, "fpairs", 4, chunk_bytes)
+            return codecs._encode_planes(data, "fpairs", 4, chunk_bytes, split=3 if data.size > 4096 else 0)
         return codecs._encode_planes(data, "bpairs", 1, chunk_bytes)
 
     monkeypatch.setattr(codecs, "encode_tensor", forced)
     w = np.concatenate([_weights(2001), np.float32([1e-30, -3e20, 0.0, -0.0, np.inf, np.nan])])  # escapes, odd count
     q = np.concatenate([np.clip(np.round(RNG.standard_normal(3001) * 2), -8, 8), np.arange(-128, 128)]).astype(np.int8)
-    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q")]))
+    w2 = w[:1001] * 3  # a second float tensor, small: fpairs without split
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w"), numpy_helper.from_array(q, "q"),
+                                                             numpy_helper.from_array(w2, "w2")]))
     src = tmp_path / "m.onnx"
     src.write_bytes(m.SerializeToString())
     packed = tmp_path / "m.onnxz"
     passes.pack(src, packed, chunk_bytes=4004)
     with passes.open_packed(packed) as pm:
-        assert [t["codec"] for t in pm.metadata()["tensors"]] == ["fpairs", "bpairs"]
+        meta = pm.metadata()["tensors"]
+        assert [t["codec"] for t in meta] == ["fpairs", "bpairs", "fpairs"]
+        assert meta[0]["params"].get("split") == 3 and not meta[2]["params"].get("split")
         assert pm.get_tensor("w").tobytes() == w.tobytes()
         assert pm.get_tensor("q").tobytes() == q.tobytes()
+        assert pm.get_tensor("w2").tobytes() == w2.tobytes()
     assert passes.load(packed).SerializeToString() == src.read_bytes()
     data = packed.read_bytes()
     bad = tmp_path / "bad.onnxz"
@@ -513,3 +520,4 @@ def test_paired_rank_codecs_round_trip_and_damage_detected(tmp_path, monkeypatch
     with passes.open_packed(packed) as pm:
         assert pm.get_tensor("w").tobytes() == w.tobytes()
         assert pm.get_tensor("q").tobytes() == q.tobytes()
+        assert pm.get_tensor("w2").tobytes() == w2.tobytes()
