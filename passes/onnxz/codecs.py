@@ -1,9 +1,12 @@
 """The codecs of `.onnxz` (FORMAT.md section 3): tensor bytes <-> planes <-> zstd frames.
 
-Encoding picks, per tensor, the smallest of the candidate codecs that fit its data type; decoding
-fills a caller-provided buffer chunk by chunk. zstandard does the entropy coding (its Huffman
-literal coder, FSE for sequences) in compiled code that releases the GIL, so chunks decode in
-parallel threads; numpy does the byte-plane shuffles.
+Encoding picks, per tensor, the smallest of the candidate codecs that fit its data type (byte
+planes with the float sign moved out of the exponent, 4-bit exponent ranks paired per byte, the
+sign/top-mantissa plane split by exponent, exact narrowing, low-entropy bytes as paired ranks, an
+LZ pass where a probe says it wins); decoding fills a caller-provided buffer chunk by chunk.
+zstandard does the entropy coding (Huffman literals, FSE for sequences) in compiled code that
+releases the GIL, so chunks decode in parallel threads; the byte shuffles run in the small C
+extension _planes.c (GIL released too) or, when it was not built, in numpy (same bytes).
 """
 from __future__ import annotations
 
@@ -370,7 +373,7 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         inner = params["inner"]
         frm, to = params["from"], params["to"]
         narrow_len = raw_length // _SIZE[frm] * _SIZE[to]
-        tmp = np.empty(narrow_len, np.uint8)
+        tmp = scratch("narrow").get(narrow_len)
         decode_chunk(inner["codec"], inner.get("params", {}), frames, narrow_len, tmp)
         widen(tmp, frm, to, out)
         return
