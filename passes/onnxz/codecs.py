@@ -480,39 +480,48 @@ def base_codec(dtype: int, field: str, length: int):
     return "bytes", 1
 
 
+def _sample(data: np.ndarray, width: int, chunk_bytes: int) -> np.ndarray:
+    """Four half-chunk slices spread over a large payload (element-aligned), to choose a codec by."""
+    step = (data.size // 4) // width * width
+    size = chunk_bytes // 2 // width * width
+    return np.concatenate([data[i * step:i * step + size] for i in range(4)])
+
+
+def _best(data: np.ndarray, specs, chunk_bytes: int) -> EncodedStream:
+    """The smallest encoding among `specs` ((codec, width, split) tuples). A large payload is
+    encoded in full only with the spec that wins on a sample of it (pack time / 2.5)."""
+    if len(specs) > 1 and data.size > 4 * chunk_bytes:
+        sample = _sample(data, max(w for _, w, _ in specs), chunk_bytes)
+        specs = [min(specs, key=lambda sp: _encode_planes(sample, sp[0], sp[1], chunk_bytes, sp[2]).stored)]
+    return min((_encode_planes(data, c, w, chunk_bytes, sp) for c, w, sp in specs), key=lambda s: s.stored)
+
+
 def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int = CHUNK_BYTES,
                   try_lz: Optional[bool] = None) -> EncodedStream:
     """The smallest encoding found for one payload (uint8 array)."""
     codec, width = base_codec(dtype, field, data.size)
     value_type = FLOAT if field == "float_data" else DOUBLE if field == "double_data" else dtype
-    candidates = []
     narrowed = _narrowed(data, value_type) if codec == "fplanes" else None
     if narrowed is not None:
         to, ndata = narrowed
-        inner_chunk = chunk_bytes * _SIZE[to] // _SIZE[value_type]
-        inner = _encode_planes(ndata, "fplanes", _SIZE[to], inner_chunk)
-        if to in (FLOAT, BFLOAT16):
-            inner = min(inner, _encode_planes(ndata, "fpairs", _SIZE[to], inner_chunk), key=lambda s: s.stored)
-        candidates.append(EncodedStream(
+        w = _SIZE[to]
+        inner_chunk = chunk_bytes * w // _SIZE[value_type]
+        inner = _best(ndata, _float_specs(w, to, ndata.size), inner_chunk)
+        best = EncodedStream(
             "narrow", {"from": value_type, "to": to, "inner": {"codec": inner.codec, "params": inner.params}},
-            [EncodedChunk(c.raw_length * _SIZE[value_type] // _SIZE[to], c.planes) for c in inner.chunks]))
+            [EncodedChunk(c.raw_length * _SIZE[value_type] // w, c.planes) for c in inner.chunks])
     else:
-        candidates.append(_encode_planes(data, codec, width, chunk_bytes))
-        if codec == "fplanes" and width in (2, 4) and value_type in (FLOAT, BFLOAT16, COMPLEX64):
-            # 8-bit exponents: 4-bit ranks paired in a byte halve the Huffman symbols (faster) and
-            # its redundancy (smaller); kept only where smaller
-            candidates.append(_encode_planes(data, "fpairs", width, chunk_bytes))
-            if data.size >= 1 << 16:
-                # the sign + top mantissa byte depends on the exponent: one Huffman table per
-                # frequent exponent catches part of it (~0.1% of float32 sizes)
-                candidates.append(_encode_planes(data, "fpairs", width, chunk_bytes, split=SPLIT))
-    if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
-        candidates.append(_encode_planes(data, "bytes", 1, chunk_bytes))
-    if codec == "bytes" and _low_entropy(data):
-        # few distinct values (2-5 bits): Huffman on single bytes loses several % there; pairs of
-        # 4-bit ranks per byte halve its redundancy (and the symbols to decode)
-        candidates.append(_encode_planes(data, "bpairs", 1, chunk_bytes))
-    best = min(candidates, key=lambda s: s.stored)
+        if codec == "fplanes":
+            specs = _float_specs(width, value_type, data.size)
+        elif codec == "bytes" and _low_entropy(data):
+            # few distinct values (2-5 bits): Huffman on single bytes loses several % there;
+            # pairs of 4-bit ranks per byte halve its redundancy (and the symbols to decode)
+            specs = [("bytes", 1, 0), ("bpairs", 1, 0)]
+        else:
+            specs = [(codec, width, 0)]
+        if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
+            specs.append(("bytes", 1, 0))
+        best = _best(data, specs, chunk_bytes)
     if try_lz is None:
         try_lz = data.size >= 1024 and _lz_promising(data, best.stored / max(1, data.size))
     if try_lz:
@@ -520,6 +529,18 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
         if lz.stored < best.stored:
             best = lz
     return best
+
+
+def _float_specs(width: int, value_type: int, size: int):
+    specs = [("fplanes", width, 0)]
+    if width in (2, 4) and value_type in (FLOAT, BFLOAT16, COMPLEX64):
+        # 8-bit exponents: 4-bit ranks paired in a byte halve the Huffman symbols (faster) and its
+        # redundancy (smaller); with "split", one table per frequent exponent for the sign and top
+        # mantissa bits, which depend on it (~0.1% of float32 sizes)
+        specs.append(("fpairs", width, 0))
+        if size >= 1 << 16:
+            specs.append(("fpairs", width, SPLIT))
+    return specs
 
 
 def _lz_promising(data: np.ndarray, ratio: float) -> bool:
