@@ -125,14 +125,21 @@ def main(argv=None) -> int:
     ap.add_argument("--hang-seconds", type=float, default=2.0)
     ap.add_argument("--mem-limit-gib", type=float, default=4.0)
     ap.add_argument("--replay", help="one spec (a Python tuple literal): print its verdict")
+    ap.add_argument("--samples", default="all", help="comma separated: small (the generated samples), real "
+                    "(models/*.onnx and an int8 one; larger, slower), all")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
     from .campaign import random_specs, sweep_specs
-    from .samples import build_all, check_families
+    from .samples import build_all, check_families, real_models
 
     t_build = time.perf_counter()
-    samples = build_all()
+    chosen = set(args.samples.split(","))
+    samples = []
+    if chosen & {"all", "small"}:
+        samples += build_all()
+    if chosen & {"all", "real"}:
+        samples += real_models()
     packed = {s.name: s.packed for s in samples}
     names = sorted(packed)
     print(f"{len(samples)} samples built in {time.perf_counter() - t_build:.1f} s; codec families: "
