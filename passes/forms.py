@@ -11,6 +11,7 @@ replaced by ceil(D / block_size).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -20,8 +21,9 @@ from .errors import InvalidArgumentError
 
 # clip ratios tried per channel / block: 1.0 (max-abs) down to 0.5 of the range
 _CLIP_GRID = np.linspace(1.0, 0.5, 26, dtype=np.float32)
-# elements processed at once during the scale search (bounds the temporaries to ~16 MB each)
-_SEARCH_CHUNK = 1 << 22
+# elements processed at once during the scale search: the chunk and its two scratch buffers stay
+# in a core's L2 cache (4 MiB here) across all candidate evaluations
+_SEARCH_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,20 @@ class Quantized:
     zero_point: np.ndarray | None  # same layout as scale, uint8 levels; None when symmetric
     axis: int | None  # None: per tensor
     block_size: int  # 0: not blocked
+    noise: float | None = None  # sum of squared errors of the dequantized weights
+    signal: float | None = None  # sum of squared weights
+
+    def snr_db(self) -> float | None:
+        """Weight SNR in dB from the sums above (exact: 200, capped so that reports stay plain JSON)."""
+        if self.noise is None:
+            return None
+        if self.noise == 0:
+            return 200.0
+        if self.signal == 0:
+            return -200.0
+        if not (np.isfinite(self.noise) and np.isfinite(self.signal)):
+            return None
+        return round(10 * float(np.log10(self.signal / self.noise)), 3)
 
 
 def _groups(w: np.ndarray, axis: int | None, block_size: int) -> tuple[np.ndarray, tuple, int]:
@@ -106,6 +122,13 @@ def _from_groups(q2: np.ndarray, w_shape: tuple, axis: int | None, block_size: i
 _UINT_OF = {2: np.uint16, 4: np.uint32}
 
 
+@functools.lru_cache(maxsize=None)
+def _limits(dtype: np.dtype) -> tuple[np.ndarray, float]:
+    """(smallest subnormal as a `dtype` scalar, largest finite value) of a float dtype."""
+    info = ml_dtypes.finfo(dtype)
+    return np.array(info.smallest_subnormal, dtype=dtype), float(info.max)
+
+
 def _stored(scale: np.ndarray, dtype: np.dtype, top: int) -> np.ndarray:
     """Scale as the model will store it (weight dtype), back in float32.
 
@@ -114,10 +137,9 @@ def _stored(scale: np.ndarray, dtype: np.dtype, top: int) -> np.ndarray:
     inf, so such scales step down by one unit in the last place.
     """
     s = scale.astype(dtype)
-    info = ml_dtypes.finfo(dtype)
-    tiny = np.array(info.smallest_subnormal, dtype=dtype)
+    tiny, largest = _limits(dtype)
     s = np.where(s > 0, s, tiny)
-    over = s.astype(np.float64) * top > float(info.max)
+    over = s.astype(np.float64) * top > largest
     if over.any():
         bits = s.view(_UINT_OF[s.dtype.itemsize]).copy()
         bits[over] -= 1  # positive finite floats: the next smaller value
@@ -125,43 +147,86 @@ def _stored(scale: np.ndarray, dtype: np.dtype, top: int) -> np.ndarray:
     return s.astype(np.float32)
 
 
-def _search(rows: np.ndarray, levels: Levels, dtype: np.dtype, search: bool):
-    """Per row: the clip ratio minimising squared error; returns (scale f32, zero point f32|None)."""
-    g = rows.shape[0]
-    best_err = np.full(g, np.inf, dtype=np.float64)
-    best_s = np.zeros(g, dtype=np.float32)
-    best_z = None if levels.symmetric else np.zeros(g, dtype=np.float32)
-    if levels.symmetric:
-        amax = np.max(np.abs(rows), axis=1)
-        lo = hi = None
-    else:
-        lo = np.minimum(rows.min(axis=1), 0)
-        hi = np.maximum(rows.max(axis=1), 0)
-    grid = _CLIP_GRID if search else _CLIP_GRID[:1]
-    q = np.empty_like(rows)
-    for k, c in enumerate(grid):
+# Coarse-to-fine: every 5th ratio of the grid first, then the 2 neighbours on each side of the
+# best coarse ratio (10 error evaluations instead of 26). The squared error is a smooth function of
+# the ratio over a channel of hundreds of values, so the fine step lands on the grid's minimum in
+# practice at 2.6x less work.
+_COARSE = np.arange(0, len(_CLIP_GRID), 5)
+_FINE = (-2, -1, 1, 2)
+
+
+class _Rows:
+    """One chunk of rows (in cache) with the scratch buffers the error evaluations share."""
+
+    def __init__(self, rows: np.ndarray, levels: Levels, dtype: np.dtype):
+        self.rows, self.levels, self.dtype = rows, levels, dtype
+        self.y = np.empty_like(rows)  # rows / scale (+ zero point): the unrounded levels
+        self.q = np.empty_like(rows)
         if levels.symmetric:
-            s = _stored(amax * c / levels.qmax, dtype, levels.qmax)
-            z = None
+            self.span = np.max(np.abs(rows), axis=1)
+            self.lo = None
+            self.top = levels.qmax
         else:
-            s = _stored((hi - lo) * c / (levels.qmax - levels.qmin), dtype, levels.qmax - levels.qmin)
-            z = np.clip(np.rint(-lo * c / s), levels.qmin, levels.qmax).astype(np.float32)
-        np.divide(rows, s[:, None], out=q)
-        np.rint(q, out=q)
+            self.lo = np.minimum(rows.min(axis=1), 0)
+            self.span = np.maximum(rows.max(axis=1), 0) - self.lo
+            self.top = levels.qmax - levels.qmin
+
+    def candidate(self, ratio):
+        """Scale and zero point (float32 per row) for clip `ratio` (scalar or per row)."""
+        lv = self.levels
+        if lv.symmetric:
+            return _stored(self.span * ratio / lv.qmax, self.dtype, lv.qmax), None
+        s = _stored(self.span * ratio / self.top, self.dtype, self.top)
+        z = np.clip(np.rint(-self.lo * ratio / s), lv.qmin, lv.qmax).astype(np.float32)
+        return s, z
+
+    def levels_of(self, s: np.ndarray, z) -> np.ndarray:
+        """Rounded, clipped levels (zero point included) in self.q; self.y keeps them unrounded."""
+        np.divide(self.rows, s[:, None], out=self.y)
         if z is not None:
-            q += z[:, None]
-        np.clip(q, levels.qmin, levels.qmax, out=q)
-        if z is not None:
-            q -= z[:, None]
-        q *= s[:, None]
-        q -= rows
-        err = np.einsum("ij,ij->i", q, q, dtype=np.float64)
-        better = (err < best_err) | (k == 0)  # the first candidate always counts (err may be inf)
+            self.y += z[:, None]
+        # clipping to whole-number bounds before rounding equals clipping after it
+        np.clip(self.y, self.levels.qmin, self.levels.qmax, out=self.q)
+        np.rint(self.q, out=self.q)
+        return self.q
+
+    def error(self, s: np.ndarray, z) -> np.ndarray:
+        """Per row: squared error of dequantized minus original, float64.
+
+        (q - y) * s is (q - z) * s - w, so the error is summed in level units and scaled once.
+        """
+        q = self.levels_of(s, z)
+        q -= self.y
+        e = np.einsum("ij,ij->i", q, q)
+        s64 = s.astype(np.float64)
+        return e.astype(np.float64) * (s64 * s64)
+
+
+def _search(part: _Rows, search: bool):
+    """Per row: the clip ratio minimising squared error; returns (scale f32, zero point f32|None)."""
+    g = part.rows.shape[0]
+    best_err = np.full(g, np.inf, dtype=np.float64)
+    best_k = np.zeros(g, dtype=np.int64)
+
+    def consider(ks: np.ndarray, first: bool) -> None:
+        nonlocal best_err, best_k
+        s, z = part.candidate(_CLIP_GRID[ks])
+        err = part.error(s, z)
+        better = (err < best_err) | first  # the first candidate always counts (err may be inf)
         best_err = np.where(better, err, best_err)
-        best_s = np.where(better, s, best_s)
-        if z is not None:
-            best_z = np.where(better, z, best_z)
-    return best_s, best_z
+        best_k = np.where(better, ks, best_k)
+
+    if search:
+        for i, k in enumerate(_COARSE):
+            consider(np.full(g, k), i == 0)
+        coarse = best_k.copy()
+        for d in _FINE:
+            ks = coarse + d
+            inside = (ks >= 0) & (ks < len(_CLIP_GRID))
+            if inside.any():
+                # rows whose neighbour is off the grid repeat their coarse best (never better)
+                consider(np.where(inside, ks, coarse), False)
+    return part.candidate(_CLIP_GRID[best_k])
 
 
 def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size: int = 0,
@@ -179,27 +244,49 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     if axis is not None:
         axis %= w.ndim
     dtype = w.dtype
-    w32 = w.astype(np.float32)
+    w32 = w.astype(np.float32, copy=False)  # only read: a float32 input is not copied
     rows, info, pad = _groups(w32, axis, block_size)
     scales = np.empty(rows.shape[0], dtype=np.float32)
     zps = None if levels.symmetric else np.empty(rows.shape[0], dtype=np.float32)
     q_rows = np.empty(rows.shape, dtype=levels.np_dtype)
+    noise = signal = 0.0
     step = max(1, _SEARCH_CHUNK // max(rows.shape[1], 1))
     for start in range(0, rows.shape[0], step):
-        part = rows[start:start + step]
+        part = _Rows(rows[start:start + step], levels, dtype)
         with np.errstate(over="ignore", invalid="ignore"):  # extreme weights: inf errors just lose
-            s, z = _search(part, levels, dtype, search)
-        scales[start:start + step] = s
-        qf = np.rint(part / s[:, None])
-        if z is not None:
-            zps[start:start + step] = z
-            qf += z[:, None]
-        np.clip(qf, levels.qmin, levels.qmax, out=qf)
-        q_rows[start:start + step] = qf.astype(levels.np_dtype)
+            s, z = _search(part, search)
+            scales[start:start + step] = s
+            if z is not None:
+                zps[start:start + step] = z
+            q = part.levels_of(s, z)
+            q_rows[start:start + step] = q  # exact: whole numbers within the levels' range
+            noise_rows, signal_rows = _dequantized_error(part, q, s, z, dtype)
+        noise += float(np.sum(noise_rows))
+        signal += float(np.sum(signal_rows))
     q = _from_groups(q_rows, w.shape, axis, block_size, pad)
     scale = _to_layout(scales, w.shape, axis, block_size, info).astype(dtype)
     zp = None if zps is None else _to_layout(zps, w.shape, axis, block_size, info).astype(np.uint8)
-    return Quantized(q, scale, zp, axis, block_size)
+    return Quantized(q, scale, zp, axis, block_size, noise, signal)
+
+
+def _dequantized_error(part: _Rows, q: np.ndarray, s: np.ndarray, z, dtype):
+    """Per row: squared error of what DequantizeLinear gives back ((q - z) * s in float32, rounded
+    once to the weight dtype) and squared weights, float64; computed while the chunk is in cache."""
+    d = part.y
+    if z is not None:
+        np.subtract(q, z[:, None], out=d)
+        np.multiply(d, s[:, None], out=d)
+    else:
+        np.multiply(q, s[:, None], out=d)
+    if dtype != np.float32:
+        d[...] = d.astype(dtype)
+    d -= part.rows
+    noise = np.einsum("ij,ij->i", d, d)
+    signal = np.einsum("ij,ij->i", part.rows, part.rows)
+    if not (np.all(np.isfinite(noise)) and np.all(np.isfinite(signal))):  # squares past float32
+        noise = np.einsum("ij,ij->i", d, d, dtype=np.float64)
+        signal = np.einsum("ij,ij->i", part.rows, part.rows, dtype=np.float64)
+    return noise, signal
 
 
 # ---------------------------------------------------------------------------------------------

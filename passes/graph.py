@@ -94,6 +94,13 @@ def tensor_nbytes(t: TensorProto) -> int:
     return n * dtype.itemsize if dtype is not None else t.ByteSize()
 
 
+def array_nbytes(arr: np.ndarray, elem_type: int) -> int:
+    """Payload bytes `fill_tensor` will store for `arr` as `elem_type`."""
+    if elem_type in INT4_TYPES:
+        return (arr.size + 1) // 2
+    return arr.size * NUMPY_TYPES[elem_type].itemsize
+
+
 def fill_tensor(t: TensorProto, arr: np.ndarray, name: str, elem_type: int) -> TensorProto:
     """Fill an empty TensorProto (e.g. `graph.initializer.add()`) with `arr` as raw_data."""
     t.name = name
@@ -124,6 +131,66 @@ def unpack_int4(packed: np.ndarray, n: int, signed: bool) -> np.ndarray:
         out[0::2] = packed & 0x0F
         out[1::2] = packed >> 4
     return out[:n]
+
+
+# ---------------------------------------------------------------------------------------------
+# copies that leave payloads behind
+
+
+def _copy_field(dst, fd, value) -> None:
+    if fd.is_repeated:
+        target = getattr(dst, fd.name)
+        if fd.type == fd.TYPE_MESSAGE:
+            for v in value:
+                target.add().CopyFrom(v)
+        else:
+            target.extend(value)
+    elif fd.type == fd.TYPE_MESSAGE:
+        getattr(dst, fd.name).CopyFrom(value)
+    else:
+        setattr(dst, fd.name, value)
+
+
+def unique_initializers(model: onnx.ModelProto) -> dict[str, TensorProto]:
+    """Main-graph initializers by name, leaving out names that occur more than once."""
+    seen: dict[str, TensorProto] = {}
+    repeated: set[str] = set()
+    for t in model.graph.initializer:
+        if t.name in seen:
+            repeated.add(t.name)
+        seen[t.name] = t
+    return {k: v for k, v in seen.items() if k not in repeated}
+
+
+def copy_model(model: onnx.ModelProto, without_payload=()) -> onnx.ModelProto:
+    """A copy of `model` in which the main-graph initializers named in `without_payload` keep
+    everything but their raw_data.
+
+    A pass that replaces most weights of a multi-GB model would otherwise copy every payload
+    (ModelProto.CopyFrom) only to delete it again: the copy costs time and doubles peak memory.
+    """
+    out = onnx.ModelProto()
+    if not without_payload:
+        out.CopyFrom(model)
+        return out
+    for fd, value in model.ListFields():
+        if fd.name != "graph":
+            _copy_field(out, fd, value)
+    if not model.HasField("graph"):
+        return out
+    out.graph.SetInParent()
+    for fd, value in model.graph.ListFields():
+        if fd.name != "initializer":
+            _copy_field(out.graph, fd, value)
+    for t in model.graph.initializer:
+        c = out.graph.initializer.add()
+        if t.name in without_payload:
+            for fd, value in t.ListFields():
+                if fd.name != "raw_data":
+                    _copy_field(c, fd, value)
+        else:
+            c.CopyFrom(t)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,19 +563,31 @@ def _unchanged_between(model: onnx.ModelProto, old: int, new: int) -> bool:
 _STASH = "surgeon-stash"
 
 
-def raise_opset(model: onnx.ModelProto, target: int) -> tuple[onnx.ModelProto, str]:
+def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorProto] | None = None
+                ) -> tuple[onnx.ModelProto, str]:
     """`model` with its default-domain opset raised to `target` (a new model) and how it was done.
 
     onnx.version_converter adapts the nodes; it runs on a skeleton whose large tensor payloads are
     stashed (it serialises the model, which would fail over 2 GB and costs memory), and its result
-    is checked. When the converter fails, the opset number is bumped only if no op used by the
+    is checked. `payloads` supplies the data of main-graph initializers that `model` holds without
+    raw_data (see copy_model). When the converter fails, the opset number is bumped only if no op used by the
     model changed between the two versions; otherwise UnsupportedFormError says why.
     """
     from onnx.external_data_helper import _get_all_tensors
 
     old = default_opset(model)
-    skeleton = onnx.ModelProto()
-    skeleton.CopyFrom(model)
+    # main-graph payloads are never copied into the skeleton: they are read back from their
+    # tensors (or from `payloads`, for initializers a caller copied without payload) afterwards
+    payloads = payloads or {}
+    main = [payloads.get(name, t) for name, t in unique_initializers(model).items()
+            if name in payloads or (t.HasField("raw_data") and tensor_nbytes(t) > 1024)]
+    skeleton = copy_model(model, {t.name for t in main})
+    index = {t.name: i for i, t in enumerate(main)}
+    for t in skeleton.graph.initializer:
+        if t.name in index:
+            t.data_location = TensorProto.EXTERNAL
+            e = t.external_data.add()
+            e.key, e.value = "location", f"{_STASH}-main-{index[t.name]}"
     stash: list[bytes] = []
     for t in _get_all_tensors(skeleton):
         if t.HasField("raw_data") and len(t.raw_data) > 1024:
@@ -535,18 +614,23 @@ def raise_opset(model: onnx.ModelProto, target: int) -> tuple[onnx.ModelProto, s
     for t in _get_all_tensors(converted):
         if t.data_location == TensorProto.EXTERNAL:
             loc = {e.key: e.value for e in t.external_data}.get("location", "")
-            if loc.startswith(_STASH + "-"):
+            if loc.startswith(_STASH + "-main-"):
+                t.raw_data = main[int(loc.rsplit("-", 1)[1])].raw_data
+                del t.external_data[:]
+                t.data_location = TensorProto.DEFAULT
+            elif loc.startswith(_STASH + "-"):
                 t.raw_data = stash[int(loc.rsplit("-", 1)[1])]
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
     need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
     if converted.ir_version < need_ir:
         converted.ir_version = need_ir
-    _verify_conversion(model, converted, old, target)
+    _verify_conversion(model, converted, old, target, payloads)
     return converted, how
 
 
-def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, old: int, target: int) -> None:
+def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, old: int, target: int,
+                       payloads: dict[str, TensorProto] | None = None) -> None:
     """The converted model must pass the checker whenever the original does (models over 2 GB
     cannot be checked in memory and are trusted to the converter)."""
     if converted.ByteSize() >= 2**31 - 1:
@@ -554,6 +638,11 @@ def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, ol
     try:
         onnx.checker.check_model(converted, full_check=True)
     except Exception as exc:  # noqa: BLE001 - the checker raises several C++-bound types
+        if payloads:  # the original as the caller sees it: its left-behind payloads put back
+            original = copy_model(original)
+            for t in original.graph.initializer:
+                if t.name in payloads and not t.HasField("raw_data"):
+                    t.raw_data = payloads[t.name].raw_data
         try:
             onnx.checker.check_model(original, full_check=True)
         except Exception:  # noqa: BLE001 - the original fails too: nothing was made worse

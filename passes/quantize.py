@@ -34,8 +34,13 @@ cosine 0.99921 -> 0.99889) and is slower than float. Session config
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import fnmatch
+import functools
+import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,8 +107,9 @@ def _patterns(value, what: str) -> list[str]:
     return items
 
 
-def _op_types() -> set[str]:
-    return {s.name for s in onnx.defs.get_all_schemas_with_history()}
+@functools.lru_cache(maxsize=1)
+def _op_types() -> frozenset[str]:
+    return frozenset(s.name for s in onnx.defs.get_all_schemas_with_history())
 
 
 def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
@@ -210,8 +216,14 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     if report is not None:
         report.pass_name = report.pass_name or "quantize_weights"
 
-    out = onnx.ModelProto()
-    out.CopyFrom(source)
+    # Main-graph initializers about to be replaced are copied without their payload (most of a
+    # large model): they are read from `source`, and the output never holds the float bytes.
+    planned, _ = graph.find_weights(source)
+    unique = graph.unique_initializers(source)
+    payloads = {w.name: unique[w.name] for w in planned
+                if w.graph_key == 0 and w.node is None and w.name in unique
+                and _keep_reason(w, include_p, exclude_p, ops, min_elements) is None}
+    out = graph.copy_model(source, set(payloads))
     if graph.toposort(out) and report is not None:
         report.note("nodes sorted topologically (the input graph was not)")
 
@@ -221,7 +233,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     if chosen and graph.default_opset(out) < need:
         if graph.default_opset(out) == 0:
             raise UnsupportedFormError("the model imports no default-domain opset; cannot add DequantizeLinear")
-        out, how = graph.raise_opset(out, need)
+        out, how = graph.raise_opset(out, need, payloads)
         if report is not None:
             report.note(how)
     if chosen:
@@ -233,24 +245,37 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     consumers_of = graph.consumers_index(graphs)
     names = graph.NameAllocator(graph.all_names(out))
     total = len(weights)
-    # per graph: initializer name -> replacement tensors; Constant output -> replacement nodes
-    new_inits: dict[int, dict[str, list[TensorProto]]] = {}
+
+    def data_of(w: graph.Weight) -> TensorProto:
+        if w.graph_key == 0 and w.node is None and not w.tensor.HasField("raw_data") and w.name in payloads:
+            return payloads[w.name]
+        return w.tensor
+
+    reasons = [_keep_reason(w, include_p, exclude_p, ops, min_elements) for w in weights]
+    jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels)
+            for w, reason in zip(weights, reasons) if reason is None]
+    results = _ordered_map(_Job.run, jobs, _threads())
+
+    # per graph: initializer name -> replacement (array, name, type); Constant output -> nodes
+    new_inits: dict[int, dict[str, list[tuple[np.ndarray, str, int]]]] = {}
     new_first_nodes: dict[int, list[onnx.NodeProto]] = {}
     const_nodes: dict[int, dict[str, list[onnx.NodeProto]]] = {}
+    storage = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8,
+               "int4": TensorProto.INT4, "uint4": TensorProto.UINT4}[levels.storage]
 
-    for i, w in enumerate(weights):
-        reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
+    for i, (w, reason) in enumerate(zip(weights, reasons)):
         if reason == "not float":
             if progress:
                 progress(i + 1, total)
             continue
         dtype = graph.FLOAT_TYPES[w.tensor.data_type]
         nbytes = int(np.prod(w.shape, dtype=np.int64)) * dtype.itemsize
-        if reason is None:
-            arr = graph.tensor_to_array(w.tensor)
-            if not np.all(np.isfinite(arr.astype(np.float32))):
-                reason = "non-finite values"
+        done = next(results) if reason is None else None
+        if reason is None and done is None:
+            reason = "non-finite values"
         if reason is not None:
+            if data_of(w) is not w.tensor:  # kept after all: its payload goes back in
+                w.tensor.CopyFrom(data_of(w))
             if report is not None:
                 report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type), f"kept: {reason}",
                                         nbytes, nbytes, None, w.location))
@@ -258,46 +283,31 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                 progress(i + 1, total)
             continue
 
-        choice = graph.choose_axis(w, consumers_of)
-        ndim = arr.ndim
-        if granularity == "tensor" or ndim == 0:
-            axis, blk = None, 0
-        elif granularity == "channel":
-            axis = choice.channel if choice.channel is not None else _best_axis(arr.astype(np.float32), levels)
-            blk = 0
-        else:
-            axis = choice.reduce if choice.reduce is not None else ndim - 1
-            blk = block
-        qz = forms.quantize_linear(arr, levels, axis, blk)
-        deq = forms.dequantize_linear(qz.q, qz.scale, qz.zero_point, axis if axis is not None else 1, blk)
-
-        storage = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8,
-                   "int4": TensorProto.INT4, "uint4": TensorProto.UINT4}[levels.storage]
+        axis, blk, qz = done
         q_name = names.take(w.name + "_quantized")
         s_name = names.take(w.name + "_scale")
         z_name = names.take(w.name + "_zero_point") if qz.zero_point is not None else None
-        tensors = [graph.array_to_tensor(qz.q, q_name, storage),
-                   graph.array_to_tensor(qz.scale, s_name, w.tensor.data_type)]
+        parts = [(qz.q, q_name, storage), (qz.scale, s_name, w.tensor.data_type)]
         if z_name:
-            tensors.append(graph.array_to_tensor(qz.zero_point, z_name, storage))
+            parts.append((qz.zero_point, z_name, storage))
         attrs = {}
         if axis is not None:
             attrs["axis"] = int(axis)
         if blk:
             attrs["block_size"] = int(blk)
-        dq = helper.make_node("DequantizeLinear", [t.name for t in tensors], [w.name],
+        dq = helper.make_node("DequantizeLinear", [p[1] for p in parts], [w.name],
                               name=names.take(w.name + "_DequantizeLinear"), **attrs)
+        after = sum(graph.array_nbytes(a, t) for a, _, t in parts)
         if w.node is None:
-            new_inits.setdefault(w.graph_key, {})[w.name] = tensors
+            new_inits.setdefault(w.graph_key, {})[w.name] = parts
             new_first_nodes.setdefault(w.graph_key, []).append(dq)
         else:
-            repl = [helper.make_node("Constant", [], [t.name], name=names.take(t.name + "_Constant"), value=t)
-                    for t in tensors]
+            repl = [helper.make_node("Constant", [], [n], name=names.take(n + "_Constant"),
+                                     value=graph.array_to_tensor(a, n, t)) for a, n, t in parts]
             const_nodes.setdefault(w.graph_key, {})[w.name] = repl + [dq]
         if report is not None:
-            after = sum(graph.tensor_nbytes(t) for t in tensors)
             report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type),
-                                    _scheme(levels, bits, axis, blk), nbytes, after, _snr_db(arr, deq), w.location))
+                                    _scheme(levels, bits, axis, blk), nbytes, after, qz.snr_db(), w.location))
         if progress:
             progress(i + 1, total)
 
@@ -312,9 +322,10 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
             # in place: kept tensors are not copied again (they can be most of a large model)
             for i in reversed([i for i, t in enumerate(g.initializer) if t.name in repl]):
                 del g.initializer[i]
-            for tensors in repl.values():
-                for t in tensors:
-                    g.initializer.add().CopyFrom(t)
+            for parts in repl.values():
+                while parts:  # each array is released once it is in the graph
+                    arr, name, elem_type = parts.pop(0)
+                    graph.fill_tensor(g.initializer.add(), arr, name, elem_type)
         nodes = list(new_first_nodes.get(k, []))
         cmap = const_nodes.get(k, {})
         for node in g.node:
@@ -327,3 +338,61 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         del g.node[:]
         g.node.extend(nodes)
     return out
+
+
+@dataclass
+class _Job:
+    """One weight to quantize; `run` reads its payload and does the numeric work (thread-safe)."""
+    tensor: TensorProto
+    choice: graph.AxisChoice
+    granularity: str
+    block: int
+    levels: forms.Levels
+
+    def run(self):
+        """(axis, block size, forms.Quantized), or None when the weight holds inf or nan."""
+        arr = graph.tensor_to_array(self.tensor)
+        if not np.isfinite(arr).all():
+            return None
+        if self.granularity == "tensor" or arr.ndim == 0:
+            axis, blk = None, 0
+        elif self.granularity == "channel":
+            axis = self.choice.channel
+            if axis is None:
+                axis = _best_axis(arr.astype(np.float32), self.levels)
+            blk = 0
+        else:
+            axis = self.choice.reduce if self.choice.reduce is not None else arr.ndim - 1
+            blk = self.block
+        return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk)
+
+
+def _threads() -> int:
+    """Worker threads for the numeric work (numpy releases the GIL); results never depend on it."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def _ordered_map(fn, items: list, threads: int):
+    """fn over items in order, `threads` at a time, at most threads + 1 results held ahead
+    (each result can be hundreds of MB on a large model)."""
+    if threads <= 1 or len(items) <= 1:
+        yield from map(fn, items)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        pending = collections.deque()
+        ahead = iter(items)
+        try:
+            for item in itertools.islice(ahead, threads + 1):
+                pending.append(pool.submit(fn, item))
+            while pending:
+                result = pending.popleft().result()
+                for item in itertools.islice(ahead, 1):
+                    pending.append(pool.submit(fn, item))
+                yield result
+        finally:
+            for f in pending:
+                f.cancel()
