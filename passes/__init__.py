@@ -50,6 +50,7 @@ _LAZY = {
     "open_packed": "onnxz",
     "verify": "onnxz",
     "InferenceSession": "runtime",
+    "compress": "auto",
     "encode_array": "tensorcodec",
     "decode_array": "tensorcodec",
     "load_model": "_fileio",

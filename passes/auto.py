@@ -1,0 +1,248 @@
+"""Auto mode: the smallest model that meets a fidelity target on the feeds.
+
+    model, report = passes.compress("model.onnx", target="top1>=0.99", feeds="calib.npz")
+
+1. Every candidate form (n-bit per-channel uniform levels, n in `bits`; or kept float) is made
+   for every weight (passes.quantize_weights, one pass per width) and its packed rate estimated.
+2. Sensitivity (passes.sensitivity): the output error each weight causes alone at a reference
+   width, measured on the feeds in one onnxruntime session whose weights are overridable.
+3. Allocation: per weight, the form minimising rate + mu * predicted error; mu is searched (on
+   the same session, with the real metric of the target) for the smallest total rate whose
+   model meets the target, with a safety margin on the metric.
+4. The chosen model is built with quantize_weights (one call per width, `include` naming its
+   weights) and checked on the feeds with passes.fidelity.evaluate; when it misses, mu grows.
+Weights that are not main-graph initializers (Constant nodes, subgraphs) cannot be fed to the
+session; for such models one width for every weight is searched instead (smallest that meets).
+
+Without feeds, inputs are synthesised from the model's input specs and the report says that
+fidelity on real data is unmeasured.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+
+from . import sensitivity as sens
+from ._fileio import load_model
+from .errors import FidelityError, InvalidArgumentError
+from .report import Report, TensorChange
+
+DEFAULT_BITS = (3, 4, 5, 6, 7, 8)
+TOP1_SNR_DB = 20.0  # output SNR also asked of the search when the target is an agreement >= 0.98
+
+
+def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Main-graph Constant nodes holding float tensors become initializers (same values, same
+    names), so that they can be fed to the trial session and allocated per tensor."""
+    consts = [n for n in model.graph.node if n.op_type == "Constant" and len(n.attribute) == 1
+              and n.attribute[0].name == "value" and n.attribute[0].t.data_type in (1, 10, 11, 16)
+              and len(n.attribute[0].t.dims) >= 2]
+    if not consts:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    keep = []
+    for n in m.graph.node:
+        if n.op_type == "Constant" and any(n.output[0] == c.output[0] for c in consts):
+            # raw_data layout, as initializers usually are
+            arr = onnx.numpy_helper.to_array(n.attribute[0].t)
+            m.graph.initializer.append(onnx.numpy_helper.from_array(arr, n.output[0]))
+        else:
+            keep.append(n)
+    del m.graph.node[:]
+    m.graph.node.extend(keep)
+    return m
+
+
+def _margin(req):
+    """A slightly stricter version of the requirement for the search on calibration feeds: the
+    held-out data will differ a little."""
+    from .fidelity import Requirement
+
+    t = req.threshold
+    if req.metric in ("cosine", "cosine_min"):
+        t = 1 - (1 - t) * 0.7
+    elif req.metric in ("top1", "ctc"):
+        t = min(1.0, t + (1 - t) * 0.5)
+    elif req.metric == "snr":
+        t = t + 1.0
+    elif req.metric == "maxabs":
+        t = t * 0.8
+    return Requirement(req.metric, req.op, t)
+
+
+def _metrics(ref, cand, reqs, metric_args):
+    from .fidelity import FidelityResult, compute_metrics
+
+    ctc = any(r.metric == "ctc" for r in reqs)
+    out = compute_metrics(ref, cand, metric="ctc" if ctc else None, metric_args=metric_args if ctc else None)
+    return FidelityResult(metrics=out, n_feeds=len(ref), synthesized=False)
+
+
+def _meets(result, reqs) -> bool:
+    return all(r.check(result) for r in reqs)
+
+
+def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict | None = None,
+             bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4,
+             n_synthesized: int = 8, report: Report | None = None, progress=None):
+    """Returns (compressed ModelProto, report dict). See the module docstring.
+
+    target: "top1>=0.99", "cosine>=0.999", "maxabs<=0.01", "snr>=30" or a comma list of them.
+    feeds: list of feed dicts, an .npz path, or None (synthesised; fidelity on real data unmeasured).
+    bits: candidate widths (2..8) for weights; a weight may also stay float."""
+    from .fidelity import check_feeds, load_feeds, parse_requirements, run_outputs, synthesize_feeds
+    from .quantize import quantize_weights
+
+    t0 = time.perf_counter()
+    reqs = parse_requirements(target)
+    if any(r.metric == "ctc" for r in reqs) and not metric_args:
+        raise InvalidArgumentError("target ctc needs metric_args (time_axis, class_axis, blank)")
+    try:
+        bits = sorted({int(b) for b in bits})
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"bits must be a list of integers 2..8, got {bits!r}") from None
+    if not bits or bits[0] < 2 or bits[-1] > 8:
+        raise InvalidArgumentError(f"bits must be integers from 2 to 8, got {bits!r}")
+    if ref_bits not in bits:
+        ref_bits = bits[len(bits) // 2]
+    src = load_model(model)
+    notes = []
+    synthesized = feeds is None
+    if feeds is None:
+        feeds = synthesize_feeds(src, n=n_synthesized)
+        notes.append(f"no feeds given: {n_synthesized} synthesised random inputs; fidelity on real data is unmeasured")
+    elif isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
+        feeds = load_feeds(feeds, src)
+    else:
+        feeds = list(feeds)
+        check_feeds(src, feeds)
+    if not feeds:
+        raise InvalidArgumentError("feeds: at least one feed is needed")
+    search_reqs = [_margin(r) for r in reqs]
+    if any(r.metric in ("top1", "ctc") and r.threshold >= 0.98 for r in reqs):
+        # agreement on a few calibration feeds is a coarse measure (one miss in 24 is 4%): the
+        # outputs themselves must also stay close
+        from .fidelity import Requirement
+
+        search_reqs.append(Requirement("snr", ">=", TOP1_SNR_DB))
+    src = _constants_to_initializers(src)
+
+    ref = run_outputs(src, feeds)
+    infos, models = sens.dequantized_forms(src, bits, granularity=granularity)
+    main_inits = {t.name for t in src.graph.initializer}
+    all_quantized = set()
+    for b, qm in models.items():
+        all_quantized |= {t.name[: -len("_quantized")] for t in qm.graph.initializer if t.name.endswith("_quantized")}
+    per_tensor = bool(infos) and all_quantized <= set(infos) and set(infos) <= main_inits
+
+    def build(plan):
+        out = src
+        for b in bits:
+            names = [n for n, nb in plan.items() if nb == b]
+            if names:
+                out = quantize_weights(out, bits=b, granularity=granularity,
+                                       include=[sens.pattern_for(n) for n in names])
+        return out
+
+    trials = []
+    if per_tensor:
+        runner = sens.TrialRunner(src, list(infos), feeds)
+        ref_s = runner.run({})
+        sens.measure(infos, runner, ref_s, ref_bits)
+
+        def trial(mu):
+            plan = sens.allocate(infos, mu)
+            repl = {n: infos[n].options[b].dequantized.astype(infos[n].options[sens.FLOAT].dequantized.dtype)
+                    for n, b in plan.items() if b != sens.FLOAT}
+            res = _metrics(ref_s, runner.run(repl), reqs, metric_args)
+            ok = _meets(res, search_reqs)
+            trials.append({"mu": mu, "rate": sens.plan_rate(infos, plan), "ok": ok, "metrics": res.metrics})
+            return plan, ok
+
+        # mu: bytes per unit of relative output error; bracket then bisect in log space
+        lo, hi = 1.0, 1e4
+        plan_hi, ok_hi = trial(hi)
+        while not ok_hi and hi < 1e16:
+            lo, hi = hi, hi * 100
+            plan_hi, ok_hi = trial(hi)
+        if not ok_hi:
+            plan_hi = {n: sens.FLOAT for n in infos}
+        else:
+            plan_lo, ok_lo = trial(lo)
+            if ok_lo:
+                plan_hi = plan_lo
+            else:
+                for _ in range(12):
+                    mid = math.sqrt(lo * hi)
+                    p, ok = trial(mid)
+                    if ok:
+                        hi, plan_hi = mid, p
+                    else:
+                        lo = mid
+                    if hi / lo < 1.15:
+                        break
+        plan = plan_hi
+        candidate = build(plan)
+        # confirm on the built model; grow mu while it misses (numerics of the graph may differ)
+        for _ in range(6):
+            res = _metrics(ref, run_outputs(candidate, feeds), reqs, metric_args)
+            if _meets(res, reqs):
+                break
+            hi *= 2
+            plan = sens.allocate(infos, hi)
+            candidate = build(plan)
+    else:
+        notes.append("weights outside main-graph initializers: one width for all weights (no per-tensor allocation)")
+        plan = None
+        candidate = src
+        for b in bits:  # smallest width that meets the target
+            res = _metrics(ref, run_outputs(models[b], feeds), reqs, metric_args)
+            trials.append({"bits": b, "ok": _meets(res, search_reqs), "metrics": res.metrics})
+            if _meets(res, search_reqs):
+                candidate = models[b]
+                plan = {n: b for n in infos}
+                break
+        if plan is None:
+            plan = {n: sens.FLOAT for n in infos}
+    res = _metrics(ref, run_outputs(candidate, feeds), reqs, metric_args)
+    met = _meets(res, reqs)
+    if not met:
+        notes.append("target not met on the feeds even with every weight float" if all(
+            b == sens.FLOAT for b in plan.values()) else "target not met on the feeds")
+    rows = []
+    for name, b in sorted(plan.items()):
+        info = infos.get(name)
+        if info is None:
+            continue
+        opt = info.options[b]
+        rows.append({"name": name, "shape": list(info.shape), "form": "float" if b == sens.FLOAT else f"int{b}/channel",
+                     "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
+                     "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
+                     "sensitivity": info.sensitivity})
+        if report is not None:
+            report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),
+                                    rows[-1]["form"], info.options[sens.FLOAT].dequantized.nbytes,
+                                    int(opt.rate_bytes), opt.snr_db))
+    if report is not None:
+        report.pass_name = report.pass_name or "compress"
+        for n in notes:
+            report.note(n)
+    summary = {
+        "target": [str(r) for r in reqs],
+        "met_on_feeds": met,
+        "fidelity": res.metrics,
+        "n_feeds": len(feeds),
+        "synthesized_feeds": synthesized,
+        "per_tensor_allocation": per_tensor,
+        "est_packed_weight_bytes": int(sum(r["est_packed_bytes"] for r in rows)),
+        "tensors": rows,
+        "trials": trials,
+        "notes": notes,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    return candidate, summary

@@ -1,0 +1,201 @@
+"""Per-tensor sensitivity and mixed-precision allocation.
+
+For every weight the quantize pass would touch, and every candidate form (n-bit uniform levels
+per channel, or kept float), this module measures
+  - rate: the bytes the form costs after packing, estimated as the order-0 entropy of its levels
+    plus its scales (the pack stage codes integer levels close to that), and
+  - distortion: the output error it causes alone, on the feeds.
+Output error is measured directly for one reference form per tensor (its dequantized weight fed
+into one onnxruntime session in which the weights are overridable inputs) and carried to the
+other forms in proportion to their weight noise energy (output noise from small independent
+weight perturbations grows linearly with their energy).
+
+allocate() then picks one form per tensor minimising rate + mu * distortion; the caller searches
+mu for the smallest model that meets its fidelity target.
+"""
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from . import graph
+from .errors import InvalidArgumentError
+from .report import Report
+
+FLOAT = 0  # "bits" value meaning: the weight stays float
+
+
+@dataclass
+class TensorOption:
+    bits: int  # FLOAT (0) for kept float
+    rate_bytes: float  # estimated packed bytes
+    noise: float  # weight error energy sum (w - w_hat)^2
+    snr_db: float | None
+    dequantized: np.ndarray | None = field(default=None, repr=False)
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    shape: tuple
+    energy: float  # sum w^2
+    options: dict[int, TensorOption]
+    out_error: dict[int, float] = field(default_factory=dict)  # measured, per bits
+    sensitivity: float = 0.0  # output error per unit of weight noise energy
+
+    def error(self, bits: int) -> float:
+        if bits in self.out_error:
+            return self.out_error[bits]
+        return self.sensitivity * self.options[bits].noise
+
+
+def entropy_bytes(levels: np.ndarray) -> float:
+    """Order-0 entropy of integer levels, in bytes."""
+    if levels.size == 0:
+        return 0.0
+    v = levels.astype(np.int64).ravel()
+    _, counts = np.unique(v, return_counts=True)
+    p = counts / v.size
+    return float(-(counts * np.log2(p)).sum() / 8)
+
+
+def float_pack_bytes(arr: np.ndarray) -> float:
+    """Packed size of a float tensor kept as it is (the lossless pack reaches ~83% on float32
+    weights, ~85% on float16; see ANCHORS.md)."""
+    return arr.nbytes * (0.83 if arr.dtype == np.float32 else 0.85)
+
+
+def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel", block_size=None,
+                      exclude=None, progress=None) -> tuple[dict[str, TensorInfo], dict[int, onnx.ModelProto]]:
+    """Quantize the whole model once per bit width and collect, per weight, each form's rate,
+    noise and dequantized array. Returns (infos by weight name, quantized model by bits)."""
+    from .fold import fold_dequantize
+    from .quantize import quantize_weights
+
+    originals = graph.unique_initializers(model)
+    infos: dict[str, TensorInfo] = {}
+    models = {}
+    for done, bits in enumerate(bits_list):
+        rep = Report()
+        q = quantize_weights(model, bits=bits, granularity=granularity, block_size=block_size,
+                             exclude=exclude, report=rep)
+        models[bits] = q
+        folded = graph.unique_initializers(fold_dequantize(q))
+        q_inits = graph.unique_initializers(q)
+        for change in rep.tensors:
+            if change.scheme.startswith("kept") or change.location != "initializer":
+                continue
+            name = change.name
+            w = graph.tensor_to_array(originals[name]).astype(np.float64)
+            w_hat = graph.tensor_to_array(folded[name])
+            levels_t = q_inits.get(name + "_quantized")
+            scale_t = q_inits.get(name + "_scale")
+            if levels_t is None or scale_t is None:
+                continue
+            levels = graph.tensor_to_array(levels_t)
+            rate = entropy_bytes(levels) + graph.tensor_nbytes(scale_t)
+            noise = float(np.sum((w - w_hat.astype(np.float64)) ** 2))
+            info = infos.get(name)
+            if info is None:
+                arr = graph.tensor_to_array(originals[name])
+                info = infos[name] = TensorInfo(name, tuple(w.shape), float(np.sum(w * w)), {})
+                info.options[FLOAT] = TensorOption(FLOAT, float_pack_bytes(arr), 0.0, None, arr)
+            info.options[bits] = TensorOption(bits, rate, noise, change.snr_db, w_hat)
+        if progress:
+            progress(done + 1, len(bits_list))
+    return infos, models
+
+
+def overridable(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of `model` in which the named initializers are also graph inputs, so that a
+    session can be fed other values for them (no re-creation per trial)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    present = {i.name for i in m.graph.input}
+    inits = {t.name: t for t in m.graph.initializer}
+    for name in names:
+        if name in present or name not in inits:
+            continue
+        t = inits[name]
+        m.graph.input.append(helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+    return m
+
+
+class TrialRunner:
+    """One onnxruntime session of the original model with its weights overridable; runs the
+    feeds with some weights replaced and returns the outputs."""
+
+    def __init__(self, model: onnx.ModelProto, names, feeds):
+        import onnxruntime as ort
+
+        self.names = list(names)
+        m = overridable(model, self.names)
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        # the weights change between runs: nothing may be folded into constants
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        self.session = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        allowed = {i.name for i in self.session.get_inputs()}
+        self.feeds = [{k: v for k, v in f.items() if k in allowed} for f in feeds]
+
+    def run(self, replaced: dict[str, np.ndarray]) -> list[list[np.ndarray]]:
+        return [self.session.run(None, {**f, **replaced}) for f in self.feeds]
+
+
+def relative_error(ref, cand) -> float:
+    """Mean over feeds of ||y - y_hat||^2 / ||y||^2 over the float outputs."""
+    vals = []
+    for r, c in zip(ref, cand):
+        num = den = 0.0
+        for a, b in zip(r, c):
+            a = np.asarray(a)
+            if a.dtype.kind != "f":
+                continue
+            a64 = a.astype(np.float64)
+            num += float(np.sum((a64 - np.asarray(b, np.float64)) ** 2))
+            den += float(np.sum(a64 * a64))
+        vals.append(num / den if den > 0 else num)
+    return float(np.mean(vals)) if vals else 0.0
+
+
+def measure(infos: dict[str, TensorInfo], runner: TrialRunner, ref, ref_bits: int, progress=None) -> None:
+    """Output error of each tensor alone at `ref_bits`; sets out_error and sensitivity."""
+    names = [n for n in runner.names if n in infos and ref_bits in infos[n].options]
+    for i, name in enumerate(names):
+        info = infos[name]
+        opt = info.options[ref_bits]
+        cand = runner.run({name: opt.dequantized.astype(info.options[FLOAT].dequantized.dtype)})
+        e = relative_error(ref, cand)
+        info.out_error[ref_bits] = e
+        info.out_error[FLOAT] = 0.0
+        info.sensitivity = e / opt.noise if opt.noise > 0 else 0.0
+        if progress:
+            progress(i + 1, len(names))
+
+
+def allocate(infos: dict[str, TensorInfo], mu: float) -> dict[str, int]:
+    """Per tensor, the form minimising rate_bytes + mu * predicted output error."""
+    plan = {}
+    for name, info in infos.items():
+        best = None
+        for bits, opt in info.options.items():
+            cost = opt.rate_bytes + mu * info.error(bits)
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, bits)
+        plan[name] = best[1]
+    return plan
+
+
+def plan_rate(infos: dict[str, TensorInfo], plan: dict[str, int]) -> float:
+    return sum(infos[n].options[b].rate_bytes for n, b in plan.items())
+
+
+def pattern_for(name: str) -> str:
+    """An include/exclude pattern of quantize_weights matching exactly this weight name."""
+    if not name:
+        raise InvalidArgumentError("empty weight name")
+    return glob.escape(name)
