@@ -342,20 +342,38 @@ def encode_array(array, *, snr_db: float | None = None, bits: int | None = None,
     if contexts == "auto":
         configs += [(8, 4, 1), (8, 1, 4), (8, 4, 4)]
     w32 = w.astype(np.float32)
+    sub = _subsample(w32, shape)
+    w_sel, shape_sel = sub if sub is not None else (w32, shape)
+    w_sel64 = w_sel.astype(np.float64).ravel()
     best = None
-    for cfg in configs:
+    for cfg in configs:  # (on evenly spaced rows of a large tensor)
+        lay_sel = _layout(w_sel, shape_sel, *cfg, mref, tcq)
+        lv, q, rc, counts = _quantize(k, w_sel64 / step0, lay_sel, lam, max_level)
+        s = _snr(w_sel64, _reconstruct(lv, rc, step0, q, tcq))
         lay = _layout(w32, shape, *cfg, mref, tcq)
-        _, _, counts, s = run(step0, lay)
         est = _est_bits(counts, k) + _raw_bits(counts) + 8 * len(zlib.compress(_freq_side(_normalise(counts, k)), 9))
         if lay.n_row_cls > 1:
             est += 8 * len(zlib.compress(lay.row_cls.tobytes(), 9))
         if snr_db is not None and np.isfinite(s):  # compare at equal distortion (6.02 dB/bit)
-            est += (snr_db - s) / 6.02 * w.size
+            est += (snr_db - s) / 6.02 * w_sel.size
         if best is None or est < best[0]:
             best = (est, lay)
     lay = best[1]
     if snr_db is not None:
-        step = _bisect_step(lambda st: run(st, lay)[3], snr_db, step0)
+        if sub is not None:
+            # large tensor: search the step on evenly spaced rows, then refine on everything
+            ws, sshape = sub
+            slay = _layout(ws, sshape, lay.nb_ctx, lay.n_row_cls, lay.n_pos_cls, mref, tcq)
+            wsub = ws.astype(np.float64).ravel()
+
+            def run_sub(st):
+                lv, q, rc, _ = _quantize(k, wsub / st, slay, lam, max_level)
+                return _snr(wsub, _reconstruct(lv, rc, st, q, tcq))
+
+            step_s = _bisect_step(run_sub, snr_db, step0)
+            step = _bisect_step(lambda st: run(st, lay)[3], snr_db, step_s, spread=1.03, iters=4)
+        else:
+            step = _bisect_step(lambda st: run(st, lay)[3], snr_db, step0)
     else:
         step = _best_step_for_bits(lambda st: run(st, lay)[3], step0)
     levels, recon, _, _ = run(step, lay)
@@ -383,19 +401,34 @@ def _step_for_bits(w: np.ndarray, max_level: int) -> float:
     return best[1]
 
 
-def _bisect_step(snr_of, target: float, step0: float) -> float:
-    """Largest step whose SNR >= target (SNR falls as the step grows)."""
-    lo, hi = step0 * 0.5, step0 * 2.0
+SUBSAMPLE_ELEMENTS = 1 << 21
+
+
+def _subsample(w32: np.ndarray, shape: tuple):
+    """Evenly spaced rows (output channels) of a large tensor, about SUBSAMPLE_ELEMENTS in all,
+    or None when the tensor is small or has a single row."""
+    if w32.size <= 2 * SUBSAMPLE_ELEMENTS or len(shape) < 2 or shape[0] < 8:
+        return None
+    rows = w32.reshape(shape[0], -1)
+    every = int(np.ceil(w32.size / SUBSAMPLE_ELEMENTS))
+    picked = rows[::every]
+    return picked.ravel(), (picked.shape[0],) + tuple(shape[1:])
+
+
+def _bisect_step(snr_of, target: float, step0: float, spread: float = 2.0, iters: int = 14) -> float:
+    """Largest step whose SNR >= target (SNR falls as the step grows), searched from
+    [step0 / spread, step0 * spread] (widened when the answer lies outside)."""
+    lo, hi = step0 / spread, step0 * spread
     while snr_of(lo) < target:
-        lo *= 0.5
+        lo, hi = lo / spread, lo
         if lo < step0 * 1e-6:
             raise UnsupportedFormError(f"encode_array: cannot reach {target} dB")
-    for _ in range(12):
+    for _ in range(40):
         s_hi = snr_of(hi)
         if s_hi < target:
             break
-        lo, hi = hi, hi * 2
-    for _ in range(14):
+        lo, hi = hi, hi * spread
+    for _ in range(iters):
         mid = np.sqrt(lo * hi)
         if snr_of(mid) >= target:
             lo = mid

@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Benchmark of the lossy stage (issue 4; not a test). Three parts, in one run:
+
+(a) rate-distortion on the named tensors of ANCHORS.md: bits per weight of passes.encode_array
+    (real bytes of the blob, side information included) at the SNR NNCodec reached, beside
+    NNCodec's figure and the plain bound (per-tensor uniform, nearest rounding, ideal order-0
+    coder, no side information; computed here).
+(b) every corpus model with a metric: packed size (.onnxz via passes.pack) against fidelity
+    for uniform n-bit per-channel forms, the auto mode and onnxruntime quantize_dynamic; the auto
+    mode is calibrated on the first half of the feeds, everything is measured on the second half.
+(c) decode throughput of decode_array (float32 output, 1 and 2 threads) in wall time and per
+    CPU second of this process (the machine is shared: CPU seconds are the steadier figure).
+
+    python bench/lossy.py [--parts abc] [--only NAME ...] [--rows N]
+
+Prints tables, writes bench/out/lossy.json and bench/out/lossy.png (matplotlib, if installed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+OUT = REPO / "bench" / "out"
+
+import passes  # noqa: E402
+from passes import graph  # noqa: E402
+
+CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/work/shared/corpus"))
+
+# ANCHORS.md, "Lossy: rate-distortion on single tensors" (NNCodec 2.1.3)
+ROWS = [
+    ("open_nsfw", "onnx::Conv_5831", 38.51, 6.451), ("open_nsfw", "onnx::Conv_5831", 26.63, 4.410),
+    ("open_nsfw", "onnx::Conv_5831", 15.23, 2.558), ("open_nsfw", "onnx::Conv_5979", 37.97, 6.293),
+    ("open_nsfw", "onnx::Conv_5979", 26.10, 4.233), ("open_nsfw", "onnx::Conv_5979", 14.72, 2.340),
+    ("open_nsfw", "onnx::Conv_5720", 40.43, 6.700), ("open_nsfw", "onnx::Conv_5720", 28.53, 4.660),
+    ("open_nsfw", "onnx::Conv_5720", 17.05, 2.743),
+    ("minilm_fp32", "m.embeddings.word_embeddings.weight", 47.01, 7.965),
+    ("minilm_fp32", "m.embeddings.word_embeddings.weight", 35.03, 5.931),
+    ("minilm_fp32", "m.embeddings.word_embeddings.weight", 23.24, 3.932),
+    ("minilm_fp32", "val_98", 48.28, 8.195), ("minilm_fp32", "val_98", 36.29, 6.173),
+    ("minilm_fp32", "val_98", 24.46, 4.155), ("minilm_fp32", "val_119", 50.63, 8.589),
+    ("minilm_fp32", "val_119", 38.64, 6.598), ("minilm_fp32", "val_119", 26.75, 4.560),
+]
+
+
+def snr_db(w, w_hat) -> float:
+    w = w.astype(np.float64)
+    return float(10 * np.log10((w * w).sum() / ((w - w_hat.astype(np.float64)) ** 2).sum()))
+
+
+def plain_bound(w, target) -> float:
+    """Per-tensor uniform step, nearest rounding, at the target SNR; order-0 entropy of levels."""
+    w = w.astype(np.float64).ravel()
+    lo, hi = np.log(w.std() * 1e-4), np.log(w.std() * 10)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        d = np.exp(mid)
+        if snr_db(w, np.round(w / d) * d) > target:
+            lo = mid
+        else:
+            hi = mid
+    q = np.round(w / np.exp(lo)).astype(np.int64)
+    _, c = np.unique(q, return_counts=True)
+    p = c / c.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def load_tensors(names_by_model):
+    out = {}
+    for model, names in names_by_model.items():
+        m = onnx.load(str(CORPUS / model / f"{model}.onnx"))
+        inits = {t.name: t for t in m.graph.initializer}
+        for n in names:
+            out[(model, n)] = graph.tensor_to_array(inits[n]).astype(np.float32)
+    return out
+
+
+def decode_speed(blob, n, threads, repeat=3):
+    out = np.empty(n, np.float32)
+    passes.decode_array(blob, out=out, threads=threads)
+    res = {}
+    for mode in ("reuse", "fresh"):
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(repeat):
+            passes.decode_array(blob, out=out if mode == "reuse" else None, threads=threads)
+        wall = (time.perf_counter() - t0) / repeat
+        cpu = (time.process_time() - c0) / repeat
+        res[mode] = {"wall_MBps": round(n * 4 / wall / 1e6, 1), "cpu_MBps": round(n * 4 / cpu / 1e6 * threads, 1)}
+    return res
+
+
+def part_a(max_rows):
+    print("\n(a) rate-distortion at NNCodec's SNR: bits per weight (real bytes incl. side information)")
+    rows = ROWS[:max_rows]
+    tensors = load_tensors({m: sorted({t for mm, t, _, _ in rows if mm == m}) for m in {r[0] for r in rows}})
+    hdr = f"{'model':12s} {'tensor':36s} {'SNR dB':>7s} {'ours':>7s} {'NNCodec':>8s} {'ratio':>6s} {'plain+o0':>9s} {'got dB':>7s} {'enc s':>6s} {'dec MB/s(2t)':>13s}"
+    print(hdr)
+    results = []
+    for model, name, target, nnc in rows:
+        w = tensors[(model, name)]
+        t0 = time.perf_counter()
+        blob = passes.encode_array(w, snr_db=target)
+        enc = time.perf_counter() - t0
+        got = snr_db(w, passes.decode_array(blob))
+        bpw = len(blob) * 8 / w.size
+        plain = plain_bound(w, target)
+        sp = decode_speed(blob, w.size, 2, repeat=2)
+        r = {"model": model, "tensor": name, "snr_target": target, "snr_got": round(got, 3), "bpw": round(bpw, 4),
+             "nncodec_bpw": nnc, "ratio": round(bpw / nnc, 4), "plain_o0_bpw": round(plain, 4),
+             "bytes": len(blob), "encode_s": round(enc, 1), "decode_2t": sp}
+        results.append(r)
+        print(f"{model:12s} {name:36s} {target:7.2f} {bpw:7.3f} {nnc:8.3f} {bpw / nnc:6.3f} {plain:9.3f} {got:7.2f} "
+              f"{enc:6.1f} {sp['reuse']['wall_MBps']:6.0f}/{sp['reuse']['cpu_MBps']:.0f}cpu", flush=True)
+    worst = max(results, key=lambda r: r["ratio"])
+    print(f"worst ratio {worst['ratio']:.3f} ({worst['tensor']} at {worst['snr_target']} dB); target <= 1.03")
+    return results
+
+
+def part_c():
+    print("\n(c) decode throughput, float32 output (MB/s; wall, and per CPU second x threads)")
+    tensors = load_tensors({"minilm_fp32": ["m.embeddings.word_embeddings.weight"], "open_nsfw": ["onnx::Conv_5831"]})
+    res = []
+    for (model, name), w in tensors.items():
+        for target in (23.0, 35.0, 47.0):
+            blob = passes.encode_array(w, snr_db=target)
+            for threads in (1, 2):
+                sp = decode_speed(blob, w.size, threads)
+                res.append({"tensor": name, "snr": target, "threads": threads, **sp})
+                print(f"{name:36s} {target:5.1f} dB {threads} thr: fresh {sp['fresh']['wall_MBps']:7.1f} wall "
+                      f"{sp['fresh']['cpu_MBps']:7.1f} cpu | reuse {sp['reuse']['wall_MBps']:7.1f} wall "
+                      f"{sp['reuse']['cpu_MBps']:7.1f} cpu", flush=True)
+    return res
+
+
+TARGETS = {"top1": "top1>=0.99", "cosine": "cosine>=0.999", "ctc": "ctc>=0.99"}
+
+
+def _packed_size(model, tmp, label):
+    path = Path(tmp) / f"{label}.onnxz"
+    st = passes.pack(model, path, force=True)
+    return st.packed_bytes
+
+
+def part_b(only, forms_bits):
+    from passes.fidelity import evaluate, load_feeds
+
+    manifest = json.loads((CORPUS / "MANIFEST.json").read_text())
+    entries = manifest["entries"] if isinstance(manifest, dict) else manifest
+    print("\n(b) packed size vs fidelity; auto calibrated on the first half of the feeds, all measured on the second half")
+    print(f"{'model':16s} {'form':22s} {'packed %':>9s} {'metric':>8s} {'value':>9s} {'target met':>10s}")
+    results = []
+    for e in entries:
+        name, metric = e["name"], e["metric"]
+        if metric == "none" or (only and name not in only):
+            continue
+        src = CORPUS / name / f"{name}.onnx"
+        feeds_path = CORPUS / name / e.get("feeds", "feeds.npz").split("/")[-1]
+        if not feeds_path.exists():
+            feeds_path = CORPUS / name.replace("_fp16", "") / "feeds.npz"
+        feeds = load_feeds(feeds_path)
+        half = len(feeds) // 2
+        calib, held = feeds[:half], feeds[half:]
+        margs = e.get("metric_args")
+        target = TARGETS[metric]
+        req = passes.fidelity.parse_requirement(target)
+        orig_bytes = src.stat().st_size
+        is16 = "float16" in e.get("dtypes", {})
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            def record(form, model, seconds=None, extra=None):
+                size = _packed_size(model, tmp, form.replace("/", "_"))
+                r = evaluate(str(src), model, feeds=held, metric=metric, metric_args=margs)
+                val = r.metrics.get(metric)
+                row = {"model": name, "form": form, "packed_bytes": size, "packed_pct": round(100 * size / orig_bytes, 2),
+                       "metric": metric, "value": val, "metrics": r.metrics, "target": target,
+                       "met": bool(req.check(r)), "seconds": seconds, **(extra or {})}
+                rows.append(row)
+                print(f"{name:16s} {form:22s} {row['packed_pct']:8.2f}% {metric:>8s} {val:9.5f} {str(row['met']):>10s}", flush=True)
+
+            record("original (packed)", str(src))
+            for b in forms_bits:
+                try:
+                    record(f"int{b}/channel", passes.quantize_weights(str(src), bits=b))
+                except passes.SurgeonError as exc:
+                    print(f"{name:16s} int{b}/channel: {exc}")
+            try:
+                from onnxruntime.quantization import QuantType, quantize_dynamic
+
+                dyn = Path(tmp) / "dyn.onnx"
+                quantize_dynamic(str(src), str(dyn), per_channel=True, weight_type=QuantType.QInt8)
+                record("quantize_dynamic", str(dyn), extra={"onnx_bytes": dyn.stat().st_size})
+            except Exception as exc:  # onnxruntime's quantizer refuses some models
+                print(f"{name:16s} quantize_dynamic failed: {str(exc).splitlines()[0][:100]}")
+            t0 = time.perf_counter()
+            try:
+                model, rep = passes.compress(str(src), target=target, feeds=calib, metric_args=margs)
+                forms = {}
+                for t in rep["tensors"]:
+                    forms[t["form"]] = forms.get(t["form"], 0) + 1
+                record("auto", model, round(time.perf_counter() - t0, 1),
+                       {"auto_forms": forms, "auto_calib_fidelity": rep["fidelity"], "auto_notes": rep["notes"]})
+            except passes.SurgeonError as exc:
+                print(f"{name:16s} auto failed: {exc}")
+        auto = next((r for r in rows if r["form"] == "auto"), None)
+        dyn = next((r for r in rows if r["form"] == "quantize_dynamic"), None)
+        if auto:
+            goal = 25.0 if is16 else 12.5
+            half_dyn = dyn["packed_bytes"] / 2 if dyn else None
+            verdict = (f"auto {auto['packed_pct']:.2f}% (goal <= {goal}%: {'ok' if auto['packed_pct'] <= goal else 'MISSED'})"
+                       + (f", vs quantize_dynamic packed {dyn['packed_pct']:.2f}%: "
+                          f"{'ok' if auto['packed_bytes'] <= half_dyn else 'MISSED'} (goal <= half)" if dyn else "")
+                       + f", target on held-out half: {'met' if auto['met'] else 'MISSED'}")
+            print(f"{name:16s} {verdict}")
+        results.extend(rows)
+    return results
+
+
+def plot(results_b, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    models = sorted({r["model"] for r in results_b})
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rows = [r for r in results_b if r["model"] == m and r["value"] is not None]
+        uni = sorted([r for r in rows if r["form"].startswith("int")], key=lambda r: r["packed_pct"])
+        ax.plot([r["packed_pct"] for r in uni], [r["value"] for r in uni], "o-", label="uniform n-bit")
+        for r in rows:
+            if r["form"] in ("auto", "quantize_dynamic", "original (packed)"):
+                ax.plot([r["packed_pct"]], [r["value"]], "s" if r["form"] == "auto" else "^", label=r["form"])
+        ax.set_title(m)
+        ax.set_xlabel("packed size, % of original")
+        ax.set_ylabel(rows[0]["metric"] if rows else "")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="abc")
+    ap.add_argument("--only", nargs="*", default=None, help="corpus models for part (b)")
+    ap.add_argument("--rows", type=int, default=len(ROWS), help="first N rows of part (a)")
+    ap.add_argument("--bits", default="3,4,5,6,8", help="uniform widths of part (b)")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    out_json = OUT / "lossy.json"
+    data = json.loads(out_json.read_text()) if out_json.exists() else {}
+    if "a" in args.parts:
+        data["a_rate_distortion"] = part_a(args.rows)
+        out_json.write_text(json.dumps(data, indent=1, default=str))
+    if "c" in args.parts:
+        data["c_decode"] = part_c()
+        out_json.write_text(json.dumps(data, indent=1, default=str))
+    if "b" in args.parts:
+        data["b_models"] = part_b(args.only, [int(b) for b in args.bits.split(",")])
+        out_json.write_text(json.dumps(data, indent=1, default=str))
+        plot(data["b_models"], OUT / "lossy.png")
+    print(f"\nwrote {out_json}")
+
+
+if __name__ == "__main__":
+    main()
