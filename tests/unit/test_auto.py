@@ -1,0 +1,77 @@
+"""passes.compress: meets its target on a small generated model, allocates fewer bits where the
+output cares less, says when feeds were synthesised, refuses bad targets and feeds clearly."""
+import numpy as np
+import onnx
+import pytest
+
+import passes
+from passes import InvalidArgumentError, Report
+from passes.fidelity import evaluate
+
+from modelgen import conv_model, dense_model, feeds
+
+
+def _quantized_bits(model):
+    return {t.name[: -len("_quantized")] for t in model.graph.initializer if t.name.endswith("_quantized")}
+
+
+@pytest.mark.parametrize("target", ["cosine>=0.999", "snr>=35"])
+def test_meets_target_on_feeds_and_is_smaller(target):
+    m = dense_model()
+    f = feeds(m, n=6)
+    out, rep = passes.compress(m, target=target, feeds=f)
+    onnx.checker.check_model(out, full_check=True)
+    assert rep["met_on_feeds"] and rep["per_tensor_allocation"] and not rep["synthesized_feeds"]
+    req = passes.parse_requirement(target)
+    assert req.check(evaluate(m, out, feeds=f))
+    assert _quantized_bits(out), "something was quantized"
+    assert rep["est_packed_weight_bytes"] < 0.5 * sum(t.raw_data.__len__() for t in m.graph.initializer)
+    for row in rep["tensors"]:
+        assert row["form"] == "float" or row["form"].startswith("int")
+
+
+def test_looser_target_gives_smaller_model():
+    m = conv_model()
+    f = feeds(m, n=4)
+    _, tight = passes.compress(m, target="cosine>=0.99999", feeds=f)
+    _, loose = passes.compress(m, target="cosine>=0.99", feeds=f)
+    assert loose["est_packed_weight_bytes"] < tight["est_packed_weight_bytes"]
+    assert tight["fidelity"]["cosine"] >= 0.99999 and loose["fidelity"]["cosine"] >= 0.99
+
+
+def test_constant_node_weights_are_allocated_too():
+    m = conv_model(in_constant=True)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=feeds(m, n=3))
+    assert rep["met_on_feeds"] and rep["per_tensor_allocation"]
+    onnx.checker.check_model(out, full_check=True)
+
+
+def test_without_feeds_says_unmeasured():
+    m = dense_model()
+    report = Report()
+    _, rep = passes.compress(m, target="cosine>=0.999", report=report)
+    assert rep["synthesized_feeds"]
+    assert any("unmeasured" in n for n in rep["notes"]) and any("unmeasured" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("target", ["top1>>0.9", "accuracy>=0.9", "cosine<=0.9", "", "cosine>=2"])
+def test_bad_targets(target):
+    m = dense_model()
+    with pytest.raises(InvalidArgumentError):
+        passes.compress(m, target=target, feeds=feeds(m))
+
+
+def test_bad_feeds_and_bits(tmp_path):
+    m = dense_model()
+    with pytest.raises(InvalidArgumentError):
+        passes.compress(m, target="cosine>=0.99", feeds=[{"nope": np.zeros((4, 64), np.float32)}])
+    with pytest.raises(InvalidArgumentError):
+        passes.compress(m, target="cosine>=0.99", feeds=[{"x": np.zeros((3, 3, 3), np.float32)}])
+    with pytest.raises(InvalidArgumentError):
+        passes.compress(m, target="cosine>=0.99", feeds=[])
+    with pytest.raises(passes.FileAccessError):
+        passes.compress(m, target="cosine>=0.99", feeds=str(tmp_path / "missing.npz"))
+    with pytest.raises(InvalidArgumentError):
+        passes.compress(m, target="cosine>=0.99", feeds=feeds(m), bits=[1, 9])
+    with pytest.raises(InvalidArgumentError):
+        passes.compress(m, target="ctc>=0.9", feeds=feeds(m))
