@@ -185,8 +185,12 @@ def copy_model(model: onnx.ModelProto, without_payload=()) -> onnx.ModelProto:
     for t in model.graph.initializer:
         c = out.graph.initializer.add()
         if t.name in without_payload:
-            for fd, value in t.ListFields():
-                if fd.name != "raw_data":
+            # field by field: ListFields() would read (copy) raw_data out of the tensor
+            for fd in t.DESCRIPTOR.fields:
+                if fd.name == "raw_data":
+                    continue
+                value = getattr(t, fd.name)
+                if (len(value) if fd.is_repeated else t.HasField(fd.name)):
                     _copy_field(c, fd, value)
         else:
             c.CopyFrom(t)
@@ -570,7 +574,8 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
     onnx.version_converter adapts the nodes; it runs on a skeleton whose large tensor payloads are
     stashed (it serialises the model, which would fail over 2 GB and costs memory), and its result
     is checked. `payloads` supplies the data of main-graph initializers that `model` holds without
-    raw_data (see copy_model). When the converter fails, the opset number is bumped only if no op used by the
+    raw_data (see copy_model); in a result over 2 GB those stay without raw_data (the caller
+    replaces them). When the converter fails, the opset number is bumped only if no op used by the
     model changed between the two versions; otherwise UnsupportedFormError says why.
     """
     from onnx.external_data_helper import _get_all_tensors
@@ -596,6 +601,9 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
             t.data_location = TensorProto.EXTERNAL
             e = t.external_data.add()
             e.key, e.value = "location", f"{_STASH}-{len(stash) - 1}"
+    # the checker can only run on a model protobuf can serialise; a larger one is trusted to the
+    # converter, and then the payloads the caller holds (`payloads`) need not be put back at all
+    checkable = skeleton.ByteSize() + sum(tensor_nbytes(t) for t in main) + sum(map(len, stash)) < 2**31 - 1
     how = f"opset raised from {old} to {target} (onnx.version_converter)"
     try:
         converted = onnx.version_converter.convert_version(skeleton, target)
@@ -615,7 +623,8 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
         if t.data_location == TensorProto.EXTERNAL:
             loc = {e.key: e.value for e in t.external_data}.get("location", "")
             if loc.startswith(_STASH + "-main-"):
-                t.raw_data = main[int(loc.rsplit("-", 1)[1])].raw_data
+                if checkable or t.name not in payloads:
+                    t.raw_data = main[int(loc.rsplit("-", 1)[1])].raw_data
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
             elif loc.startswith(_STASH + "-"):
@@ -625,7 +634,8 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
     need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
     if converted.ir_version < need_ir:
         converted.ir_version = need_ir
-    _verify_conversion(model, converted, old, target, payloads)
+    if checkable:
+        _verify_conversion(model, converted, old, target, payloads)
     return converted, how
 
 
@@ -633,8 +643,6 @@ def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, ol
                        payloads: dict[str, TensorProto] | None = None) -> None:
     """The converted model must pass the checker whenever the original does (models over 2 GB
     cannot be checked in memory and are trusted to the converter)."""
-    if converted.ByteSize() >= 2**31 - 1:
-        return
     try:
         onnx.checker.check_model(converted, full_check=True)
     except Exception as exc:  # noqa: BLE001 - the checker raises several C++-bound types
