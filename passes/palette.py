@@ -1,0 +1,196 @@
+"""Palettization: a weight becomes an n-bit index tensor plus a look-up table (k-means).
+
+    p = palettize(model, bits=4)                  # one table of 16 values per tensor
+    p = palettize(model, bits=4, group_rows=8)    # one table per 8 rows (output channels)
+    f = fold_palettes(p)                          # float weights back, bit-exact
+
+Graph form (standard ONNX, any opset >= 13; onnxruntime runs it):
+    W_palette_indices  uint8, W's shape; value = group * 2**bits + index
+    W_palette          W's float type, (groups * 2**bits,)
+    Cast(W_palette_indices -> int32) -> W_palette_idx
+    Gather(W_palette, W_palette_idx, axis=0) -> W          (consumers untouched)
+The table is learned by Lloyd's k-means on the values (initialised at quantiles), per tensor or
+per group of `group_rows` rows along axis 0; groups * 2**bits must fit in the uint8 indices.
+In the pack, indices entropy-code to about their entropy; a palette pays off against uniform
+levels when the value distribution is far from uniform at low bit widths.
+
+fold_palettes materialises the pattern (the fold pass of passes.fold works node by node on
+constant inputs, so the Cast -> Gather chain is folded here in one step).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import graph
+from ._fileio import load_model
+from .errors import InvalidArgumentError
+from .report import Report, TensorChange
+
+SUFFIX_INDICES = "_palette_indices"
+SUFFIX_TABLE = "_palette"
+
+
+def kmeans_1d(values: np.ndarray, k: int, iters: int = 20) -> np.ndarray:
+    """Sorted centroids (k or fewer distinct) of 1-D values minimising squared error (Lloyd);
+    vectorised: assignments by searchsorted on the midpoints of the sorted centroids."""
+    v = np.sort(values.astype(np.float64).ravel())
+    if v.size == 0:
+        return np.zeros(1)
+    uniq = np.unique(v)
+    if uniq.size <= k:
+        return uniq
+    c = np.quantile(v, (np.arange(k) + 0.5) / k)
+    csum = np.concatenate([[0.0], np.cumsum(v)])
+    for _ in range(iters):
+        c = np.unique(c)
+        edges = np.searchsorted(v, (c[1:] + c[:-1]) / 2)
+        lo = np.concatenate([[0], edges])
+        hi = np.concatenate([edges, [v.size]])
+        n = hi - lo
+        ok = n > 0
+        new = c.copy()
+        new[ok] = (csum[hi[ok]] - csum[lo[ok]]) / n[ok]
+        if np.allclose(new, c, rtol=0, atol=0):
+            break
+        c = new
+    return np.unique(c)
+
+
+def palette_array(w: np.ndarray, bits: int, group_rows: int | None):
+    """(indices uint8 with group offsets, flat table float64, number of groups)."""
+    k = 1 << bits
+    rows = w.reshape(w.shape[0], -1) if w.ndim > 1 else w.reshape(1, -1)
+    gr = rows.shape[0] if not group_rows else int(group_rows)
+    n_groups = -(-rows.shape[0] // gr)
+    if n_groups * k > 256:
+        raise InvalidArgumentError(f"palette: {n_groups} groups x {k} entries do not fit uint8 indices; "
+                                   "use larger group_rows or fewer bits")
+    table = np.zeros(n_groups * k)
+    idx = np.empty(rows.shape, np.uint8)
+    for g in range(n_groups):  # one k-means per group (a handful), vectorised inside
+        part = rows[g * gr:(g + 1) * gr]
+        c = kmeans_1d(part, k)
+        table[g * k:g * k + c.size] = c
+        table[g * k + c.size:(g + 1) * k] = c[-1]
+        mid = (c[1:] + c[:-1]) / 2
+        idx[g * gr:(g + 1) * gr] = (np.searchsorted(mid, part) + g * k).astype(np.uint8)
+    return idx.reshape(w.shape), table, n_groups
+
+
+def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elements: int = 1024,
+              include=None, exclude=None, report: Report | None = None) -> onnx.ModelProto:
+    """A new model whose float main-graph initializer weights (>= 2-D, >= min_elements, not
+    biases) are palettized (see the module docstring). include/exclude: fnmatch patterns on
+    weight names."""
+    import fnmatch
+
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
+        raise InvalidArgumentError(f"palette bits must be an integer from 1 to 8, got {bits!r}")
+    if group_rows is not None and (isinstance(group_rows, bool) or not isinstance(group_rows, (int, np.integer))
+                                   or group_rows < 1):
+        raise InvalidArgumentError(f"group_rows must be a positive integer, got {group_rows!r}")
+    inc = [include] if isinstance(include, str) else list(include or [])
+    exc = [exclude] if isinstance(exclude, str) else list(exclude or [])
+    src = load_model(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    g = out.graph
+    if report is not None:
+        report.pass_name = report.pass_name or "palettize"
+    consumers = {}
+    for node in g.node:
+        for i, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node.op_type, i))
+    graph_inputs = {i.name for i in g.input}
+    names = graph.NameAllocator(graph.all_names(out))
+    new_nodes, keep_inits = [], []
+    for t in g.initializer:
+        uses = consumers.get(t.name, [])
+        n = int(np.prod(t.dims)) if t.dims else 1
+        bias = uses and all(i == 2 and op in ("Conv", "Gemm", "ConvTranspose") for op, i in uses)
+        chosen = (t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and n >= min_elements and uses
+                  and not bias and t.name not in graph_inputs
+                  and (not inc or any(fnmatch.fnmatchcase(t.name, p) for p in inc))
+                  and not any(fnmatch.fnmatchcase(t.name, p) for p in exc))
+        if not chosen:
+            keep_inits.append(t)
+            continue
+        w = graph.tensor_to_array(t)
+        if not np.isfinite(w).all():
+            keep_inits.append(t)
+            continue
+        idx, table, n_groups = palette_array(w.astype(np.float64), int(bits), group_rows)
+        table_typed = table.astype(w.dtype)
+        i_name = names.take(t.name + SUFFIX_INDICES)
+        t_name = names.take(t.name + SUFFIX_TABLE)
+        c_name = names.take(t.name + "_palette_idx")
+        keep_inits.append(graph.array_to_tensor(idx, i_name, TensorProto.UINT8))
+        keep_inits.append(graph.array_to_tensor(table_typed, t_name, t.data_type))
+        new_nodes.append(helper.make_node("Cast", [i_name], [c_name], name=names.take(t.name + "_palette_Cast"),
+                                          to=TensorProto.INT32))
+        new_nodes.append(helper.make_node("Gather", [t_name, c_name], [t.name], axis=0,
+                                          name=names.take(t.name + "_palette_Gather")))
+        if report is not None:
+            w_hat = table_typed[idx.astype(np.int64)]
+            err = float(np.sum((w.astype(np.float64) - w_hat.astype(np.float64)) ** 2))
+            sig = float(np.sum(w.astype(np.float64) ** 2))
+            snr = 200.0 if err == 0 else (round(10 * np.log10(sig / err), 3) if sig > 0 else -200.0)
+            report.add(TensorChange(t.name, tuple(w.shape), graph.type_name(t.data_type),
+                                    f"palette{bits}" + (f"/group{group_rows}" if group_rows else "/tensor"),
+                                    w.nbytes, idx.nbytes + table_typed.nbytes, snr))
+    del g.initializer[:]
+    g.initializer.extend(keep_inits)
+    if new_nodes:
+        old = list(g.node)
+        del g.node[:]
+        g.node.extend(new_nodes + old)
+    return out
+
+
+def fold_palettes(model, *, report: Report | None = None) -> onnx.ModelProto:
+    """Materialise every palette pattern (Cast of constant uint8 indices -> Gather on a constant
+    table) of the main graph as a float initializer named like the Gather's output; the values
+    are exactly table[indices], what onnxruntime computes."""
+    src = load_model(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    g = out.graph
+    inits = {t.name: t for t in g.initializer}
+    cast_of = {n.output[0]: n for n in g.node if n.op_type == "Cast" and n.input and n.input[0] in inits}
+    drop_nodes, drop_inits, added = set(), set(), []
+    for node in g.node:
+        if node.op_type != "Gather" or len(node.input) != 2:
+            continue
+        table_name, idx_name = node.input
+        cast = cast_of.get(idx_name)
+        if table_name not in inits or cast is None:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        table_t, idx_t = inits[table_name], inits[cast.input[0]]
+        if axis != 0 or len(table_t.dims) != 1 or idx_t.data_type not in (TensorProto.UINT8, TensorProto.INT8):
+            continue
+        table = graph.tensor_to_array(table_t)
+        idx = graph.tensor_to_array(idx_t).astype(np.int64)
+        if idx.size and (idx.min() < -table.size or idx.max() >= table.size):
+            continue  # onnxruntime would refuse; leave it to fail there
+        value = table[idx]
+        added.append(graph.array_to_tensor(value, node.output[0], table_t.data_type))
+        drop_nodes |= {node.output[0], cast.output[0]}  # by output name: wrapper ids are not stable
+        drop_inits |= {table_name, cast.input[0]}
+        if report is not None:
+            report.add(TensorChange(node.output[0], tuple(value.shape), graph.type_name(table_t.data_type),
+                                    "folded palette", graph.tensor_nbytes(idx_t) + graph.tensor_nbytes(table_t),
+                                    value.nbytes, None))
+    if not added:
+        return out
+    # a table or index tensor still read elsewhere stays
+    still_read = {i for n in g.node if not (n.output and n.output[0] in drop_nodes) for i in n.input}
+    keep = [t for t in g.initializer if t.name not in drop_inits or t.name in still_read]
+    nodes = [n for n in g.node if not (n.output and n.output[0] in drop_nodes)]
+    del g.initializer[:]
+    g.initializer.extend(keep + added)
+    del g.node[:]
+    g.node.extend(nodes)
+    return out

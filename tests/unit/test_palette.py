@@ -1,0 +1,76 @@
+"""Palettization: k-means tables, graph form that onnxruntime runs, exact fold, errors."""
+import numpy as np
+import onnx
+import pytest
+
+import modelgen as mg
+from passes import InvalidArgumentError, Report
+from passes.palette import fold_palettes, kmeans_1d, palette_array, palettize
+
+
+def test_kmeans_beats_uniform_levels_on_laplacian():
+    rng = np.random.default_rng(0)
+    v = rng.laplace(size=20000)
+    c = kmeans_1d(v, 16)
+    assert c.size == 16 and np.all(np.diff(c) > 0)
+    mid = (c[1:] + c[:-1]) / 2
+    err_km = np.mean((v - c[np.searchsorted(mid, v)]) ** 2)
+    step = (v.max() - v.min()) / 15
+    err_uni = np.mean((v - (np.round((v - v.min()) / step) * step + v.min())) ** 2)
+    assert err_km < 0.5 * err_uni
+
+
+def test_few_distinct_values_are_exact():
+    w = np.array([[0.5, -1.0, 0.5], [2.0, -1.0, 0.0]])
+    idx, table, groups = palette_array(w, 2, None)
+    assert groups == 1 and np.array_equal(table[idx.astype(np.int64)], w)
+
+
+@pytest.mark.parametrize("bits,group_rows", [(4, None), (3, 4), (8, None), (2, 1)])
+def test_graph_runs_error_bound_and_folds_exactly(bits, group_rows):
+    m = mg.conv_model()
+    report = Report()
+    p = palettize(m, bits=bits, group_rows=group_rows, min_elements=100, report=report)
+    onnx.checker.check_model(p, full_check=True)
+    changed = [t for t in report.tensors if t.scheme.startswith("palette")]
+    assert {t.name for t in changed} == {"W", "W2"}
+    inits = {t.name: t for t in p.graph.initializer}
+    for t in changed:
+        w = onnx.numpy_helper.to_array({x.name: x for x in m.graph.initializer}[t.name]).astype(np.float64)
+        idx = onnx.numpy_helper.to_array(inits[t.name + "_palette_indices"])
+        table = onnx.numpy_helper.to_array(inits[t.name + "_palette"])
+        assert idx.dtype == np.uint8 and idx.shape == w.shape
+        assert len(np.unique(table[idx])) <= (1 << bits) * (1 if not group_rows else -(-w.shape[0] // group_rows))
+        # each value lies no further than half the widest gap of its table from its entry
+        w_hat = table[idx.astype(np.int64)].astype(np.float64)
+        assert t.snr_db > min(5.5 * bits - 6, 30)
+        assert np.max(np.abs(w - w_hat)) <= np.max(np.abs(w)) + 1e-6
+    f = mg.feeds(m)
+    out_p = mg.run(p, f)
+    folded = fold_palettes(p)
+    onnx.checker.check_model(folded, full_check=True)
+    assert not any(n.op_type == "Gather" for n in folded.graph.node)
+    out_f = mg.run(folded, f)
+    for a, b in zip(out_p, out_f):
+        assert np.array_equal(a, b)  # the folded weights are exactly what onnxruntime gathered
+    for a, b in zip(out_p, mg.run(m, f)):
+        assert mg.cosine(a, b) > (0.95 if bits >= 3 else 0.7)
+
+
+def test_float16_and_input_untouched():
+    m = mg.dense_model("float16")
+    before = m.SerializeToString()
+    p = palettize(m, bits=4, min_elements=100)
+    assert m.SerializeToString() == before
+    onnx.checker.check_model(p, full_check=True)
+    tables = [t for t in p.graph.initializer if t.name.endswith("_palette")]
+    assert tables and all(t.data_type == onnx.TensorProto.FLOAT16 for t in tables)
+    out = mg.run(p, mg.feeds(m))
+    assert np.array_equal(out[0], mg.run(fold_palettes(p), mg.feeds(m))[0])
+
+
+@pytest.mark.parametrize("kwargs", [dict(bits=0), dict(bits=9), dict(bits=True), dict(group_rows=0),
+                                    dict(bits=8, group_rows=1)])
+def test_bad_arguments(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        palettize(mg.conv_model(), min_elements=100, **kwargs)
