@@ -66,6 +66,7 @@ def worker(spec: dict) -> dict:
     options.intra_op_num_threads = spec["threads"]
     providers = [spec["provider"]] + (["CPUExecutionProvider"] if spec["provider"] != "CPUExecutionProvider" else [])
     rss0, _ = _status_mb()
+    c0 = time.process_time()  # CPU time of all threads: robust to other processes' load
     t0 = time.perf_counter()
     if spec["how"] == "plain":
         session = ort.InferenceSession(spec["path"], options, providers=providers)
@@ -73,6 +74,7 @@ def worker(spec: dict) -> dict:
         session = passes.InferenceSession(spec["path"], options, providers=providers, mode=spec["how"],
                                           dtype=spec.get("dtype"))
     ready = time.perf_counter() - t0
+    ready_cpu = time.process_time() - c0
     _, hwm = _status_mb()
     outputs = [session.run(None, f) for f in feeds]
     times = []
@@ -83,7 +85,7 @@ def worker(spec: dict) -> dict:
             times.append(time.perf_counter() - t)
     rss_runs, _ = _status_mb()
     np.savez(spec["outputs"], **{f"{i}/{j}": o for i, out in enumerate(outputs) for j, o in enumerate(out)})
-    return {"ready_s": ready, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
+    return {"ready_s": ready, "ready_cpu_s": ready_cpu, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
             "run_ms": 1000 * float(np.mean(times)), "run_ms_median": 1000 * float(np.median(times)),
             "mode": getattr(session, "mode", "plain")}
 
@@ -191,7 +193,7 @@ def best_of(spec: dict, rounds: int) -> dict:
     if not ok:
         return runs[0]
     best = dict(ok[0])
-    for key in ("ready_s", "added_mb", "after_runs_mb", "run_ms", "run_ms_median"):
+    for key in ("ready_s", "ready_cpu_s", "added_mb", "after_runs_mb", "run_ms", "run_ms_median"):
         best[key] = min(r[key] for r in ok)
     return best
 
@@ -279,11 +281,13 @@ def _summarise(name, metric, results, rows):
             row["error"] = r["error"]
             rows.append(row)
             continue
-        row.update({k: r[k] for k in ("ready_s", "added_mb", "after_runs_mb", "run_ms", "run_ms_median", "mode")})
+        row.update({k: r[k] for k in ("ready_s", "ready_cpu_s", "added_mb", "after_runs_mb", "run_ms", "run_ms_median",
+                                      "mode")})
         row["mode"] = how if how != "auto" else f"auto->{r['mode']}"
         row["mode"] = row["mode"].replace("fold:float", "fold->f")
         if "error" not in base:
             row["ready_x"] = r["ready_s"] / base["ready_s"]
+            row["ready_cpu_x"] = r["ready_cpu_s"] / base["ready_cpu_s"]
             row["added_x"] = r["added_mb"] / base["added_mb"]
             row["run_x"] = r["run_ms_median"] / base["run_ms_median"]
             row.update(agreement(base["outputs"], r["outputs"], metric))
@@ -319,10 +323,12 @@ def _big(args, tmp, provider, rows):
         if "error" in r:
             row["error"] = r["error"]
         else:
-            row.update({k: r[k] for k in ("ready_s", "added_mb", "after_runs_mb", "run_ms", "run_ms_median")})
+            row.update({k: r[k] for k in ("ready_s", "ready_cpu_s", "added_mb", "after_runs_mb", "run_ms",
+                                          "run_ms_median")})
             row["added_over_weights"] = r["added_mb"] / weights_mb
             if "error" not in plain:
                 row["ready_x"] = r["ready_s"] / plain["ready_s"]
+                row["ready_cpu_x"] = r["ready_cpu_s"] / plain["ready_cpu_s"]
                 row["added_x"] = r["added_mb"] / plain["added_mb"]
                 row["run_x"] = r["run_ms_median"] / plain["run_ms_median"]
                 row["maxabs_vs_plain"] = maxabs(plain["outputs"], r["outputs"])
@@ -334,7 +340,7 @@ def _fmt(v, spec):
 
 
 def _print_table(rows):
-    head = f"{'model':<13} {'file':<15} {'mode':<12} {'ready s':>8} {'x':>5} {'added MB':>9} {'x':>5} {'after MB':>9} " \
+    head = f"{'model':<13} {'file':<15} {'mode':<12} {'ready s':>8} {'x':>5} {'cpu s':>6} {'x':>5} {'added MB':>9} {'x':>5} {'after MB':>9} " \
            f"{'run ms':>8} {'x':>5} {'cosine':>8} {'top1':>6} {'vs fold':>8}"
     print(head)
     print("-" * len(head))
@@ -344,7 +350,7 @@ def _print_table(rows):
             continue
         extra = r.get("maxabs_vs_folded", r.get("maxabs_vs_plain"))
         print(f"{r['model']:<13} {r['file']:<15} {r['mode']:<12} {r['ready_s']:8.3f} {_fmt(r.get('ready_x'), '5.2f')} "
-              f"{r['added_mb']:9.1f} {_fmt(r.get('added_x'), '5.2f')} {r['after_runs_mb']:9.1f} {r['run_ms']:8.2f} "
+              f"{r['ready_cpu_s']:6.2f} {_fmt(r.get('ready_cpu_x'), '5.2f')} {r['added_mb']:9.1f} {_fmt(r.get('added_x'), '5.2f')} {r['after_runs_mb']:9.1f} {r['run_ms_median']:8.2f} "
               f"{_fmt(r.get('run_x'), '5.2f')} {_fmt(r.get('cosine'), '8.5f')} {_fmt(r.get('top1'), '6.3f')} "
               f"{_fmt(extra, '8.1e')}")
     for r in rows:
