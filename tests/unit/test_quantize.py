@@ -298,3 +298,34 @@ def test_model_fields_preserved():
     assert (q.producer_name, q.doc_string, list(q.metadata_props)) == (m.producer_name, m.doc_string, list(m.metadata_props))
     f = fold_dequantize(q)
     assert list(f.functions) == list(m.functions) and list(f.graph.value_info) == list(m.graph.value_info)
+
+
+@pytest.mark.parametrize("scheme", [0, 1, 3])
+def test_same_bytes_at_any_thread_count(monkeypatch, scheme):
+    import passes.quantize as qmod
+
+    m = mg.conv_model("float16", 13)
+    runs = []
+    for n in (1, 2, 5):
+        monkeypatch.setattr(qmod, "_threads", lambda n=n: n)
+        runs.append(quantize_weights(m, min_elements=64, **SCHEMES[scheme]).SerializeToString())
+    assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_weight_with_nan_keeps_its_payload(dtype):
+    """Weights are copied without payload before the numeric work; one kept after all (non-finite
+    values) gets its bytes back, in both the plain and the opset-raising path."""
+    m = mg.dense_model(dtype, 13)
+    t = m.graph.initializer[0]
+    arr = tensor_to_array(t).copy()
+    arr.flat[3] = np.nan
+    t.raw_data = arr.tobytes()
+    report = Report()
+    q = quantize_weights(m, min_elements=64, report=report)
+    kept = {r.name: r.scheme for r in report.tensors}
+    assert kept[t.name] == "kept: non-finite values"
+    out = {x.name: x for x in q.graph.initializer}
+    assert out[t.name].raw_data == t.raw_data
+    assert any(n.op_type == "DequantizeLinear" for n in q.graph.node)
+    onnx.checker.check_model(q, full_check=True)
