@@ -129,8 +129,12 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     source = load_model(model)
     if report is not None:
         report.pass_name = report.pass_name or "fold_dequantize"
-    out = onnx.ModelProto()
-    out.CopyFrom(source)
+    # The level tensors of main-graph DequantizeLinear nodes (most of a compressed model) are
+    # copied without payload: they are read from `source`, and put back if they stay.
+    unique = graph.unique_initializers(source)
+    payloads = {n.input[0]: unique[n.input[0]] for n in source.graph.node
+                if (n.domain, n.op_type) in FOLDERS and n.input and n.input[0] in unique}
+    out = graph.copy_model(source, set(payloads))
     weights, graphs = graph.find_weights(out)
     names = graph.NameAllocator(graph.all_names(out))
     opset = graph.default_opset(out)
@@ -166,7 +170,8 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
                 types.append(0)
                 continue
             if id(c.tensor) not in decoded:
-                decoded[id(c.tensor)] = graph.tensor_to_array(c.tensor)
+                held = c.graph_key == 0 and c.node is None and c.tensor.name in payloads
+                decoded[id(c.tensor)] = graph.tensor_to_array(payloads[c.tensor.name] if held else c.tensor)
             arrays.append(decoded[id(c.tensor)])
             types.append(c.tensor.data_type)
         if node.op_type == "DequantizeLinear":
@@ -208,6 +213,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
             progress(done, total)
 
     if not replaced:
+        _put_back(out, payloads)
         return out
     if dtype is not None and report is not None and any(len(v) > 1 or (v and v[-1].op_type == "Cast") for v in replaced.values()):
         report.note(f"folded weights stored as {dtype}; Cast nodes restore the types the graph expects")
@@ -258,4 +264,14 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
                 nodes.append(c)
             del g.node[:]
             g.node.extend(nodes)
+    _put_back(out, payloads)
     return out
+
+
+def _put_back(out: onnx.ModelProto, payloads: dict[str, TensorProto]) -> None:
+    """Payloads left behind by the copy, for the initializers that are still there (not folded,
+    or still read by another node)."""
+    if payloads:
+        for t in out.graph.initializer:
+            if t.name in payloads:
+                t.CopyFrom(payloads[t.name])

@@ -196,3 +196,20 @@ def test_float16_rounding_every_normal_scale(levels, zp):
     diff = q.astype(np.float32) - (0 if zp is None else np.float32(zp))
     expected = (diff * scales.astype(np.float32)[:, None]).astype(np.float16)
     assert got.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+
+
+def test_levels_still_read_elsewhere_keep_their_payload():
+    """fold copies level tensors without payload; one another node still reads gets it back."""
+    q = quantize_weights(mg.dense_model("float32", 13), min_elements=64)
+    dq = next(n for n in q.graph.node if n.op_type == "DequantizeLinear")
+    levels = dq.input[0]
+    q.graph.node.append(helper.make_node("Identity", [levels], ["levels_out"]))
+    q.graph.output.append(helper.make_tensor_value_info("levels_out", TP.INT8, None))
+    before = {t.name: t.raw_data for t in q.graph.initializer}
+    folded = fold_dequantize(q)
+    after = {t.name: t for t in folded.graph.initializer}
+    assert after[levels].raw_data == before[levels]
+    assert dq.output[0] in after  # folded all the same
+    other = [t for t in q.graph.initializer if t.name.endswith("_quantized") and t.name != levels]
+    assert other and not any(t.name in after for t in other)  # dead levels removed
+    assert {t.name: t.raw_data for t in q.graph.initializer} == before  # input untouched
