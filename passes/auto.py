@@ -32,6 +32,8 @@ from .errors import FidelityError, InvalidArgumentError
 from .report import Report, TensorChange
 
 DEFAULT_BITS = (3, 4, 5, 6, 7, 8)
+SENSITIVITY_FEEDS = 6
+GPTQ_MAX_BITS = 6  # above this, plain rounding is already close to the weights
 TOP1_SNR_DB = 20.0  # output SNR also asked of the search when the target is an agreement >= 0.98
 
 
@@ -88,13 +90,14 @@ def _meets(result, reqs) -> bool:
 
 
 def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict | None = None,
-             bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4,
+             bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4, gptq: bool = True,
              n_synthesized: int = 8, report: Report | None = None, progress=None):
     """Returns (compressed ModelProto, report dict). See the module docstring.
 
     target: "top1>=0.99", "cosine>=0.999", "maxabs<=0.01", "snr>=30" or a comma list of them.
     feeds: list of feed dicts, an .npz path, or None (synthesised; fidelity on real data unmeasured).
-    bits: candidate widths (2..8) for weights; a weight may also stay float."""
+    bits: candidate widths (2..8) for weights; a weight may also stay float.
+    gptq: error-feedback rounding (passes.gptq) for MatMul/Gemm/Conv weights at <= 6 bits."""
     from .fidelity import check_feeds, load_feeds, parse_requirements, run_outputs, synthesize_feeds
     from .quantize import quantize_weights
 
@@ -134,6 +137,27 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
 
     ref = run_outputs(src, feeds)
     infos, models = sens.dequantized_forms(src, bits, granularity=granularity)
+    gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
+    if gptq and infos:
+        from . import gptq as gq
+
+        hess = gq.collect_hessians(src, feeds, list(infos))
+        for b in bits:
+            if b > GPTQ_MAX_BITS:
+                continue
+            refined = gq.refine(models[b], src, hess, b)
+            gptq_levels[b] = {}
+            for name, (lv, deq) in refined.items():
+                opt = infos[name].options.get(b)
+                if opt is None:
+                    continue
+                w = infos[name].options[sens.FLOAT].dequantized.astype(np.float64)
+                noise = float(np.sum((w - deq.astype(np.float64)) ** 2))
+                rate = sens.entropy_bytes(lv) + (opt.rate_bytes - opt.levels_entropy_bytes)
+                infos[name].options[b] = sens.TensorOption(
+                    b, rate, noise, opt.snr_db if noise == 0 else round(10 * math.log10(infos[name].energy / noise), 3),
+                    deq, sens.entropy_bytes(lv), "gptq")
+                gptq_levels[b][name] = lv
     main_inits = {t.name for t in src.graph.initializer}
     all_quantized = set()
     for b, qm in models.items():
@@ -147,13 +171,22 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             if names:
                 out = quantize_weights(out, bits=b, granularity=granularity,
                                        include=[sens.pattern_for(n) for n in names])
+        refined = {n: gptq_levels[b][n] for n, b in plan.items() if n in gptq_levels.get(b, {})}
+        if refined:
+            from . import gptq as gq
+
+            out = gq.write_levels(out, refined)
         return out
 
     trials = []
     if per_tensor:
+        # sensitivities need only a few feeds (they set the allocation's shape); the search for
+        # mu checks the target on all of them
+        few = sens.TrialRunner(src, list(infos), feeds[:SENSITIVITY_FEEDS])
+        sens.measure(infos, few, few.run({}), ref_bits)
+        del few
         runner = sens.TrialRunner(src, list(infos), feeds)
         ref_s = runner.run({})
-        sens.measure(infos, runner, ref_s, ref_bits)
 
         def trial(mu):
             plan = sens.allocate(infos, mu)
@@ -220,7 +253,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         if info is None:
             continue
         opt = info.options[b]
-        rows.append({"name": name, "shape": list(info.shape), "form": "float" if b == sens.FLOAT else f"int{b}/channel",
+        form = "float" if b == sens.FLOAT else f"int{b}/channel" + ("/gptq" if opt.rounding == "gptq" else "")
+        rows.append({"name": name, "shape": list(info.shape), "form": form,
                      "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
                      "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
                      "sensitivity": info.sensitivity})

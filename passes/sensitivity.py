@@ -36,6 +36,8 @@ class TensorOption:
     noise: float  # weight error energy sum (w - w_hat)^2
     snr_db: float | None
     dequantized: np.ndarray | None = field(default=None, repr=False)
+    levels_entropy_bytes: float = 0.0  # part of rate_bytes spent on the levels
+    rounding: str = "nearest"  # or "gptq"
 
 
 @dataclass
@@ -97,14 +99,15 @@ def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel
             if levels_t is None or scale_t is None:
                 continue
             levels = graph.tensor_to_array(levels_t)
-            rate = entropy_bytes(levels) + graph.tensor_nbytes(scale_t)
+            lev_bytes = entropy_bytes(levels)
+            rate = lev_bytes + graph.tensor_nbytes(scale_t)
             noise = float(np.sum((w - w_hat.astype(np.float64)) ** 2))
             info = infos.get(name)
             if info is None:
                 arr = graph.tensor_to_array(originals[name])
                 info = infos[name] = TensorInfo(name, tuple(w.shape), float(np.sum(w * w)), {})
                 info.options[FLOAT] = TensorOption(FLOAT, float_pack_bytes(arr), 0.0, None, arr)
-            info.options[bits] = TensorOption(bits, rate, noise, change.snr_db, w_hat)
+            info.options[bits] = TensorOption(bits, rate, noise, change.snr_db, w_hat, lev_bytes)
         if progress:
             progress(done + 1, len(bits_list))
     return infos, models

@@ -1,0 +1,252 @@
+"""Error-feedback rounding with second-order information from calibration activations (GPTQ).
+
+For a weight read as y = x @ W (MatMul, Gemm, or Conv through its patches), the output error of
+quantizing W is (x @ (W - W_hat)); its expected energy is tr(E^T H E) with H = X^T X over the
+calibration inputs X. GPTQ rounds the input rows of W one after the other and spreads each
+row's rounding error over the rows not yet rounded, weighted by the inverse Hessian, so that
+the output error stays small even though the weight error grows. The scales (and so the graph
+form) are those quantize_weights chose; only the integer levels change.
+
+    H = collect_hessians(model, feeds, names)          # name -> (K, K) over the weight's inputs
+    q = gptq_levels(W_matrix, H, scale, qmin, qmax)    # W_matrix (K, N), scale (N,)
+
+Supported consumers: MatMul (weight as input B, 2-D), Gemm (input B, transB handled; transA=0),
+Conv (group 1, 2-D kernels; patches by im2col on a sample of output positions). Weights read
+by anything else, or by several nodes, are left to plain rounding.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from . import graph
+
+MAX_ROWS_PER_FEED = 2048  # activation rows (tokens or conv output positions) sampled per feed
+DAMP = 0.01  # relative diagonal damping of H
+
+
+def _attr(node, name, default):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def consumers(model: onnx.ModelProto, names) -> dict[str, tuple[onnx.NodeProto, str]]:
+    """Weight name -> (its single supported consuming node, the activation input name)."""
+    want = set(names)
+    uses: dict[str, list] = {}
+    for node in model.graph.node:
+        for i, inp in enumerate(node.input):
+            if inp in want:
+                uses.setdefault(inp, []).append((node, i))
+    out = {}
+    for name, us in uses.items():
+        if len(us) != 1:
+            continue
+        node, i = us[0]
+        if node.op_type == "MatMul" and i == 1:
+            out[name] = (node, node.input[0])
+        elif node.op_type == "Gemm" and i == 1 and not _attr(node, "transA", 0):
+            out[name] = (node, node.input[0])
+        elif node.op_type == "Conv" and i == 1 and _attr(node, "group", 1) == 1:
+            out[name] = (node, node.input[0])
+    return out
+
+
+def _im2col(x: np.ndarray, node, kshape, rng) -> np.ndarray:
+    """Patches (positions, C*kh*kw) of a 2-D Conv input x (N, C, H, W), in the weight's
+    (C, kh, kw) flattening order, on a random sample of output positions."""
+    n, c, h, w = x.shape
+    kh, kw = kshape
+    pads = list(_attr(node, "pads", [0, 0, 0, 0]))
+    strides = list(_attr(node, "strides", [1, 1]))
+    dil = list(_attr(node, "dilations", [1, 1]))
+    if _attr(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        # SAME_UPPER / SAME_LOWER: total padding so that out = ceil(in / stride)
+        pads = []
+        for size, k, s, d in ((h, kh, strides[0], dil[0]), (w, kw, strides[1], dil[1])):
+            out = -(-size // s)
+            total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
+            pads.append(total // 2)
+        pads = [pads[0], pads[1], pads[0], pads[1]]  # close enough for statistics
+    xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    oh = (xp.shape[2] - (kh - 1) * dil[0] - 1) // strides[0] + 1
+    ow = (xp.shape[3] - (kw - 1) * dil[1] - 1) // strides[1] + 1
+    if oh <= 0 or ow <= 0:
+        return np.zeros((0, c * kh * kw), np.float64)
+    total = n * oh * ow
+    pick = rng.choice(total, size=min(total, MAX_ROWS_PER_FEED), replace=False)
+    b, rem = np.divmod(pick, oh * ow)
+    oy, ox = np.divmod(rem, ow)
+    ky = np.arange(kh) * dil[0]
+    kx = np.arange(kw) * dil[1]
+    ys = (oy * strides[0])[:, None, None] + ky[None, :, None]  # (P, kh, 1)
+    xs = (ox * strides[1])[:, None, None] + kx[None, None, :]  # (P, 1, kw)
+    patches = xp[b[:, None, None, None], np.arange(c)[None, :, None, None], ys[:, None], xs[:, None]]
+    return patches.reshape(len(pick), c * kh * kw).astype(np.float64)
+
+
+def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0) -> dict[str, np.ndarray]:
+    """H = X^T X / rows for every weight with a supported consumer, from onnxruntime runs of the
+    model on the feeds with the consumers' activation inputs added as graph outputs."""
+    import onnxruntime as ort
+
+    cons = consumers(model, names)
+    if not cons:
+        return {}
+    inits = graph.unique_initializers(model)
+    acts = sorted({a for _, a in cons.values()})
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    present = {o.name for o in m.graph.output}
+    for a in acts:
+        if a not in present:
+            m.graph.output.append(onnx.ValueInfoProto(name=a))
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    out_names = [o.name for o in sess.get_outputs()]
+    allowed = {i.name for i in sess.get_inputs()}
+    rng = np.random.default_rng(seed)
+    sums: dict[str, np.ndarray] = {}
+    rows: dict[str, int] = {}
+    for feed in feeds:
+        res = dict(zip(out_names, sess.run(out_names, {k: v for k, v in feed.items() if k in allowed})))
+        for name, (node, a) in cons.items():
+            x = np.asarray(res[a])
+            dims = tuple(inits[name].dims)
+            if node.op_type == "Conv":
+                if x.ndim != 4 or len(dims) != 4:
+                    continue
+                X = _im2col(x.astype(np.float32), node, dims[2:], rng)
+            else:
+                k = dims[1] if (node.op_type == "Gemm" and _attr(node, "transB", 0)) else dims[0]
+                if x.shape[-1] != k:
+                    continue
+                X = x.reshape(-1, k).astype(np.float64)
+                if X.shape[0] > MAX_ROWS_PER_FEED:
+                    X = X[rng.choice(X.shape[0], MAX_ROWS_PER_FEED, replace=False)]
+            if not np.isfinite(X).all():
+                continue
+            h = X.T @ X
+            sums[name] = sums.get(name, 0) + h
+            rows[name] = rows.get(name, 0) + X.shape[0]
+    return {n: sums[n] / max(rows[n], 1) for n in sums}
+
+
+def as_matrix(w: np.ndarray, node_op: str, trans_b: bool) -> tuple[np.ndarray, callable]:
+    """The weight as (K inputs, N outputs) and the function mapping such a matrix back."""
+    if node_op == "Conv":
+        o = w.shape[0]
+        return w.reshape(o, -1).T, (lambda m: m.T.reshape(w.shape))
+    if trans_b:
+        return w.T, (lambda m: m.T)
+    return w, (lambda m: m)
+
+
+def gptq_levels(w: np.ndarray, h: np.ndarray, scale: np.ndarray, qmin: int, qmax: int,
+                block: int = 128) -> np.ndarray:
+    """Integer levels (K, N) for w (K, N) with per-output-column scales (N,) (zero point 0),
+    rounding rows in order with error feedback through the Cholesky factor of H^-1 (lazy block
+    updates: one matrix product per block of rows)."""
+    w = w.astype(np.float64).copy()
+    k, n = w.shape
+    h = h.astype(np.float64).copy()
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    w[dead, :] = 0.0
+    h[np.diag_indices(k)] += DAMP * float(np.mean(np.diag(h)))
+    try:
+        hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
+    except np.linalg.LinAlgError:
+        h[np.diag_indices(k)] += float(np.mean(np.diag(h)))
+        hinv = np.linalg.cholesky(np.linalg.inv(h)).T
+    s = np.where(scale > 0, scale, 1.0).astype(np.float64)
+    q = np.zeros((k, n), np.int32)
+    for b0 in range(0, k, block):
+        b1 = min(k, b0 + block)
+        wb = w[b0:b1]
+        errs = np.zeros_like(wb)
+        ub = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            row = wb[i]
+            qi = np.clip(np.rint(row / s), qmin, qmax)
+            q[b0 + i] = qi
+            e = (row - qi * s) / ub[i, i]
+            wb[i + 1:] -= np.outer(ub[i, i + 1:], e)
+            errs[i] = e
+        w[b1:] -= hinv[b0:b1, b1:].T @ errs
+    q[:, scale <= 0] = 0
+    return q
+
+
+def _dq_node(qmodel: onnx.ModelProto, name: str):
+    for node in qmodel.graph.node:
+        if node.op_type == "DequantizeLinear" and node.output and node.output[0] == name:
+            return node
+    return None
+
+
+def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: int) -> dict:
+    """GPTQ levels for every weight of `qmodel` (made by quantize_weights from `src` at `bits`,
+    symmetric, per channel) that has a Hessian and a per-output-channel scale.
+    Returns name -> (levels in W's shape, int32; dequantized float array in W's dtype)."""
+    if not hessians:
+        return {}
+    q_inits = graph.unique_initializers(qmodel)
+    s_inits = graph.unique_initializers(src)
+    cons = consumers(src, hessians)
+    qmax = (1 << (bits - 1)) - 1
+    out = {}
+    for name, h in hessians.items():
+        node = _dq_node(qmodel, name)
+        if node is None or len(node.input) < 2 or (len(node.input) > 2 and node.input[2]):
+            continue
+        if _attr(node, "block_size", 0):
+            continue
+        scale_t = q_inits.get(node.input[1])
+        if scale_t is None or name not in s_inits or name not in cons:
+            continue
+        w = graph.tensor_to_array(s_inits[name])
+        scale = graph.tensor_to_array(scale_t)
+        axis = _attr(node, "axis", 1)
+        op = cons[name][0].op_type
+        trans_b = op == "Gemm" and bool(_attr(cons[name][0], "transB", 0))
+        want_axis = 0 if (op == "Conv" or trans_b) else 1
+        if scale.ndim != 1 or w.ndim < 2 or axis != want_axis or scale.size != w.shape[axis]:
+            continue
+        mat, back = as_matrix(w, op, trans_b)
+        if h.shape != (mat.shape[0], mat.shape[0]):
+            continue
+        s32 = scale.astype(np.float32)
+        lv = gptq_levels(mat, h, s32.astype(np.float64), -qmax, qmax)
+        levels = back(lv)
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        deq = (levels.astype(np.float32) * s32.reshape(shape)).astype(w.dtype)
+        out[name] = (levels.astype(np.int32), deq)
+    return out
+
+
+def write_levels(qmodel: onnx.ModelProto, levels_by_name: dict) -> onnx.ModelProto:
+    """A copy of a quantize_weights model whose named weights' integer levels are replaced
+    (same container type, scales and nodes). Main-graph initializers only."""
+    m = onnx.ModelProto()
+    m.CopyFrom(qmodel)
+    q_names = {}
+    for name in levels_by_name:
+        node = _dq_node(m, name)
+        if node is not None:
+            q_names[node.input[0]] = name
+    new = []
+    for t in m.graph.initializer:
+        lv = levels_by_name.get(q_names.get(t.name, ""))
+        if lv is not None and tuple(t.dims) == lv.shape:
+            new.append(graph.array_to_tensor(lv, t.name, t.data_type))
+        else:
+            new.append(t)
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(new)
+    return m
