@@ -220,3 +220,60 @@ def fast_dir_module(tmp_path_factory):
         shutil.rmtree(path, ignore_errors=True)
     else:
         yield tmp_path_factory.mktemp("hyp-rt")
+
+
+# ---------------------------------------------------------------------- mutated .onnx files
+
+def _base_onnx_models():
+    """Serialized small models: a MatMul network, a quantized one, one with an If subgraph."""
+    from fuzz.samples import quantized_samples
+
+    rng = np.random.default_rng(7)
+    w = numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "g",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 32])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 32])], [w])
+    plain = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    return [plain] + [s.files[""] for s in quantized_samples()]
+
+
+BASE_ONNX = None
+
+
+@fuzz_settings(150)
+@given(which=st.integers(0, 2), edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=4),
+       cut=st.one_of(st.none(), st.integers(0, 1 << 20)))
+def test_mutated_onnx_into_loader_passes_and_pack(fast_dir_module, which, edits, cut):
+    """A damaged .onnx file (protobuf bytes changed or cut): load_model, the passes and pack give
+    a SurgeonError or a result (the damage may still be a valid model); pack -> unpack restores
+    the damaged file byte for byte. Never a foreign exception."""
+    global BASE_ONNX
+    if BASE_ONNX is None:
+        BASE_ONNX = _base_onnx_models()
+    data = bytearray(BASE_ONNX[which])
+    for pos, value in edits:
+        data[pos % len(data)] = value
+    if cut is not None:
+        data = data[:cut % (len(data) + 1)]
+    folder = fast_dir_module / "mut"
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    src = folder / "m.onnx"
+    src.write_bytes(bytes(data))
+    try:
+        model = passes.load_model(src)
+    except SurgeonError:
+        return
+    for fn in (lambda: passes.quantize_weights(model, min_elements=0), lambda: passes.fold_dequantize(model)):
+        try:
+            fn()
+        except SurgeonError as exc:
+            assert "\n" not in str(exc)
+    try:
+        passes.pack(src, folder / "m.onnxz")
+    except SurgeonError:
+        return
+    passes.unpack(folder / "m.onnxz", folder / "back.onnx")
+    assert (folder / "back.onnx").read_bytes() == bytes(data)
