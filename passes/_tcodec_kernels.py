@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import numba as nb
 
-PROB_BITS = 14
+PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 16
 N_TOKENS = 232
