@@ -40,7 +40,14 @@ def recording_opens():
         _local.sink = None
 
 
+_CODE = (".py", ".pyc", ".so", ".pth", ".json")  # imports (first use of a module) are not data reads
+_LIBS = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, os.path.dirname(os.__file__)})
+
+
 def outside(opened, folder) -> list[str]:
-    """The opened paths that are not inside `folder` (after resolving links)."""
+    """The opened paths that are not inside `folder` (after resolving links), leaving out the
+    Python modules and libraries a first import opens."""
     base = os.path.realpath(folder)
-    return [p for p in opened if p != base and not p.startswith(base + os.sep)]
+    repo = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "..")) + os.sep
+    return [p for p in opened if p != base and not p.startswith(base + os.sep)
+            and not (p.endswith(_CODE) and (p.startswith(_LIBS) or p.startswith(repo)))]

@@ -14,6 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import passes
 from passes import FileAccessError, InvalidModelError, SurgeonError
 from passes._fileio import load_model
 
@@ -250,3 +251,18 @@ def test_external_data_in_subgraph_constant_is_checked_too(layout):
     path = folder / "sub.onnx"
     path.write_bytes(helper.make_model(graph).SerializeToString())
     _load_refused(path, "leaves the model's folder")
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "SECRET_ABS", "link.bin", "up/secret.bin", "ok.bin\0x", ".", "sub"])
+def test_inference_session_refuses_external_data_outside(layout, location):
+    """passes.InferenceSession maps external data itself (runtime_source): the same refusals."""
+    tmp, folder, secret = layout
+    os.symlink(secret, folder / "link.bin")
+    os.symlink(tmp, folder / "up")
+    loc = str(secret) if location == "SECRET_ABS" else location
+    path = _external_model(folder, loc, "0", "16")
+    passes.InferenceSession  # noqa: B018 - import it (and onnxruntime, which reads /usr/lib/os-release) first
+    with recording_opens() as opened:
+        with pytest.raises(InvalidModelError):
+            passes.InferenceSession(path)
+    assert not outside(opened, folder), outside(opened, folder)
