@@ -295,10 +295,13 @@ def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool) -> No
     """
     from onnx.external_data_helper import _get_all_tensors
 
+    from .graph import copy_model, unique_initializers
+
     folder = p.parent if str(p.parent) else Path(".")
     previous_data = _own_data_files(p) if p.exists() else []
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    # main-graph payloads are not copied into `out` (a second copy of a multi-GB model): they are
+    # written from `model`'s tensors; both walks below visit the same tensors in the same order
+    out = copy_model(model, {n for n, t in unique_initializers(model).items() if t.HasField("raw_data")})
     fd, tmp, release = _make_temp_file(p, folder)
     digest = hashlib.blake2b(digest_size=8)
     placed = []
@@ -306,15 +309,19 @@ def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool) -> No
         release()
         with os.fdopen(fd, "wb") as f:
             offset = 0
-            for t in _get_all_tensors(out):
-                if not t.HasField("raw_data") or len(t.raw_data) < 1024:
+            for src, t in zip(_get_all_tensors(model), _get_all_tensors(out)):
+                if not src.HasField("raw_data"):
+                    continue
+                payload = src.raw_data
+                if len(payload) < 1024:
+                    if not t.HasField("raw_data"):
+                        t.raw_data = payload  # left behind by copy_model, stays inline
                     continue
                 pad = (-offset) % 4096  # 4 KiB alignment lets readers memory-map tensors
                 if pad:
                     f.write(b"\0" * pad)
                     digest.update(b"\0" * pad)
                     offset += pad
-                payload = t.raw_data
                 f.write(payload)
                 digest.update(payload)
                 placed.append((t, offset, len(payload)))
