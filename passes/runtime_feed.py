@@ -80,17 +80,28 @@ class SplitModel:
     skeleton: onnx.ModelProto
     weights: dict  # name -> np.ndarray
 
+    def _inline(self) -> dict:
+        """name -> initializer TensorProto, rebuilt when the initializer list changed (rewrites
+        replace the skeleton or edit the list; lookups must not scan it each time)."""
+        inits = self.skeleton.graph.initializer
+        key = (id(self.skeleton), len(inits))
+        cache = getattr(self, "_inline_cache", None)
+        if cache is None or cache[0] != key:
+            cache = (key, {t.name: t for t in inits})
+            self._inline_cache = cache
+        return cache[1]
+
     def array(self, name: str) -> np.ndarray | None:
         """The value of a main-graph initializer (big or inline), or None when `name` is not one."""
         if name in self.weights:
             return self.weights[name]
-        for t in self.skeleton.graph.initializer:
-            if t.name == name:
-                return None if is_placeholder(t) else numpy_helper.to_array(t)
-        return None
+        t = self._inline().get(name)
+        if t is None or is_placeholder(t):
+            return None
+        return numpy_helper.to_array(t)
 
     def initializer_names(self) -> set:
-        return {t.name for t in self.skeleton.graph.initializer}
+        return set(self._inline())
 
     def set_weight(self, name: str, array: np.ndarray) -> None:
         """Add or replace a main-graph initializer; big arrays are fed, small ones go inline."""
@@ -103,6 +114,9 @@ class SplitModel:
 
     def remove_initializer(self, name: str) -> None:
         self.weights.pop(name, None)
+        if name not in self._inline():
+            return
+        self._inline_cache = None
         inits = self.skeleton.graph.initializer
         for i in range(len(inits) - 1, -1, -1):
             if inits[i].name == name:
@@ -199,17 +213,22 @@ def _big_constant_value(node: onnx.NodeProto) -> TensorProto | None:
 SHAREABLE_DEQUANTIZE = {("", "DequantizeLinear"): {0}}
 
 
-def consumers_shareable(graph, name: str, extra=None) -> bool:
-    """True when every reader of `name` in the main graph is a shareable operator input."""
-    table = {**SHAREABLE_CONSUMERS, **(extra or {})}
-    found = False
+def main_graph_readers(graph) -> dict:
+    """name -> [(domain, op_type, input index)] over the main graph's nodes."""
+    readers: dict = {}
     for node in graph.node:
         for index, inp in enumerate(node.input):
-            if inp == name:
-                found = True
-                if index not in table.get((node.domain or "", node.op_type), ()):
-                    return False
-    return found and name not in {o.name for o in graph.output}
+            readers.setdefault(inp, []).append((node.domain or "", node.op_type, index))
+    return readers
+
+
+def consumers_shareable(graph, name: str, extra=None, readers=None) -> bool:
+    """True when every reader of `name` in the main graph is a shareable operator input."""
+    table = {**SHAREABLE_CONSUMERS, **(extra or {})}
+    uses = (readers if readers is not None else main_graph_readers(graph)).get(name, [])
+    if not uses or name in {o.name for o in graph.output}:
+        return False
+    return all(index in table.get((domain, op), ()) for domain, op, index in uses)
 
 
 def shareable_names(split: SplitModel, extra=None) -> set:

@@ -128,9 +128,10 @@ def plan_fold(split: SplitModel, options) -> set:
     bit-exact with onnxruntime's DequantizeLinear). Not done when the graph quantizes activations
     (QuantizeLinear present): disabling QDQ fusions there would slow it down.
     """
-    from .runtime_feed import consumers_shareable
+    from .runtime_feed import consumers_shareable, main_graph_readers
 
     graph = split.skeleton.graph
+    readers = main_graph_readers(graph)
     if any(n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear") for n in graph.node):
         return set()
     folders = _folders()
@@ -140,7 +141,7 @@ def plan_fold(split: SplitModel, options) -> set:
             continue
         if split.array(node.input[0]) is None or split.array(node.input[0]).nbytes <= 4096:
             continue
-        if not consumers_shareable(graph, node.output[0]):
+        if not consumers_shareable(graph, node.output[0], readers=readers):
             deferred.add(node.output[0])
     if deferred:
         options.add_session_config_entry("session.disable_quant_qdq", "1")

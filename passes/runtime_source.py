@@ -149,8 +149,7 @@ def read_packed(path: Path, threads=None) -> SplitModel:
 
     with open_packed(path, threads=threads) as packed:
         pf = packed._pf  # the pack reader's file layer: skeleton pieces and chunk decoding
-        buf = _restore_graph_bytes(pf)
-        model, stripped = _cut_skeleton(buf, str(path))
+        model, stripped, buf = _packed_skeleton(pf, str(path))
         entries = {(t.file, t.offset): t for t in pf.index.tensors}
         arrays = {}
         for s in stripped:
@@ -171,10 +170,14 @@ def _entry_array(packed, entry, dtype, shape) -> np.ndarray:
     return array.reshape(shape) if list(array.shape) != list(shape) else array
 
 
-def _restore_graph_bytes(pf) -> np.ndarray:
-    """File 0 of the pack with every payload chunk left as zero pages except the small ones.
+def _packed_skeleton(pf, name: str):
+    """(skeleton ModelProto, stripped tensors, restored buffer) of the pack's model file.
 
-    np.zeros gets fresh zero pages from the kernel: a chunk never written costs no memory."""
+    File 0 is restored into fresh zero pages with its graph bytes and the payloads of small
+    tensors only: np.zeros gets untouched pages from the kernel, so a big payload never decoded
+    costs no memory. The tensors the walk then strips are decoded later, one by one. A big
+    payload the walk keeps inline (in a subgraph, or a layout that cannot be viewed) is decoded
+    too and the walk repeated (rare)."""
     from .onnxz.protowire import WireError
     from .runtime_wire import strip_main_graph_payloads
 
@@ -187,22 +190,40 @@ def _restore_graph_bytes(pf) -> np.ndarray:
             buf[off:off + ln] = skel[src[1]:src[1] + ln]
         else:
             chunks.append((off, ln, src))
-    try:  # first pass reads tags and lengths only: which payloads will be stripped
-        _, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)
-    except (WireError, IndexError, ValueError) as exc:
-        raise CorruptFileError(f"damaged .onnxz file: its model does not parse ({exc})") from None
-    big = sorted((s.offset, s.offset + s.length) for s in stripped)
+    big = [(t.offset, t.length) for t in pf.index.tensors
+           if t.file == 0 and t.stream is not None and t.length > INLINE_MAX_BYTES]
+    decoded = set()
+
+    def decode(select):
+        tasks = []
+        for off, ln, src in chunks:
+            if off in decoded or not select(off, ln, src):
+                continue
+            decoded.add(off)
+            tasks.append((pf._decode_chunk, src[1], src[2], buf[off:off + ln]))
+        pf._run(tasks)
+
+    big_ranges = sorted((a, a + n) for a, n in big)
+    starts = [a for a, _ in big_ranges]
     import bisect
 
-    starts = [a for a, _ in big]
-    tasks = []
-    for off, ln, src in chunks:
+    def in_big(off, ln):
         i = bisect.bisect_right(starts, off) - 1
-        if i >= 0 and big[i][0] <= off and off + ln <= big[i][1]:
-            continue  # inside a big payload: decoded later, tensor by tensor
-        tasks.append((pf._decode_chunk, src[1], src[2], buf[off:off + ln]))
-    pf._run(tasks)
-    return buf
+        return i >= 0 and big_ranges[i][0] <= off and off + ln <= big_ranges[i][1]
+
+    decode(lambda off, ln, src: not in_big(off, ln))
+    for attempt in range(2):
+        try:
+            skeleton_bytes, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)
+        except (WireError, IndexError, ValueError) as exc:
+            raise CorruptFileError(f"damaged .onnxz file: its model does not parse ({exc})") from None
+        taken = {(s.offset, s.length) for s in stripped}
+        missing = [(a, n) for a, n in big if (a, n) not in taken]
+        if not missing or attempt:
+            break
+        ranges = sorted((a, a + n) for a, n in missing)
+        decode(lambda off, ln, src: any(a <= off and off + ln <= b for a, b in ranges))
+    return parse_model_bytes(skeleton_bytes, name), stripped, buf
 
 
 def _packed_external(model, pf, packed, entries, arrays) -> None:
