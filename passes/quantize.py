@@ -262,6 +262,11 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     const_nodes: dict[int, dict[str, list[onnx.NodeProto]]] = {}
     storage = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8,
                "int4": TensorProto.INT4, "uint4": TensorProto.UINT4}[levels.storage]
+    # main-graph initializers to replace leave the graph now, so that each result goes into it
+    # as soon as it is computed and its arrays are freed (no second copy of the output in memory)
+    early = {w.name for w, r in zip(weights, reasons) if r is None and w.graph_key == 0 and w.node is None}
+    for i in reversed([i for i, t in enumerate(out.graph.initializer) if t.name in early]):
+        del out.graph.initializer[i]
 
     for i, (w, reason) in enumerate(zip(weights, reasons)):
         if reason == "not float":
@@ -274,7 +279,10 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         if reason is None and done is None:
             reason = "non-finite values"
         if reason is not None:
-            if data_of(w) is not w.tensor:  # kept after all: its payload goes back in
+            if reasons[i] is None and w.name in early and w.graph_key == 0 and w.node is None:
+                # chosen, then kept after all (non-finite values): its tensor goes back in
+                out.graph.initializer.add().CopyFrom(data_of(w))
+            elif data_of(w) is not w.tensor:
                 w.tensor.CopyFrom(data_of(w))
             if report is not None:
                 report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type), f"kept: {reason}",
@@ -298,7 +306,11 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         dq = helper.make_node("DequantizeLinear", [p[1] for p in parts], [w.name],
                               name=names.take(w.name + "_DequantizeLinear"), **attrs)
         after = sum(graph.array_nbytes(a, t) for a, _, t in parts)
-        if w.node is None:
+        if w.node is None and w.graph_key == 0 and w.name in early:
+            for arr, name, elem_type in parts:
+                graph.fill_tensor(out.graph.initializer.add(), arr, name, elem_type)
+            new_first_nodes.setdefault(0, []).append(dq)
+        elif w.node is None:
             new_inits.setdefault(w.graph_key, {})[w.name] = parts
             new_first_nodes.setdefault(w.graph_key, []).append(dq)
         else:
@@ -314,7 +326,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     # children before parents: rewriting a parent copies its nodes, subgraphs included
     for info in reversed(graphs):
         k = info.key
-        if k not in new_inits and k not in const_nodes:
+        if k not in new_inits and k not in const_nodes and k not in new_first_nodes:
             continue
         g = info.graph
         if k in new_inits:
