@@ -131,8 +131,10 @@ def timed(argv: list[str], cwd: Path) -> dict:
     cpu = float(field("User time (seconds)")) + float(field("System time (seconds)"))
     rss = int(field("Maximum resident set size (kbytes)")) * 1024
     tail = (proc.stdout.strip().splitlines() or [""])[-1]
-    if proc.returncode:
-        tail = (err.strip().split("\tCommand being timed")[0].strip().splitlines() or [""])[-1]
+    if proc.returncode:  # the command's own message, before /usr/bin/time's report
+        own = [ln for ln in err.split("\tCommand being timed")[0].strip().splitlines()
+               if not ln.startswith("Command exited")]
+        tail = own[-1] if own else f"exit {proc.returncode}"
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss": rss, "rc": proc.returncode, "last_line": tail}
 
 
@@ -171,7 +173,9 @@ def main() -> int:
         results["model"].update(build_s=round(time.perf_counter() - t0, 1), bytes_on_disk=_size(src))
         print(f"built {src} ({results['model']['layers']} layers, {results['model']['bytes_on_disk'] / 1e9:.2f} GB on disk)")
         steps = results["steps"]
-        q, f, z, u = work / "q.onnx", work / "folded.onnx", work / "large.onnxz", work / "unpacked.onnx"
+        # unpack restores the data file under its original name: into a folder of its own
+        (work / "unpacked").mkdir(exist_ok=True)
+        q, f, z, u = work / "q.onnx", work / "folded.onnx", work / "large.onnxz", work / "unpacked" / src.name
         plan = [  # (name, argv, output, steps it needs)
             ("compress", cli + ["compress", str(src), "-o", str(q)], q, ()),
             ("check int8", py + ["-c", CHECK, str(q)], None, ("compress",)),
