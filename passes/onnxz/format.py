@@ -108,7 +108,7 @@ class Chunk:
     offset: int
     raw_length: int
     planes: List[int]  # stored length of each plane
-    crc32: int  # of the chunk's stored bytes
+    xxh3: int  # XXH3-64 (seed 0) of the chunk's stored bytes
 
     @property
     def stored(self) -> int:
@@ -219,13 +219,13 @@ def _stream(obj, extents: _Extents, what: str) -> Stream:
         if not isinstance(c, list) or len(c) != 4 or not isinstance(c[2], list):
             raise _bad(f"{what}: chunk entry")
         off = _int(c[0], "chunk offset")
-        crc = _int(c[3], "chunk crc32", 0, 0xFFFFFFFF)
+        digest = _int(c[3], "chunk xxh3", 0, (1 << 64) - 1)
         raw = _int(c[1], "chunk length", 0, MAX_CHUNK_BYTES)
         planes = [_int(p, "plane length", 1, MAX_CHUNK_BYTES + (1 << 16)) for p in c[2]]
         if len(planes) != len(plane_sizes(codec, params, raw)):
             raise _bad(f"{what}: {codec} chunk with {len(planes)} planes")
         extents.add(off, sum(planes))
-        chunks.append(Chunk(off, raw, planes, crc))
+        chunks.append(Chunk(off, raw, planes, digest))
         total += raw
     return Stream(codec, params, chunks, total)
 

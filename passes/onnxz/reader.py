@@ -5,7 +5,6 @@ import hashlib
 import math
 import os
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
+import xxhash
 
 from .._fileio import atomic_output, check_readable, check_writable, load_external_data, parse_model_bytes
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
@@ -88,8 +88,8 @@ class PackedFile:
             raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
         if got != n:
             raise CorruptFileError(f"truncated .onnxz file: chunk at {chunk.offset} runs past the end")
-        if zlib.crc32(mv) != chunk.crc32:
-            raise CorruptFileError(f"damaged .onnxz file: chunk at {chunk.offset} fails its CRC-32")
+        if xxhash.xxh3_64_intdigest(mv) != chunk.xxh3:
+            raise CorruptFileError(f"damaged .onnxz file: chunk at {chunk.offset} fails its checksum (XXH3-64)")
         frames, pos = [], 0
         for ln in chunk.planes:
             frames.append(mv[pos:pos + ln])

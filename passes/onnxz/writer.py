@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
+import xxhash
 
 from .. import __version__
 from .._fileio import _safe_external_path, atomic_output, check_readable, check_writable, parse_model_bytes
@@ -201,10 +202,10 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         for job, enc in zip(jobs, pool.map(encode, jobs)):
             chunks = []
             for c in enc.chunks:
-                crc = 0
+                digest = xxhash.xxh3_64()
                 for p in c.planes:
-                    crc = zlib.crc32(p, crc)
-                chunks.append([pos, c.raw_length, [len(p) for p in c.planes], crc])
+                    digest.update(p)
+                chunks.append([pos, c.raw_length, [len(p) for p in c.planes], digest.intdigest()])
                 for p in c.planes:
                     f.write(p)
                     pos += len(p)
