@@ -136,6 +136,16 @@ def prepare_corpus_model(name: str, tmp: Path) -> dict:
     return files
 
 
+def prepare_in_subprocess(name: str, tmp: Path) -> dict:
+    """prepare_corpus_model with the code as it is now (the pack format may evolve while a long
+    run goes on: files are written by the same code that the workers then read them with)."""
+    proc = subprocess.run([sys.executable, __file__, "--prepare", json.dumps([name, str(tmp)])], capture_output=True,
+                          text=True, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise SystemExit(f"preparing {name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return {k: Path(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
 def generate_big_model(tmp: Path, gigabytes: float, width: int = 4096) -> tuple[Path, int]:
     """A chain of MatMul (width x width float32) whose weights tile real corpus tensors, saved with
     external data, tensor by tensor (never the whole model in memory)."""
@@ -224,7 +234,12 @@ def main(argv=None) -> int:
     ap.add_argument("--provider", choices=sorted(PROVIDERS), default="cpu")
     ap.add_argument("--out", default=str(OUT / "load.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--prepare", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.prepare:
+        name, folder = json.loads(args.prepare)
+        print(json.dumps({k: str(v) for k, v in prepare_corpus_model(name, Path(folder)).items()}))
+        return 0
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
@@ -237,7 +252,7 @@ def main(argv=None) -> int:
         for name in [m for m in args.models.split(",") if m]:
             entry = manifest[name]
             print(f"[{name}] compressing and packing ...", file=sys.stderr, flush=True)
-            files = prepare_corpus_model(name, tmp)
+            files = prepare_in_subprocess(name, tmp)
             base = {"threads": args.threads, "repeat": args.repeat, "n_feeds": args.feeds, "provider": provider,
                     "feeds": str(CORPUS / entry["feeds"])}
             variants = [("float.onnx", "plain"), ("q8.folded.onnx", "plain"), ("q8.onnx", "plain"),
@@ -304,7 +319,8 @@ def _big(args, tmp, provider, rows):
     print("[big] packing ...", file=sys.stderr, flush=True)
     t = time.perf_counter()
     packed = tmp / "big.onnxz"
-    passes.pack(str(path), str(packed), force=True)
+    subprocess.run([sys.executable, "-c", "import sys, passes; passes.pack(sys.argv[1], sys.argv[2], force=True)",
+                    str(path), str(packed)], check=True, cwd=str(ROOT))
     pack_s = time.perf_counter() - t
     base = {"threads": args.threads, "repeat": 2, "n_feeds": 4, "provider": provider, "feeds": None, "big_width": 4096}
     results = {}

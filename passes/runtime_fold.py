@@ -108,12 +108,43 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None) -> in
             consumers[name] = consumers.get(name, 0) - 1
         if progress:
             progress(done, len(nodes))
+    folded |= _fold_palettes(split, consumers, only)
     if folded:
         keep = [n for n in split.skeleton.graph.node if not (n.output and n.output[0] in folded)]
         del split.skeleton.graph.node[:]
         split.skeleton.graph.node.extend(keep)
         split.refresh_placeholders()
     return len(folded)
+
+
+def _fold_palettes(split: SplitModel, consumers: dict, only) -> set:
+    """Palette weights (passes.palette: Cast of constant uint8 indices -> Gather on a constant
+    1-D table) become table[indices], exactly what onnxruntime computes; returns the output
+    names of the nodes replaced (the Cast and the Gather)."""
+    graph = split.skeleton.graph
+    inits = split.initializer_names()
+    cast_of = {n.output[0]: n for n in graph.node
+               if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.input and n.input[0] in inits}
+    done = set()
+    for node in list(graph.node):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        if only is not None and not only(node):
+            continue
+        cast = cast_of.get(node.input[1])
+        if cast is None or node.input[0] not in inits or _attr(node, "axis", 0) != 0:
+            continue
+        table, idx = split.array(node.input[0]), split.array(cast.input[0])
+        if table is None or idx is None or table.ndim != 1 or idx.dtype not in (np.uint8, np.int8):
+            continue
+        if consumers.get(cast.output[0], 0) != 1:
+            continue
+        idx = idx.astype(np.int64)
+        if idx.size and (idx.min() < -table.size or idx.max() >= table.size):
+            continue  # onnxruntime refuses such indices: leave the error to it
+        split.set_weight(node.output[0], table[idx])
+        done |= {node.output[0], cast.output[0]}
+    return done
 
 
 def plan_fold(split: SplitModel, options) -> set:

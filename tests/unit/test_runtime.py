@@ -368,3 +368,16 @@ def test_prepack_option(files):
         np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(InvalidArgumentError):
         passes.InferenceSession(f["q8z"], prepack="yes")
+
+
+def test_fold_of_palette_weights(files, tmp_path):
+    palettize = pytest.importorskip("passes.palette").palettize
+    f = files["dense"]
+    p = palettize(f["model"], bits=4)
+    path = tmp_path / "palette.onnx"
+    onnx.save(p, str(path))
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(path, mode="fold")
+    assert "Gather" not in session.op_counts and "Cast" not in session.op_counts
+    for got, want in zip(run(session, feeds), run_plain(p, feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
