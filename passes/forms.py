@@ -224,12 +224,22 @@ def _search(part: _Rows, search: bool):
         better = (err < best_err) | first  # the first candidate always counts (err may be inf)
         best_err = np.where(better, err, best_err)
         best_k = np.where(better, ks, best_k)
+        return err
 
     if search:
         # (not on a subsample of each row: the clipping error comes from a few outliers that a
         # subsample misses; on minilm's embeddings that chose 0.74 where 1.0 is best)
+        # The coarse sweep stops once every row's error has risen twice in a row (past its
+        # minimum: int8 channels usually are after 1.0, 0.9, 0.8), saving up to half the work.
+        rises = np.zeros(g, dtype=np.int64)
+        last = None
         for i, k in enumerate(_COARSE):
-            consider(np.full(g, k), i == 0, part)
+            err = consider(np.full(g, k), i == 0, part)
+            if last is not None:
+                rises = np.where((err > last) | ~np.isfinite(err), rises + 1, 0)
+            last = err
+            if rises.min() >= 2:
+                break
         coarse = best_k.copy()
         for d in _FINE:
             ks = coarse + d
