@@ -152,10 +152,12 @@ def _encode_skeleton(data: bytes) -> codecs.EncodedStream:
 
 
 def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = False, progress=None,
-         chunk_bytes: int = codecs.CHUNK_BYTES) -> PackStats:
+         chunk_bytes: int = codecs.CHUNK_BYTES, effort: str = "default") -> PackStats:
     """Write `model_or_path` (a ModelProto or an .onnx path, with its external data) to `dst` (.onnxz).
 
     Unpacking restores the model file and its external data files byte for byte.
+    effort="max" also tries codec layouts that shave ~0.1% off float32 weights at ~30% more
+    decode time (fpairs "split"); "default" keeps decode fast.
     """
     t0 = time.perf_counter()
     dst = Path(dst)
@@ -164,6 +166,8 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         raise InvalidArgumentError("the packed file would replace its own source; choose another output name")
     if not (isinstance(chunk_bytes, int) and 64 <= chunk_bytes <= 4 << 20):
         raise InvalidArgumentError("chunk_bytes must be between 64 and 4 MiB")
+    if effort not in codecs.EFFORTS:
+        raise InvalidArgumentError(f"effort must be one of {codecs.EFFORTS}, got {effort!r}")
     model, externals, label = _load_sources(model_or_path)
     sources = [model] + externals
     threads = threads or os.cpu_count() or 1
@@ -191,7 +195,9 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
             return _encode_skeleton(_skeleton(sources[i].data, plans[i]))
         r = all_refs[i]
         data = np.frombuffer(sources[ref_file[i]].data, dtype=np.uint8, count=r.length, offset=r.offset)
-        return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes)
+        # effort passed only when not the default: test tools patch encode_tensor without it
+        extra = {"effort": effort} if effort != "default" else {}
+        return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
 
     tensor_streams: Dict[int, dict] = {}
     skeletons: Dict[int, dict] = {}

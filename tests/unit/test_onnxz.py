@@ -521,3 +521,21 @@ def test_paired_rank_codecs_round_trip_and_damage_detected(tmp_path, monkeypatch
         assert pm.get_tensor("w").tobytes() == w.tobytes()
         assert pm.get_tensor("q").tobytes() == q.tobytes()
         assert pm.get_tensor("w2").tobytes() == w2.tobytes()
+
+
+def test_effort_max_tries_split_and_round_trips(tmp_path):
+    # split is off by default (decode speed); effort="max" tries it, and the file is never larger
+    w = _weights(1 << 18)
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w")]))
+    src = tmp_path / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    default = passes.pack(src, tmp_path / "d.onnxz")
+    best = passes.pack(src, tmp_path / "x.onnxz", effort="max")
+    assert best.packed_bytes <= default.packed_bytes
+    with passes.open_packed(tmp_path / "d.onnxz") as pm:
+        assert not any(t["params"].get("split") for t in pm.metadata()["tensors"])
+    with passes.open_packed(tmp_path / "x.onnxz") as pm:
+        assert np.array_equal(pm.get_tensor("w"), w)
+    assert passes.unpack(tmp_path / "x.onnxz", tmp_path / "x.onnx").read_bytes() == src.read_bytes()
+    with pytest.raises(passes.InvalidArgumentError):
+        passes.pack(src, tmp_path / "e.onnxz", effort="fast")
