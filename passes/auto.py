@@ -33,8 +33,8 @@ from .report import Report, TensorChange
 
 DEFAULT_BITS = (3, 4, 5, 6, 7, 8)
 SENSITIVITY_FEEDS = 6
-GPTQ_MAX_BITS = 6  # above this, plain rounding is already close to the weights
-TOP1_SNR_DB = 20.0  # output SNR also asked of the search when the target is an agreement >= 0.98
+GPTQ_MAX_BITS = 8  # error feedback at every width: it lowers the output error of 7-8 bit weights too
+TOP1_SNR_DB = 30.0  # output SNR also asked of the search when the target is an agreement >= 0.98
 
 
 def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -91,13 +91,15 @@ def _meets(result, reqs) -> bool:
 
 def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict | None = None,
              bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4, gptq: bool = True,
+             min_elements: int = 128,
              n_synthesized: int = 8, report: Report | None = None, progress=None):
     """Returns (compressed ModelProto, report dict). See the module docstring.
 
     target: "top1>=0.99", "cosine>=0.999", "maxabs<=0.01", "snr>=30" or a comma list of them.
     feeds: list of feed dicts, an .npz path, or None (synthesised; fidelity on real data unmeasured).
     bits: candidate widths (2..8) for weights; a weight may also stay float.
-    gptq: error-feedback rounding (passes.gptq) for MatMul/Gemm/Conv weights at <= 6 bits."""
+    gptq: error-feedback rounding (passes.gptq) for MatMul/Gemm/Conv weights.
+    min_elements: smaller tensors (and 1-D ones, biases) stay float."""
     from .fidelity import check_feeds, load_feeds, parse_requirements, run_outputs, synthesize_feeds
     from .quantize import quantize_weights
 
@@ -136,7 +138,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     src = _constants_to_initializers(src)
 
     ref = run_outputs(src, feeds)
-    infos, models = sens.dequantized_forms(src, bits, granularity=granularity)
+    infos, models = sens.dequantized_forms(src, bits, granularity=granularity, min_elements=min_elements)
     gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
     if gptq and infos:
         from . import gptq as gq
@@ -169,7 +171,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         for b in bits:
             names = [n for n, nb in plan.items() if nb == b]
             if names:
-                out = quantize_weights(out, bits=b, granularity=granularity,
+                out = quantize_weights(out, bits=b, granularity=granularity, min_elements=min_elements,
                                        include=[sens.pattern_for(n) for n in names])
         refined = {n: gptq_levels[b][n] for n, b in plan.items() if n in gptq_levels.get(b, {})}
         if refined:
