@@ -51,6 +51,8 @@ _LAZY = {
     "verify": "onnxz",
     "InferenceSession": "runtime",
     "compress": "auto",
+    "palettize": "palette",
+    "fold_palettes": "palette",
     "encode_array": "tensorcodec",
     "decode_array": "tensorcodec",
     "load_model": "_fileio",
