@@ -60,6 +60,7 @@ def _family_tensors(rng, nbytes: int):
         "f64_holding_f32": rng.standard_normal(n(8)).astype(np.float32).astype(np.float64),  # narrow 11->1
         "i8": q,                                                          # bytes (entropy)
         "u8": (q.astype(np.int16) + 128).astype(np.uint8),                # bytes
+        "ternary": rng.integers(-1, 2, max(n(1), 4096)).astype(np.int8),  # bpairs (few distinct bytes; wins from ~4 KiB)
         "i16": rng.integers(-300, 300, n(2)).astype(np.int16),            # planes w=2
         "i32": rng.integers(-5000, 5000, n(4)).astype(np.int32),          # planes w=4
         "i64": rng.integers(-10**6, 10**6, n(8)).astype(np.int64),        # planes w=8
@@ -283,7 +284,7 @@ SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
 }
 
 
-REQUIRED_FAMILIES = {"bytes", "planes", "fplanes", "fpairs", "narrow", "skeleton"}
+REQUIRED_FAMILIES = {"bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "skeleton"}
 
 
 def check_families(samples: List[Sample]) -> set:

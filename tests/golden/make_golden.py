@@ -104,6 +104,10 @@ def cases():
     out["subgraph-empty-small"] = ([numpy_helper.from_array(np.zeros((0, 8), np.float32), "w_empty"),
                                     numpy_helper.from_array(np.arange(3, dtype=np.float32), "w_tiny")],
                                    {"fplanes", "skeleton"}, {"extra_nodes": [cond, if_node]}, False)
+    # bpairs (few distinct byte values; the writer picks it from about 4 KiB), drawn last so that
+    # the arrays above stay those of the first golden set
+    out["bpairs-ternary"] = ([numpy_helper.from_array(rng.integers(-1, 2, 4096).astype(np.int8), "w_ternary")],
+                             {"bpairs"}, {}, False)
     return out
 
 

@@ -45,7 +45,7 @@ def test_golden_files_exist_for_every_codec_family():
     for folder in VERSIONS:
         for entry in json.loads((folder / "MANIFEST.json").read_text())["files"].values():
             used |= set(entry["codecs"])
-    assert {"bytes", "planes", "fplanes", "fpairs", "narrow", "skeleton"} <= used, used
+    assert {"bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "skeleton"} <= used, used
 
 
 @pytest.mark.parametrize("folder, name, entry", list(_entries()))
