@@ -573,9 +573,9 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
 
     onnx.version_converter adapts the nodes; it runs on a skeleton whose large tensor payloads are
     stashed (it serialises the model, which would fail over 2 GB and costs memory), and its result
-    is checked. `payloads` supplies the data of main-graph initializers that `model` holds without
-    raw_data (see copy_model); in a result over 2 GB those stay without raw_data (the caller
-    replaces them). When the converter fails, the opset number is bumped only if no op used by the
+    is checked (on a view without payloads, see _typed_inputs_view). `payloads` holds the data of
+    main-graph initializers that `model` has without raw_data (see copy_model): they stay without
+    raw_data in the result too (the caller reads them from `payloads`). When the converter fails, the opset number is bumped only if no op used by the
     model changed between the two versions; otherwise UnsupportedFormError says why.
     """
     from onnx.external_data_helper import _get_all_tensors
@@ -601,9 +601,8 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
             t.data_location = TensorProto.EXTERNAL
             e = t.external_data.add()
             e.key, e.value = "location", f"{_STASH}-{len(stash) - 1}"
-    # the checker can only run on a model protobuf can serialise; a larger one is trusted to the
-    # converter, and then the payloads the caller holds (`payloads`) need not be put back at all
-    checkable = skeleton.ByteSize() + sum(tensor_nbytes(t) for t in main) + sum(map(len, stash)) < 2**31 - 1
+    stubs = set(index)
+    before = _typed_inputs_view(skeleton, stubs, stash)
     how = f"opset raised from {old} to {target} (onnx.version_converter)"
     try:
         converted = onnx.version_converter.convert_version(skeleton, target)
@@ -619,11 +618,15 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
             if op.domain in ("", "ai.onnx"):
                 op.version = target
         how = f"opset raised from {old} to {target} (no op of the model changed between those versions)"
+    need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
+    if converted.ir_version < need_ir:
+        converted.ir_version = need_ir
+    _verify_conversion(before, _typed_inputs_view(converted, stubs, stash), old, target)
     for t in _get_all_tensors(converted):
         if t.data_location == TensorProto.EXTERNAL:
             loc = {e.key: e.value for e in t.external_data}.get("location", "")
             if loc.startswith(_STASH + "-main-"):
-                if checkable or t.name not in payloads:
+                if t.name not in payloads:  # the caller reads those from `payloads` itself
                     t.raw_data = main[int(loc.rsplit("-", 1)[1])].raw_data
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
@@ -631,26 +634,43 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
                 t.raw_data = stash[int(loc.rsplit("-", 1)[1])]
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
-    need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
-    if converted.ir_version < need_ir:
-        converted.ir_version = need_ir
-    if checkable:
-        _verify_conversion(model, converted, old, target, payloads)
     return converted, how
 
 
-def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, old: int, target: int,
-                       payloads: dict[str, TensorProto] | None = None) -> None:
-    """The converted model must pass the checker whenever the original does (models over 2 GB
-    cannot be checked in memory and are trusted to the converter)."""
+def _typed_inputs_view(skeleton: onnx.ModelProto, stubs: set[str], stash: list[bytes]) -> onnx.ModelProto:
+    """What the checker needs to judge a conversion, without the large payloads: a copy of
+    `skeleton` whose stubbed main-graph initializers are typed graph inputs of the same type and
+    shape (the converter adapts nodes, never payloads) and whose other stashed tensors are back.
+
+    Checking this costs no copy of the weights, so models of any size (also over 2 GB) are checked.
+    """
+    from onnx.external_data_helper import _get_all_tensors
+
+    view = copy_model(skeleton)
+    g = view.graph
+    inputs = {v.name for v in g.input}
+    typed = [t for t in g.initializer if t.name in stubs]
+    for i in reversed([i for i, t in enumerate(g.initializer) if t.name in stubs]):
+        del g.initializer[i]
+    for t in typed:
+        if t.name not in inputs:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    for t in _get_all_tensors(view):
+        if t.data_location == TensorProto.EXTERNAL:
+            loc = {e.key: e.value for e in t.external_data}.get("location", "")
+            if loc.startswith(_STASH + "-") and not loc.startswith(_STASH + "-main-"):
+                t.raw_data = stash[int(loc.rsplit("-", 1)[1])]
+                del t.external_data[:]
+                t.data_location = TensorProto.DEFAULT
+    return view
+
+
+def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, old: int, target: int) -> None:
+    """The converted model must pass the checker whenever the original does (both as
+    _typed_inputs_view gives them)."""
     try:
         onnx.checker.check_model(converted, full_check=True)
     except Exception as exc:  # noqa: BLE001 - the checker raises several C++-bound types
-        if payloads:  # the original as the caller sees it: its left-behind payloads put back
-            original = copy_model(original)
-            for t in original.graph.initializer:
-                if t.name in payloads and not t.HasField("raw_data"):
-                    t.raw_data = payloads[t.name].raw_data
         try:
             onnx.checker.check_model(original, full_check=True)
         except Exception:  # noqa: BLE001 - the original fails too: nothing was made worse

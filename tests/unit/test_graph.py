@@ -8,6 +8,7 @@ from onnx import helper
 
 import modelgen as mg
 from passes import forms, graph
+from passes.errors import UnsupportedFormError
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -158,8 +159,29 @@ def test_raise_opset_with_payloads_held_elsewhere():
     stub = graph.copy_model(m, set(held))
     out, _ = graph.raise_opset(stub, 13, payloads=held)
     assert graph.default_opset(out) == 13
-    assert {t.name: t.raw_data for t in out.graph.initializer} == {t.name: t.raw_data for t in m.graph.initializer}
+    # the held payloads are not copied back (the caller reads them from `payloads`)
+    assert not any(t.HasField("raw_data") for t in out.graph.initializer if t.name in held)
+    assert all(t.data_location == TP.DEFAULT and not t.external_data for t in out.graph.initializer)
+    for t in out.graph.initializer:
+        t.raw_data = held[t.name].raw_data
     onnx.checker.check_model(out, full_check=True)
+    assert [n.op_type for n in out.graph.node] == [n.op_type for n in m.graph.node]
+
+
+def test_raise_opset_checks_the_result_without_payloads(monkeypatch):
+    """The conversion is judged on typed graph inputs in place of large initializers: a
+    converter result that breaks a node is refused, the weights never go through the checker."""
+    m = mg.conv_model("float32", 11)
+    real = onnx.version_converter.convert_version
+
+    def broken(model, target):
+        out = real(model, target)
+        out.graph.node[0].input[0] = "nobody_makes_this"
+        return out
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", broken)
+    with pytest.raises(UnsupportedFormError, match="invalid model"):
+        graph.raise_opset(m, 13)
 
 
 def test_unique_initializers_drops_repeated_names():
