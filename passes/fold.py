@@ -106,6 +106,8 @@ def _check_opset(node: onnx.NodeProto, opset: int, arrays: list) -> None:
 register_folder("DequantizeLinear", _fold_dequantize_linear)
 register_folder("DequantizeLinear", _fold_dequantize_linear, domain="ai.onnx")
 
+_CACHE_BELOW = 1 << 20  # decoded inputs kept for other nodes up to this size (bytes)
+
 _DTYPES = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16}
 
 
@@ -154,7 +156,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
 
     folded_output: dict[int, tuple[np.ndarray, int]] = {}  # id(node) -> result
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
-    added_inits: dict[int, list[tuple[np.ndarray, str, int]]] = {}
+    added_inits: dict[int, list[str]] = {}  # graph key -> folded initializers appended
     consumed: list[_Const] = []
     decoded: dict[int, np.ndarray] = {}
     for done, (key, node) in enumerate(foldable, 1):
@@ -169,10 +171,13 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
                 arrays.append(None)
                 types.append(0)
                 continue
-            if id(c.tensor) not in decoded:
+            value = decoded.get(id(c.tensor))
+            if value is None:
                 held = c.graph_key == 0 and c.node is None and c.tensor.name in payloads
-                decoded[id(c.tensor)] = graph.tensor_to_array(payloads[c.tensor.name] if held else c.tensor)
-            arrays.append(decoded[id(c.tensor)])
+                value = graph.tensor_to_array(payloads[c.tensor.name] if held else c.tensor)
+                if value.nbytes <= _CACHE_BELOW:  # scales, zero points: shared, small
+                    decoded[id(c.tensor)] = value
+            arrays.append(value)
             types.append(c.tensor.data_type)
         if node.op_type == "DequantizeLinear":
             _check_opset(node, opset, arrays)
@@ -196,8 +201,10 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
             new_nodes.append(helper.make_node("Constant", [], [stored_name], name=names.take(stored_name + "_Constant"),
                                               value=tensor))
         else:
-            # written straight into the graph at the end: one copy of the payload, not three
-            added_inits.setdefault(key, []).append((stored, stored_name, store_type))
+            # written straight into the graph now: one copy of the payload, and the array is
+            # freed at once (holding every folded array until the end doubled peak memory)
+            graph.fill_tensor(graphs[key].graph.initializer.add(), stored, stored_name, store_type)
+            added_inits.setdefault(key, []).append(stored_name)
         if store_type != elem_type:
             new_nodes.append(helper.make_node("Cast", [stored_name], [out_name], name=names.take(out_name + "_Cast"),
                                               to=elem_type))
@@ -243,11 +250,11 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
         touched = any(id(n) in replaced or id(n) in dead_nodes for n in g.node)
         if k in dead_inits or k in added_inits:
             dead = dead_inits.get(k, set())
-            # in place: deleting and adding entries copies no payload of the kept tensors
-            for i in reversed([i for i, t in enumerate(g.initializer) if t.name in dead]):
+            # in place: deleting entries copies no payload of the kept tensors; only the graph's
+            # own initializers, not the folded ones appended after them
+            own = len(g.initializer) - len(added_inits.get(k, []))
+            for i in reversed([i for i, t in enumerate(g.initializer) if i < own and t.name in dead]):
                 del g.initializer[i]
-            for arr, name, elem_type in added_inits.get(k, []):
-                graph.fill_tensor(g.initializer.add(), arr, name, elem_type)
             if dead:
                 for i in reversed([i for i, v in enumerate(g.value_info) if v.name in dead]):
                     del g.value_info[i]
