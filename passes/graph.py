@@ -77,7 +77,12 @@ def tensor_to_array(t: TensorProto) -> np.ndarray:
     if t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
         bits = np.asarray(t.int32_data, dtype=np.int32).astype(np.uint16)
         return bits.view(NUMPY_TYPES[t.data_type]).reshape(shape)
-    return onnx.numpy_helper.to_array(t)
+    try:
+        return onnx.numpy_helper.to_array(t)
+    except Exception as exc:  # noqa: BLE001 - unknown type codes, sizes that disagree, bad strings
+        raise InvalidModelError(
+            f"tensor {t.name!r}: cannot read its data as {type_name(t.data_type) if t.data_type in TensorProto.DataType.values() else t.data_type} ({type(exc).__name__})"
+        ) from None
 
 
 def array_to_tensor(arr: np.ndarray, name: str, elem_type: int) -> TensorProto:

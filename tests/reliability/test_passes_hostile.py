@@ -346,10 +346,6 @@ def test_fold_does_not_invent_values_for_nodes_onnxruntime_refuses(name):
     assert _fold_outcome(INVALID_DQ[name]) in ("refused", "kept")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/graph.tensor_to_array (via fold_dequantize): a DequantizeLinear input initializer with "
-    "an unknown or mismatched data_type (29, 14 complex64, 0 UNDEFINED, 8 string) raises a bare "
-    "KeyError / ValueError / TypeError instead of InvalidModelError (found by fuzzing mutated .onnx)"))
 @pytest.mark.parametrize("data_type", [29, 14, 0, 8])
 def test_fold_refuses_quantized_tensor_with_wrong_data_type(data_type):
     q = passes.quantize_weights(_matmul(W64))
