@@ -27,6 +27,12 @@ Forms: bits 5..8 are stored in int8 (uint8 when asymmetric) containers, bits 2..
 Scales are stored in the weight's own float type (float16 / bfloat16 need opset 19, blocks and
 int4 opset 21; the opset is raised with onnx.version_converter and the result checked).
 
+Speed and memory: the numeric work per weight runs on a thread pool (numpy releases the GIL;
+results are consumed in weight order, so the output bytes do not depend on the thread count), the
+clip search is coarse-to-fine on cache-sized chunks (forms._search), the float payloads of the
+replaced main-graph initializers are never copied (graph.copy_model), and each result enters the
+output graph as soon as it is computed. bench/speed.py and bench/large.py measure it.
+
 Running the result in onnxruntime (1.32, CPU): its graph optimiser fuses DequantizeLinear+MatMul
 into MatMulNBits, whose default accuracy level (4) also quantizes the activations to int8 (minilm
 cosine 0.99921 -> 0.99889) and is slower than float. Session config
