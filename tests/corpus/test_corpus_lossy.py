@@ -1,0 +1,33 @@
+"""The lossy stage on real weights: the tensor codec at one of NNCodec's operating points, and the
+auto mode on the smallest corpus classifier (bounded feeds). Rates, not times, are asserted."""
+import numpy as np
+import onnx
+import pytest
+
+import passes
+from passes import graph
+from passes.fidelity import evaluate, load_feeds
+
+
+def test_tensor_codec_on_a_resnet_kernel(corpus):
+    pytest.importorskip("numba")
+    model = onnx.load(str(corpus.model("open_nsfw")))
+    w = graph.tensor_to_array({t.name: t for t in model.graph.initializer}["onnx::Conv_5720"])
+    blob = passes.encode_array(w, snr_db=28.53)
+    out = passes.decode_array(blob)
+    w64 = w.astype(np.float64)
+    snr = 10 * np.log10((w64 ** 2).sum() / ((w64 - out) ** 2).sum())
+    assert snr >= 28.53
+    # ANCHORS.md: NNCodec 4.660 bits/weight at this SNR, plain uniform + order-0 4.943
+    assert len(blob) * 8 / w.size <= 1.03 * 4.660
+
+
+def test_auto_meets_target_on_rapidocr(corpus):
+    name = "rapidocr_cls"
+    model = onnx.load(str(corpus.model(name)))
+    feeds = load_feeds(corpus.feeds(name), model)[:8]
+    out, rep = passes.compress(model, target="top1>=0.99", feeds=feeds)
+    onnx.checker.check_model(out, full_check=True)
+    assert rep["met_on_feeds"]
+    assert evaluate(model, out, feeds=feeds, metric="top1").metrics["top1"] >= 0.99
+    assert out.ByteSize() < 0.6 * model.ByteSize()
