@@ -191,6 +191,216 @@ static PyObject *py_unsplit(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Fused decode of `planes` / `fplanes` / `fpairs` chunks, reading each plane where it lies (a raw
+ * plane straight from the file buffer, a decoded one from scratch): one pass writes the output,
+ * nothing is gathered into a contiguous planes buffer first.
+ * merge_list(planes, sign_move, out): planes is a sequence of w buffers of n bytes each.
+ * pairs_merge(table, ranks, escapes, rest, out) -> bool: `fpairs`: the top byte t' of element k
+ * from its 4-bit rank (table or the next escape), planes 1..w-1 from the sequence `rest`; False
+ * when the escapes do not match the ranks. Both release the GIL. */
+#define MAX_W 8
+
+static int get_planes(PyObject *seq, Py_buffer *bufs, int *count, Py_ssize_t n, int lo, int hi) {
+    PyObject *fast = PySequence_Fast(seq, "planes must be a sequence of buffers");
+    if (!fast) return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(fast);
+    if (m < lo || m > hi) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "wrong number of planes");
+        return -1;
+    }
+    *count = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &bufs[i], PyBUF_SIMPLE) < 0) break;
+        (*count)++;
+        if (bufs[i].len != n) {
+            PyErr_SetString(PyExc_ValueError, "planes must all hold n bytes");
+            break;
+        }
+    }
+    Py_DECREF(fast);
+    if (*count != m || PyErr_Occurred()) {
+        for (int i = 0; i < *count; i++) PyBuffer_Release(&bufs[i]);
+        *count = 0;
+        return -1;
+    }
+    return 0;
+}
+
+static void merge_ptrs(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst) {
+    if (w == 4) {
+        const uint8_t *restrict p0 = p[0], *restrict p1 = p[1], *restrict p2 = p[2], *restrict p3 = p[3];
+        for (Py_ssize_t k = 0; k < n; k++) {
+            uint32_t t = p0[k], m = p1[k], v;
+            if (sign_move)
+                v = ((m & 0x80) | (t >> 1)) << 24 | (((t & 1) << 7) | (m & 0x7F)) << 16 | (uint32_t)p2[k] << 8 | p3[k];
+            else
+                v = t << 24 | m << 16 | (uint32_t)p2[k] << 8 | p3[k];
+            memcpy(dst + 4 * k, &v, 4);
+        }
+        return;
+    }
+    if (w == 2) {
+        const uint8_t *restrict p0 = p[0], *restrict p1 = p[1];
+        for (Py_ssize_t k = 0; k < n; k++) {
+            uint32_t t = p0[k], m = p1[k];
+            uint16_t v = sign_move ? (uint16_t)(((m & 0x80) | (t >> 1)) << 8 | (((t & 1) << 7) | (m & 0x7F)))
+                                   : (uint16_t)(t << 8 | m);
+            memcpy(dst + 2 * k, &v, 2);
+        }
+        return;
+    }
+    for (int i = 0; i < w; i++) {
+        const uint8_t *s = p[i];
+        uint8_t *d = dst + (w - 1 - i);
+        for (Py_ssize_t k = 0; k < n; k++) d[k * w] = s[k];
+    }
+    if (sign_move) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            uint8_t *e = dst + k * w;
+            uint8_t t = e[w - 1], m = e[w - 2];
+            e[w - 1] = (uint8_t)((m & 0x80) | (t >> 1));
+            e[w - 2] = (uint8_t)(((t & 1) << 7) | (m & 0x7F));
+        }
+    }
+}
+
+static PyObject *py_merge_list(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    int sign_move, count = 0;
+    Py_buffer out, bufs[MAX_W];
+    if (!PyArg_ParseTuple(args, "Opw*", &seq, &sign_move, &out)) return NULL;
+    Py_ssize_t m = PySequence_Size(seq);
+    if (m != 2 && m != 4 && m != 8) {
+        PyBuffer_Release(&out);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "merge_list: 2, 4 or 8 planes");
+        return NULL;
+    }
+    int w = (int)m;
+    if (out.len % w || get_planes(seq, bufs, &count, out.len / w, w, w) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "merge_list: out is not a multiple of width");
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    const uint8_t *p[MAX_W];
+    for (int i = 0; i < w; i++) p[i] = (const uint8_t *)bufs[i].buf;
+    Py_BEGIN_ALLOW_THREADS
+    merge_ptrs(p, out.len / w, w, sign_move, (uint8_t *)out.buf);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < count; i++) PyBuffer_Release(&bufs[i]);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* t' of element k (rank nibble r): the table, or the next escape; -1 when the escapes run out */
+#define TOP(r, t) do { if ((r) < 15) (t) = tab[(r)]; else if (jj < ne) (t) = es[jj++]; else return 0; } while (0)
+#define HI16(t, m) ((((m) & 0x80) | ((t) >> 1)) << 8 | ((((t) & 1) << 7) | ((m) & 0x7F)))
+
+/* t' of elements lo .. hi-1 into tbuf (lo even; hi = n may be odd): two at a time through a
+ * 256-entry table of rank-byte pairs; a byte holding an escape (rank 15) goes the slow way. */
+static int expand_block(const uint32_t *restrict lut, const uint32_t *restrict tab, const uint8_t *restrict rk,
+                        const uint8_t *restrict es, Py_ssize_t ne, Py_ssize_t *restrict jj,
+                        Py_ssize_t lo, Py_ssize_t hi, uint8_t *restrict tbuf) {
+    for (Py_ssize_t k = lo; k < hi; k += 2) {
+        unsigned b = rk[k >> 1];
+        uint32_t v = lut[b];
+        if (v >> 16) {  /* an escape in this pair */
+            unsigned r0 = b >> 4, r1 = b & 15u;
+            uint32_t t0, t1;
+            if (r0 < 15) t0 = tab[r0]; else if (*jj < ne) t0 = es[(*jj)++]; else return 0;
+            if (k + 1 < hi) {
+                if (r1 < 15) t1 = tab[r1]; else if (*jj < ne) t1 = es[(*jj)++]; else return 0;
+            } else {
+                t1 = 0;  /* odd n: the pad nibble is ignored */
+            }
+            v = t0 | t1 << 8;
+        }
+        tbuf[k - lo] = (uint8_t)v;
+        tbuf[k - lo + 1] = (uint8_t)(v >> 8);
+    }
+    return 1;
+}
+
+#define BLOCK 4096
+
+static int pairs4(const uint8_t *tb, const uint8_t *restrict rk, const uint8_t *restrict es, Py_ssize_t ne, Py_ssize_t *j,
+                  const uint8_t *restrict p1, const uint8_t *restrict p2, const uint8_t *restrict p3, Py_ssize_t n,
+                  uint8_t *restrict dst) {
+    uint32_t tab[16], lut[256];
+    uint8_t tbuf[BLOCK + 2];
+    for (int i = 0; i < 15; i++) tab[i] = tb[i];
+    tab[15] = 0;
+    for (unsigned b = 0; b < 256; b++)
+        lut[b] = ((b >> 4) == 15 || (b & 15) == 15) ? 1u << 16 : tab[b >> 4] | tab[b & 15] << 8;
+    Py_ssize_t jj = 0;
+    for (Py_ssize_t lo = 0; lo < n; lo += BLOCK) {
+        Py_ssize_t hi = lo + BLOCK < n ? lo + BLOCK : n;
+        if (!expand_block(lut, tab, rk, es, ne, &jj, lo, hi, tbuf)) return 0;
+        /* an odd tail: the pad nibble's slot of tbuf is written (never an escape) but not used */
+        const uint8_t *restrict a = p1 + lo, *restrict b2 = p2 + lo, *restrict c = p3 + lo;
+        uint8_t *restrict d = dst + 4 * lo;
+        Py_ssize_t m = hi - lo;
+        for (Py_ssize_t k = 0; k < m; k++) {  /* branch-free: vectorised by the compiler */
+            uint32_t t = tbuf[k], mm = a[k];
+            uint32_t v = HI16(t, mm) << 16 | (uint32_t)b2[k] << 8 | c[k];
+            memcpy(d + 4 * k, &v, 4);
+        }
+    }
+    *j = jj;
+    return 1;
+}
+
+static int pairs2(const uint8_t *tb, const uint8_t *restrict rk, const uint8_t *restrict es, Py_ssize_t ne, Py_ssize_t *j,
+                  const uint8_t *restrict p1, Py_ssize_t n, uint8_t *restrict dst) {
+    uint32_t tab[16];
+    for (int i = 0; i < 15; i++) tab[i] = tb[i];
+    tab[15] = 0;
+    Py_ssize_t jj = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        unsigned r = (k & 1) ? (rk[k >> 1] & 15u) : (rk[k >> 1] >> 4);
+        uint32_t t, m = p1[k];
+        TOP(r, t);
+        uint16_t v = (uint16_t)HI16(t, m);
+        memcpy(dst + 2 * k, &v, 2);
+    }
+    *j = jj;
+    return 1;
+}
+
+static PyObject *py_pairs_merge(PyObject *self, PyObject *args) {
+    Py_buffer table, ranks, esc, out, bufs[MAX_W];
+    PyObject *seq;
+    int count = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*Ow*", &table, &ranks, &esc, &seq, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t m = PySequence_Size(seq);
+    int w = (int)m + 1;
+    if (m < 0) {
+        /* error set */
+    } else if ((w != 2 && w != 4) || out.len % w || table.len != 15 || ranks.len != (out.len / w + 1) / 2) {
+        PyErr_SetString(PyExc_ValueError, "pairs_merge: inconsistent buffer sizes");
+    } else if (get_planes(seq, bufs, &count, out.len / w, w - 1, w - 1) == 0) {
+        Py_ssize_t n = out.len / w, j = 0, ne = esc.len;
+        const uint8_t *tb = (const uint8_t *)table.buf, *rk = (const uint8_t *)ranks.buf, *es = (const uint8_t *)esc.buf;
+        const uint8_t *p1 = (const uint8_t *)bufs[0].buf;
+        const uint8_t *p2 = w == 4 ? (const uint8_t *)bufs[1].buf : NULL;
+        const uint8_t *p3 = w == 4 ? (const uint8_t *)bufs[2].buf : NULL;
+        int ok;
+        Py_BEGIN_ALLOW_THREADS
+        ok = w == 4 ? pairs4(tb, rk, es, ne, &j, p1, p2, p3, n, (uint8_t *)out.buf)
+                    : pairs2(tb, rk, es, ne, &j, p1, n, (uint8_t *)out.buf);
+        Py_END_ALLOW_THREADS
+        for (int i = 0; i < count; i++) PyBuffer_Release(&bufs[i]);
+        result = (ok && j == ne) ? Py_True : Py_False;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&esc);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *py_split(PyObject *self, PyObject *args) { return run(args, 0); }
 static PyObject *py_merge(PyObject *self, PyObject *args) { return run(args, 1); }
 
@@ -198,6 +408,8 @@ static PyMethodDef methods[] = {
     {"split", py_split, METH_VARARGS, "split(data, width, sign_move, out): byte planes of data into out"},
     {"merge", py_merge, METH_VARARGS, "merge(planes, width, sign_move, out): interleave planes into out"},
     {"unsplit", py_unsplit, METH_VARARGS, "unsplit(ranks, classes, sub, sizes, out) -> bool: plane from class sub-planes"},
+    {"merge_list", py_merge_list, METH_VARARGS, "merge_list(planes, sign_move, out): interleave separate planes into out"},
+    {"pairs_merge", py_pairs_merge, METH_VARARGS, "pairs_merge(table, ranks, escapes, rest, out) -> bool: fpairs chunk into out"},
     {"expand", py_expand, METH_VARARGS, "expand(table, ranks, escapes, out) -> bool: exponents from 4-bit ranks"},
     {NULL, NULL, 0, NULL},
 };

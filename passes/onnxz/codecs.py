@@ -108,6 +108,36 @@ def merge_planes(planes: np.ndarray, width: int, sign_move: bool, out: np.ndarra
         x[:, width - 1 - i] = p[i]
 
 
+def merge_plane_list(planes, sign_move: bool, out: np.ndarray) -> None:
+    """merge_planes from w separate planes (each n bytes, any buffer: raw planes are read where
+    they lie in the file buffer)."""
+    if _fast is not None:
+        _fast.merge_list(planes, sign_move, out)
+        return
+    w = len(planes)
+    n = out.size // w
+    buf = scratch("merge").get(n * w)
+    for i, p in enumerate(planes):
+        buf[i * n:(i + 1) * n] = np.frombuffer(p, np.uint8)
+    merge_planes(buf, w, sign_move, out)
+
+
+def pairs_merge(table, ranks, escapes, rest, out: np.ndarray) -> bool:
+    """An `fpairs` chunk into `out`: the top byte from the ranks, planes 1..w-1 from `rest`;
+    False if escapes and ranks disagree."""
+    if _fast is not None:
+        return _fast.pairs_merge(table, ranks, escapes, rest, out)
+    w = len(rest) + 1
+    n = out.size // w
+    buf = scratch("merge").get(n * w)
+    if not expand_ranks(np.frombuffer(table, np.uint8), np.frombuffer(ranks, np.uint8), np.frombuffer(escapes, np.uint8), buf[:n]):
+        return False
+    for i, p in enumerate(rest, 1):
+        buf[i * n:(i + 1) * n] = np.frombuffer(p, np.uint8)
+    merge_planes(buf, w, True, out)
+    return True
+
+
 def expand_ranks(table: np.ndarray, ranks: np.ndarray, escapes: np.ndarray, out: np.ndarray) -> bool:
     """The exponent plane of `fpairs` (FORMAT.md 3) into `out`; False if escapes and ranks disagree."""
     if _fast is not None:
@@ -193,7 +223,14 @@ def _compressor(kind: str) -> zstd.ZstdCompressor:
     return c
 
 
-def compress_plane(data, kind: str = "entropy") -> bytes:
+def compress_plane(data, kind: str = "entropy", fixed: bool = False):
+    """The stored form of one plane. A plane of fixed size (FORMAT.md 2) is stored raw when zstd
+    does not make it smaller (noise: the mantissa bytes): the reader then uses it in place."""
+    if fixed and len(data):
+        if kind == "fast":  # noise: zstd would store it as raw blocks anyway
+            return data
+        frame = _compressor(kind).compress(data)
+        return frame if len(frame) < len(data) else data
     return _compressor(kind).compress(data)
 
 
@@ -207,7 +244,11 @@ def _decompressor() -> zstd.ZstdDecompressor:
 def decompress_plane(frame, expected: int, dest: np.ndarray, at_most: Optional[int] = None) -> int:
     """Decode one zstd frame of exactly `expected` bytes (or, with expected None, of the size its
     header declares, up to `at_most`) straight into dest (no intermediate copy); returns the size.
+    A plane of exactly `expected` (> 0) stored bytes is raw (FORMAT.md 2): copied as it is.
     CorruptFileError when the frame is damaged, short, long or unchecked."""
+    if expected and len(frame) == expected:
+        dest[:expected] = np.frombuffer(frame, np.uint8)
+        return expected
     try:
         fp = zstd.get_frame_parameters(frame)
     except zstd.ZstdError:
@@ -326,9 +367,7 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         w = params["width"]
         n = sizes[0]
         buf = scratch().get(n * w)
-        for i, frame in enumerate(frames):
-            decompress_plane(frame, n, buf[i * n:(i + 1) * n])
-        merge_planes(buf, w, codec == "fplanes", out)
+        merge_plane_list(_fixed_planes(frames, n, buf, 0), codec == "fplanes", out)
         return
     if codec == "bpairs":
         n = raw_length
@@ -350,10 +389,14 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         decompress_plane(frames[0], PAIR_TABLE, table)
         decompress_plane(frames[1], sizes[1], ranks)
         ne = decompress_plane(frames[2], None, escapes, at_most=n)
-        if not expand_ranks(table, ranks, escapes[:ne], planes[:n]):
-            raise CorruptFileError("damaged chunk: exponent escapes do not match their ranks")
         split = params.get("split", 0)
         rest = frames[3:]
+        if not split:  # one pass: top byte from the ranks, the other planes where they lie
+            if not pairs_merge(table, ranks, escapes[:ne], _fixed_planes(rest, n, planes, 1), out):
+                raise CorruptFileError("damaged chunk: exponent escapes do not match their ranks")
+            return
+        if not expand_ranks(table, ranks, escapes[:ne], planes[:n]):
+            raise CorruptFileError("damaged chunk: exponent escapes do not match their ranks")
         if split:
             sub = escapes  # free again: the escapes are expanded
             counts, pos = [], 0
@@ -379,6 +422,20 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         widen(tmp, frm, to, out)
         return
     raise NewerFormatError(f"codec {codec!r} is unknown to this reader (written by a newer version)")
+
+
+def _fixed_planes(frames, n: int, buf: np.ndarray, first: int) -> list:
+    """Planes of n bytes each: a raw plane is used where it lies (no copy), a zstd frame is decoded
+    into slot `first + i` of `buf`."""
+    out = []
+    for i, frame in enumerate(frames, first):
+        if n and len(frame) == n:
+            out.append(frame)
+        else:
+            dst = buf[i * n:(i + 1) * n]
+            decompress_plane(frame, n, dst)
+            out.append(dst)
+    return out
 
 
 def widen(narrow: np.ndarray, frm: int, to: int, out: np.ndarray) -> None:
@@ -434,7 +491,9 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, s
                 planes = [table, ranks, escapes] + planes[1:]
         else:
             planes = list(split_planes(part, width, codec == "fplanes"))
-        stream.chunks.append(EncodedChunk(part.size, [compress_plane(p, _plane_kind(p)) for p in planes]))
+        sizes = plane_sizes(codec, stream.params, part.size)  # None: a plane sized by the ranks
+        stream.chunks.append(EncodedChunk(part.size, [compress_plane(p, _plane_kind(p), size is not None)
+                                                      for p, size in zip(planes, sizes)]))
     return stream
 
 
@@ -460,7 +519,7 @@ def _encode_lz(data: np.ndarray, chunk_bytes: int) -> EncodedStream:
     stream = EncodedStream("bytes")
     for start in range(0, data.size, chunk_bytes):
         part = data[start:start + chunk_bytes]
-        stream.chunks.append(EncodedChunk(part.size, [compress_plane(part, "lz")]))
+        stream.chunks.append(EncodedChunk(part.size, [compress_plane(part, "lz", True)]))
     return stream
 
 

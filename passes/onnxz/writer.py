@@ -145,7 +145,7 @@ def _encode_skeleton(data: bytes) -> codecs.EncodedStream:
     stream = codecs.EncodedStream("bytes")
     for start in range(0, arr.size, SKELETON_CHUNK):
         part = arr[start:start + SKELETON_CHUNK]
-        stream.chunks.append(codecs.EncodedChunk(part.size, [codecs.compress_plane(part, "lz")]))
+        stream.chunks.append(codecs.EncodedChunk(part.size, [codecs.compress_plane(part, "lz", True)]))
     if not stream.chunks:
         stream.chunks = []
     return stream
