@@ -19,6 +19,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -39,17 +40,20 @@ def _worker(conn, samples, mem_limit):
     if mem_limit:
         resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
     base = Path(tempfile.mkdtemp(prefix="onnxz-fuzz-", dir=_fast_tmp()))
-    oracles = {s.name: Oracle(s, base / s.name) for s in samples}
-    packed = {s.name: s.packed for s in samples}
-    conn.send("ready")
-    while True:
-        spec = conn.recv()
-        if spec is None:
-            break
-        t0 = time.perf_counter()
-        desc, data, crafted = make_mutant(spec, packed)
-        v = oracles[spec[1]].judge(data, crafted=crafted)
-        conn.send((spec, desc, v.verdict, v.findings, v.errors, time.perf_counter() - t0))
+    try:
+        oracles = {s.name: Oracle(s, base / s.name) for s in samples}
+        packed = {s.name: s.packed for s in samples}
+        conn.send("ready")
+        while True:
+            spec = conn.recv()
+            if spec is None:
+                break
+            t0 = time.perf_counter()
+            desc, data, crafted = make_mutant(spec, packed)
+            v = oracles[spec[1]].judge(data, crafted=crafted)
+            conn.send((spec, desc, v.verdict, v.findings, v.errors, time.perf_counter() - t0))
+    finally:  # (a worker killed by the watchdog leaves its folder: the parent removes those)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _retry_within(spec, samples, limit_s, mem_limit) -> bool:
@@ -242,10 +246,13 @@ def main(argv=None) -> int:
             last = now
             print(f"  {sum(counts.values())} mutants, {dict(counts)}, {now - t0:.0f} s", flush=True)
 
+    before_dirs = set(Path(_fast_tmp()).glob("onnxz-fuzz-*"))
     try:
         pool.run(specs, progress, on_hang, deadline)
     finally:
         pool.close()
+        for stale in set(Path(_fast_tmp()).glob("onnxz-fuzz-*")) - before_dirs:  # workers killed mid-run
+            shutil.rmtree(stale, ignore_errors=True)
     wall = time.perf_counter() - t0
     total = sum(counts.values())
     summary = {
