@@ -276,6 +276,33 @@ def decompress_plane(frame, expected: int, dest: np.ndarray, at_most: Optional[i
     return expected
 
 
+def plane_bytes(frame, expected: Optional[int], at_most: int = 0):
+    """One plane as a buffer, with the checks of decompress_plane: a raw plane is the frame itself
+    (no copy); a small zstd frame is decoded in one call (cheaper per chunk than a stream reader
+    for the ranks and escapes of fpairs)."""
+    if expected and len(frame) == expected:
+        return frame
+    try:
+        size = zstd.get_frame_parameters(frame).content_size
+    except zstd.ZstdError:
+        raise CorruptFileError("damaged chunk: not a zstd frame") from None
+    if expected is None:
+        if not 0 <= size <= at_most:
+            raise CorruptFileError(f"damaged chunk: plane declares {size} bytes, at most {at_most} expected")
+        expected = size
+    if size != expected:
+        raise CorruptFileError(f"damaged chunk: plane declares {size} bytes, expected {expected}")
+    if not expected:
+        return b""
+    try:
+        data = _decompressor().decompress(frame, max_output_size=expected, allow_extra_data=False)
+    except zstd.ZstdError as exc:
+        raise CorruptFileError(f"damaged chunk: {exc}") from None
+    if len(data) != expected:
+        raise CorruptFileError("damaged chunk: plane decodes to the wrong size")
+    return data
+
+
 # ---------------------------------------------------------------- plane layout per codec
 
 def plane_sizes(codec: str, params: dict, raw_length: int) -> List[int]:
@@ -386,30 +413,28 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         planes, table = buf[:n * w], buf[n * w:n * w + PAIR_TABLE]
         ranks = buf[n * w + 16:n * w + 16 + sizes[1]]
         escapes = buf[n * w + 16 + sizes[1]:]
-        decompress_plane(frames[0], PAIR_TABLE, table)
-        decompress_plane(frames[1], sizes[1], ranks)
-        ne = decompress_plane(frames[2], None, escapes, at_most=n)
         split = params.get("split", 0)
         rest = frames[3:]
         if not split:  # one pass: top byte from the ranks, the other planes where they lie
-            if not pairs_merge(table, ranks, escapes[:ne], _fixed_planes(rest, n, planes, 1), out):
+            ok = pairs_merge(plane_bytes(frames[0], PAIR_TABLE), plane_bytes(frames[1], sizes[1]),
+                             plane_bytes(frames[2], None, n), _fixed_planes(rest, n, planes, 1), out)
+            if not ok:
                 raise CorruptFileError("damaged chunk: exponent escapes do not match their ranks")
             return
+        decompress_plane(frames[0], PAIR_TABLE, table)
+        decompress_plane(frames[1], sizes[1], ranks)
+        ne = decompress_plane(frames[2], None, escapes, at_most=n)
         if not expand_ranks(table, ranks, escapes[:ne], planes[:n]):
             raise CorruptFileError("damaged chunk: exponent escapes do not match their ranks")
-        if split:
-            sub = escapes  # free again: the escapes are expanded
-            counts, pos = [], 0
-            for frame in rest[:split + 1]:
-                got = decompress_plane(frame, None, sub[pos:], at_most=n - pos)
-                counts.append(got)
-                pos += got
-            if pos != n or not unsplit_plane(ranks, split, sub[:n], counts, planes[n:2 * n]):
-                raise CorruptFileError("damaged chunk: split plane sizes do not match the ranks")
-            rest, first = rest[split + 1:], 2
-        else:
-            first = 1
-        for i, frame in zip(range(first, w), rest):
+        sub = escapes  # free again: the escapes are expanded
+        counts, pos = [], 0
+        for frame in rest[:split + 1]:
+            got = decompress_plane(frame, None, sub[pos:], at_most=n - pos)
+            counts.append(got)
+            pos += got
+        if pos != n or not unsplit_plane(ranks, split, sub[:n], counts, planes[n:2 * n]):
+            raise CorruptFileError("damaged chunk: split plane sizes do not match the ranks")
+        for i, frame in zip(range(2, w), rest[split + 1:]):
             decompress_plane(frame, n, planes[i * n:(i + 1) * n])
         merge_planes(planes, w, True, out)
         return
