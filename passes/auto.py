@@ -67,7 +67,7 @@ def _margin(req):
 
     t = req.threshold
     if req.metric in ("cosine", "cosine_min"):
-        t = 1 - (1 - t) * 0.7
+        t = 1 - (1 - t) * 0.3  # minilm: calibration 0.99904 gave 0.99747 on held-out sentences
     elif req.metric in ("top1", "ctc"):
         t = min(1.0, t + (1 - t) * 0.5)
     elif req.metric == "snr":
@@ -226,7 +226,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         # confirm on the built model; grow mu while it misses (numerics of the graph may differ)
         for _ in range(6):
             res = _metrics(ref, run_outputs(candidate, feeds), reqs, metric_args)
-            if _meets(res, reqs):
+            if _meets(res, search_reqs):  # with the margin: the graph may run other kernels
                 break
             hi *= 2
             plan = sens.allocate(infos, hi)
