@@ -268,7 +268,7 @@ def decompress_plane(frame, expected: int, dest: np.ndarray, at_most: Optional[i
             if not n:
                 break
             got += n
-        # nothing may follow (the chunk's CRC-32 already vouches for the stored bytes)
+        # nothing may follow (the chunk's XXH3-64 already vouches for the stored bytes)
         if got != expected or reader.read(1):
             raise CorruptFileError("damaged chunk: plane decodes to the wrong size")
     except zstd.ZstdError as exc:

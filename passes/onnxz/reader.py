@@ -78,7 +78,9 @@ class PackedFile:
 
     def _frames(self, chunk) -> List[memoryview]:
         """The chunk's stored planes, read into this thread's input buffer (no mmap: a file
-        truncated under us must give an error, not SIGBUS)."""
+        truncated under us must give an error, not SIGBUS). Measured: mmap would save this copy,
+        ~10-15% of float32 decode CPU when the same file is decoded again (open_nsfw 0.82x ->
+        0.92x ZipNN), less on a first read (page faults); not worth a crash."""
         n = chunk.stored
         buf = codecs.scratch("input").get(n)
         mv = memoryview(buf)[:n]
