@@ -451,7 +451,8 @@ def cmd_pack(args) -> int:
     _check_distinct(args.input, args.output)
     check_writable(args.output, args.force)
     with _progress("pack") as bar:
-        stats = passes.pack(args.input, args.output, threads=args.threads, force=args.force, progress=bar)
+        stats = passes.pack(args.input, args.output, threads=args.threads, force=args.force, progress=bar,
+                            effort=args.effort)
     in_bytes, out_bytes = file_size(args.input), Path(args.output).stat().st_size
     if args.json:
         print_json({"command": "pack", "input": args.input, "output": args.output, "input_bytes": in_bytes,
@@ -627,6 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", metavar="IN")
     common(p)
     p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
+    p.add_argument("--effort", choices=["default", "max"], default="default",
+                   help="max: ~0.1%% smaller float32 weights for ~1.6x slower decoding")
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("unpack", help=".onnxz -> the original .onnx, byte for byte")

@@ -519,3 +519,13 @@ def test_module_entry_point(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "float32" in result.stdout
+
+
+def test_pack_effort_max_round_trips(tmp_path):
+    from tools.surgeon_compress import main
+
+    src = Path(__file__).resolve().parents[2] / "models" / "rapidocr_cls.onnx"
+    out = tmp_path / "m.onnxz"
+    assert main(["pack", str(src), "-o", str(out), "--effort", "max"]) == 0
+    assert main(["unpack", str(out), "-o", str(tmp_path / "m.onnx")]) == 0
+    assert (tmp_path / "m.onnx").read_bytes() == src.read_bytes()
