@@ -131,6 +131,12 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     source = load_model(model)
     if report is not None:
         report.pass_name = report.pass_name or "fold_dequantize"
+    # palettes (passes.palette: uint8 indices -> Cast -> Gather on a table) are a two-node chain
+    # that the node-by-node walk below cannot fold; they are folded first, exactly
+    from .palette import fold_palettes, has_palettes
+
+    if has_palettes(source):
+        source = fold_palettes(source, report=report)
     # The level tensors of main-graph DequantizeLinear nodes (most of a compressed model) are
     # copied without payload: they are read from `source`, and put back if they stay.
     unique = graph.unique_initializers(source)

@@ -149,11 +149,19 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     return out
 
 
+def has_palettes(model: onnx.ModelProto) -> bool:
+    """Whether the main graph holds a Gather whose indices come from a Cast (cheap check)."""
+    casts = {n.output[0] for n in model.graph.node if n.op_type == "Cast" and n.output}
+    return any(n.op_type == "Gather" and len(n.input) == 2 and n.input[1] in casts for n in model.graph.node)
+
+
 def fold_palettes(model, *, report: Report | None = None) -> onnx.ModelProto:
     """Materialise every palette pattern (Cast of constant uint8 indices -> Gather on a constant
     table) of the main graph as a float initializer named like the Gather's output; the values
     are exactly table[indices], what onnxruntime computes."""
     src = load_model(model)
+    if not has_palettes(src):
+        return src
     out = onnx.ModelProto()
     out.CopyFrom(src)
     g = out.graph

@@ -74,3 +74,17 @@ def test_float16_and_input_untouched():
 def test_bad_arguments(kwargs):
     with pytest.raises(InvalidArgumentError):
         palettize(mg.conv_model(), min_elements=100, **kwargs)
+
+
+def test_fold_dequantize_folds_palettes_and_dequantize_together():
+    import passes
+
+    m = mg.conv_model()
+    p = palettize(m, bits=4, min_elements=100, include=["W"])
+    q = passes.quantize_weights(p, bits=8, include=["W2"])
+    folded = passes.fold_dequantize(q)
+    onnx.checker.check_model(folded, full_check=True)
+    assert not any(n.op_type in ("Gather", "DequantizeLinear") for n in folded.graph.node)
+    f = mg.feeds(m)
+    for a, b in zip(mg.run(q, f), mg.run(folded, f)):
+        assert np.array_equal(a, b)
