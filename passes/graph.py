@@ -174,6 +174,13 @@ def copy_model(model: onnx.ModelProto, without_payload=()) -> onnx.ModelProto:
     A pass that replaces most weights of a multi-GB model would otherwise copy every payload
     (ModelProto.CopyFrom) only to delete it again: the copy costs time and doubles peak memory.
     """
+    try:
+        return _copy_model(model, without_payload)
+    except UnicodeDecodeError as exc:  # protobuf parses such strings; reading one raises
+        raise InvalidModelError(f"the model holds a text field that is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _copy_model(model: onnx.ModelProto, without_payload) -> onnx.ModelProto:
     out = onnx.ModelProto()
     if not without_payload:
         out.CopyFrom(model)
