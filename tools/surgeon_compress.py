@@ -212,8 +212,20 @@ def cmd_compress(args) -> int:
         options["exclude"] = list(args.exclude)
 
     report = passes.Report()
-    with _progress("quantize") as bar:
-        compressed = passes.quantize_weights(model, report=report, progress=bar, **options)
+    auto = None
+    if getattr(args, "target", None):
+        # auto mode (issue 4): the smallest model meeting the target on the feeds; the target is
+        # also the gate, so OUT is written only when it is met
+        from passes.fidelity import parse_requirements
+
+        targets = parse_requirements(args.target)
+        compressed, auto = passes.compress(model, target=args.target, feeds=feeds,
+                                           metric_args=_metric_args(args.metric_arg), report=report)
+        options = {"target": args.target}
+        args.require = list(args.require or []) + [t for t in targets if str(t) not in {str(r) for r in args.require or []}]
+    else:
+        with _progress("quantize") as bar:
+            compressed = passes.quantize_weights(model, report=report, progress=bar, **options)
 
     result = None
     checks: list[dict] = []
@@ -238,6 +250,7 @@ def cmd_compress(args) -> int:
             "ratio": (out_bytes / in_bytes) if written and in_bytes else None,
             "options": options,
             "report": report.to_dict(),
+            **({"auto": {k: v for k, v in auto.items() if k != "trials"}} if auto else {}),
             "fidelity": result.to_dict() if result else None,
             "gate": None if not args.require else {"passed": passed, "checks": checks},
             **extra,
@@ -589,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", metavar="IN", help="ONNX model (.onnx or .onnxz)")
     common(p)
     p.add_argument("--bits", type=int, default=8, help="bits per weight (default 8)")
+    p.add_argument("--target", metavar="EXPR",
+                   help="auto mode: the smallest model meeting EXPR on --feeds, e.g. 'top1>=0.99', 'cosine>=0.999' "
+                        "(per-tensor widths by measured sensitivity, error-feedback rounding); also the gate")
     p.add_argument("--granularity", choices=("tensor", "channel", "block"), help="one scale per tensor, per output channel (default) or per block")
     p.add_argument("--block-size", type=_positive_int, metavar="N", help="weights per scale block (implies --granularity block)")
     p.add_argument("--asymmetric", action="store_true", help="use a zero point (default symmetric)")

@@ -75,3 +75,20 @@ def test_bad_feeds_and_bits(tmp_path):
         passes.compress(m, target="cosine>=0.99", feeds=feeds(m), bits=[1, 9])
     with pytest.raises(InvalidArgumentError):
         passes.compress(m, target="ctc>=0.9", feeds=feeds(m))
+
+
+def test_command_target(tmp_path):
+    from tools.surgeon_compress import main
+
+    m = dense_model()
+    src = tmp_path / "m.onnx"
+    onnx.save(m, str(src))
+    f = feeds(m, n=4)
+    fz = tmp_path / "f.npz"
+    np.savez(fz, **{f"{i}/{k}": v for i, d in enumerate(f) for k, v in d.items()})
+    out = tmp_path / "m.onnxz"
+    rc = main(["compress", str(src), "-o", str(out), "--target", "cosine>=0.999", "--feeds", str(fz)])
+    assert rc == 0 and out.exists()
+    restored = passes.load(str(out))
+    assert evaluate(m, restored, feeds=f).metrics["cosine"] >= 0.999
+    assert main(["compress", str(src), "-o", str(tmp_path / "x.onnx"), "--target", "cosine>>1"]) != 0
