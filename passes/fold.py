@@ -65,6 +65,9 @@ def _fold_dequantize_linear(node: onnx.NodeProto, arrays: list, types: list):
     if types[1] not in graph.FLOAT_TYPES:
         raise _bad(node, f"scale is {graph.type_name(types[1])}, not float32/float16/bfloat16")
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    for name in ("output_dtype", "axis", "block_size"):  # a damaged attribute may hold no int
+        if name in attrs and (isinstance(attrs[name], bool) or not isinstance(attrs[name], (int, np.integer))):
+            raise _bad(node, f"attribute {name} is not an integer")
     if int(attrs.get("output_dtype", 0) or 0) not in (0, types[1]):
         return None  # opset 23 output_dtype other than the scale's type: left to the runtime
     axis = int(attrs.get("axis", 1))

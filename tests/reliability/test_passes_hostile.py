@@ -379,3 +379,14 @@ def test_string_field_not_utf8(which):
         fn = passes.fold_dequantize
     with pytest.raises(InvalidModelError, match="not UTF-8"):
         fn(model)
+
+
+@pytest.mark.parametrize("attr_type", [onnx.AttributeProto.UNDEFINED, onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING])
+def test_fold_refuses_dequantize_attribute_of_the_wrong_type(attr_type):
+    """A damaged axis attribute (no int in it): found by the long hypothesis run on mutated .onnx
+    (bare TypeError from int(None) in fold._dequantize); fixed in passes/fold.py."""
+    q = passes.quantize_weights(_matmul(W64))
+    node = next(n for n in q.graph.node if n.op_type == "DequantizeLinear")
+    node.attribute.add().CopyFrom(onnx.AttributeProto(name="axis", type=attr_type))
+    with pytest.raises(InvalidModelError):
+        passes.fold_dequantize(q)
