@@ -126,6 +126,7 @@ def _location(info: graph.GraphInfo, constant_node: bool) -> str:
     return f"{info.location}: {where}" if info.location else where
 
 
+@graph.refuses_bad_text
 def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = None,
                     progress=None) -> onnx.ModelProto:
     """A new model in which every constant DequantizeLinear (and registered pattern) is a float weight."""

@@ -167,6 +167,21 @@ def unique_initializers(model: onnx.ModelProto) -> dict[str, TensorProto]:
     return {k: v for k, v in seen.items() if k not in repeated}
 
 
+def refuses_bad_text(fn):
+    """Decorator of the passes: a text field of the model that is not UTF-8 (protobuf parses it;
+    reading or copying it raises) is an InvalidModelError, wherever the pass meets it."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UnicodeError as exc:
+            raise InvalidModelError(f"the model holds a text field that is not UTF-8 ({exc})") from None
+
+    return wrapper
+
+
 def copy_model(model: onnx.ModelProto, without_payload=()) -> onnx.ModelProto:
     """A copy of `model` in which the main-graph initializers named in `without_payload` keep
     everything but their raw_data.

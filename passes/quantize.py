@@ -205,6 +205,7 @@ def _snr_db(w: np.ndarray, deq: np.ndarray) -> float:
     return round(10 * math.log10(signal / noise), 3)
 
 
+@graph.refuses_bad_text
 def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", block_size: int | None = None,
                      symmetric: bool = True, min_elements: int = DEFAULT_MIN_ELEMENTS, include=None,
                      exclude=None, report: Report | None = None, progress=None) -> onnx.ModelProto:

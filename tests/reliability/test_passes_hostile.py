@@ -390,3 +390,23 @@ def test_fold_refuses_dequantize_attribute_of_the_wrong_type(attr_type):
     node.attribute.add().CopyFrom(onnx.AttributeProto(name="axis", type=attr_type))
     with pytest.raises(InvalidModelError):
         passes.fold_dequantize(q)
+
+
+def test_fold_with_non_utf8_node_output_name():
+    """Found by the long hypothesis run (a DequantizeLinear output name damaged into invalid
+    UTF-8 raised UnicodeDecodeError inside fold); the passes now refuse such text anywhere."""
+    q = passes.quantize_weights(_matmul(W64))
+    node = next(n for n in q.graph.node if n.op_type == "DequantizeLinear")
+    node.output[0] = "QQQQ"
+    for n in q.graph.node:
+        for i, name in enumerate(n.input):
+            if name == "W":
+                n.input[i] = "QQQQ"
+    data = q.SerializeToString().replace(b"QQQQ", b"\x80QQQ")
+    damaged = onnx.ModelProto()
+    damaged.ParseFromString(data)
+    for fn in (passes.fold_dequantize, passes.quantize_weights):
+        try:
+            fn(damaged)
+        except SurgeonError:
+            pass
