@@ -681,6 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2, --help/--version exit 0
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    restore = _sigterm_unwinds()
     try:
         return args.func(args)
     except SurgeonError as exc:
@@ -708,6 +709,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: internal error: {type(exc).__name__}: {first} (a bug; SURGEON_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        restore()
+
+
+def _sigterm_unwinds():
+    """SIGTERM (kill, timeout, CI cancellation) unwinds like Ctrl-C, so that temporary outputs are
+    removed; Python's default would end the process on the spot. Only when SIGTERM has its default
+    disposition and we run in the main thread (an embedding program keeps its own handler).
+    Returns the function that restores the previous state."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
