@@ -64,9 +64,10 @@ def tensor_to_array(t: TensorProto) -> np.ndarray:
         n = int(np.prod(shape, dtype=np.int64))
         if t.HasField("raw_data"):
             packed = np.frombuffer(t.raw_data, dtype=np.uint8)
-            return unpack_int4(packed, n, signed=t.data_type == TensorProto.INT4).reshape(shape)
-        # int4 in int32_data: one packed byte per int32 entry
-        packed = np.asarray(t.int32_data, dtype=np.int32).astype(np.uint8)
+        else:  # int4 in int32_data: one packed byte per int32 entry
+            packed = np.asarray(t.int32_data, dtype=np.int32).astype(np.uint8)
+        if packed.size != (n + 1) // 2:  # a damaged file: sizes checked before unpacking
+            raise InvalidModelError(f"tensor {t.name!r}: {packed.size} bytes of 4-bit values, dims say {shape}")
         return unpack_int4(packed, n, signed=t.data_type == TensorProto.INT4).reshape(shape)
     dtype = NUMPY_TYPES.get(t.data_type)
     if dtype is not None and t.HasField("raw_data"):
@@ -76,6 +77,8 @@ def tensor_to_array(t: TensorProto) -> np.ndarray:
         return arr.reshape(shape)
     if t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
         bits = np.asarray(t.int32_data, dtype=np.int32).astype(np.uint16)
+        if bits.size != int(np.prod(shape, dtype=np.int64)):
+            raise InvalidModelError(f"tensor {t.name!r}: int32_data holds {bits.size} values, dims say {shape}")
         return bits.view(NUMPY_TYPES[t.data_type]).reshape(shape)
     try:
         return onnx.numpy_helper.to_array(t)

@@ -410,3 +410,14 @@ def test_fold_with_non_utf8_node_output_name():
             fn(damaged)
         except SurgeonError:
             pass
+
+
+@pytest.mark.parametrize("bits, extra", [(4, -1), (4, 8)])
+def test_fold_refuses_int4_payload_of_the_wrong_size(bits, extra):
+    """Found by the long hypothesis run (an int4 weight whose dims no longer match its packed
+    bytes raised a bare ValueError from reshape); graph.tensor_to_array checks the size first."""
+    q = passes.quantize_weights(_matmul(W64), bits=bits, granularity="block", block_size=32)
+    t = next(t for t in q.graph.initializer if t.name == "W_quantized")
+    t.raw_data = t.raw_data[:extra] if extra < 0 else t.raw_data + b"\0" * extra
+    with pytest.raises(InvalidModelError):
+        passes.fold_dequantize(q)
