@@ -197,6 +197,8 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
                 progress(done, total)
             continue
         value, elem_type = result
+        if not node.output or not node.output[0]:  # a damaged node: nothing to name the weight
+            raise InvalidModelError(f"{node.op_type} node {node.name!r} has no output")
         out_name = node.output[0]
         store_type = _DTYPES[dtype] if dtype else elem_type
         if store_type != elem_type:

@@ -421,3 +421,12 @@ def test_fold_refuses_int4_payload_of_the_wrong_size(bits, extra):
     t.raw_data = t.raw_data[:extra] if extra < 0 else t.raw_data + b"\0" * extra
     with pytest.raises(InvalidModelError):
         passes.fold_dequantize(q)
+
+
+def test_fold_refuses_dequantize_without_output():
+    """Found by the long hypothesis run (IndexError on node.output[0]); fixed in passes/fold.py."""
+    q = passes.quantize_weights(_matmul(W64))
+    node = next(n for n in q.graph.node if n.op_type == "DequantizeLinear")
+    del node.output[:]
+    with pytest.raises(InvalidModelError):
+        passes.fold_dequantize(q)
