@@ -107,8 +107,9 @@ class Pool:
                 if slot["conn"] in ready:
                     try:
                         msg = slot["conn"].recv()
-                    except EOFError:  # the worker died (e.g. killed by the OS)
-                        on_hang(slot["spec"], "worker died")
+                    except EOFError:  # the worker died (a crash in compiled code, or killed by the OS)
+                        slot["proc"].join(timeout=5)
+                        on_hang(slot["spec"], f"worker died (exit code {slot['proc'].exitcode})")
                         self._restart(slot)
                         continue
                     slot["spec"] = None
