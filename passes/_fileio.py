@@ -115,15 +115,17 @@ def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
 
 
 def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]]:
-    """mkstemp with SIGINT held back: returns (fd, name, release).
+    """mkstemp with SIGINT and SIGTERM held back: returns (fd, name, release).
 
     The caller calls `release()` as the first statement of the `try` that removes the file on
     failure, so a Ctrl-C that came while the file was being created is raised there (signal
-    handlers run when the mask is lifted) and can never leave the file behind.
+    handlers run when the mask is lifted) and can never leave the file behind; a SIGTERM under
+    the default disposition then ends the process before the file exists or after the caller
+    can clean up (the command turns SIGTERM into the same unwinding as Ctrl-C).
     """
     previous = None
     if hasattr(signal, "pthread_sigmask"):
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
     def release() -> None:
         if previous is not None:

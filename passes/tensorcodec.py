@@ -523,10 +523,14 @@ def _decode(b: bytes, k, out, threads):
     pos += side_len
     (n_words,) = struct.unpack_from("<Q", b, pos)
     pos += 8
+    if n_words > (len(b) - pos) // 2:  # checked before numpy sees a count it cannot represent
+        raise CorruptFileError("decode_array: declared word count beyond the blob")
     words = np.frombuffer(b, "<u2", n_words, pos).astype(np.uint16)
     pos += 2 * n_words
     (n_raw,) = struct.unpack_from("<Q", b, pos)
     pos += 8
+    if n_raw > (len(b) - pos) // 4:
+        raise CorruptFileError("decode_array: declared raw count beyond the blob")
     raw = np.frombuffer(b, "<u4", n_raw, pos).astype(np.uint32)
     pos += 4 * n_raw
     if pos != len(b) - 4:
@@ -543,13 +547,13 @@ def _decode(b: bytes, k, out, threads):
         row_cls = np.frombuffer(side, np.uint8, rows, sp).copy()
         sp += rows
     else:
-        row_cls = np.zeros(rows, np.uint8)
+        row_cls = None  # all rows in class 0; allocated once the chunk table vouches for `rows`
     if n_pos > 1:
         pos_cls = np.frombuffer(side, np.uint8, unit_len, sp).astype(np.int32)
         sp += unit_len
     else:
         pos_cls = np.zeros(unit_len, np.int32)
-    if row_cls.size and row_cls.max() >= n_row or pos_cls.max() >= n_pos:
+    if row_cls is not None and row_cls.size and row_cls.max() >= n_row or pos_cls.max() >= n_pos:
         raise CorruptFileError("decode_array: class out of range")
     n_ctx = n_row * n_pos * nb_ctx * (2 if tcq else 1)
     freq = np.zeros((n_ctx, k.N_TOKENS), np.uint32)
@@ -573,6 +577,8 @@ def _decode(b: bytes, k, out, threads):
     if (chunk_units[0] != 0 or chunk_units[-1] != n_units or (np.diff(chunk_units) <= 0).any()
             or wcnt.sum() != n_words or rcnt.sum() != n_raw):
         raise CorruptFileError("decode_array: bad chunk table")
+    if row_cls is None:
+        row_cls = np.zeros(rows, np.uint8)
     woff = np.concatenate([[0], np.cumsum(wcnt)]).astype(np.int64)
     roff = np.concatenate([[0], np.cumsum(rcnt)]).astype(np.int64)
     cum, sym = _tables(freq)
