@@ -119,9 +119,10 @@ def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]
 
     The caller calls `release()` as the first statement of the `try` that removes the file on
     failure, so a Ctrl-C that came while the file was being created is raised there (signal
-    handlers run when the mask is lifted) and can never leave the file behind; a SIGTERM under
-    the default disposition then ends the process before the file exists or after the caller
-    can clean up (the command turns SIGTERM into the same unwinding as Ctrl-C).
+    handlers run when the mask is lifted) and can never leave the file behind. SIGTERM is held
+    back too, for processes that handle it in Python (the command turns it into the same
+    unwinding as Ctrl-C); under its default disposition it ends the process wherever it lands,
+    which may leave the hidden `.NAME.*.part` file (never read; safe to delete).
     """
     previous = None
     if hasattr(signal, "pthread_sigmask"):
