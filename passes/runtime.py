@@ -89,12 +89,12 @@ def _check_providers(providers) -> list | None:
     return list(providers)
 
 
-def _read_split(path, threads) -> SplitModel:
+def _read_split(path, threads, max_bytes=None) -> SplitModel:
     """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file."""
     from .runtime_source import read_split
 
     try:
-        return read_split(path, threads=threads)
+        return read_split(path, threads=threads, max_bytes=max_bytes)
     except SurgeonError:
         raise
     except Exception as exc:  # a damaged file that got past the structural checks
@@ -145,10 +145,13 @@ class InferenceSession(ort.InferenceSession):
     the session keeps: the shared weights, onnxruntime's own buffers), `shared_names`,
     `op_counts` (main-graph operators handed to onnxruntime, e.g. MatMulNBits in int8 mode),
     `prepack`, `skeleton_bytes` (size of the weight-free protobuf given to onnxruntime).
+    `max_bytes` caps the restored size of a packed file (LimitExceededError above it, checked
+    before anything is decoded; None: the pack reader's default), for files from untrusted sources.
     """
 
     def __init__(self, path, sess_options=None, providers=None, *, mode="fold", dtype=None, threads=None,
-                 provider_options=None, keep_io_types=True, gpu_fold="host", prepack=None, progress=None):
+                 provider_options=None, keep_io_types=True, gpu_fold="host", prepack=None, progress=None,
+                 max_bytes=None):
         mode = _normalise_mode(mode)
         target = _normalise_dtype(dtype)
         providers = _check_providers(providers)
@@ -162,7 +165,7 @@ class InferenceSession(ort.InferenceSession):
             raise InvalidArgumentError(f"prepack must be None, True or False, got {prepack!r}")
         self._settings = dict(mode=mode, target=target, threads=threads, providers=providers,
                               provider_options=provider_options, keep_io_types=keep_io_types,
-                              gpu_fold=gpu_fold, prepack=prepack, progress=progress)
+                              gpu_fold=gpu_fold, prepack=prepack, progress=progress, max_bytes=max_bytes)
         options, disabled, model_bytes = self._prepare(sess_options)
         if self.shared_names and sess_options is None:
             # a failure here is retried without sharing: keep onnxruntime's error log of it quiet
@@ -190,7 +193,7 @@ class InferenceSession(ort.InferenceSession):
         """Read, rewrite for the mode and dtype; returns (options, disabled optimisers, skeleton bytes)."""
         s = self._settings
         mode, target = s["mode"], s["target"]
-        split = _read_split(self.source, s["threads"])
+        split = _read_split(self.source, s["threads"], s["max_bytes"])
         own_dtype = model_float_dtype(split)
         self.mode_reason = f"requested mode={mode}"
         if mode == "auto":

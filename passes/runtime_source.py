@@ -33,10 +33,12 @@ def is_packed(path: Path) -> bool:
         raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def read_split(path, threads=None) -> SplitModel:
+def read_split(path, threads=None, max_bytes=None) -> SplitModel:
+    """`max_bytes` caps what a packed file may restore to (the pack reader's limit; None: its
+    default); a plain .onnx is read where it lies, nothing to cap."""
     p = check_readable(path)
     if is_packed(p):
-        return read_packed(p, threads=threads)
+        return read_packed(p, threads=threads, max_bytes=max_bytes)
     return read_onnx(p)
 
 
@@ -144,10 +146,10 @@ def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
 
 # ---------------------------------------------------------------------- packed files
 
-def read_packed(path: Path, threads=None) -> SplitModel:
+def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
     from .onnxz import open_packed
 
-    with open_packed(path, threads=threads) as packed:
+    with open_packed(path, threads=threads, max_bytes=max_bytes) as packed:
         pf = packed._pf  # the pack reader's file layer: skeleton pieces and chunk decoding
         model, stripped, buf = _packed_skeleton(pf, str(path))
         entries = {(t.file, t.offset): t for t in pf.index.tensors}

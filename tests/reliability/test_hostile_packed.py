@@ -376,9 +376,6 @@ def test_readers_open_nothing_but_the_packed_file(tmp_path, samples):
     assert not outside(opened, src.parent), outside(opened, src.parent)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/runtime.InferenceSession has no max_bytes (runtime_source.read_split calls open_packed "
-    "without one): a session on an untrusted .onnxz always runs under the 1 TiB default cap"))
 def test_inference_session_takes_a_restored_size_cap(tmp_path, base):
     path = _bomb(tmp_path, base, 1 << 30)
     with pytest.raises(LimitExceededError):
