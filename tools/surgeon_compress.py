@@ -7,7 +7,8 @@ Exit codes:
   1    error: bad input file or model, unwritable output, unsupported option for this model, ...
   2    usage error (unknown option, malformed --require expression, ...)
   3    fidelity gate failed (--require not met); compress then writes no output file
-  4    a packed file is damaged, truncated, foreign or differs from --against (verify, unpack, info)
+  4    a packed file is damaged, truncated, foreign or differs from --against (verify, unpack, info),
+       or --verify found the written output unreadable (the output is then removed)
   70   internal error (a bug: please report it; SURGEON_DEBUG=1 shows the traceback)
   130  interrupted (Ctrl-C); no partial output is left behind
 """
@@ -140,6 +141,79 @@ def _write_model(model, output: str, force: bool, pack: bool, threads=None) -> d
     return {}
 
 
+def _verification_failed(written: Sequence[Path], what: str):
+    """Remove what a --verify found unreadable (a file that fails its re-read must not be mistaken
+    for a good one by the next step of a script) and return the error to raise (exit 4)."""
+    from passes import CorruptFileError
+
+    for path in written:
+        try:
+            Path(path).unlink()
+        except OSError:
+            pass  # gone already, or not removable: the message below still says not to trust it
+    names = ", ".join(str(p) for p in written)
+    return CorruptFileError(f"--verify: re-reading {names} failed: {what}; removed")
+
+
+def _verify_packed(packed: str, against: str | None, threads=None) -> None:
+    """Re-read a written .onnxz: every checksum and the sha256 of each restored file; with
+    `against`, also byte for byte against that original."""
+    import passes
+    from passes import CorruptFileError
+
+    try:
+        result = passes.verify(packed, against, threads=threads)
+    except CorruptFileError as exc:
+        raise _verification_failed([Path(packed)], str(exc)) from None
+    if not result.ok:
+        failed = "; ".join(f"{c.get('check')}: {c.get('detail')}" for c in result.checks if not c.get("ok"))
+        raise _verification_failed([Path(packed)], failed or "differs from its source")
+
+
+def _verify_unpacked(src: str, restored: Path, threads=None) -> None:
+    """Re-read the restored .onnx and its data files: their bytes must be those the pack records
+    (decoded again and compared, which also checks each file's recorded sha256)."""
+    import passes
+    from passes import CorruptFileError
+
+    try:
+        result = passes.verify(src, restored, threads=threads)
+        problem = "; ".join(f"{c.get('check')}: {c.get('detail')}" for c in result.checks if not c.get("ok"))
+    except CorruptFileError as exc:
+        result, problem = None, str(exc)
+    if result is not None and result.ok:
+        return
+    with passes.open_packed(src) as packed:  # the data files unpack wrote beside the model
+        names = [f["name"] for f in packed.metadata()["files"][1:]]
+    raise _verification_failed([restored] + [restored.parent / n for n in names], problem or "differs from the pack")
+
+
+def _verify_saved(path: str) -> None:
+    """Re-read a written .onnx (external data included) and run onnx's checker on it by path
+    (by path: models above 2 GB are checked too)."""
+    import onnx
+
+    from passes import SurgeonError
+    from passes._fileio import load_model
+
+    try:
+        load_model(path)
+        onnx.checker.check_model(str(path), full_check=True)
+    except (SurgeonError, onnx.checker.ValidationError) as exc:
+        raise _verification_failed([Path(path)], " ".join(str(exc).split())[:300]) from None
+
+
+def _check_restored_size(path: str, max_bytes: int | None) -> None:
+    """--max-bytes: refuse a .onnxz declaring more restored bytes than the cap before anything is
+    decoded (the pack reader checks the index on opening); a plain .onnx is not capped."""
+    import passes
+
+    if max_bytes is None or not (str(path).endswith(".onnxz") or _looks_packed(Path(path))):
+        return
+    with passes.open_packed(path, max_bytes=max_bytes):
+        pass
+
+
 def _metric_args(items: Sequence[str] | None) -> dict | None:
     from passes import InvalidArgumentError
 
@@ -239,6 +313,10 @@ def cmd_compress(args) -> int:
     if passed:
         extra = _write_model(compressed, args.output, args.force, pack)
         written = True
+        if args.verify and pack:
+            _verify_packed(args.output, None)  # the source is in memory: the recorded sha256s are the reference
+        elif args.verify:
+            _verify_saved(args.output)
 
     in_bytes = file_size(args.input)
     out_bytes = file_size(args.output) if written else None
@@ -253,6 +331,7 @@ def cmd_compress(args) -> int:
             **({"auto": {k: v for k, v in auto.items() if k != "trials"}} if auto else {}),
             "fidelity": result.to_dict() if result else None,
             "gate": None if not args.require else {"passed": passed, "checks": checks},
+            "verified": bool(args.verify and written),
             **extra,
         })
     else:
@@ -260,6 +339,8 @@ def cmd_compress(args) -> int:
         print(f"{'compressed' if written else 'NOT written'}: {args.input} -> {args.output}{' (packed)' if pack else ''}")
         if written:
             print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}% of the input)")
+            if args.verify:
+                print(f"  verified   re-read {args.output}: " + ("every checksum ok" if pack else "loads and passes onnx.checker"))
         print(f"  weights    {len(quantized)} tensor(s) rewritten: {human_bytes(report.bytes_before)} -> {human_bytes(report.bytes_after)}"
               f"; {len(report.tensors) - len(quantized)} kept as they were")
         for note in report.notes:
@@ -323,7 +404,7 @@ def cmd_info(args) -> int:
     path = check_readable(args.file)
     packed_meta = None
     if path.suffix == ".onnxz" or _looks_packed(path):
-        with passes.open_packed(path) as packed:
+        with passes.open_packed(path, max_bytes=args.max_bytes) as packed:
             packed_meta = packed.metadata()
     desc = describe_model(path)
     size = file_size(path)
@@ -437,6 +518,8 @@ def cmd_eval(args) -> int:
 
     check_readable(args.original)
     check_readable(args.candidate)
+    _check_restored_size(args.original, args.max_bytes)
+    _check_restored_size(args.candidate, args.max_bytes)
     original = passes.load_model(args.original)
     feeds = passes.load_feeds(args.feeds, original) if args.feeds else None
     result = _evaluate(original, args.candidate, args, feeds)
@@ -466,13 +549,18 @@ def cmd_pack(args) -> int:
     with _progress("pack") as bar:
         stats = passes.pack(args.input, args.output, threads=args.threads, force=args.force, progress=bar,
                             effort=args.effort)
+    if args.verify:
+        _verify_packed(args.output, args.input, threads=args.threads)
     in_bytes, out_bytes = file_size(args.input), Path(args.output).stat().st_size
     if args.json:
         print_json({"command": "pack", "input": args.input, "output": args.output, "input_bytes": in_bytes,
-                    "output_bytes": out_bytes, "ratio": out_bytes / max(in_bytes, 1), "stats": _jsonable(stats)})
+                    "output_bytes": out_bytes, "ratio": out_bytes / max(in_bytes, 1), "stats": _jsonable(stats),
+                    "verified": bool(args.verify)})
     else:
         print(f"packed: {args.input} -> {args.output}")
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}%)")
+        if args.verify:
+            print(f"  verified   re-read {args.output}: restores {args.input} byte for byte")
     return EXIT_OK
 
 
@@ -484,14 +572,18 @@ def cmd_unpack(args) -> int:
     if args.output is not None:
         _check_distinct(args.input, args.output)
         check_writable(args.output, args.force)
-    out = passes.unpack(args.input, args.output, threads=args.threads, force=args.force)
+    out = passes.unpack(args.input, args.output, threads=args.threads, force=args.force, max_bytes=args.max_bytes)
+    if args.verify:
+        _verify_unpacked(args.input, out, threads=args.threads)
     in_bytes, out_bytes = Path(args.input).stat().st_size, file_size(out)
     if args.json:
         print_json({"command": "unpack", "input": args.input, "output": str(out),
-                    "input_bytes": in_bytes, "output_bytes": out_bytes})
+                    "input_bytes": in_bytes, "output_bytes": out_bytes, "verified": bool(args.verify)})
     else:
         print(f"unpacked: {args.input} -> {out}")
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}")
+        if args.verify:
+            print(f"  verified   re-read {out}: the sha256 the pack records")
     return EXIT_OK
 
 
@@ -503,7 +595,7 @@ def cmd_verify(args) -> int:
     check_readable(args.file)
     if args.against:
         check_readable(args.against)
-    result = passes.verify(args.file, args.against, threads=args.threads)
+    result = passes.verify(args.file, args.against, threads=args.threads, max_bytes=args.max_bytes)
     ok = bool(getattr(result, "ok", True))
     details = _jsonable(result)
     checks = details.get("checks", []) if isinstance(details, dict) else []
@@ -590,6 +682,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    def verify_option(p):
+        p.add_argument("--verify", action="store_true",
+                       help="re-read OUT after writing it before reporting success (exit 4 and OUT removed when it fails)")
+
+    def max_bytes_option(p):
+        p.add_argument("--max-bytes", type=_non_negative_int, metavar="N",
+                       help="refuse a .onnxz that restores to more than N bytes, before decoding it "
+                            "(for untrusted files; default: the library's cap)")
+
     def common(p, output=True, output_required=True):
         if output:
             p.add_argument("-o", "--output", required=output_required, metavar="OUT", help="output file (never overwritten without --force)")
@@ -613,6 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-elements", type=_non_negative_int, metavar="N", help="leave tensors with fewer elements as they are")
     p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (implied by -o NAME.onnxz)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
+    verify_option(p)
     _add_fidelity_options(p)
     p.set_defaults(func=cmd_compress)
 
@@ -629,6 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--all", action="store_true", help="list every tensor, small ones too")
     common(p, output=False)
+    max_bytes_option(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("eval", help="compare a candidate model's outputs with the original's",
@@ -636,6 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("original", metavar="ORIGINAL")
     p.add_argument("candidate", metavar="CANDIDATE")
     common(p, output=False)
+    max_bytes_option(p)
     _add_fidelity_options(p)
     p.set_defaults(func=cmd_eval)
 
@@ -646,12 +750,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
     p.add_argument("--effort", choices=["default", "max"], default="default",
                    help="max: ~0.1%% smaller float32 weights for ~1.6x slower decoding")
+    verify_option(p)
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("unpack", help=".onnxz -> the original .onnx, byte for byte")
     p.add_argument("input", metavar="IN.onnxz")
     common(p, output_required=False)
     p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
+    verify_option(p)
+    max_bytes_option(p)
     p.set_defaults(func=cmd_unpack)
 
     p = sub.add_parser("verify", help="check every checksum of a .onnxz (and compare with the original)")
@@ -659,6 +766,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--against", metavar="ORIGINAL", help="the original .onnx: the unpacked bytes must equal it")
     p.add_argument("--threads", type=_positive_int, metavar="N")
     common(p, output=False)
+    max_bytes_option(p)
     p.set_defaults(func=cmd_verify)
     return parser
 

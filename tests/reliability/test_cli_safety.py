@@ -72,9 +72,6 @@ def test_damaged_packed_input_exit_code(files, tmp_path, capsys):
     assert not (tmp_path / "x.onnx").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tools/surgeon_compress: no --verify option on the writing commands (issue 6 item 5: "
-    "'--verify re-reads what was written before reporting success'); only the separate verify command"))
 @pytest.mark.parametrize("command", ["pack", "unpack", "compress"])
 def test_verify_option_rereads_the_output(files, tmp_path, command, capsys):
     src, packed = files

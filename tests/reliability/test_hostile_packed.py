@@ -382,9 +382,6 @@ def test_inference_session_takes_a_restored_size_cap(tmp_path, base):
         passes.InferenceSession(path, max_bytes=1 << 20)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tools/surgeon_compress: no command-line cap on the restored size of a .onnxz (the library's "
-    "max_bytes; option name suggested: --max-bytes) for unpack / verify / info / eval"))
 def test_command_takes_a_restored_size_cap(tmp_path, base, capsys):
     from tools.surgeon_compress import main
 
