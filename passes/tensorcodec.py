@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import CorruptFileError, InvalidArgumentError, NewerFormatError, UnsupportedFormError
+from .errors import (CorruptFileError, InvalidArgumentError, LimitExceededError, NewerFormatError,
+                     UnsupportedFormError)
 
 MAGIC = b"SCTC"
 VERSION = 1
@@ -499,6 +500,8 @@ def decode_array(blob, *, out: np.ndarray | None = None, threads: int | None = N
         return _decode(b, k, out, threads)
     except InvalidArgumentError:
         raise
+    except MemoryError:  # a declared shape this process cannot hold: refused, like any bad size
+        raise LimitExceededError("decode_array: the declared tensor does not fit in memory") from None
     except (struct.error, ValueError, IndexError, zlib.error) as exc:
         raise CorruptFileError(f"decode_array: malformed blob ({exc})") from None
 
@@ -552,8 +555,9 @@ def _decode(b: bytes, k, out, threads):
         pos_cls = np.frombuffer(side, np.uint8, unit_len, sp).astype(np.int32)
         sp += unit_len
     else:
-        pos_cls = np.zeros(unit_len, np.int32)
-    if row_cls is not None and row_cls.size and row_cls.max() >= n_row or pos_cls.max() >= n_pos:
+        pos_cls = None  # like row_cls: allocated once the chunk table vouches for the layout
+    if (row_cls is not None and row_cls.size and row_cls.max() >= n_row
+            or pos_cls is not None and pos_cls.max() >= n_pos):
         raise CorruptFileError("decode_array: class out of range")
     n_ctx = n_row * n_pos * nb_ctx * (2 if tcq else 1)
     freq = np.zeros((n_ctx, k.N_TOKENS), np.uint32)
@@ -579,6 +583,8 @@ def _decode(b: bytes, k, out, threads):
         raise CorruptFileError("decode_array: bad chunk table")
     if row_cls is None:
         row_cls = np.zeros(rows, np.uint8)
+    if pos_cls is None:
+        pos_cls = np.zeros(unit_len, np.int32)
     woff = np.concatenate([[0], np.cumsum(wcnt)]).astype(np.int64)
     roff = np.concatenate([[0], np.cumsum(rcnt)]).astype(np.int64)
     cum, sym = _tables(freq)
