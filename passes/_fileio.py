@@ -240,7 +240,7 @@ def load_model(source, load_external: bool = True) -> onnx.ModelProto:
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidModelError(f"expected an onnx.ModelProto or a path, got {type(source).__name__}")
     p = check_readable(source)
-    if p.suffix == ".onnxz" or _looks_packed(p):
+    if p.suffix == ".onnxz" or looks_packed(p):
         from . import load as load_packed  # packed files decode through the pack stage
 
         return load_packed(p)
@@ -254,7 +254,8 @@ def load_model(source, load_external: bool = True) -> onnx.ModelProto:
     return model
 
 
-def _looks_packed(path: Path) -> bool:
+def looks_packed(path: PathLike) -> bool:
+    """True when the file starts with the .onnxz magic (whatever its name)."""
     try:
         with open(path, "rb") as f:
             return f.read(8).startswith(b"ONNXZ")

@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 from onnx import TensorProto, helper
 
-from .onnxz.protowire import WireError, read_varint
+from .onnxz.protowire import WireError, read_varint, write_varint
 
 VARINT, FIXED64, LEN, FIXED32 = 0, 1, 2, 5
 
@@ -43,18 +43,6 @@ class StrippedTensor:
         np_type = helper.tensor_dtype_to_np_dtype(self.dtype)
         count = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
         return np.frombuffer(buf, dtype=np_type, count=count, offset=self.offset).reshape(self.shape)
-
-
-def _varint_bytes(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
 
 
 def _fields(buf, start: int, end: int):
@@ -131,7 +119,7 @@ def strip_main_graph_payloads(buf, min_bytes: int) -> tuple[bytes, list]:
     for number, wire, fstart, a, b in _fields(mv, 0, len(mv)):
         if number == 7 and wire == LEN:
             graph = _strip_graph(mv, a, b, min_bytes, stripped)
-            out += _varint_bytes(7 << 3 | LEN) + _varint_bytes(len(graph)) + graph
+            out += write_varint(7 << 3 | LEN) + write_varint(len(graph)) + graph
         else:
             out += mv[fstart:b]
     return bytes(out), stripped
@@ -143,12 +131,12 @@ def _strip_graph(mv, start, end, min_bytes, stripped) -> bytes:
         if number == 5 and wire == LEN:  # initializer
             tensor = _strip_tensor(mv, a, b, min_bytes, stripped, None)
             if tensor is not None:
-                out += _varint_bytes(5 << 3 | LEN) + _varint_bytes(len(tensor)) + tensor
+                out += write_varint(5 << 3 | LEN) + write_varint(len(tensor)) + tensor
                 continue
         elif number == 1 and wire == LEN:  # node: only a Constant's value is stripped
             node = _strip_constant_node(mv, a, b, min_bytes, stripped)
             if node is not None:
-                out += _varint_bytes(1 << 3 | LEN) + _varint_bytes(len(node)) + node
+                out += write_varint(1 << 3 | LEN) + write_varint(len(node)) + node
                 continue
         out += mv[fstart:b]
     return bytes(out)
@@ -185,7 +173,7 @@ def _strip_constant_node(mv, start, end, min_bytes, stripped) -> bytes | None:
         if number == 5 and wire == LEN:
             attr = _strip_value_attribute(mv, a, b, min_bytes, stripped, output)
             if attr is not None:
-                out += _varint_bytes(5 << 3 | LEN) + _varint_bytes(len(attr)) + attr
+                out += write_varint(5 << 3 | LEN) + write_varint(len(attr)) + attr
                 changed = True
                 continue
         out += mv[fstart:b]
@@ -203,7 +191,7 @@ def _strip_value_attribute(mv, start, end, min_bytes, stripped, output) -> bytes
         if number == 5 and wire == LEN:
             tensor = _strip_tensor(mv, a, b, min_bytes, stripped, output)
             if tensor is not None:
-                out += _varint_bytes(5 << 3 | LEN) + _varint_bytes(len(tensor)) + tensor
+                out += write_varint(5 << 3 | LEN) + write_varint(len(tensor)) + tensor
                 changed = True
                 continue
         out += mv[fstart:b]

@@ -207,8 +207,9 @@ def _check_restored_size(path: str, max_bytes: int | None) -> None:
     """--max-bytes: refuse a .onnxz declaring more restored bytes than the cap before anything is
     decoded (the pack reader checks the index on opening); a plain .onnx is not capped."""
     import passes
+    from passes._fileio import looks_packed
 
-    if max_bytes is None or not (str(path).endswith(".onnxz") or _looks_packed(Path(path))):
+    if max_bytes is None or not (str(path).endswith(".onnxz") or looks_packed(path)):
         return
     with passes.open_packed(path, max_bytes=max_bytes):
         pass
@@ -398,12 +399,12 @@ SMALL_TENSOR_BYTES = 1024
 
 def cmd_info(args) -> int:
     import passes
-    from passes._fileio import check_readable
+    from passes._fileio import check_readable, looks_packed
     from passes.inspect import describe_model
 
     path = check_readable(args.file)
     packed_meta = None
-    if path.suffix == ".onnxz" or _looks_packed(path):
+    if path.suffix == ".onnxz" or looks_packed(path):
         with passes.open_packed(path, max_bytes=args.max_bytes) as packed:
             packed_meta = packed.metadata()
     desc = describe_model(path)
@@ -439,14 +440,6 @@ def cmd_info(args) -> int:
         print()
         _print_packed_metadata(packed_meta, args.all)
     return EXIT_OK
-
-
-def _looks_packed(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(8).startswith(b"ONNXZ")
-    except OSError:
-        return False
 
 
 PACKED_COLUMNS = ("name", "dtype", "shape", "bytes", "stored", "codec", "chunks", "file")

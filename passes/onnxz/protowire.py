@@ -51,6 +51,19 @@ class TensorRef:
     external: dict = field(default_factory=dict)
 
 
+def write_varint(v: int) -> bytes:
+    """Protobuf base-128 varint of `v` (negative values as their 64-bit two's complement)."""
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if not v:
+            out.append(b)
+            return bytes(out)
+        out.append(b | 0x80)
+
+
 def read_varint(buf, pos: int, end: int):
     """(value, new position); WireError on a truncated or over-long varint."""
     result = 0

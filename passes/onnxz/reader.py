@@ -17,6 +17,7 @@ import xxhash
 from .._fileio import atomic_output, check_readable, check_writable, load_external_data, parse_model_bytes
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
+from .protowire import write_varint
 from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, FileEntry, Index, Stream, decode_index, parse_header, parse_index
 
 WINDOW_BYTES = 64 << 20  # restored bytes decoded before they are hashed and written
@@ -257,19 +258,6 @@ _PLAIN = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: 
           10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 14: np.complex64, 15: np.complex128}
 
 
-def _varint(v: int) -> bytes:
-    v &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 def _parse_tensor(entry, data: bytes) -> np.ndarray:
     t = onnx.TensorProto()
     try:
@@ -301,9 +289,9 @@ def _to_array(entry, payload: np.ndarray) -> np.ndarray:
     # other types and layouts: let onnx interpret a TensorProto holding just this payload
     proto = bytearray()
     for d in entry.shape:
-        proto += b"\x08" + _varint(d)
-    proto += b"\x10" + _varint(entry.dtype)
-    proto += _varint(_FIELD_NUMBER[field] << 3 | 2) + _varint(payload.size) + payload.tobytes()
+        proto += b"\x08" + write_varint(d)
+    proto += b"\x10" + write_varint(entry.dtype)
+    proto += write_varint(_FIELD_NUMBER[field] << 3 | 2) + write_varint(payload.size) + payload.tobytes()
     return _parse_tensor(entry, bytes(proto))
 
 
