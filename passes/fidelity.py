@@ -493,19 +493,34 @@ class FidelityResult:
         return " | ".join(parts) + f" on {where}"
 
 
+# how the candidate is run in evaluate(): as onnxruntime runs the file, or with its weights folded
+RUN_AS = ("onnxruntime", "fold")
+
+
 def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metric_args: dict | None = None,
-             providers=None, n_synthesized: int = 4, seed: int = 0,
+             providers=None, n_synthesized: int = 4, seed: int = 0, run_as: str = "onnxruntime",
              progress: Callable[[int, int], None] | None = None) -> FidelityResult:
     """Run `original` and `candidate` (ModelProto or path) on the same feeds and compare outputs.
 
     `feeds`: a list of feed dicts, a path to an .npz, or None (synthesised from the original's
     input specs; the result says so).
+    `run_as`: "onnxruntime" runs the candidate file as onnxruntime runs it by default (its
+    optimiser may fuse int8 DequantizeLinear+MatMul into MatMulNBits, which also quantizes the
+    activations); "fold" folds the candidate's quantized weights to float first, which is what
+    `fold_dequantize` and `InferenceSession(mode="fold")` give.
     """
     if metric is not None and metric not in METRICS:
         raise InvalidArgumentError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
+    if run_as not in RUN_AS:
+        raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
     original_model = load_model(original)
     synthesized = feeds is None
     notes = []
+    if run_as == "fold":
+        from .fold import fold_dequantize
+
+        candidate = fold_dequantize(candidate)
+        notes.append("candidate measured with its weights folded to float (as fold / InferenceSession(mode='fold') run it)")
     if feeds is None:
         feeds = synthesize_feeds(original_model, n=n_synthesized, seed=seed)
         notes.append(f"inputs synthesised from the model's input specs ({n_synthesized} random feeds, seed {seed}); pass feeds for real data")

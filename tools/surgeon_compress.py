@@ -239,7 +239,7 @@ def _evaluate(original, candidate, args, feeds=None) -> Any:
     with _progress("evaluate") as bar:
         return fidelity.evaluate(
             original, candidate, feeds=feeds, metric=args.metric, metric_args=_metric_args(args.metric_arg),
-            providers=args.provider, progress=bar,
+            providers=args.provider, run_as=args.run_as, progress=bar,
         )
 
 
@@ -662,6 +662,10 @@ def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metric-arg", metavar="KEY=INT", action="append",
                    help="metric parameter, e.g. --metric-arg time_axis=0 --metric-arg class_axis=2 --metric-arg blank=0")
     p.add_argument("--provider", choices=("cpu", "cuda"), default=None, help="onnxruntime device for the runs (default cpu)")
+    p.add_argument("--run-as", choices=("onnxruntime", "fold"), default="onnxruntime",
+                   help="how the compressed model is run for the fidelity check: as onnxruntime runs the file "
+                        "(default; its int8 MatMul fusion also quantizes activations) or with weights folded "
+                        "to float, as fold / passes.InferenceSession(mode='fold') run it")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -529,3 +529,15 @@ def test_pack_effort_max_round_trips(tmp_path):
     assert main(["pack", str(src), "-o", str(out), "--effort", "max"]) == 0
     assert main(["unpack", str(out), "-o", str(tmp_path / "m.onnx")]) == 0
     assert (tmp_path / "m.onnx").read_bytes() == src.read_bytes()
+
+
+def test_compress_run_as_fold_is_reported(tmp_path, capsys):
+    from tools.surgeon_compress import main
+
+    src = Path(__file__).resolve().parents[2] / "models" / "rapidocr_cls.onnx"
+    feeds = Path(__file__).resolve().parents[2] / "models" / "rapidocr_cls_feeds.npz"
+    out = tmp_path / "q.onnx"
+    assert main(["compress", str(src), "-o", str(out), "--feeds", str(feeds), "--require", "top1>=0.99",
+                 "--run-as", "fold", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "weights folded to float" in json.dumps(report)  # the report says how it was measured

@@ -393,3 +393,18 @@ def test_metrics_agree_with_corpus_check_py(corpus):
     assert text.startswith(f"agreement {ours['top1']:.4f}")
     text, _ = check.score({"metric": "cosine"}, ref, cand)
     assert text == f"mean {ours['cosine']:.6f} min {ours['cosine_min']:.6f}"
+
+
+def test_evaluate_run_as_fold_measures_the_folded_weights():
+    from tests.unit import modelgen as mg
+
+    model = mg.dense_model("float32", 13)
+    q = passes.quantize_weights(model, bits=4, granularity="tensor", min_elements=16)
+    feeds = mg.feeds(model)
+    as_file = F.evaluate(model, q, feeds=feeds, metric="cosine")
+    folded = F.evaluate(model, q, feeds=feeds, metric="cosine", run_as="fold")
+    direct = F.evaluate(model, passes.fold_dequantize(q), feeds=feeds, metric="cosine")
+    assert folded.metrics["cosine"] == pytest.approx(direct.metrics["cosine"], abs=1e-12)
+    assert any("folded" in n for n in folded.notes) and not any("folded" in n for n in as_file.notes)
+    with pytest.raises(InvalidArgumentError, match="run_as"):
+        F.evaluate(model, q, feeds=feeds, run_as="gpu")
