@@ -28,7 +28,7 @@ import onnx.numpy_helper
 
 from . import sensitivity as sens
 from ._fileio import load_model
-from .errors import FidelityError, InvalidArgumentError
+from .errors import InvalidArgumentError
 from .report import Report, TensorChange
 
 DEFAULT_BITS = (3, 4, 5, 6, 7, 8)

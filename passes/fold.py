@@ -164,7 +164,6 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
         for u in w.uses:
             const_of_use[(id(u.node), u.index)] = _Const(w.tensor, w.graph_key, w.node)
 
-    folded_output: dict[int, tuple[np.ndarray, int]] = {}  # id(node) -> result
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
     added_inits: dict[int, list[str]] = {}  # graph key -> folded initializers appended
     consumed: list[_Const] = []

@@ -393,7 +393,6 @@ def find_weights(model: onnx.ModelProto) -> tuple[list[Weight], list[GraphInfo]]
 def consumers_index(weights_graphs: list[GraphInfo]):
     """A function (name, graph_key) -> Uses of a node output, for following Identity/Transpose."""
     uses: dict[tuple[int, str], list[Use]] = {}
-    producers: dict[str, int] = {}
     for info in weights_graphs:
         for node in info.graph.node:
             for i, name in enumerate(node.input):

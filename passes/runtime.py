@@ -26,14 +26,12 @@ Modes
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
-from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError, UnsupportedFormError
+from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError
 from .runtime_feed import SplitModel, shareable_names
 from .runtime_options import copy_session_options
 

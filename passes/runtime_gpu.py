@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel
 

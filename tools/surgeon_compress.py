@@ -248,6 +248,14 @@ def _gate_lines(result, requirements) -> tuple[list[dict], bool]:
     return checks, all(c["passed"] for c in checks)
 
 
+def _raise_if_gate_failed(checks, passed: bool, suffix: str = "") -> None:
+    from passes import FidelityError
+
+    if not passed:
+        failed = "; ".join(f"{c['requirement']} (got {c['value']:.6g})" for c in checks if not c["passed"])
+        raise FidelityError(f"fidelity gate failed: {failed}{suffix}")
+
+
 def _print_fidelity(result, checks) -> None:
     print(f"  fidelity   {result.summary()}")
     for note in result.notes:
@@ -265,7 +273,6 @@ def _print_fidelity(result, checks) -> None:
 
 def cmd_compress(args) -> int:
     import passes
-    from passes import FidelityError
     from passes._fileio import check_readable, check_writable
 
     check_readable(args.input)
@@ -356,9 +363,7 @@ def cmd_compress(args) -> int:
                  for t in report.tensors],
                 right=(4, 5, 6),
             )
-    if not passed:
-        failed = "; ".join(f"{c['requirement']} (got {c['value']:.6g})" for c in checks if not c["passed"])
-        raise FidelityError(f"fidelity gate failed: {failed}; {args.output} was not written")
+    _raise_if_gate_failed(checks, passed, f"; {args.output} was not written")
     return EXIT_OK
 
 
@@ -506,7 +511,6 @@ def _cell(value: Any) -> str:
 
 def cmd_eval(args) -> int:
     import passes
-    from passes import FidelityError
     from passes._fileio import check_readable
 
     check_readable(args.original)
@@ -526,9 +530,7 @@ def cmd_eval(args) -> int:
         print(f"eval: {args.candidate} against {args.original}")
         print(f"  file       {human_bytes(file_size(args.original))} -> {human_bytes(file_size(args.candidate))}")
         _print_fidelity(result, checks)
-    if not passed:
-        failed = "; ".join(f"{c['requirement']} (got {c['value']:.6g})" for c in checks if not c["passed"])
-        raise FidelityError(f"fidelity gate failed: {failed}")
+    _raise_if_gate_failed(checks, passed)
     return EXIT_OK
 
 

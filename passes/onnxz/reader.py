@@ -18,7 +18,7 @@ from .._fileio import atomic_output, check_readable, check_writable, load_extern
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
 from .protowire import write_varint
-from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, FileEntry, Index, Stream, decode_index, parse_header, parse_index
+from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, Index, Stream, decode_index, parse_header, parse_index
 
 WINDOW_BYTES = 64 << 20  # restored bytes decoded before they are hashed and written
 
