@@ -93,7 +93,7 @@ def _meets(result, reqs) -> bool:
 
 def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict | None = None,
              bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4, gptq: bool = True,
-             min_elements: int = 1024,
+             min_elements: int = 1024, run_as: str = "onnxruntime",
              n_synthesized: int = 8, report: Report | None = None, progress=None):
     """Returns (compressed ModelProto, report dict). See the module docstring.
 
@@ -101,8 +101,11 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     feeds: list of feed dicts, an .npz path, or None (synthesised; fidelity on real data unmeasured).
     bits: candidate widths (2..8) for weights; a weight may also stay float.
     gptq: error-feedback rounding (passes.gptq) for MatMul/Gemm/Conv weights.
-    min_elements: smaller tensors (and 1-D ones, biases) stay float."""
-    from .fidelity import check_feeds, load_feeds, parse_requirements, run_outputs, synthesize_feeds
+    min_elements: smaller tensors (and 1-D ones, biases) stay float.
+    run_as: how candidates are measured, as in passes.fidelity.evaluate: "onnxruntime" (the file as
+    onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it)."""
+    from .fidelity import RUN_AS, check_feeds, load_feeds, parse_requirements, run_outputs, synthesize_feeds
+    from .fold import fold_dequantize
     from .quantize import quantize_weights
 
     t0 = time.perf_counter()
@@ -118,7 +121,15 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     if ref_bits not in bits:
         ref_bits = bits[len(bits) // 2]
     src = load_model(model)
+    if run_as not in RUN_AS:
+        raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
     notes = []
+    if run_as == "fold":
+        notes.append("candidates measured with their weights folded to float (run_as='fold')")
+
+    def run_candidate(m):
+        return run_outputs(fold_dequantize(m) if run_as == "fold" else m, feeds)
+
     synthesized = feeds is None
     if feeds is None:
         feeds = synthesize_feeds(src, n=n_synthesized)
@@ -227,7 +238,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         candidate = build(plan)
         # confirm on the built model; grow mu while it misses (numerics of the graph may differ)
         for _ in range(6):
-            res = _metrics(ref, run_outputs(candidate, feeds), reqs, metric_args)
+            res = _metrics(ref, run_candidate(candidate), reqs, metric_args)
             if _meets(res, search_reqs):  # with the margin: the graph may run other kernels
                 break
             hi *= 2
@@ -238,7 +249,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         plan = None
         candidate = src
         for b in bits:  # smallest width that meets the target
-            res = _metrics(ref, run_outputs(models[b], feeds), reqs, metric_args)
+            res = _metrics(ref, run_candidate(models[b]), reqs, metric_args)
             trials.append({"bits": b, "ok": _meets(res, search_reqs), "metrics": res.metrics})
             if _meets(res, search_reqs):
                 candidate = models[b]
@@ -246,7 +257,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                 break
         if plan is None:
             plan = {n: sens.FLOAT for n in infos}
-    res = _metrics(ref, run_outputs(candidate, feeds), reqs, metric_args)
+    res = _metrics(ref, run_candidate(candidate), reqs, metric_args)
     met = _meets(res, reqs)
     if not met:
         notes.append("target not met on the feeds even with every weight float" if all(

@@ -302,7 +302,8 @@ def cmd_compress(args) -> int:
 
         targets = parse_requirements(args.target)
         compressed, auto = passes.compress(model, target=args.target, feeds=feeds,
-                                           metric_args=_metric_args(args.metric_arg), report=report)
+                                           metric_args=_metric_args(args.metric_arg), run_as=args.run_as,
+                                           report=report)
         options = {"target": args.target}
         args.require = list(args.require or []) + [t for t in targets if str(t) not in {str(r) for r in args.require or []}]
     else:

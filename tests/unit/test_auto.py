@@ -92,3 +92,14 @@ def test_command_target(tmp_path):
     restored = passes.load(str(out))
     assert evaluate(m, restored, feeds=f).metrics["cosine"] >= 0.999
     assert main(["compress", str(src), "-o", str(tmp_path / "x.onnx"), "--target", "cosine>>1"]) != 0
+
+
+def test_run_as_fold_measures_folded_candidates():
+    m = dense_model()
+    f = feeds(m, n=4)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f, run_as="fold")
+    assert rep["met_on_feeds"]
+    assert any("folded" in n for n in rep["notes"])
+    assert evaluate(m, out, feeds=f, run_as="fold").metrics["cosine"] >= 0.999
+    with pytest.raises(InvalidArgumentError, match="run_as"):
+        passes.compress(m, target="cosine>=0.999", feeds=f, run_as="gpu")
