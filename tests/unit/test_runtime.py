@@ -67,21 +67,7 @@ BUILDERS = {"dense": dense_model, "conv": conv_model, "gather": gather_constant_
 
 
 def feeds_for(model, n=2):
-    rng = np.random.default_rng(1)
-    out = []
-    for i in range(n):
-        f = {}
-        for v in model.graph.input:
-            shape = [d.dim_value for d in v.type.tensor_type.shape.dim]
-            et = v.type.tensor_type.elem_type
-            if et == TensorProto.INT64:
-                f[v.name] = rng.integers(0, 100, size=shape).astype(np.int64)
-            elif et == TensorProto.BOOL:
-                f[v.name] = np.array(i % 2 == 0)
-            else:
-                f[v.name] = rng.standard_normal(shape).astype(np.float32)
-        out.append(f)
-    return out
+    return mg.feeds(model, seed=1, n=n)
 
 
 def run_plain(model_or_path, feeds):
