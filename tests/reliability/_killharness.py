@@ -38,7 +38,21 @@ class RunResult:
         return os.WEXITSTATUS(self.exit_status) if os.WIFEXITED(self.exit_status) else None
 
 
-class _PieceWriter:
+class FileProxy:
+    """A file object standing in for `self._f`: everything not overridden goes to the real file."""
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        self._f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+
+class _PieceWriter(FileProxy):
     """A file object whose write() is cut into pieces with a checkpoint after each."""
 
     def __init__(self, f, checkpoint):
@@ -53,16 +67,6 @@ class _PieceWriter:
             self._f.flush()  # the piece really reaches the file before the kill
             self._checkpoint("write")
         return len(data)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        self._f.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
 
 
 def _install_checkpoints(report_fd: int, go_fd: int) -> None:

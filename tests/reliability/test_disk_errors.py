@@ -17,6 +17,7 @@ import passes._fileio as fileio
 from passes import FileAccessError
 from passes._fileio import save_model, write_bytes_atomic
 
+from ._killharness import FileProxy
 from ._models import matmul_model
 
 BIG = os.urandom(256 * 1024)  # four times the tiny file system
@@ -81,7 +82,7 @@ def test_readonly_destination_real_mount(readonly_fs):
     assert (readonly_fs / "existing.onnx").read_bytes() == b"old"
 
 
-class _FailingFile:
+class _FailingFile(FileProxy):
     """A file whose write/flush fails with `err` after `budget` bytes, like a full disk."""
 
     def __init__(self, f, err, budget):
@@ -93,16 +94,6 @@ class _FailingFile:
         self._budget -= len(data)
         return self._f.write(data)
 
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        self._f.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
-
 
 @pytest.mark.parametrize("err, words", [
     (errno.ENOSPC, "no space left on device"),
@@ -113,7 +104,7 @@ class _FailingFile:
 def test_simulated_write_failures(tmp_path, monkeypatch, err, words, stage):
     final = tmp_path / "out.bin"
     final.write_bytes(b"previous")
-    real_fdopen, real_fsync, real_replace = os.fdopen, os.fsync, os.replace
+    real_fdopen = os.fdopen
 
     def fail(*a, **k):
         raise OSError(err, os.strerror(err))
