@@ -167,17 +167,8 @@ def _strip_constant_node(mv, start, end, min_bytes, stripped) -> bytes | None:
             domain = bytes(mv[a:b]).decode("utf-8", "replace")
     if op_type != "Constant" or domain not in ("", "ai.onnx") or not output:
         return None
-    out = bytearray()
-    changed = False
-    for number, wire, fstart, a, b in _fields(mv, start, end):
-        if number == 5 and wire == LEN:
-            attr = _strip_value_attribute(mv, a, b, min_bytes, stripped, output)
-            if attr is not None:
-                out += write_varint(5 << 3 | LEN) + write_varint(len(attr)) + attr
-                changed = True
-                continue
-        out += mv[fstart:b]
-    return bytes(out) if changed else None
+    return _rewrite_field(mv, _fields(mv, start, end), 5,
+                          lambda a, b: _strip_value_attribute(mv, a, b, min_bytes, stripped, output))
 
 
 def _strip_value_attribute(mv, start, end, min_bytes, stripped, output) -> bytes | None:
@@ -185,13 +176,19 @@ def _strip_value_attribute(mv, start, end, min_bytes, stripped, output) -> bytes
     name = next((bytes(mv[a:b]).decode() for n, w, _, a, b in fields if n == 1 and w == LEN), "")
     if name != "value":
         return None
+    return _rewrite_field(mv, fields, 5, lambda a, b: _strip_tensor(mv, a, b, min_bytes, stripped, output))
+
+
+def _rewrite_field(mv, fields, field_number: int, rewrite) -> bytes | None:
+    """The message re-assembled with each length-delimited `field_number` replaced by
+    `rewrite(a, b)` where that returns bytes; None when nothing was replaced."""
     out = bytearray()
     changed = False
     for number, wire, fstart, a, b in fields:
-        if number == 5 and wire == LEN:
-            tensor = _strip_tensor(mv, a, b, min_bytes, stripped, output)
-            if tensor is not None:
-                out += write_varint(5 << 3 | LEN) + write_varint(len(tensor)) + tensor
+        if number == field_number and wire == LEN:
+            new = rewrite(a, b)
+            if new is not None:
+                out += write_varint(field_number << 3 | LEN) + write_varint(len(new)) + new
                 changed = True
                 continue
         out += mv[fstart:b]
