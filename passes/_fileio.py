@@ -193,6 +193,11 @@ def external_tensors(model: onnx.ModelProto):
 def load_external_data(model: onnx.ModelProto, base_dir: PathLike) -> None:
     """Read external tensor data into `model`, refusing paths outside `base_dir` and out-of-file ranges."""
     base = Path(base_dir)
+    # Ranges are checked against their file, but many tensors naming the same range would still
+    # multiply memory (a 1 GB file read a thousand times): the bytes read may not exceed what the
+    # distinct files hold. Writers never overlap ranges, so real models are unaffected.
+    file_sizes: dict = {}
+    total = 0
     for tensor in external_tensors(model):
         info = {e.key: e.value for e in tensor.external_data}
         target = _safe_external_path(base, info.get("location", ""))
@@ -211,6 +216,13 @@ def load_external_data(model: onnx.ModelProto, base_dir: PathLike) -> None:
             raise InvalidModelError(
                 f"tensor {tensor.name!r} declares external data bytes {offset}..{offset + length} "
                 f"but {info.get('location')!r} holds {size} bytes"
+            )
+        file_sizes[target] = size
+        total += length
+        if total > sum(file_sizes.values()):
+            raise InvalidModelError(
+                f"external data ranges overlap: tensors read {total} bytes from files holding "
+                f"{sum(file_sizes.values())} (tensor {tensor.name!r})"
             )
         with open(target, "rb") as f:
             f.seek(offset)

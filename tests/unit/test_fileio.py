@@ -105,6 +105,22 @@ def test_external_data_range_beyond_file(tmp_path):
         load_model(p)
 
 
+def test_external_data_ranges_read_many_times_refused(tmp_path):
+    """Tensors naming the same range over and over would multiply memory: refused, not read."""
+    model = _model()
+    p = tmp_path / "m.onnx"
+    save_model(model, p, external_data=True)
+    saved = onnx.load(str(p), load_external_data=False)
+    copies = [onnx.TensorProto() for _ in range(3)]
+    for i, c in enumerate(copies):
+        c.CopyFrom(saved.graph.initializer[0])
+        c.name = f"W{i}"
+    saved.graph.initializer.extend(copies)
+    p.write_bytes(saved.SerializeToString())
+    with pytest.raises(InvalidModelError, match="external data ranges overlap"):
+        load_model(p)
+
+
 def test_outputs_get_the_usual_permissions(tmp_path):
     old = os.umask(0o022)
     try:
