@@ -20,48 +20,134 @@ from . import codecs
 from .protowire import write_varint
 from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, Index, Stream, decode_index, parse_header, parse_index
 
-WINDOW_BYTES = 64 << 20  # restored bytes decoded before they are hashed and written
+WINDOW_BYTES = 8 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes
+_BYTES_LIKE = (bytes, bytearray, memoryview)
 
 
 def _threads(threads) -> int:
     if threads is None:
         return os.cpu_count() or 1
-    if not isinstance(threads, int) or threads < 1:
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
     return threads
 
 
-class PackedFile:
-    """An open, validated `.onnxz` file: the index, and its chunks decoded on demand."""
+def _as_buffer(data) -> Optional[memoryview]:
+    """A flat read-only byte view of a bytes-like object (bytes, bytearray, memoryview, mmap, a
+    contiguous numpy array), or None when `data` is not one (then it is a path)."""
+    if isinstance(data, (str, os.PathLike)):
+        return None
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        return None
+    if not mv.c_contiguous:
+        raise InvalidArgumentError("the packed data must be one contiguous buffer")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
-    def __init__(self, path, *, threads=None, max_bytes: Optional[int] = None):
-        self.path = check_readable(path)
+
+class _Group:
+    """Tasks run by a few workers pulling from one shared list (one pool submission per worker,
+    not per chunk). wait() returns once every worker has stopped, then raises the first error:
+    no worker is ever left writing into a buffer the caller has moved on from."""
+
+    def __init__(self, tasks):
+        self._next = iter(tasks).__next__  # list iterators hand out items atomically under the GIL
+        self.error: Optional[BaseException] = None
+        self.futures = []
+
+    def work(self) -> None:
+        take = self._next
+        while self.error is None:
+            try:
+                fn, *args = take()
+            except StopIteration:
+                return
+            try:
+                fn(*args)
+            except BaseException as exc:  # stop the others early; reported by wait()
+                if self.error is None:
+                    self.error = exc
+                return
+
+    def wait(self) -> None:
+        for fut in self.futures:
+            fut.result()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+class PackedFile:
+    """An open, validated `.onnxz` file: the index, and its chunks decoded on demand.
+
+    `source` is a path, or the packed bytes already in memory (bytes, bytearray, memoryview,
+    mmap, a contiguous uint8 numpy array): chunks are then decoded straight from that buffer,
+    without a copy (the buffer must not change while the PackedFile is open). A file is read
+    with one pread per chunk into a per-thread buffer (never mmap: a file truncated under us must
+    raise an error, not SIGBUS).
+
+    Public API (all decode in parallel on `threads` threads, every chunk's XXH3-64 checked
+    before it is decoded, sizes checked against the index and `max_bytes` on opening):
+
+    - `index` (format.Index: `files`, `tensors`), `tensor(key)` -> its TensorEntry;
+    - `tensor_bytes(entry_or_key, out=None)` -> the payload bytes of one tensor (uint8), decoded
+      into `out` when given (a writable uint8 array of `entry.length` bytes);
+    - `tensors_bytes(entries, outs=None)` -> list of payloads, all chunks scheduled together;
+    - `restore_file(fi, out=None, *, skip=())` -> the whole file `fi` (0: the model, then its
+      external data files) as uint8; `skip`: tensor entries whose payload is not decoded (`out`
+      keeps what it held there; the sha256 is then not checked);
+    - `restore_windows(fi)` -> the file in consecutive windows (memory-bounded), sha256 checked;
+    - `read_range(fi, offset, length)` -> bytes of the restored file in that range;
+    - `skeleton(fi)` -> the decoded skeleton stream of file `fi`;
+    - `close()`, context manager.
+    """
+
+    def __init__(self, source, *, threads=None, max_bytes: Optional[int] = None):
         self.threads = _threads(threads)
         limit = DEFAULT_MAX_OUTPUT_BYTES if max_bytes is None else max_bytes
         if not isinstance(limit, int) or limit < 0:
             raise InvalidArgumentError("max_bytes must be a non-negative integer")
-        try:
-            self._f = open(self.path, "rb")
-        except OSError as exc:
-            raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
-        try:
-            size = os.fstat(self._f.fileno()).st_size
-            head = self._f.read(HEADER_SIZE)
-            header = parse_header(head, size)
+        self.closed = True
+        self._buf = _as_buffer(source)
+        self._f = None
+        if self._buf is not None:
+            self.path = None
+            self.size = self._buf.nbytes
+            header = parse_header(bytes(self._buf[:HEADER_SIZE]), self.size)
             check_index_size(header, limit)
-            self._fd = self._f.fileno()
-            self.size = size
-            frame = os.pread(self._fd, header.index_length, header.index_offset)
-            if len(frame) != header.index_length:
-                raise CorruptFileError("truncated .onnxz file (index)")
+            frame = self._buf[header.index_offset:header.index_offset + header.index_length]
             self.index: Index = parse_index(decode_index(frame, header), header, limit)
-        except BaseException:
-            self._f.close()
-            raise
+        else:
+            self.path = check_readable(source)
+            try:
+                self._f = open(self.path, "rb")
+            except OSError as exc:
+                raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+            try:
+                size = os.fstat(self._f.fileno()).st_size
+                header = parse_header(self._f.read(HEADER_SIZE), size)
+                check_index_size(header, limit)
+                self._fd = self._f.fileno()
+                self.size = size
+                frame = os.pread(self._fd, header.index_length, header.index_offset)
+                if len(frame) != header.index_length:
+                    raise CorruptFileError("truncated .onnxz file (index)")
+                self.index = parse_index(decode_index(frame, header), header, limit)
+            except BaseException:
+                self._f.close()
+                raise
+        self._by_key = {t.key: t for t in self.index.tensors}
+        # `threads` workers: a synchronous run uses threads-1 of them plus the calling thread; a
+        # pipelined restore decodes on all of them while the caller hashes and writes
         self._pool = ThreadPoolExecutor(max_workers=self.threads) if self.threads > 1 else None
         self._lock = threading.Lock()
         self._skeletons: Dict[int, np.ndarray] = {}
         self.closed = False
+
+    @property
+    def label(self) -> str:
+        return str(self.path) if self.path is not None else "<packed bytes in memory>"
 
     # ------------------------------------------------------------------ plumbing
 
@@ -71,30 +157,46 @@ class PackedFile:
         self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
+        self._buf = None
+        self._skeletons.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _check_open(self):
         if self.closed:
             raise InvalidArgumentError("the packed file is closed")
 
-    def _frames(self, chunk) -> List[memoryview]:
-        """The chunk's stored planes, read into this thread's input buffer (no mmap: a file
-        truncated under us must give an error, not SIGBUS). Measured: mmap would save this copy,
-        ~10-15% of float32 decode CPU when the same file is decoded again (open_nsfw 0.82x ->
-        0.92x ZipNN), less on a first read (page faults); not worth a crash."""
+    def _stored(self, chunk):
+        """The chunk's stored bytes, checksum verified: a slice of the in-memory buffer, or read
+        with one pread into this thread's reusable input buffer."""
         n = chunk.stored
-        buf = codecs.scratch("input").get(n)
-        mv = memoryview(buf)[:n]
-        try:
-            got = os.preadv(self._fd, [mv], chunk.offset)
-        except OSError as exc:
-            raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
-        if got != n:
-            raise CorruptFileError(f"truncated .onnxz file: chunk at {chunk.offset} runs past the end")
+        if self._buf is not None:
+            mv = self._buf[chunk.offset:chunk.offset + n]  # the index vouched: inside the data area
+        else:
+            mv = memoryview(codecs.scratch("input").get(n))
+            try:
+                got = os.preadv(self._fd, [mv], chunk.offset)
+            except OSError as exc:
+                raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+            if got != n:
+                raise CorruptFileError(f"truncated .onnxz file: chunk at {chunk.offset} runs past the end")
         if xxhash.xxh3_64_intdigest(mv) != chunk.xxh3:
             raise CorruptFileError(f"damaged .onnxz file: chunk at {chunk.offset} fails its checksum (XXH3-64)")
+        return mv
+
+    def _frames(self, chunk) -> List[memoryview]:
+        mv = self._stored(chunk)
+        planes = chunk.planes
+        if len(planes) == 1:
+            return [mv]
         frames, pos = [], 0
-        for ln in chunk.planes:
+        for ln in planes:
             frames.append(mv[pos:pos + ln])
             pos += ln
         return frames
@@ -102,21 +204,31 @@ class PackedFile:
     def _decode_chunk(self, stream: Stream, chunk, out: np.ndarray) -> None:
         codecs.decode_chunk(stream.codec, stream.params, self._frames(chunk), chunk.raw_length, out)
 
+    def _start(self, tasks, workers: int) -> _Group:
+        """Tasks handed to `workers` pool threads (at most the pool's size)."""
+        group = _Group(tasks)
+        for _ in range(min(workers, len(tasks), self.threads)):
+            group.futures.append(self._pool.submit(group.work))
+        return group
+
     def _run(self, tasks) -> None:
-        """Run (fn, args) tasks, in parallel when threads > 1; the first error is raised."""
+        """Run (fn, *args) tasks on the calling thread and threads-1 pool workers, which pull
+        them in order from one shared list; the first error is raised once all have stopped."""
         if self._pool is None or len(tasks) <= 1:
             for fn, *args in tasks:
                 fn(*args)
             return
-        futures = [self._pool.submit(fn, *args) for fn, *args in tasks]
-        error = None
-        for fut in futures:
-            try:
-                fut.result()
-            except BaseException as exc:  # keep waiting: never leave workers writing into freed buffers
-                error = error or exc
-        if error is not None:
-            raise error
+        group = self._start(tasks, self.threads - 1)
+        try:
+            group.work()
+        finally:
+            group.wait()
+
+    @staticmethod
+    def _balanced(tasks):
+        """Chunk tasks, largest first (the last task to start is a small one: the threads finish
+        together)."""
+        return sorted(tasks, key=lambda t: -t[2].raw_length)
 
     def stream_tasks(self, stream: Stream, out: np.ndarray):
         tasks, pos = [], 0
@@ -132,6 +244,7 @@ class PackedFile:
         return out
 
     def skeleton(self, fi: int) -> np.ndarray:
+        self._check_open()
         with self._lock:
             s = self._skeletons.get(fi)
         if s is None:
@@ -139,6 +252,48 @@ class PackedFile:
             with self._lock:
                 self._skeletons[fi] = s
         return s
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor(self, key: str):
+        """The index entry (format.TensorEntry) of the tensor `key`; KeyError if there is none."""
+        return self._by_key[key]
+
+    def _entry(self, entry):
+        return self._by_key[entry] if isinstance(entry, str) else entry
+
+    @staticmethod
+    def _out(out, length: int, what: str) -> np.ndarray:
+        if out is None:
+            return np.empty(length, np.uint8)
+        if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 1 or out.size != length \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError(f"out for {what} must be a writable contiguous uint8 array of {length} bytes")
+        return out
+
+    def tensors_bytes(self, entries, outs=None) -> List[np.ndarray]:
+        """The payload bytes of several tensors (entries or keys), decoded together: every chunk
+        of every coded tensor goes to the thread pool at once (largest first); payloads the
+        writer left in the skeleton are copied from it."""
+        self._check_open()
+        entries = [self._entry(e) for e in entries]
+        outs = [None] * len(entries) if outs is None else list(outs)
+        if len(outs) != len(entries):
+            raise InvalidArgumentError("tensors_bytes: one out per entry, or none")
+        result, tasks = [], []
+        for e, out in zip(entries, outs):
+            out = self._out(out, e.length, f"tensor {e.key!r}")
+            result.append(out)
+            if e.stream is not None:
+                tasks.extend(self.stream_tasks(e.stream, out))
+            else:
+                self._read_range_into(e.file, e.offset, out)
+        self._run(self._balanced(tasks))
+        return result
+
+    def tensor_bytes(self, entry, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The payload bytes of one tensor (a TensorEntry or its key) as uint8, into `out` if given."""
+        return self.tensors_bytes([entry], None if out is None else [out])[0]
 
     # ------------------------------------------------------------------ restoring files
 
@@ -161,80 +316,133 @@ class PackedFile:
         if fe.size > pos:
             yield pos, fe.size - pos, ("skel", skel)
 
-    def restore_into(self, fi: int, out: np.ndarray) -> None:
-        """The whole file `fi`, decoded into `out` (uint8, its size); sha256 checked."""
-        skel = self.skeleton(fi)
-        tasks = []
+    def _windows(self, fi: int, window: int):
+        """The file's pieces grouped into consecutive windows of about `window` bytes (a chunk is
+        never split): yields (start, length, [(offset in window, length, source), ...])."""
+        start = used = 0
+        items = []
         for off, ln, src in self._pieces(fi):
-            if src[0] == "skel":
-                out[off:off + ln] = skel[src[1]:src[1] + ln]
-            else:
-                tasks.append((self._decode_chunk, src[1], src[2], out[off:off + ln]))
-        self._run(tasks)
-        if hashlib.sha256(out).hexdigest() != self.index.files[fi].sha256:
-            raise CorruptFileError(f"damaged .onnxz file: {self.index.files[fi].name} does not match its sha256")
+            while ln:
+                if used and used + (ln if src[0] == "chunk" else 1) > window:
+                    yield start, used, items
+                    start, used, items = start + used, 0, []
+                n = ln if src[0] == "chunk" else min(ln, window - used)
+                items.append((used, n, src))
+                if src[0] == "skel":
+                    src = ("skel", src[1] + n)
+                used += n
+                ln -= n
+        if used or not start:
+            yield start, used, items
 
-    def restore_windows(self, fi: int):
-        """Yield the file `fi` in consecutive windows (memory-bounded); sha256 checked at the end
-        (before the last window is yielded)."""
+    def _fill(self, window: np.ndarray, items, skel) -> list:
+        """Copy the skeleton parts of a window now; return the decode tasks of its chunks."""
+        tasks = []
+        for woff, ln, src in items:
+            if src[0] == "skel":
+                window[woff:woff + ln] = skel[src[1]:src[1] + ln]
+            else:
+                tasks.append((self._decode_chunk, src[1], src[2], window[woff:woff + ln]))
+        return self._balanced(tasks)
+
+    def _restore(self, fi: int, target):
+        """Decode file `fi` window by window and yield each window, after hashing it. With a
+        pool, window k+1 decodes on the pool while the caller hashes (and writes) window k.
+        `target(start, length, k)` gives the array a window decodes into. The sha256 is checked
+        before the last window is yielded."""
         fe = self.index.files[fi]
         skel = self.skeleton(fi)
         sha = hashlib.sha256()
-        buf = np.empty(min(max(fe.size, 1), WINDOW_BYTES), np.uint8)
-        pending, used = [], 0
+        windows = self._windows(fi, WINDOW_BYTES)
+        pending = None  # (window array, group) decoding on the pool
 
-        def flush():
-            nonlocal pending, used
-            window = buf[:used]
-            tasks = []
-            for woff, ln, src in pending:
-                if src[0] == "skel":
-                    window[woff:woff + ln] = skel[src[1]:src[1] + ln]
-                else:
-                    tasks.append((self._decode_chunk, src[1], src[2], window[woff:woff + ln]))
-            self._run(tasks)
-            sha.update(window)
-            pending, used = [], 0
-            return window
+        def start(k, spec):
+            s, n, items = spec
+            arr = target(s, n, k)
+            tasks = self._fill(arr, items, skel)
+            if self._pool is None:
+                self._run(tasks)
+                return arr, None
+            return arr, self._start(tasks, self.threads)
 
-        for off, ln, src in self._pieces(fi):
-            while ln:
-                if used == buf.size:
-                    yield flush()
-                if src[0] == "skel":
-                    n = min(ln, buf.size - used)
-                    pending.append((used, n, ("skel", src[1])))
-                    src = ("skel", src[1] + n)
-                else:  # a chunk decodes as a whole
-                    n = ln
-                    if n > buf.size - used:
-                        if used:
-                            yield flush()
-                        if n > buf.size:
-                            buf = np.empty(n, np.uint8)
-                    pending.append((used, n, src))
-                used += n
-                ln -= n
-        last = flush()
-        if sha.hexdigest() != fe.sha256:
-            raise CorruptFileError(f"damaged .onnxz file: {fe.name} does not match its sha256")
-        yield last
+        try:
+            k = 0
+            spec = next(windows)
+            pending = start(k, spec)
+            for spec in windows:
+                arr, group = pending
+                pending = None
+                if group is not None:
+                    group.wait()
+                k += 1
+                pending = start(k, spec)  # decodes while this window is hashed and consumed
+                sha.update(arr)
+                yield arr
+            arr, group = pending
+            pending = None
+            if group is not None:
+                group.wait()
+            sha.update(arr)
+            if sha.hexdigest() != fe.sha256:
+                raise CorruptFileError(f"damaged .onnxz file: {fe.name} does not match its sha256")
+            yield arr
+        finally:
+            if pending is not None and pending[1] is not None:  # abandoned: let the workers finish
+                try:
+                    pending[1].wait()
+                except BaseException:
+                    pass
 
-    def restore_bytes(self, fi: int) -> np.ndarray:
+    def restore_windows(self, fi: int):
+        """Yield the file `fi` in consecutive windows (memory-bounded: two windows of about
+        WINDOW_BYTES); the sha256 is checked before the last window is yielded. A window's array
+        is reused once the next one is asked for: consume (write) it first."""
+        self._check_open()
+        buffers = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+
+        def target(s, n, k):
+            if buffers[k % 2].size < n:
+                buffers[k % 2] = np.empty(max(n, min(self.index.files[fi].size, WINDOW_BYTES)), np.uint8)
+            return buffers[k % 2][:n]
+
+        yield from self._restore(fi, target)
+
+    def restore_file(self, fi: int, out: Optional[np.ndarray] = None, *, skip=()) -> np.ndarray:
+        """The whole file `fi` (0: the model) as uint8, decoded into `out` when given (a writable
+        uint8 array of the file's size); sha256 checked. Tensors in `skip` (entries or keys) are
+        not decoded: `out` keeps what it held in their payload ranges, and the sha256 cannot be
+        checked (every chunk's own checksum still is)."""
+        self._check_open()
         fe = self.index.files[fi]
-        out = np.empty(fe.size, np.uint8)
-        self.restore_into(fi, out)
+        out = self._out(out, fe.size, f"file {fe.name!r}")
+        skipped = {id(self._entry(e).stream) for e in skip if self._entry(e).stream is not None}
+        if skipped:
+            skel = self.skeleton(fi)
+            items = [(off, ln, src) for off, ln, src in self._pieces(fi) if src[0] == "skel" or id(src[1]) not in skipped]
+            self._run(self._fill(out, items, skel))
+            return out
+        for _ in self._restore(fi, lambda s, n, k: out[s:s + n]):
+            pass
         return out
 
-    def read_range(self, fi: int, offset: int, length: int) -> np.ndarray:
-        """Bytes of the restored file `fi` in [offset, offset+length), decoding only what covers them."""
-        out = np.empty(length, np.uint8)
+    def restore_into(self, fi: int, out: np.ndarray) -> None:
+        """Old name of restore_file(fi, out)."""
+        self.restore_file(fi, out)
+
+    def restore_bytes(self, fi: int) -> np.ndarray:
+        """Old name of restore_file(fi)."""
+        return self.restore_file(fi)
+
+    def _read_range_into(self, fi: int, offset: int, out: np.ndarray) -> None:
+        length = out.size
         skel = None
         tasks = []
         end = offset + length
         for off, ln, src in self._pieces(fi):
             a, b = max(off, offset), min(off + ln, end)
             if a >= b:
+                if off >= end:
+                    break
                 continue
             if src[0] == "skel":
                 if skel is None:
@@ -248,6 +456,16 @@ class PackedFile:
                 self._decode_chunk(src[1], src[2], tmp)
                 out[a - offset:b - offset] = tmp[a - off:b - off]
         self._run(tasks)
+
+    def read_range(self, fi: int, offset: int, length: int) -> np.ndarray:
+        """Bytes of the restored file `fi` in [offset, offset+length), decoding only what covers them."""
+        self._check_open()
+        fe = self.index.files[fi]
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= fe.size):
+            raise InvalidArgumentError(f"range {offset}+{length} lies outside {fe.name!r} ({fe.size} bytes)")
+        out = np.empty(length, np.uint8)
+        self._read_range_into(fi, offset, out)
         return out
 
 
@@ -296,31 +514,42 @@ def _to_array(entry, payload: np.ndarray) -> np.ndarray:
 
 
 class PackedModel:
-    """Lazy access to the tensors of a `.onnxz` file; get_tensor decodes only that tensor's chunks."""
+    """Lazy access to the tensors of a `.onnxz` file (a path, or the packed bytes in memory);
+    get_tensor decodes only that tensor's chunks. `packed_file` is the PackedFile underneath
+    (raw payload bytes, whole files, ranges)."""
 
-    def __init__(self, path, *, threads=None, max_bytes=None):
-        self._pf = PackedFile(path, threads=threads, max_bytes=max_bytes)
-        self._by_key = {t.key: t for t in self._pf.index.tensors}
+    def __init__(self, source, *, threads=None, max_bytes=None):
+        self._pf = PackedFile(source, threads=threads, max_bytes=max_bytes)
+
+    @property
+    def packed_file(self) -> PackedFile:
+        return self._pf
 
     def keys(self) -> List[str]:
         return [t.key for t in self._pf.index.tensors]
 
     def __contains__(self, key) -> bool:
-        return key in self._by_key
+        return key in self._pf._by_key
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        return len(self._pf._by_key)
 
     def get_tensor(self, key: str) -> np.ndarray:
         self._pf._check_open()
-        entry = self._by_key.get(key)
+        entry = self._pf._by_key.get(key)
         if entry is None:
             raise KeyError(key)
-        if entry.stream is not None:
-            payload = self._pf.decode_stream(entry.stream)
-        else:
-            payload = self._pf.read_range(entry.file, entry.offset, entry.length)
-        return _to_array(entry, payload)
+        return _to_array(entry, self._pf.tensor_bytes(entry))
+
+    def get_tensors(self, keys=None) -> Dict[str, np.ndarray]:
+        """Several tensors (all by default) decoded together, every chunk on the thread pool at once."""
+        self._pf._check_open()
+        keys = self.keys() if keys is None else list(keys)
+        missing = [k for k in keys if k not in self._pf._by_key]
+        if missing:
+            raise KeyError(missing[0])
+        entries = [self._pf._by_key[k] for k in keys]
+        return {e.key: _to_array(e, b) for e, b in zip(entries, self._pf.tensors_bytes(entries))}
 
     def metadata(self) -> dict:
         idx = self._pf.index
@@ -334,7 +563,7 @@ class PackedModel:
                 "params": s.params if s else {}, "chunks": len(s.chunks) if s else 0,
             })
         return {
-            "format_version": "%d.%d" % idx.version, "writer": idx.writer, "path": str(self._pf.path),
+            "format_version": "%d.%d" % idx.version, "writer": idx.writer, "path": self._pf.label,
             "packed_bytes": self._pf.size,
             "original_bytes": sum(f.size for f in idx.files),
             "files": [{"name": f.name, "size": f.size, "sha256": f.sha256, "skeleton_stored": f.skeleton.stored,
@@ -358,8 +587,10 @@ class PackedModel:
             pass
 
 
-def open_packed(path, *, threads=None, max_bytes=None) -> PackedModel:
-    return PackedModel(path, threads=threads, max_bytes=max_bytes)
+def open_packed(source, *, threads=None, max_bytes=None) -> PackedModel:
+    """Lazy tensor access to a `.onnxz`: `source` is its path or its bytes already in memory
+    (bytes, bytearray, memoryview, mmap, uint8 numpy array; not copied, must stay unchanged)."""
+    return PackedModel(source, threads=threads, max_bytes=max_bytes)
 
 
 # ---------------------------------------------------------------------- files
@@ -371,8 +602,16 @@ def _default_dst(src: Path) -> Path:
 
 
 def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None) -> Path:
-    """Restore the .onnx (and its external data files beside it) byte for byte; returns the .onnx path."""
-    src = Path(src)
+    """Restore the .onnx (and its external data files beside it) byte for byte; returns the .onnx
+    path. `src` is the .onnxz path, or its bytes in memory (then `dst` is required). Each file is
+    decoded in windows: with threads > 1 the next window decodes while this one is hashed and
+    written; written atomically (temporary file, fsync, rename)."""
+    in_memory = _as_buffer(src) is not None
+    if in_memory:
+        if dst is None:
+            raise InvalidArgumentError("unpack from bytes in memory needs a destination path")
+    else:
+        src = Path(src)
     dst = _default_dst(src) if dst is None else Path(dst)
     check_writable(dst, force)
     with PackedFile(src, threads=threads, max_bytes=max_bytes) as pf:
@@ -380,7 +619,7 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None) 
         folder = dst.parent if str(dst.parent) else Path(".")
         targets = [dst] + [folder / f.name for f in files[1:]]
         for t in targets[1:]:
-            _prepare_data_path(folder, t, src, dst, force)
+            _prepare_data_path(folder, t, None if in_memory else src, dst, force)
         # data files first: the model file never appears pointing at missing data
         for fi in list(range(1, len(files))) + [0]:
             with atomic_output(targets[fi], force) as f:
@@ -389,7 +628,7 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None) 
     return dst
 
 
-def _prepare_data_path(folder: Path, target: Path, src: Path, dst: Path, force: bool) -> None:
+def _prepare_data_path(folder: Path, target: Path, src: Optional[Path], dst: Path, force: bool) -> None:
     """Make the folders of an external data file inside `folder`, refusing any path that would
     leave it (through a symlink too) or collide with the packed file or the model."""
     from .._fileio import _describe_os_error
@@ -415,13 +654,9 @@ def _prepare_data_path(folder: Path, target: Path, src: Path, dst: Path, force: 
         raise FileAccessError(_describe_os_error(target, exc, "write")) from None
     if base not in resolved.parents:
         raise FileAccessError(f"cannot write {target}: it lies outside {folder}")
-    if resolved in (src.resolve(), dst.resolve()):
+    if resolved in ((src.resolve(),) if src is not None else ()) + (dst.resolve(),):
         raise CorruptFileError(f"damaged .onnxz index (external file {target.name} collides with {resolved.name})")
     check_writable(target, force)
-
-
-PackedFile.__enter__ = lambda self: self
-PackedFile.__exit__ = lambda self, *exc: self.close()
 
 
 def _is_packed(path: Path) -> bool:
@@ -433,18 +668,22 @@ def _is_packed(path: Path) -> bool:
 
 
 def load(path, *, threads=None, max_bytes=None) -> onnx.ModelProto:
-    """The ModelProto of an .onnxz (restored in memory, no temporary files) or of an .onnx path."""
-    p = check_readable(path)
-    if not _is_packed(p):
+    """The ModelProto of an .onnxz (restored in memory, no temporary files) or of an .onnx path;
+    `path` may also be the packed bytes in memory."""
+    if _as_buffer(path) is not None:
+        p = path
+    else:
+        p = check_readable(path)
+    if isinstance(p, Path) and not _is_packed(p):
         data = p.read_bytes()
         model = parse_model_bytes(data, str(p))
         load_external_data(model, p.parent)
         return model
     with PackedFile(p, threads=threads, max_bytes=max_bytes) as pf:
-        data = pf.restore_bytes(0)
-        model = parse_model_bytes(data.tobytes(), str(p))
+        data = pf.restore_file(0)
+        model = parse_model_bytes(data.tobytes(), pf.label)
         if len(pf.index.files) > 1:
-            restored = {pf.index.files[fi].name: pf.restore_bytes(fi) for fi in range(1, len(pf.index.files))}
+            restored = {pf.index.files[fi].name: pf.restore_file(fi) for fi in range(1, len(pf.index.files))}
             from .._fileio import external_tensors
 
             for t in external_tensors(model):
@@ -478,7 +717,7 @@ def verify(path, against=None, *, threads=None, max_bytes=None) -> VerifyResult:
     bytes with it and its external data files: a difference makes the result not ok."""
     with PackedFile(path, threads=threads, max_bytes=max_bytes) as pf:
         files = pf.index.files
-        result = VerifyResult(str(path), True, [], sum(f.size for f in files), pf.size)
+        result = VerifyResult(pf.label, True, [], sum(f.size for f in files), pf.size)
         result.checks.append({"check": "header and index", "ok": True, "detail": f"format {pf.index.version[0]}.{pf.index.version[1]}, {len(pf.index.tensors)} tensors"})
         originals = None
         if against is not None:
