@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError
-from .runtime_feed import SplitModel, shareable_names
+from .runtime_feed import EMBED_MAX_BYTES, SplitModel, serialise_with_weights, shareable_names
 from .runtime_options import copy_session_options
 
 log = logging.getLogger("passes.runtime")
@@ -45,6 +45,9 @@ GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExec
 # prepacking would hold a second copy of each MatMul weight (measured: 2x the weights), and the
 # large layers of such models run memory-bound, where prepacking gains little
 PREPACK_AUTO_LIMIT = 1 << 30
+
+# what the base class records as the model (it would keep real bytes alive for the session's life)
+_MODEL_IN_ATTRIBUTE = b"passes.InferenceSession: model bytes held in _pending_model"
 
 # mode="auto" on a CPU folds when the float weights take at most this share of the free memory
 AUTO_FOLD_MEMORY_SHARE = 0.5
@@ -164,13 +167,15 @@ class InferenceSession(ort.InferenceSession):
         self._settings = dict(mode=mode, target=target, threads=threads, providers=providers,
                               provider_options=provider_options, keep_io_types=keep_io_types,
                               gpu_fold=gpu_fold, prepack=prepack, progress=progress, max_bytes=max_bytes)
-        options, disabled, model_bytes = self._prepare(sess_options)
+        # the model bytes travel in an attribute (popped when onnxruntime has parsed them), not as
+        # an argument: a frame holding them would keep them alive during optimisation
+        options, disabled, self._pending_model = self._prepare(sess_options)
         if self.shared_names and sess_options is None:
             # a failure here is retried without sharing: keep onnxruntime's error log of it quiet
             # (only when the caller expressed no logging preference)
             options.log_severity_level = max(options.log_severity_level, 3)
         try:
-            super().__init__(model_bytes, options, providers=providers, provider_options=provider_options,
+            super().__init__(_MODEL_IN_ATTRIBUTE, options, providers=providers, provider_options=provider_options,
                              disabled_optimizers=disabled or None, enable_fallback=0)
         except SurgeonError:
             raise
@@ -180,9 +185,9 @@ class InferenceSession(ort.InferenceSession):
             # most likely an optimiser wanted the bytes of a shared weight (onnxruntime cannot read
             # those): start again with every weight handed over as a copy
             log.info("passes.InferenceSession: retrying with copied weights (%s)", str(exc).splitlines()[0][:200])
-            options, disabled, model_bytes = self._prepare(sess_options, share=False)
+            options, disabled, self._pending_model = self._prepare(sess_options, share=False)
             try:
-                super().__init__(model_bytes, options, providers=providers, provider_options=provider_options,
+                super().__init__(_MODEL_IN_ATTRIBUTE, options, providers=providers, provider_options=provider_options,
                                  disabled_optimizers=disabled or None, enable_fallback=0)
             except Exception as exc2:
                 raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc2).splitlines()[0]}") from None
@@ -245,8 +250,20 @@ class InferenceSession(ort.InferenceSession):
         for node in split.skeleton.graph.node:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
         self.op_counts = counts
-        model_bytes = split.skeleton.SerializeToString()
-        self.skeleton_bytes = len(model_bytes)
+        copied = [n for n in sorted(self.weight_arrays) if n not in self.shared_names and n not in device_values]
+        copied_bytes = sum(self.weight_arrays[n].nbytes for n in copied)
+        self.skeleton_bytes = split.skeleton.ByteSize()
+        self.embedded_names = set()
+        if copied and not self.on_gpu and self.skeleton_bytes + copied_bytes + 64 * len(copied) <= EMBED_MAX_BYTES:
+            # the weights onnxruntime copies travel inside the model bytes: its parsed copy is the
+            # only one during optimisation (see serialise_with_weights)
+            model_bytes = serialise_with_weights(split.skeleton, self.weight_arrays, copied)
+            self.skeleton_bytes = split.skeleton.ByteSize()
+            self.embedded_names = set(copied)
+            for name in copied:
+                del self.weight_arrays[name]
+        else:
+            model_bytes = split.skeleton.SerializeToString()
         return options, disabled, model_bytes
 
     # onnxruntime's loader, with the weights attached to our private options: shared ones kept
@@ -271,7 +288,10 @@ class InferenceSession(ort.InferenceSession):
         providers, provider_options = check_and_normalize_provider_args(
             providers, provider_options, C.get_available_providers()
         )
-        sess = C.InferenceSession(options, self._model_bytes, False, self._read_config_from_model)
+        model = self.__dict__.pop("_pending_model", None)
+        sess = C.InferenceSession(options, model if model is not None else self._model_bytes, False,
+                                  self._read_config_from_model)
+        del model  # onnxruntime holds the parsed model: the bytes must not outlive this point
         self._kept_values = keep_values  # shared OrtValues must outlive the session
         sess.initialize_session(providers, provider_options, set(disabled_optimizers or ()))
         # onnxruntime holds its own copies of the external initializers once initialised (it still

@@ -255,3 +255,45 @@ def shareable_names(split: SplitModel, extra=None) -> set:
         if all(index in table.get((domain, op), ()) for domain, op, index in uses):
             shared.add(name)
     return shared
+
+
+# A model given as bytes goes through protobuf: below this size the weights onnxruntime copies
+# anyway can travel inside those bytes (see serialise_with_weights); above it (protobuf's 2 GiB
+# message limit, with room for the graph) they go as OrtValues
+EMBED_MAX_BYTES = (1 << 31) - (64 << 20)
+
+
+def serialise_with_weights(skeleton: onnx.ModelProto, arrays: dict, names) -> bytes:
+    """The skeleton's bytes with the weights `names` inside, as raw_data initializers.
+
+    Why: onnxruntime copies a weight given with add_external_initializers into its graph while our
+    array is still alive, and it keeps its copy for its optimisers (Conv reordering, float16 casts):
+    both copies coexist during optimisation. Given inside the model bytes, the weight's only copy
+    during optimisation is the one onnxruntime parsed; ours is dropped before that (the caller drops
+    `arrays[name]` once these bytes exist). The weights are appended as a second `graph` field
+    holding only initializers: protobuf merges repeated occurrences of a message field, so
+    onnxruntime sees one graph. The placeholders of `names` are removed from `skeleton`.
+    """
+    from .onnxz.protowire import write_varint
+
+    names = [n for n in names if n in arrays]
+    wanted = set(names)
+    inits = skeleton.graph.initializer
+    for i in range(len(inits) - 1, -1, -1):
+        if inits[i].name in wanted:
+            del inits[i]
+    pieces = []
+    graph_length = 0
+    for name in names:
+        array = np.ascontiguousarray(arrays[name])
+        meta = TensorProto()
+        meta.name = name
+        meta.data_type = np_dtype_to_onnx(array.dtype)
+        meta.dims.extend(array.shape)
+        head = meta.SerializeToString() + write_varint(9 << 3 | 2) + write_varint(array.nbytes)
+        entry = write_varint(5 << 3 | 2) + write_varint(len(head) + array.nbytes) + head
+        pieces += [entry, array.reshape(-1).view(np.uint8)]
+        graph_length += len(entry) + array.nbytes
+    graph_field = write_varint(7 << 3 | 2) + write_varint(graph_length)
+    return b"".join([skeleton.SerializeToString(), graph_field] + pieces)
+
