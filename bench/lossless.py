@@ -1,17 +1,25 @@
 """Lossless-stage benchmark (not a test): sizes and speeds of `.onnxz` against zip, zstd and ZipNN.
 
-    python bench/lossless.py [--only NAME ...] [--no-int8] [--repeat 3]
+    python bench/lossless.py [--models open_nsfw,minilm_int8] [--no-int8] [--repeat 3]
 
 For every corpus model, and for the int8 output of `passes.quantize_weights` on each float model:
 the original size and, as % of it, zip -9 (deflate), zstd -19, ZipNN on the same tensors (each
 payload the pack stage cuts out, ZipNN 0.5.4 `input_format="byte"` with the tensor's dtype; 1-byte
 and integer types as "float32"; the rest of the file counted at our skeleton size), `.onnxz`, and
 order-0 bounds per tensor (floats: sign/exponent o0 + raw rest, top-16-bit o0 + raw rest; other
-types: o0 of each byte plane), plus int8 tensors against the o0 bound of their bytes. Then decode
-throughput on the same tensors (ZipNN decompress vs our chunk decode into a preallocated buffer,
-runs interleaved; "cpu" = process CPU time at 1 thread, robust to other processes' load; t1/t2 =
-wall clock at 1/2 threads), and pack / unpack-to-file (sha256 checked, written) wall-clock
-throughput, at 1 and 2 threads, in the same run (best of --repeat).
+types: o0 of each byte plane), plus int8 tensors against the o0 bound of their bytes.
+
+Speeds, at 1 and 2 threads, runs of ours and ZipNN interleaved, best of --repeat, each as wall
+clock and as CPU time of the process (all threads; robust to other processes' load):
+- decode of the cut tensors into preallocated buffers, both from bytes in memory (ZipNN
+  decompress of its streams; ours `PackedFile(bytes).tensors_bytes`), and ours from the .onnxz
+  file (one pread per chunk) as a second figure;
+- unpack file -> file: ours `passes.unpack` (sha256 checked) against ZipNN decompressing every
+  cut tensor and writing the model file with them spliced in (skeleton bytes free for ZipNN);
+  both written through the same atomic temp-file + fsync + rename;
+- pack: ours `passes.pack` (the whole file: sha256, index, fsync) against ZipNN compress of the
+  cut tensors only.
+The int8 rows need passes.quantize_weights (outputs cached in bench/out/int8/).
 
 Needs `pip install zipnn` (bench only; not a project dependency). Writes bench/out/lossless.json;
 zip/zstd sizes are cached in bench/out/lossless_cache.json by file sha256 (they are slow).
@@ -175,7 +183,39 @@ def bench_model(name: str, path: Path, repeat: int, cache: dict, tmp: Path) -> d
     pf.close()
 
     # speeds on the same tensors
+    speeds(row, name, path, packed, blobs, cut, zipnn_streams, original, repeat, tmp)
+    for f in tmp.glob(f"{name}*"):
+        f.unlink()
+    return row
+
+
+def zipnn_restore(blobs, files_index, zipnn_streams, cut, codecs_, out_path):
+    """ZipNN's side of unpack: decompress every cut payload and write the model file with the
+    payloads spliced back (the skeleton bytes taken as they are, free for ZipNN), written the way
+    ours is (temporary file, fsync, rename)."""
+    from passes._fileio import atomic_output
+
+    decoded = {}
+    for (t, _), (dt, comp, ok, _n) in zip(cut, zipnn_streams):
+        decoded[(t.file, t.offset)] = codecs_[dt].decompress(comp) if ok else zstd.ZstdDecompressor().decompress(comp)
+    fe = files_index[0]
+    src = memoryview(blobs[0])
+    with atomic_output(out_path, True) as f:
+        pos = 0
+        for off, ln, _ti in fe.cuts:
+            f.write(src[pos:off])
+            f.write(decoded[(0, off)])
+            pos = off + ln
+        f.write(src[pos:])
+
+
+def speeds(row, name, path, packed, blobs, cut, zipnn_streams, original, repeat, tmp):
+    """Decode from memory (both), ours from the file, unpack file -> file, pack: CPU and wall at
+    1 and 2 threads, runs of ours and ZipNN interleaved (load on the machine hits both alike)."""
     raw_total = sum(d.size for _, d in cut)
+    packed_bytes = packed.read_bytes()
+    tensors = [t for t, _ in cut]
+    outs = [np.empty(t.length, np.uint8) for t in tensors]
     for threads in (1, 2):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -193,43 +233,48 @@ def bench_model(name: str, path: Path, repeat: int, cache: dict, tmp: Path) -> d
                     dtype = t.dtype if t.field not in ("float_data", "double_data") else (FLOAT if t.field == "float_data" else DOUBLE)
                     codecs_.get(dtype, codecs_[next(iter(codecs_))]).compress(bytearray(data.tobytes()))
 
-        pf = PackedFile(packed, threads=threads)
-        outs = [np.empty(t.length, np.uint8) for t, _ in cut]
-        tensors = [t for t, _ in cut]
+        mem = PackedFile(packed_bytes, threads=threads)
+        disk = PackedFile(packed, threads=threads)
+        mem_tensors = [mem.tensor(t.key) for t in tensors]
 
-        def ours_decode():
-            tasks = []
-            for t, out in zip(tensors, outs):
-                tasks.extend(pf.stream_tasks(t.stream, out))
-            pf._run(tasks)
+        def ours_mem():
+            mem.tensors_bytes(mem_tensors, outs)
+
+        def ours_file():
+            disk.tensors_bytes(tensors, outs)
 
         if cut:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                wall = race({"ZipNN": zipnn_decode, ".onnxz": ours_decode}, repeat, time.perf_counter)
-                row[f"ZipNN dec MB/s t{threads}"] = raw_total / wall["ZipNN"] / MB
-                row[f".onnxz dec MB/s t{threads}"] = raw_total / wall[".onnxz"] / MB
-                if threads == 1:  # CPU time: what one core costs, robust to other processes' load
-                    cpu = race({"ZipNN": zipnn_decode, ".onnxz": ours_decode}, repeat, time.process_time)
-                    row["ZipNN dec MB/s cpu"] = raw_total / cpu["ZipNN"] / MB
-                    row[".onnxz dec MB/s cpu"] = raw_total / cpu[".onnxz"] / MB
-                row[f"ZipNN enc MB/s t{threads}"] = raw_total / best_of(zipnn_encode, 1) / MB
+                fns = {"ZipNN": zipnn_decode, "mem": ours_mem, "file": ours_file}
+                for clock, tag in ((time.perf_counter, "wall"), (time.process_time, "cpu")):
+                    best = race(fns, repeat, clock)
+                    row[f"ZipNN dec {tag} t{threads}"] = raw_total / best["ZipNN"] / MB
+                    row[f".onnxz dec mem {tag} t{threads}"] = raw_total / best["mem"] / MB
+                    row[f".onnxz dec file {tag} t{threads}"] = raw_total / best["file"] / MB
+                row[f"ZipNN enc wall t{threads}"] = raw_total / best_of(zipnn_encode, 1) / MB
             for (t, data), out in zip(cut, outs):
                 assert np.array_equal(out, data), t.key
-        pf.close()
+        files_index = mem.index.files
+        mem.close()
+        disk.close()
         dst = tmp / f"{name}.t{threads}.onnx"
-
-        def ours_unpack():
-            passes.unpack(packed, dst, threads=threads, force=True)
-
-        row[f".onnxz unpack MB/s t{threads}"] = original / best_of(ours_unpack, repeat) / MB
-        t0 = time.perf_counter()
-        passes.pack(path, tmp / "speed.onnxz", threads=threads, force=True)
-        row[f".onnxz pack MB/s t{threads}"] = original / (time.perf_counter() - t0) / MB
-    assert hashlib.sha256(dst.read_bytes()).digest() == hashlib.sha256(blobs[0]).digest()
-    for f in tmp.glob(f"{name}*"):
-        f.unlink()
-    return row
+        zdst = tmp / f"{name}.zipnn.t{threads}.onnx"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fns = {"ours": lambda: passes.unpack(packed, dst, threads=threads, force=True),
+                   "ZipNN": lambda: zipnn_restore(blobs, files_index, zipnn_streams, cut, codecs_, zdst)}
+            for clock, tag in ((time.perf_counter, "wall"), (time.process_time, "cpu")):
+                best = race(fns, repeat, clock)
+                row[f".onnxz unpack {tag} t{threads}"] = original / best["ours"] / MB
+                row[f"ZipNN unpack {tag} t{threads}"] = original / best["ZipNN"] / MB
+        assert hashlib.sha256(dst.read_bytes()).digest() == hashlib.sha256(blobs[0]).digest()
+        if len(files_index) == 1:
+            assert zdst.read_bytes() == blobs[0]
+        t0, c0 = time.perf_counter(), time.process_time()
+        passes.pack(path, tmp / f"{name}.speed.onnxz", threads=threads, force=True)
+        row[f".onnxz pack wall t{threads}"] = original / (time.perf_counter() - t0) / MB
+        row[f".onnxz pack cpu t{threads}"] = original / (time.process_time() - c0) / MB
 
 
 def int8_models(corpus: Path, names, tmp: Path):
@@ -261,15 +306,44 @@ def int8_models(corpus: Path, names, tmp: Path):
 COLUMNS = ["zip -9", "zstd -19", "ZipNN", ".onnxz", "bound s/e", "bound top16"]
 
 
+def table(title, rows, cols):
+    """Print one markdown table; cols: (header, fn(row) -> str)."""
+    print(f"\n{title}\n")
+    print("| model | " + " | ".join(h for h, _ in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for r in rows:
+        cells = []
+        for _, fn in cols:
+            try:
+                cells.append(fn(r))
+            except KeyError:
+                cells.append("–")
+        print(f"| {r['model']} | " + " | ".join(cells) + " |")
+
+
+def mbs(key):
+    return lambda r: f"{r[key]:.0f}"
+
+
+def ratio(ours, theirs):
+    return lambda r: f"{r[ours] / r[theirs]:.2f}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", nargs="*")
-    ap.add_argument("--no-int8", action="store_true")
+    ap.add_argument("--only", nargs="*", help="corpus model names (space-separated)")
+    ap.add_argument("--models", help="corpus model names, comma-separated (e.g. open_nsfw,minilm_int8)")
+    ap.add_argument("--no-int8", action="store_true", help="skip the int8 outputs of quantize_weights")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     corpus = corpus_dir()
     manifest = json.loads((corpus / "MANIFEST.json").read_text())
-    names = [e["name"] for e in manifest if not args.only or e["name"] in args.only]
+    wanted = set(args.only or []) | set(filter(None, (args.models or "").split(",")))
+    unknown = wanted - {e["name"] for e in manifest}
+    if unknown:
+        sys.exit(f"unknown model(s): {', '.join(sorted(unknown))}")
+    names = [e["name"] for e in manifest if not wanted or e["name"] in wanted]
+    names = [n for n in names if (corpus / next(e for e in manifest if e["name"] == n)["file"]).is_file()]
     OUT.mkdir(parents=True, exist_ok=True)
     cache_path = OUT / "lossless_cache.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
@@ -284,26 +358,35 @@ def main(argv=None) -> int:
             cache_path.write_text(json.dumps(cache))
             r = rows[-1]
             print(f"  {name}: .onnxz {100 * r['.onnxz'] / r['bytes']:.2f}%", file=sys.stderr)
-    head = f"| model | MB | " + " | ".join(COLUMNS) + " | .onnxz ≤ min(ZipNN, zstd) | f32 ours/top16 | int8 ours/o0 |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for r in rows:
-        pct = [f"{100 * r[c] / r['bytes']:.2f}%" for c in COLUMNS]
-        ok = "yes" if r[".onnxz"] <= min(r["ZipNN"], r["zstd -19"]) else "NO"
-        f32 = f"{r['f32 ours/top16']:.4f}" if "f32 ours/top16" in r else "–"
-        i8 = f"{r['int8 ours/o0']:.4f}" if "int8 ours/o0" in r else "–"
-        print(f"| {r['model']} | {r['bytes'] / MB:.1f} | " + " | ".join(pct) + f" | {ok} | {f32} | {i8} |")
-    print()
-    sp = ["ZipNN dec MB/s cpu", ".onnxz dec MB/s cpu", "ZipNN dec MB/s t1", ".onnxz dec MB/s t1", "ZipNN dec MB/s t2", ".onnxz dec MB/s t2",
-          ".onnxz unpack MB/s t1", ".onnxz unpack MB/s t2", "ZipNN enc MB/s t1", ".onnxz pack MB/s t1",
-          "ZipNN enc MB/s t2", ".onnxz pack MB/s t2"]
-    head = "| model | " + " | ".join(s.replace(" MB/s", "") for s in sp) + " | dec ×ZipNN cpu | t1 | t2 |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for r in rows:
-        vals = [f"{r[s]:.0f}" if s in r else "–" for s in sp]
-        xs = [r[f".onnxz dec MB/s {k}"] / r[f"ZipNN dec MB/s {k}"] if f"ZipNN dec MB/s {k}" in r else 0 for k in ("cpu", "t1", "t2")]
-        print(f"| {r['model']} | " + " | ".join(vals) + " | " + " | ".join(f"{x:.2f}" for x in xs) + " |")
+    pct = lambda c: (lambda r: f"{100 * r[c] / r['bytes']:.2f}%")
+    table("Sizes (% of the original file)", rows,
+          [("MB", lambda r: f"{r['bytes'] / MB:.1f}")] + [(c, pct(c)) for c in COLUMNS] + [
+              (".onnxz ≤ min(ZipNN, zstd)", lambda r: "yes" if r[".onnxz"] <= min(r["ZipNN"], r["zstd -19"]) else "NO"),
+              ("f32 ours/top16", lambda r: f"{r['f32 ours/top16']:.4f}"),
+              ("int8 ours/o0", lambda r: f"{r['int8 ours/o0']:.4f}")])
+    table("Decode of the cut tensors, MB/s (raw bytes per second; cpu = per CPU-second of the process, "
+          "all threads; ×: ours / ZipNN, same run; both from bytes in memory unless 'file')", rows, [
+        ("ZipNN cpu t1", mbs("ZipNN dec cpu t1")), ("ours cpu t1", mbs(".onnxz dec mem cpu t1")),
+        ("× cpu t1", ratio(".onnxz dec mem cpu t1", "ZipNN dec cpu t1")),
+        ("ZipNN wall t1", mbs("ZipNN dec wall t1")), ("ours wall t1", mbs(".onnxz dec mem wall t1")),
+        ("× wall t1", ratio(".onnxz dec mem wall t1", "ZipNN dec wall t1")),
+        ("ZipNN wall t2", mbs("ZipNN dec wall t2")), ("ours wall t2", mbs(".onnxz dec mem wall t2")),
+        ("× wall t2", ratio(".onnxz dec mem wall t2", "ZipNN dec wall t2")),
+        ("× cpu t2", ratio(".onnxz dec mem cpu t2", "ZipNN dec cpu t2")),
+        ("ours file cpu t1", mbs(".onnxz dec file cpu t1")),
+        ("× file cpu t1", ratio(".onnxz dec file cpu t1", "ZipNN dec cpu t1")),
+        ("× file wall t2", ratio(".onnxz dec file wall t2", "ZipNN dec wall t2"))])
+    table("Unpack file -> file (ours: .onnxz -> .onnx, sha256 checked; ZipNN: decompress + write the file; "
+          "both fsync'd) and pack, MB/s of the original file", rows, [
+        ("ZipNN unpack wall t1", mbs("ZipNN unpack wall t1")), ("ours wall t1", mbs(".onnxz unpack wall t1")),
+        ("× wall t1", ratio(".onnxz unpack wall t1", "ZipNN unpack wall t1")),
+        ("× cpu t1", ratio(".onnxz unpack cpu t1", "ZipNN unpack cpu t1")),
+        ("ZipNN unpack wall t2", mbs("ZipNN unpack wall t2")), ("ours wall t2", mbs(".onnxz unpack wall t2")),
+        ("× wall t2", ratio(".onnxz unpack wall t2", "ZipNN unpack wall t2")),
+        ("ZipNN enc wall t1", mbs("ZipNN enc wall t1")), ("ours pack wall t1", mbs(".onnxz pack wall t1")),
+        ("ours pack cpu t1", mbs(".onnxz pack cpu t1")),
+        ("ZipNN enc wall t2", mbs("ZipNN enc wall t2")), ("ours pack wall t2", mbs(".onnxz pack wall t2")),
+        ("ours pack cpu t2", mbs(".onnxz pack cpu t2"))])
     (OUT / "lossless.json").write_text(json.dumps(rows, indent=1))
     print(f"\nwrote {OUT / 'lossless.json'}")
     return 0
