@@ -26,6 +26,9 @@ Modes
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,9 @@ PREPACK_AUTO_LIMIT = 1 << 30
 
 # what the base class records as the model (it would keep real bytes alive for the session's life)
 _MODEL_IN_ATTRIBUTE = b"passes.InferenceSession: model bytes held in _pending_model"
+
+# buffers per writev call (Linux IOV_MAX is 1024)
+WRITEV_MAX_BUFFERS = 1024
 
 # mode="auto" on a CPU folds when the float weights take at most this share of the free memory
 AUTO_FOLD_MEMORY_SHARE = 0.5
@@ -134,6 +140,61 @@ def choose_mode(split: SplitModel, providers, dtype) -> tuple[str, str]:
     if need <= AUTO_FOLD_MEMORY_SHARE * free:
         return "fold", f"CPU: float weights {need / 2**20:.0f} MiB fit in free memory {free / 2**20:.0f} MiB"
     return "int8", f"CPU: float weights {need / 2**20:.0f} MiB exceed half the free memory {free / 2**20:.0f} MiB"
+
+
+def _streaming_supported() -> bool:
+    """Whether a model can be streamed to onnxruntime through a pipe: Linux (/proc/self/fd), and an
+    onnxruntime whose model loading releases the GIL (verified from 1.32 on: the writer thread must
+    run while onnxruntime reads)."""
+    try:
+        version = tuple(int(p) for p in ort.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd") and version >= (1, 32)
+
+
+def parse_pieces(options, pieces: list, read_config: bool):
+    """onnxruntime's session object for the model made of `pieces` (buffers, concatenated), which
+    the list gives up (it is emptied).
+
+    Given as bytes, a model is held three times while onnxruntime parses it (our bytes, the
+    std::string pybind makes of them, the parsed protobuf). Streamed through a pipe that
+    onnxruntime reads as a file (/proc/self/fd/N: no file is written anywhere), only the parsed
+    protobuf is made; the pieces are views of arrays we already hold. Elsewhere: joined bytes.
+    """
+    from onnxruntime.capi import _pybind_state as C
+
+    if not _streaming_supported():
+        data = b"".join(pieces)
+        pieces.clear()
+        return C.InferenceSession(options, data, False, read_config)
+    read_end, write_end = os.pipe()
+
+    def write_all():
+        try:
+            views = [memoryview(p).cast("B") for p in pieces]
+            while views:
+                written = os.writev(write_end, views[:WRITEV_MAX_BUFFERS])
+                while written and views:  # drop what was written (a signal may cut a write short)
+                    if written >= views[0].nbytes:
+                        written -= views[0].nbytes
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][written:]
+                        written = 0
+        except OSError:  # onnxruntime stopped reading (a model it refused): nothing more to do
+            pass
+        finally:
+            os.close(write_end)
+
+    writer = threading.Thread(target=write_all, name="passes-model-writer", daemon=True)
+    writer.start()
+    try:
+        return C.InferenceSession(options, f"/proc/self/fd/{read_end}", True, read_config)
+    finally:
+        os.close(read_end)  # a writer still blocked gets EPIPE and ends
+        writer.join()
+        pieces.clear()
 
 
 class InferenceSession(ort.InferenceSession):
@@ -260,7 +321,7 @@ class InferenceSession(ort.InferenceSession):
             model_bytes = serialise_with_weights(split.skeleton, self.weight_arrays, copied)
             self.skeleton_bytes = split.skeleton.ByteSize()
             self.embedded_names = set(copied)
-            for name in copied:
+            for name in copied:  # (the pieces hold views of them until onnxruntime has parsed them)
                 del self.weight_arrays[name]
         else:
             model_bytes = split.skeleton.SerializeToString()
@@ -289,8 +350,11 @@ class InferenceSession(ort.InferenceSession):
             providers, provider_options, C.get_available_providers()
         )
         model = self.__dict__.pop("_pending_model", None)
-        sess = C.InferenceSession(options, model if model is not None else self._model_bytes, False,
-                                  self._read_config_from_model)
+        if isinstance(model, list):
+            sess = parse_pieces(options, model, self._read_config_from_model)
+        else:
+            sess = C.InferenceSession(options, model if model is not None else self._model_bytes, False,
+                                      self._read_config_from_model)
         del model  # onnxruntime holds the parsed model: the bytes must not outlive this point
         self._kept_values = keep_values  # shared OrtValues must outlive the session
         sess.initialize_session(providers, provider_options, set(disabled_optimizers or ()))

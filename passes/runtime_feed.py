@@ -263,8 +263,9 @@ def shareable_names(split: SplitModel, extra=None) -> set:
 EMBED_MAX_BYTES = (1 << 31) - (64 << 20)
 
 
-def serialise_with_weights(skeleton: onnx.ModelProto, arrays: dict, names) -> bytes:
-    """The skeleton's bytes with the weights `names` inside, as raw_data initializers.
+def serialise_with_weights(skeleton: onnx.ModelProto, arrays: dict, names) -> list:
+    """The skeleton's bytes with the weights `names` inside, as raw_data initializers: a list of
+    buffers (views of the arrays, no copy) whose concatenation is the model.
 
     Why: onnxruntime copies a weight given with add_external_initializers into its graph while our
     array is still alive, and it keeps its copy for its optimisers (Conv reordering, float16 casts):
@@ -295,5 +296,5 @@ def serialise_with_weights(skeleton: onnx.ModelProto, arrays: dict, names) -> by
         pieces += [entry, array.reshape(-1).view(np.uint8)]
         graph_length += len(entry) + array.nbytes
     graph_field = write_varint(7 << 3 | 2) + write_varint(graph_length)
-    return b"".join([skeleton.SerializeToString(), graph_field] + pieces)
+    return [skeleton.SerializeToString(), graph_field] + pieces
 
