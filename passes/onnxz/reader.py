@@ -681,7 +681,8 @@ def load(path, *, threads=None, max_bytes=None) -> onnx.ModelProto:
         return model
     with PackedFile(p, threads=threads, max_bytes=max_bytes) as pf:
         data = pf.restore_file(0)
-        model = parse_model_bytes(data.tobytes(), pf.label)
+        model = parse_model_bytes(memoryview(data), pf.label)  # protobuf parses a buffer: no copy of the file
+        del data
         if len(pf.index.files) > 1:
             restored = {pf.index.files[fi].name: pf.restore_file(fi) for fi in range(1, len(pf.index.files))}
             from .._fileio import external_tensors

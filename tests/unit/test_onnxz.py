@@ -708,3 +708,32 @@ def test_pack_bytes_do_not_depend_on_threads(tmp_path, monkeypatch):
     assert seen == sorted(seen) and seen[-1] == src.stat().st_size
     with pytest.raises(InvalidArgumentError):
         passes.pack(src, tmp_path / "bad.onnxz", threads=-1, force=True)
+
+
+def test_damage_in_memory_is_refused_like_on_disk(tmp_path):
+    """Byte flips spread over a small pack, read from bytes in memory and from the file: both
+    readers refuse the same mutants with a documented error, or both restore the original."""
+    src = tmp_path / "model.onnx"
+    src.write_bytes(dtype_model().SerializeToString())
+    packed = tmp_path / "m.onnxz"
+    passes.pack(src, packed)
+    data = packed.read_bytes()
+    original = src.read_bytes()
+    bad = tmp_path / "bad.onnxz"
+
+    def verdict(source):
+        try:
+            with onnxz.reader.PackedFile(source, threads=2) as pf:
+                return pf.restore_file(0).tobytes() == original
+        except passes.SurgeonError as exc:
+            return type(exc).__name__
+
+    for pos in range(0, len(data), max(1, len(data) // 300)):
+        damaged = bytearray(data)
+        damaged[pos] ^= 0xFF
+        bad.write_bytes(damaged)
+        on_disk = verdict(bad)
+        assert on_disk is not False, pos  # never a wrong file
+        assert verdict(bytes(damaged)) == on_disk, pos
+    for cut in (1, 63, 64, len(data) // 2, len(data) - 1):
+        assert isinstance(verdict(data[:cut]), str)
