@@ -12,11 +12,13 @@ replaced by ceil(D / block_size).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
+from . import rounding as _rd
 from .errors import InvalidArgumentError
 
 # clip ratios tried per channel / block: 1.0 (max-abs) down to 0.5 of the range
@@ -59,6 +61,10 @@ class Quantized:
     block_size: int  # 0: not blocked
     noise: float | None = None  # sum of squared errors of the dequantized weights
     signal: float | None = None  # sum of squared weights
+    bits_per_weight: float | None = None  # order-0 entropy of q: about what the pack spends per weight
+    rounding: str = "nearest"  # "nearest", or "rdo" when rate-distortion rounding changed the levels
+    rd_lambda: float | None = None  # rdo: lambda used (squared base steps per bit)
+    step_scale: float | None = None  # rdo: median over rows of the factor applied to the error-minimising scales
 
     def snr_db(self) -> float | None:
         """Weight SNR in dB from the sums above (exact: 200, capped so that reports stay plain JSON)."""
@@ -266,12 +272,14 @@ def _search(part: _Rows, search: bool):
 
 
 def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size: int = 0,
-                    search: bool = True) -> Quantized:
+                    search: bool = True, rounding: _rd.Rounding | None = None) -> Quantized:
     """Quantize float weights `w` (float32/float16/bfloat16) with scales in w's dtype.
 
     axis None: one scale; axis a without block_size: one scale per index of a; with block_size:
     blocks of `block_size` consecutive elements along a. With `search` the clip ratio of each
     scale is chosen from a grid to minimise the squared error (vectorised over all rows).
+    rounding: None / Rounding("nearest") rounds to nearest; Rounding("rdo", ...) then trades
+    rate for distortion (passes/rounding.py), which may also enlarge every scale by one factor.
     """
     if w.ndim == 0 and axis is not None:
         raise InvalidArgumentError("a scalar can only be quantized per tensor")
@@ -289,6 +297,9 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     zps = None if levels.symmetric else np.empty(rows.shape[0], dtype=np.float32)
     q_rows = np.empty(rows.shape, dtype=levels.np_dtype)
     noise = signal = 0.0
+    n_levels = levels.qmax - levels.qmin + 1
+    counts = np.zeros(n_levels, dtype=np.int64)
+    tally = _Tally(levels, info[1] if block_size and pad else 0, pad)
     step = max(1, _SEARCH_CHUNK // max(rows.shape[1], 1))
     for start in range(0, rows.shape[0], step):
         part = _Rows(rows[start:start + step], levels, dtype)
@@ -299,16 +310,124 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
                 zps[start:start + step] = z
             q = part.levels_of(s, z)
             q_rows[start:start + step] = q  # exact: whole numbers within the levels' range
+            counts += tally(q, start)
             noise_rows, signal_rows = _dequantized_error(part, q, s, z, dtype)
         noise += float(np.sum(noise_rows))
         signal += float(np.sum(signal_rows))
+    extra = {}
+    if rounding is not None and rounding.rdo and rows.size:
+        base_scales = scales
+        found = _rate_distortion(rows, scales, zps, levels, dtype, rounding, noise, signal, step, tally,
+                                 _rd.entropy_bits(counts))
+        if found is not None:
+            q_rows, scales, zps, noise, signal, counts, choice = found
+            m = scales.astype(np.float64) / np.maximum(base_scales.astype(np.float64), 1e-45)
+            extra = dict(rounding="rdo", rd_lambda=choice.rd_lambda, step_scale=round(float(np.median(m)), 4))
     if _channels_last(w, axis, block_size):
         q = _transpose2d(q_rows).reshape(w.shape)
     else:
         q = _from_groups(q_rows, w.shape, axis, block_size, pad)
     scale = _to_layout(scales, w.shape, axis, block_size, info).astype(dtype)
     zp = None if zps is None else _to_layout(zps, w.shape, axis, block_size, info).astype(np.uint8)
-    return Quantized(q, scale, zp, axis, block_size, noise, signal)
+    return Quantized(q, scale, zp, axis, block_size, noise, signal,
+                     round(_rd.entropy_bits(counts), 4) if rows.size else None, **extra)
+
+
+def _snr(noise: float, signal: float) -> float:
+    if noise == 0:
+        return 200.0
+    return 10 * math.log10(signal / noise) if signal > 0 else -200.0
+
+
+class _Tally:
+    """Level counts of a chunk of rows, without the zeros padding the last block of each lane (a
+    blocked axis not a multiple of the block size): the pack never sees them."""
+
+    def __init__(self, levels: Levels, blocks_per_lane: int, pad: int):
+        self.qmin, self.n_levels = levels.qmin, levels.qmax - levels.qmin + 1
+        self.nb, self.pad = blocks_per_lane, pad
+
+    def __call__(self, q: np.ndarray, start: int) -> np.ndarray:
+        counts = _rd.counts_of(q, self.qmin, self.n_levels)
+        if self.pad:
+            first = (-(start + 1)) % self.nb  # first row in this chunk that ends a lane
+            counts -= _rd.counts_of(q[first::self.nb, q.shape[1] - self.pad:], self.qmin, self.n_levels)
+        return counts
+
+
+def _rate_distortion(rows, scales, zps, levels: Levels, dtype, opts: "_rd.Rounding", noise: float,
+                     signal: float, step: int, tally: _Tally, rate_nearest: float):
+    """Rate-distortion rounding of the rows (passes/rounding.py), or None when plain nearest
+    rounding is what it chooses. The step and lambda come from a sample; when the whole tensor
+    then falls short of the SNR bound, the bound is tightened by the shortfall and the choice
+    made again (twice at most; then nearest). Under an SNR bound (no fixed lambda), a result
+    that would not pack smaller than nearest rounding is dropped too."""
+    weights = _rd.row_weights(scales, opts.distortion)
+    floor = opts.floor_db(_snr(noise, signal)) if opts.rd_lambda is None else -math.inf
+    for _ in range(3):
+        choice = _rd.choose(rows, scales, zps, levels.qmin, levels.qmax, opts, weights)
+        if choice.is_nearest:
+            return None
+        found = _round_rd(rows, scales, zps, levels, dtype, choice, weights, step, tally)
+        got = _snr(found[3], found[4])
+        if got >= floor - 0.005:
+            if opts.rd_lambda is None and _rd.entropy_bits(found[5]) >= rate_nearest:
+                return None
+            return found + (choice,)
+        # the sample promised a margin the tensor does not have: tighten so that this choice
+        # (and any with a margin as thin on the sample) no longer qualifies
+        sample_margin = choice.snr_db - opts.floor_db(choice.snr_nearest_db)
+        opts = opts.tightened(sample_margin + (floor - got) + 0.02)
+    return None
+
+
+def _round_rd(rows: np.ndarray, scales: np.ndarray, zps, levels: Levels, dtype, choice: "_rd.Choice",
+              weights, step: int, tally: _Tally):
+    """Rate-distortion quantization of all rows at the chosen lambda (passes/rounding.round_rows:
+    a step factor per row, then the levels).
+
+    Two passes over the tensor: the first re-estimates the level histogram from the sample's
+    (the code lengths the second, final pass works with), the second stores the levels, the
+    scales and zero points, and sums the errors of what DequantizeLinear gives back. Returns
+    (levels as rows, scales, zero points, noise, signal, level counts).
+    """
+    top = levels.qmax if levels.symmetric else levels.qmax - levels.qmin
+    n_levels = levels.qmax - levels.qmin + 1
+    bits = choice.bits
+    q_rows = np.empty(rows.shape, dtype=levels.np_dtype)
+    new_scales = np.empty_like(scales)
+    new_zps = None if zps is None else np.empty_like(zps)
+    for final in (False, True):
+        counts = np.zeros(n_levels, dtype=np.int64)
+        noise = signal = 0.0
+        for start in range(0, rows.shape[0], step):
+            part = rows[start:start + step]
+            s = scales[start:start + step]
+            z = None if zps is None else zps[start:start + step]
+            v = None if weights is None else weights[start:start + step]
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                m, q, y = _rd.round_rows(part, s, z, v, levels.qmin, levels.qmax, choice.rd_lambda, bits, choice.steps)
+            counts += tally(q, start)
+            if final:
+                s_new = _stored(s * m, dtype, top)
+                z_new = None if z is None else _rd.shifted_zero(z, m, levels.qmin, levels.qmax)
+                new_scales[start:start + step] = s_new
+                if z_new is not None:
+                    new_zps[start:start + step] = z_new
+                q_rows[start:start + step] = q
+                with np.errstate(over="ignore", invalid="ignore"):
+                    noise_rows, signal_rows = _dequantized_error(_ErrorScratch(part, y), q, s_new, z_new, dtype)
+                noise += float(np.sum(noise_rows))
+                signal += float(np.sum(signal_rows))
+        bits = _rd.level_bits(counts)
+    return q_rows, new_scales, new_zps, noise, signal, counts
+
+
+@dataclass
+class _ErrorScratch:
+    """What _dequantized_error reads from a chunk: its rows and a scratch buffer of their shape."""
+    rows: np.ndarray
+    y: np.ndarray
 
 
 def _dequantized_error(part: _Rows, q: np.ndarray, s: np.ndarray, z, dtype):

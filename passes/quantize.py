@@ -27,6 +27,11 @@ Forms: bits 5..8 are stored in int8 (uint8 when asymmetric) containers, bits 2..
 Scales are stored in the weight's own float type (float16 / bfloat16 need opset 19, blocks and
 int4 opset 21; the opset is raised with onnx.version_converter and the result checked).
 
+Rounding: to nearest by default; rounding="rdo" chooses, per row (channel / block), a step
+factor and, per weight, a level that minimise squared error + lambda * (bits the pack's order-0
+coder spends on the level), the histogram re-estimated as it goes (passes/rounding.py). Only
+which integers and scales are stored changes: the graph is the same DequantizeLinear.
+
 Speed and memory: the numeric work per weight runs on a thread pool (numpy releases the GIL;
 results are consumed in weight order, so the output bytes do not depend on the thread count), the
 clip search is coarse-to-fine on cache-sized chunks (forms._search), the float payloads of the
@@ -54,6 +59,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from . import forms, graph
+from . import rounding as _rounding
 from ._fileio import load_model
 from .errors import InvalidArgumentError, UnsupportedFormError
 from .report import Report, TensorChange
@@ -208,13 +214,26 @@ def _snr_db(w: np.ndarray, deq: np.ndarray) -> float:
 @graph.refuses_bad_text
 def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", block_size: int | None = None,
                      symmetric: bool = True, min_elements: int = DEFAULT_MIN_ELEMENTS, include=None,
-                     exclude=None, report: Report | None = None, progress=None) -> onnx.ModelProto:
+                     exclude=None, rounding: str = "nearest", rd_lambda: float | None = None,
+                     rd_max_snr_loss_db: float | None = None, rd_target_snr_db: float | None = None,
+                     rd_step_scale: float | None = None, rd_distortion: str | None = None,
+                     report: Report | None = None, progress=None) -> onnx.ModelProto:
     """A new model whose float weights are n-bit integers expanded by DequantizeLinear nodes.
 
     See the module docstring for naming, include/exclude and axis rules. The input is never
     modified; the same input and options give the same output bytes.
+
+    rounding="rdo" trades rate for distortion with the pack's order-0 entropy coder in mind
+    (passes/rounding.py): per row a step factor and per weight a level minimising
+    error + lambda * bits. rd_lambda fixes lambda (squared steps per bit; ~0.1 is the high-rate
+    slope); by default each tensor gets the largest lambda keeping its SNR within
+    rd_max_snr_loss_db (0.5 dB) of nearest rounding, or at least rd_target_snr_db.
+    rd_step_scale fixes the step factor; rd_distortion "absolute" weighs rows by their scale
+    (tensor SNR) instead of each in its own steps ("relative"). The report gives per tensor the
+    rounding, lambda, median step factor, SNR and an order-0 estimate of its packed bits per weight.
     """
     block = _check_args(bits, granularity, block_size, min_elements)
+    rounding_opts = _rounding.options(rounding, rd_lambda, rd_max_snr_loss_db, rd_target_snr_db, rd_step_scale, rd_distortion)
     include_p = _patterns(include, "include")
     exclude_p = _patterns(exclude, "exclude")
     source = load_model(model)
@@ -259,7 +278,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         return w.tensor
 
     reasons = [_keep_reason(w, include_p, exclude_p, ops, min_elements) for w in weights]
-    jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels)
+    jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels, rounding_opts)
             for w, reason in zip(weights, reasons) if reason is None]
     results = _ordered_map(_Job.run, jobs, _threads())
 
@@ -325,8 +344,10 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                                      value=graph.array_to_tensor(a, n, t)) for a, n, t in parts]
             const_nodes.setdefault(w.graph_key, {})[w.name] = repl + [dq]
         if report is not None:
-            report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type),
-                                    _scheme(levels, bits, axis, blk), nbytes, after, qz.snr_db(), w.location))
+            report.add(_rounding.QuantizedChange(
+                w.name, w.shape, graph.type_name(w.tensor.data_type), _scheme(levels, bits, axis, blk)
+                + ("/rdo" if qz.rounding == "rdo" else ""), nbytes, after, qz.snr_db(), w.location, rounding=qz.rounding, packed_bits_per_weight=qz.bits_per_weight,
+                rd_lambda=qz.rd_lambda, step_scale=qz.step_scale))
         if progress:
             progress(i + 1, total)
 
@@ -367,6 +388,7 @@ class _Job:
     granularity: str
     block: int
     levels: forms.Levels
+    rounding: _rounding.Rounding = _rounding.Rounding()
 
     def run(self):
         """(axis, block size, forms.Quantized), or None when the weight holds inf or nan."""
@@ -383,7 +405,7 @@ class _Job:
         else:
             axis = self.choice.reduce if self.choice.reduce is not None else arr.ndim - 1
             blk = self.block
-        return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk)
+        return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk, rounding=self.rounding)
 
 
 def _threads() -> int:

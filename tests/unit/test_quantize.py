@@ -17,6 +17,8 @@ SCHEMES = [
     dict(granularity="block", block_size=16),
     dict(bits=4),
     dict(bits=4, granularity="block", block_size=16, symmetric=False),
+    dict(rounding="rdo"),
+    dict(bits=4, granularity="block", block_size=16, symmetric=False, rounding="rdo"),
 ]
 
 
@@ -252,7 +254,10 @@ def test_asymmetric_zero_is_exact():
 
 @pytest.mark.parametrize("bad", [dict(bits=1), dict(bits=9), dict(bits=8.0), dict(granularity="row"),
                                  dict(block_size=16), dict(granularity="block", block_size=1),
-                                 dict(min_elements=-1), dict(include=[3])])
+                                 dict(min_elements=-1), dict(include=[3]), dict(rounding="rd"),
+                                 dict(rd_lambda=0.1), dict(rounding="rdo", rd_lambda=-1),
+                                 dict(rounding="rdo", rd_lambda=0.1, rd_target_snr_db=30),
+                                 dict(rounding="rdo", rd_distortion="mse"), dict(rounding="rdo", rd_step_scale=0)])
 def test_bad_arguments(bad):
     with pytest.raises(InvalidArgumentError):
         quantize_weights(mg.dense_model(), **bad)
@@ -300,7 +305,7 @@ def test_model_fields_preserved():
     assert list(f.functions) == list(m.functions) and list(f.graph.value_info) == list(m.graph.value_info)
 
 
-@pytest.mark.parametrize("scheme", [0, 1, 3])
+@pytest.mark.parametrize("scheme", [0, 1, 3, 6])
 def test_same_bytes_at_any_thread_count(monkeypatch, scheme):
     import passes.quantize as qmod
 
