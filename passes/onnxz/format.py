@@ -19,7 +19,7 @@ from ..errors import CorruptFileError, LimitExceededError, NewerFormatError
 from .codecs import MAX_CHUNK_BYTES, check_params, plane_sizes
 
 MAGIC = b"ONNXZ\r\n\x1a"
-VERSION = (1, 0)
+VERSION = (1, 1)  # 1.1: codec `ans` (FORMAT.md 3.1); 1.0 files still read
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<8sHHIQQQQI8s")  # up to the header CRC
 assert _HEADER.size == 60
@@ -221,7 +221,8 @@ def _stream(obj, extents: _Extents, what: str) -> Stream:
         off = _int(c[0], "chunk offset")
         digest = _int(c[3], "chunk xxh3", 0, (1 << 64) - 1)
         raw = _int(c[1], "chunk length", 0, MAX_CHUNK_BYTES)
-        planes = [_int(p, "plane length", 1, MAX_CHUNK_BYTES + (1 << 16)) for p in c[2]]
+        # an `ans` escapes plane may be empty (1.1); every other plane holds at least one byte
+        planes = [_int(p, "plane length", 0 if codec == "ans" else 1, MAX_CHUNK_BYTES + (1 << 16)) for p in c[2]]
         if len(planes) != len(plane_sizes(codec, params, raw)):
             raise _bad(f"{what}: {codec} chunk with {len(planes)} planes")
         extents.add(off, sum(planes))

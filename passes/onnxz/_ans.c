@@ -1,0 +1,588 @@
+/* Static order-0 rANS for the .onnxz codec `ans` (FORMAT.md section 3.1), part of module _planes.
+ *
+ * Why: zstd's Huffman (through python-zstandard, one call per plane) decodes at 0.4-0.8 GB/s and
+ * loses 1-3% against order-0 entropy on low-entropy bytes and small tensors. rANS with many
+ * interleaved states decodes several symbols per cycle (independent lanes: no serial dependency
+ * between consecutive symbols) and codes within ~0.1% of order-0.
+ *
+ * Plane blob (one plane of n symbols; n is known from the chunk):
+ *   byte 0 = 0: constant plane, byte 1 = the symbol (blob of exactly 2 bytes)
+ *   byte 0 = k in 1..7: 2^(k-1) lanes; then the frequency table; then one u32 state per lane; then
+ *   the u16 renormalisation words (little-endian) to the end of the blob.
+ * Symbol i belongs to lane i mod lanes; decoding symbol i takes slot = x & 4095 of its lane's
+ * state x, x = freq * (x >> 12) + slot - cum, and if x < 2^16 then x = x << 16 | next word. The
+ * words are stored in the order the decoder consumes them (symbol order), so a scalar decoder and
+ * a SIMD decoder (8/16 lanes per register, refill by compress-expand) read the same bytes; 32 and
+ * 64 lanes have SIMD paths, fewer (small planes) go through the checked scalar loop.
+ * Every lane ends at state 2^16 and every word is consumed: the decoder checks both.
+ *
+ * All decoders (scalar, AVX2, AVX-512: chosen at run time) give identical output; the encoder has
+ * one implementation, mirrored bit for bit by the numpy version in codecs.py.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "_planes.h"
+
+#define PROB_BITS 12
+#define PROB_SCALE (1u << PROB_BITS)
+#define RANS_L (1u << 16)
+#define MAX_LANES 64
+#define MAX_PLANES 8
+#define BLOCK 4096 /* elements per fused decode block: the decoded planes stay in L1 */
+
+/* ---------------------------------------------------------------- frequency table */
+
+/* counts -> frequencies summing to 4096 (each present symbol >= 1). Mirrored in codecs.py. */
+static void normalise(const uint64_t *counts, uint64_t total, uint32_t *freq) {
+    int64_t sum = 0;
+    for (int s = 0; s < 256; s++) {
+        freq[s] = 0;
+        if (counts[s]) {
+            uint64_t f = (counts[s] * PROB_SCALE + total / 2) / total;
+            freq[s] = f ? (uint32_t)f : 1;
+            sum += freq[s];
+        }
+    }
+    int64_t diff = (int64_t)PROB_SCALE - sum;
+    int best = 0;
+    for (int s = 1; s < 256; s++) if (freq[s] > freq[best]) best = s;
+    if (diff > 0) freq[best] += (uint32_t)diff;
+    while (diff < 0) { /* take from the currently largest, one at a time */
+        best = 0;
+        for (int s = 1; s < 256; s++) if (freq[s] > freq[best]) best = s;
+        freq[best]--;
+        diff++;
+    }
+}
+
+typedef struct { uint8_t *buf; size_t pos, cap; uint32_t acc; int bits; } BitWriter;
+
+static void bw_put(BitWriter *w, uint32_t v, int nbits) {
+    w->acc |= v << w->bits;
+    w->bits += nbits;
+    while (w->bits >= 8) { w->buf[w->pos++] = (uint8_t)w->acc; w->acc >>= 8; w->bits -= 8; }
+}
+
+/* table: nsym-1; symbols (a list when nsym < 32, else a 32-byte bitmap); the frequencies of all
+ * symbols but the last, each as 4 bits k then the k bits of f below its top bit. */
+static size_t write_table(const uint32_t *freq, uint8_t *dst) {
+    int nsym = 0;
+    uint8_t syms[256];
+    for (int s = 0; s < 256; s++) if (freq[s]) syms[nsym++] = (uint8_t)s;
+    size_t pos = 0;
+    dst[pos++] = (uint8_t)(nsym - 1);
+    if (nsym < 32) {
+        memcpy(dst + pos, syms, nsym);
+        pos += nsym;
+    } else {
+        memset(dst + pos, 0, 32);
+        for (int i = 0; i < nsym; i++) dst[pos + (syms[i] >> 3)] |= (uint8_t)(1u << (syms[i] & 7));
+        pos += 32;
+    }
+    BitWriter w = {dst, pos, 0, 0, 0};
+    for (int i = 0; i < nsym - 1; i++) {
+        uint32_t f = freq[syms[i]];
+        int k = 31 - __builtin_clz(f);
+        bw_put(&w, (uint32_t)k, 4);
+        if (k) bw_put(&w, f & ((1u << k) - 1), k);
+    }
+    if (w.bits) w.buf[w.pos++] = (uint8_t)w.acc;
+    return w.pos;
+}
+
+/* the inverse; NULL or an error message */
+static const char *read_table(const uint8_t *b, size_t len, size_t *at, uint32_t *freq) {
+    size_t pos = *at;
+    memset(freq, 0, 256 * sizeof(uint32_t));
+    if (pos >= len) return "frequency table truncated";
+    int nsym = b[pos++] + 1;
+    if (nsym < 2) return "frequency table with one symbol";
+    uint8_t syms[256];
+    if (nsym < 32) {
+        if (len - pos < (size_t)nsym) return "frequency table truncated";
+        for (int i = 0; i < nsym; i++) {
+            syms[i] = b[pos + i];
+            if (i && syms[i] <= syms[i - 1]) return "frequency table symbols out of order";
+        }
+        pos += nsym;
+    } else {
+        if (len - pos < 32) return "frequency table truncated";
+        int c = 0;
+        for (int s = 0; s < 256; s++)
+            if (b[pos + (s >> 3)] >> (s & 7) & 1) { if (c < nsym) syms[c] = (uint8_t)s; c++; }
+        if (c != nsym) return "frequency table bitmap disagrees with its count";
+        pos += 32;
+    }
+    uint32_t acc = 0;
+    int bits = 0;
+    uint32_t sum = 0;
+#define GETBITS(v, nb) do { \
+        while (bits < (nb)) { if (pos >= len) return "frequency table truncated"; acc |= (uint32_t)b[pos++] << bits; bits += 8; } \
+        (v) = acc & ((1u << (nb)) - 1); acc >>= (nb); bits -= (nb); } while (0)
+    for (int i = 0; i < nsym - 1; i++) {
+        uint32_t k, low = 0;
+        GETBITS(k, 4);
+        if (k > 11) return "frequency out of range";
+        if (k) GETBITS(low, (int)k);
+        uint32_t f = (1u << k) | low;
+        sum += f;
+        if (sum >= PROB_SCALE) return "frequencies exceed the total";
+        freq[syms[i]] = f;
+    }
+#undef GETBITS
+    freq[syms[nsym - 1]] = PROB_SCALE - sum;
+    *at = pos;
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- encoder */
+
+size_t onnxz_ans_bound(size_t n) { return 2 + 1 + 32 + 256 * 2 + 4 * MAX_LANES + 2 * n + 16; }
+
+/* Encode n >= 1 symbols with 2^lanes_log2 lanes into dst (onnxz_ans_bound(n) bytes); returns the
+ * blob size. */
+size_t onnxz_ans_encode(const uint8_t *src, size_t n, int lanes_log2, uint8_t *dst) {
+    uint64_t counts[256] = {0};
+    for (size_t i = 0; i < n; i++) counts[src[i]]++;
+    int nsym = 0, only = 0;
+    for (int s = 0; s < 256; s++) if (counts[s]) { nsym++; only = s; }
+    if (nsym == 1) {
+        dst[0] = 0;
+        dst[1] = (uint8_t)only;
+        return 2;
+    }
+    uint32_t freq[256], cum[256];
+    normalise(counts, n, freq);
+    uint32_t c = 0;
+    for (int s = 0; s < 256; s++) { cum[s] = c; c += freq[s]; }
+    int lanes = 1 << lanes_log2;
+    size_t pos = 0;
+    dst[pos++] = (uint8_t)(lanes_log2 + 1);
+    pos += write_table(freq, dst + pos);
+    /* words are produced last symbol first: written backwards from the end of a scratch area */
+    size_t cap = n + 1;
+    uint16_t *words = (uint16_t *)malloc(cap * sizeof(uint16_t));
+    if (!words) return 0;
+    size_t wp = cap;
+    uint32_t x[MAX_LANES];
+    for (int j = 0; j < lanes; j++) x[j] = RANS_L;
+    for (size_t i = n; i-- > 0;) {
+        int j = (int)(i & (size_t)(lanes - 1));
+        uint32_t s = src[i], f = freq[s];
+        uint32_t v = x[j];
+        if (v >= (f << 20)) { words[--wp] = (uint16_t)v; v >>= 16; }
+        x[j] = ((v / f) << PROB_BITS) + (v % f) + cum[s];
+    }
+    for (int j = 0; j < lanes; j++) { memcpy(dst + pos, &x[j], 4); pos += 4; }
+    memcpy(dst + pos, words + wp, (cap - wp) * 2);
+    pos += (cap - wp) * 2;
+    free(words);
+    return pos;
+}
+
+/* ---------------------------------------------------------------- decoder */
+
+typedef struct {
+    int constant;
+    uint8_t symbol;
+    int lanes;
+    uint32_t x[MAX_LANES];
+    const uint8_t *p, *end; /* renormalisation words */
+    uint32_t tab[PROB_SCALE]; /* slot -> symbol | freq << 8 | (slot - cum) << 20 */
+} Dec;
+
+static const char *dec_init(Dec *d, const uint8_t *b, size_t len) {
+    if (len < 2) return "ans plane truncated";
+    if (b[0] == 0) {
+        if (len != 2) return "constant ans plane of the wrong size";
+        d->constant = 1;
+        d->symbol = b[1];
+        return NULL;
+    }
+    if (b[0] > 7) return "ans plane with an unknown lane count";
+    d->constant = 0;
+    d->lanes = 1 << (b[0] - 1);
+    size_t pos = 1;
+    uint32_t freq[256];
+    const char *err = read_table(b, len, &pos, freq);
+    if (err) return err;
+    uint32_t slot = 0;
+    for (uint32_t s = 0; s < 256; s++)
+        for (uint32_t k = 0; k < freq[s]; k++, slot++) d->tab[slot] = s | freq[s] << 8 | k << 20;
+    if (len - pos < (size_t)d->lanes * 4) return "ans plane truncated (states)";
+    for (int j = 0; j < d->lanes; j++) {
+        memcpy(&d->x[j], b + pos, 4);
+        pos += 4;
+        if (d->x[j] < RANS_L) return "ans state out of range";
+    }
+    if ((len - pos) & 1) return "ans words of odd length";
+    d->p = b + pos;
+    d->end = b + len;
+    return NULL;
+}
+
+static inline uint32_t rd16(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8; }
+
+/* symbols [i0, i0+count) (i0 a multiple of lanes), every word read checked */
+static int dec_checked(Dec *d, uint8_t *out, size_t i0, size_t count) {
+    size_t mask = (size_t)d->lanes - 1;
+    const uint8_t *p = d->p, *end = d->end;
+    for (size_t k = 0; k < count; k++) {
+        size_t j = (i0 + k) & mask;
+        uint32_t x = d->x[j], e = d->tab[x & (PROB_SCALE - 1)];
+        out[k] = (uint8_t)e;
+        x = ((e >> 8) & 0xFFF) * (x >> PROB_BITS) + (e >> 20);
+        if (x < RANS_L) {
+            if (end - p < 2) { d->p = p; return -1; }
+            x = x << 16 | rd16(p);
+            p += 2;
+        }
+        d->x[j] = x;
+    }
+    d->p = p;
+    return 0;
+}
+
+/* Full steps of LANES (32 or 64) symbols while at least 2*LANES bytes of words remain (a step
+ * reads at most one word per lane); return the steps done. The bodies are inlined with a constant
+ * LANES so that the states stay in registers. */
+static inline __attribute__((always_inline)) size_t decN_scalar(Dec *d, uint8_t *out, size_t steps, const int LANES) {
+    uint32_t X[64];
+    memcpy(X, d->x, LANES * sizeof(uint32_t));
+    const uint8_t *p = d->p, *end = d->end;
+    const uint32_t *tab = d->tab;
+    size_t done = 0;
+    for (; done < steps && end - p >= 2 * LANES; done++, out += LANES) {
+        for (int j = 0; j < LANES; j++) {
+            uint32_t x = X[j], e = tab[x & (PROB_SCALE - 1)];
+            out[j] = (uint8_t)e;
+            x = ((e >> 8) & 0xFFF) * (x >> PROB_BITS) + (e >> 20);
+            uint32_t need = x < RANS_L, mask = 0u - need; /* branch-free: refills are unpredictable */
+            uint32_t w = rd16(p);
+            X[j] = (x & ~mask) | ((x << 16 | w) & mask);
+            p += need * 2;
+        }
+    }
+    memcpy(d->x, X, LANES * sizeof(uint32_t));
+    d->p = p;
+    return done;
+}
+
+static uint32_t PERM8[256][8]; /* AVX2 refill: lane i takes word number popcount(mask below i) */
+
+__attribute__((target("avx2"))) static inline __attribute__((always_inline))
+size_t decN_avx2(Dec *d, uint8_t *out, size_t steps, const int LANES) {
+    __m256i x[8];
+    for (int r = 0; r < LANES / 8; r++) x[r] = _mm256_loadu_si256((const __m256i *)(d->x + 8 * r));
+    const uint8_t *p = d->p, *end = d->end;
+    const int *tab = (const int *)d->tab;
+    const __m256i m12 = _mm256_set1_epi32(PROB_SCALE - 1), m12b = _mm256_set1_epi32(0xFFF),
+                  lim = _mm256_set1_epi32(RANS_L - 1), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    size_t done = 0;
+    for (; done < steps && end - p >= 2 * LANES; done++, out += LANES) {
+        for (int g = 0; g < LANES / 32; g++) {
+            __m256i sym[4];
+            for (int q = 0; q < 4; q++) {
+                int r = 4 * g + q;
+                __m256i e = _mm256_i32gather_epi32(tab, _mm256_and_si256(x[r], m12), 4);
+                sym[q] = _mm256_and_si256(e, _mm256_set1_epi32(0xFF));
+                __m256i f = _mm256_and_si256(_mm256_srli_epi32(e, 8), m12b);
+                __m256i v = _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x[r], PROB_BITS)), _mm256_srli_epi32(e, 20));
+                __m256i need = _mm256_cmpeq_epi32(_mm256_min_epu32(v, lim), v);
+                int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+                __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+                w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)PERM8[m]));
+                x[r] = _mm256_blendv_epi8(v, _mm256_or_si256(_mm256_slli_epi32(v, 16), w), need);
+                p += 2 * __builtin_popcount((unsigned)m);
+            }
+            __m256i a = _mm256_packus_epi32(sym[0], sym[1]), b = _mm256_packus_epi32(sym[2], sym[3]);
+            __m256i c = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(a, b), order);
+            _mm256_storeu_si256((__m256i *)(out + 32 * g), c);
+        }
+    }
+    for (int r = 0; r < LANES / 8; r++) _mm256_storeu_si256((__m256i *)(d->x + 8 * r), x[r]);
+    d->p = p;
+    return done;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __attribute__((always_inline))
+size_t decN_avx512(Dec *d, uint8_t *out, size_t steps, const int LANES) {
+    __m512i x[4];
+    for (int r = 0; r < LANES / 16; r++) x[r] = _mm512_loadu_si512(d->x + 16 * r);
+    const uint8_t *p = d->p, *end = d->end;
+    const int *tab = (const int *)d->tab;
+    const __m512i m12 = _mm512_set1_epi32(PROB_SCALE - 1), m12b = _mm512_set1_epi32(0xFFF), lim = _mm512_set1_epi32(RANS_L);
+    size_t done = 0;
+    for (; done < steps && end - p >= 2 * LANES; done++, out += LANES) {
+        for (int r = 0; r < LANES / 16; r++) {
+            __m512i e = _mm512_i32gather_epi32(_mm512_and_si512(x[r], m12), tab, 4);
+            _mm_storeu_si128((__m128i *)(out + 16 * r), _mm512_cvtepi32_epi8(e));
+            __m512i f = _mm512_and_si512(_mm512_srli_epi32(e, 8), m12b);
+            __m512i v = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srli_epi32(x[r], PROB_BITS)), _mm512_srli_epi32(e, 20));
+            __mmask16 need = _mm512_cmplt_epu32_mask(v, lim);
+            __m512i w = _mm512_maskz_expand_epi32(need, _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)));
+            x[r] = _mm512_mask_or_epi32(v, need, _mm512_slli_epi32(v, 16), w);
+            p += 2 * __builtin_popcount((unsigned)need);
+        }
+    }
+    for (int r = 0; r < LANES / 16; r++) _mm512_storeu_si512(d->x + 16 * r, x[r]);
+    d->p = p;
+    return done;
+}
+
+static size_t dec32_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 32); }
+static size_t dec64_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 64); }
+__attribute__((target("avx2"))) static size_t dec32_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 32); }
+__attribute__((target("avx2"))) static size_t dec64_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 64); }
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec32_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 32); }
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec64_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 64); }
+
+static int simd_level = 0, simd_max = 0; /* 0 scalar, 1 AVX2, 2 AVX-512; ONNXZ_ANS_SIMD lowers it */
+
+void onnxz_ans_init(void) {
+    for (int m = 0; m < 256; m++) {
+        int k = 0;
+        for (int i = 0; i < 8; i++) PERM8[m][i] = (m >> i & 1) ? (uint32_t)k++ : 0;
+    }
+    __builtin_cpu_init();
+    int level = 0;
+    if (__builtin_cpu_supports("avx2")) level = 1;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) level = 2;
+    simd_max = level;
+    const char *env = getenv("ONNXZ_ANS_SIMD");
+    if (env && env[0] >= '0' && env[0] <= '2' && env[0] - '0' < level) level = env[0] - '0';
+    simd_level = level;
+}
+
+int onnxz_ans_simd_level(void) { return simd_level; }
+void onnxz_ans_set_simd_level(int level) { if (level >= 0) simd_level = level < simd_max ? level : simd_max; }
+
+/* symbols [i0, i0+count) of the plane into out; i0 a multiple of the lane count */
+static int dec_run(Dec *d, uint8_t *out, size_t i0, size_t count) {
+    if (d->constant) {
+        memset(out, d->symbol, count);
+        return 0;
+    }
+    size_t done = 0;
+    if (d->lanes == 32) {
+        size_t steps = count / 32;
+        done = simd_level == 2 ? dec32_avx512(d, out, steps) : simd_level == 1 ? dec32_avx2(d, out, steps)
+                                                                               : dec32_scalar(d, out, steps);
+        done *= 32;
+    } else if (d->lanes == 64) {
+        size_t steps = count / 64;
+        done = simd_level == 2 ? dec64_avx512(d, out, steps) : simd_level == 1 ? dec64_avx2(d, out, steps)
+                                                                               : dec64_scalar(d, out, steps);
+        done *= 64;
+    }
+    return dec_checked(d, out + done, i0 + done, count - done);
+}
+
+static int dec_finished(const Dec *d) {
+    if (d->constant) return 1;
+    if (d->p != d->end) return 0;
+    for (int j = 0; j < d->lanes; j++) if (d->x[j] != RANS_L) return 0;
+    return 1;
+}
+
+/* One chunk of codec `ans`: w planes of n symbols (plane i raw when its length is n, else an ans
+ * blob) merged into out (n*w bytes) in one pass, block by block. NULL or an error message. */
+const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, int w, int sign_move, size_t n, uint8_t *out) {
+    Dec *decs[MAX_PLANES] = {0};
+    uint8_t *tmp = NULL;
+    const char *err = NULL;
+    int coded = 0;
+    for (int i = 0; i < w && !err; i++) {
+        if (lens[i] == n) continue;
+        if (lens[i] > n) { err = "ans plane larger than its raw size"; break; }
+        decs[i] = (Dec *)malloc(sizeof(Dec));
+        if (!decs[i]) { err = "out of memory"; break; }
+        err = dec_init(decs[i], planes[i], lens[i]);
+        coded++;
+    }
+    if (!err && w == 1) {
+        if (decs[0] && dec_run(decs[0], out, 0, n)) err = "ans words run out";
+        else if (!decs[0]) memcpy(out, planes[0], n);
+    } else if (!err) {
+        if (coded) tmp = (uint8_t *)malloc((size_t)coded * BLOCK);
+        if (coded && !tmp) err = "out of memory";
+        for (size_t lo = 0; lo < n && !err; lo += BLOCK) {
+            size_t m = n - lo < BLOCK ? n - lo : BLOCK;
+            const uint8_t *ptr[MAX_PLANES];
+            int c = 0;
+            for (int i = 0; i < w; i++) {
+                if (!decs[i]) { ptr[i] = planes[i] + lo; continue; }
+                uint8_t *t = tmp + (size_t)c++ * BLOCK;
+                if (dec_run(decs[i], t, lo, m)) { err = "ans words run out"; break; }
+                ptr[i] = t;
+            }
+            if (!err) onnxz_merge_ptrs(ptr, (Py_ssize_t)m, w, sign_move, out + lo * w);
+        }
+    }
+    for (int i = 0; i < w && !err; i++)
+        if (decs[i] && !dec_finished(decs[i])) err = "ans plane does not end where it should (final states or words)";
+    for (int i = 0; i < w; i++) free(decs[i]);
+    free(tmp);
+    return err;
+}
+
+/* `ans` with pairs (8-bit exponents of float32 / bfloat16): the top byte t' of element k comes from
+ * its 4-bit rank (two per byte of the ranks plane, high nibble first): table[rank] for rank < 15,
+ * else the next byte of escapes. The ranks plane (ceil(n/2) symbols) is raw or an ans blob, as are
+ * the planes 1..w-1 in `rest`. Half the symbols to decode of a plain exponent plane, and the order-0
+ * model of a pair catches the correlation of neighbouring exponents. NULL or an error message. */
+const char *onnxz_ans_decode_pairs(const uint8_t *table, const uint8_t *ranks, size_t rlen, const uint8_t *esc, size_t ne,
+                                   const uint8_t *const *rest, const size_t *rest_lens, int w, size_t n, uint8_t *out) {
+    size_t nr = (n + 1) / 2;
+    Dec *decs[MAX_PLANES] = {0}; /* 0: ranks, i: plane i */
+    uint8_t *tmp = NULL;
+    const char *err = NULL;
+    if (w != 2 && w != 4) return "ans pairs of a width other than 2 or 4";
+    if (rlen > nr) return "ans ranks plane larger than its raw size";
+    if (rlen != nr) {
+        if (!(decs[0] = (Dec *)malloc(sizeof(Dec)))) return "out of memory";
+        err = dec_init(decs[0], ranks, rlen);
+    }
+    for (int i = 1; i < w && !err; i++) {
+        if (rest_lens[i - 1] == n) continue;
+        if (rest_lens[i - 1] > n) { err = "ans plane larger than its raw size"; break; }
+        if (!(decs[i] = (Dec *)malloc(sizeof(Dec)))) { err = "out of memory"; break; }
+        err = dec_init(decs[i], rest[i - 1], rest_lens[i - 1]);
+    }
+    uint32_t tab[16], lut[256];
+    for (int i = 0; i < 15; i++) tab[i] = table[i];
+    tab[15] = 0;
+    for (unsigned b = 0; b < 256; b++)
+        lut[b] = ((b >> 4) == 15 || (b & 15) == 15) ? 1u << 16 : tab[b >> 4] | tab[b & 15] << 8;
+    /* scratch: ranks block, t' block (+2: an odd tail writes one pad byte), one block per coded plane */
+    if (!err && !(tmp = (uint8_t *)malloc(BLOCK / 2 + BLOCK + 2 + (size_t)MAX_PLANES * BLOCK))) err = "out of memory";
+    size_t jj = 0;
+    for (size_t lo = 0; lo < n && !err; lo += BLOCK) {
+        size_t m = n - lo < BLOCK ? n - lo : BLOCK, rb = (m + 1) / 2;
+        const uint8_t *rk = ranks + lo / 2;
+        if (decs[0]) {
+            if (dec_run(decs[0], tmp, lo / 2, rb)) { err = "ans words run out"; break; }
+            rk = tmp;
+        }
+        uint8_t *tb = tmp + BLOCK / 2;
+        for (size_t k = 0; k < m; k += 2) {
+            unsigned b = rk[k >> 1];
+            uint32_t v = lut[b];
+            if (v >> 16) { /* an escape in this pair */
+                unsigned r0 = b >> 4, r1 = b & 15u;
+                uint32_t t0, t1 = 0;
+                if (r0 < 15) t0 = tab[r0]; else if (jj < ne) t0 = esc[jj++]; else { err = "exponent escapes run out"; break; }
+                if (k + 1 < m) { /* else: odd n, the pad nibble is ignored */
+                    if (r1 < 15) t1 = tab[r1]; else if (jj < ne) t1 = esc[jj++]; else { err = "exponent escapes run out"; break; }
+                }
+                v = t0 | t1 << 8;
+            }
+            tb[k] = (uint8_t)v;
+            tb[k + 1] = (uint8_t)(v >> 8);
+        }
+        if (err) break;
+        const uint8_t *ptr[MAX_PLANES];
+        ptr[0] = tb;
+        for (int i = 1; i < w; i++) {
+            if (!decs[i]) { ptr[i] = rest[i - 1] + lo; continue; }
+            uint8_t *t = tmp + BLOCK / 2 + BLOCK + 2 + (size_t)i * BLOCK;
+            if (dec_run(decs[i], t, lo, m)) { err = "ans words run out"; break; }
+            ptr[i] = t;
+        }
+        if (!err) onnxz_merge_ptrs(ptr, (Py_ssize_t)m, w, 1, out + lo * w);
+    }
+    if (!err && jj != ne) err = "exponent escapes left over";
+    for (int i = 0; i < w && !err; i++)
+        if (decs[i] && !dec_finished(decs[i])) err = "ans plane does not end where it should (final states or words)";
+    for (int i = 0; i < w; i++) free(decs[i]);
+    free(tmp);
+    return err;
+}
+
+/* ---------------------------------------------------------------- Python wrappers */
+
+/* ans_encode(data, lanes_log2) -> bytes */
+PyObject *onnxz_py_ans_encode(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    int lanes_log2;
+    if (!PyArg_ParseTuple(args, "y*i", &src, &lanes_log2)) return NULL;
+    if (lanes_log2 < 0 || lanes_log2 > 6 || src.len < 1) {
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "ans_encode: lanes_log2 in 0..6 and at least one symbol");
+        return NULL;
+    }
+    size_t n = (size_t)src.len;
+    uint8_t *dst = (uint8_t *)malloc(onnxz_ans_bound(n));
+    if (!dst) { PyBuffer_Release(&src); return PyErr_NoMemory(); }
+    size_t len;
+    Py_BEGIN_ALLOW_THREADS
+    len = onnxz_ans_encode((const uint8_t *)src.buf, n, lanes_log2, dst);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyObject *r = len ? PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)len) : PyErr_NoMemory();
+    free(dst);
+    return r;
+}
+
+/* ans_decode(planes, sign_move, pairs, out) -> None, or a str saying what is damaged.
+ * planes: w buffers (plane i raw when it holds n bytes); with pairs: table, ranks, escapes, then
+ * planes 1..w-1. */
+PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    int sign_move, pairs;
+    Py_buffer out, bufs[MAX_PLANES + 2];
+    if (!PyArg_ParseTuple(args, "Oppw*", &seq, &sign_move, &pairs, &out)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "planes must be a sequence of buffers");
+    if (!fast) { PyBuffer_Release(&out); return NULL; }
+    Py_ssize_t np_ = PySequence_Fast_GET_SIZE(fast), w = pairs ? np_ - 2 : np_;
+    if (!(w == 1 || w == 2 || w == 4 || w == 8) || out.len % w || (w == 1 && sign_move)
+        || (pairs && (!sign_move || (w != 2 && w != 4)))) {
+        Py_DECREF(fast);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "ans_decode: 1, 2, 4 or 8 planes (pairs: 2 or 4, with the sign move), out a multiple of their number");
+        return NULL;
+    }
+    int got = 0;
+    for (; got < np_; got++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &bufs[got], PyBUF_SIMPLE) < 0) break;
+    Py_DECREF(fast);
+    PyObject *result = NULL;
+    if (got == np_) {
+        const uint8_t *ptr[MAX_PLANES + 2];
+        size_t lens[MAX_PLANES + 2];
+        for (int i = 0; i < np_; i++) { ptr[i] = (const uint8_t *)bufs[i].buf; lens[i] = (size_t)bufs[i].len; }
+        size_t n = (size_t)out.len / (size_t)w;
+        const char *err;
+        if (n == 0) {
+            err = "empty ans chunk";
+        } else if (pairs && lens[0] != 15) {
+            err = "exponent table of the wrong size";
+        } else if (pairs && lens[2] > n) {
+            err = "more exponent escapes than elements";
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            err = pairs ? onnxz_ans_decode_pairs(ptr[0], ptr[1], lens[1], ptr[2], lens[2], ptr + 3, lens + 3, (int)w, n, (uint8_t *)out.buf)
+                        : onnxz_ans_decode(ptr, lens, (int)w, sign_move, n, (uint8_t *)out.buf);
+            Py_END_ALLOW_THREADS
+        }
+        if (err) result = PyUnicode_FromString(err);
+        else { result = Py_None; Py_INCREF(result); }
+    }
+    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* ans_simd([level]) -> the decoder in use (0 scalar, 1 AVX2, 2 AVX-512); a level given selects it,
+ * capped by what the CPU supports (tests compare the decoders on the same bytes) */
+PyObject *onnxz_py_ans_simd(PyObject *self, PyObject *args) {
+    int level = -1;
+    if (!PyArg_ParseTuple(args, "|i", &level)) return NULL;
+    if (level >= 0) onnxz_ans_set_simd_level(level);
+    return PyLong_FromLong(onnxz_ans_simd_level());
+}

@@ -1,0 +1,15 @@
+/* Shared between the C files of module passes.onnxz._planes. */
+#ifndef ONNXZ_PLANES_H
+#define ONNXZ_PLANES_H
+#include <Python.h>
+#include <stdint.h>
+
+/* interleave w planes of n bytes (pointers p[0..w-1], most significant first) into dst */
+void onnxz_merge_ptrs(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst);
+
+void onnxz_ans_init(void);
+int onnxz_ans_simd_level(void); /* 0 scalar, 1 AVX2, 2 AVX-512 */
+PyObject *onnxz_py_ans_encode(PyObject *self, PyObject *args);
+PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args);
+PyObject *onnxz_py_ans_simd(PyObject *self, PyObject *args);
+#endif

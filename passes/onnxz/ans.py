@@ -1,0 +1,201 @@
+"""Static order-0 rANS planes of the `.onnxz` codec `ans` (FORMAT.md section 3.1).
+
+The compiled coder lives in _ans.c (module _planes): encode ~200-400 MB/s, decode 1-2.5 GB/s per
+core with AVX2/AVX-512 (chosen at run time; scalar otherwise, same bytes). This module is its
+numpy mirror, used when the extension was not built: the same blobs bit for bit (the encoder's
+frequency normalisation, table layout and lane order are copied exactly), vectorised across the
+lanes, one Python step per 32 symbols: slow (~1-3 MB/s) but correct. Tests compare the two.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+PROB_BITS = 12
+PROB_SCALE = 1 << PROB_BITS
+RANS_L = 1 << 16
+MAX_LANES_LOG2 = 6
+
+try:
+    from . import _planes as _fast
+except ImportError:  # not built: numpy does it
+    _fast = None
+
+
+def lanes_log2_for(n: int) -> int:
+    """The writer's lane count: 64 lanes (4 AVX-512 / 8 AVX2 registers: ~7% faster than 32) once
+    the 256 bytes of final states are noise against the plane, fewer on smaller planes (4 bytes
+    of state per lane)."""
+    return 6 if n >= 131072 else 5 if n >= 16384 else 2 if n >= 1024 else 0
+
+
+def normalise(counts: np.ndarray) -> np.ndarray:
+    """Symbol counts -> frequencies summing to 4096, each present symbol >= 1 (as _ans.c)."""
+    counts = counts.astype(np.uint64)
+    total = int(counts.sum())
+    f = (counts * np.uint64(PROB_SCALE) + np.uint64(total // 2)) // np.uint64(total)
+    f[(counts > 0) & (f == 0)] = 1
+    f = f.astype(np.int64)
+    diff = PROB_SCALE - int(f.sum())
+    if diff > 0:
+        f[int(np.argmax(f))] += diff
+    while diff < 0:  # take from the currently largest, one at a time
+        f[int(np.argmax(f))] -= 1
+        diff += 1
+    return f
+
+
+def write_table(freq: np.ndarray) -> bytes:
+    syms = np.flatnonzero(freq)
+    out = bytearray([len(syms) - 1])
+    if len(syms) < 32:
+        out += syms.astype(np.uint8).tobytes()
+    else:
+        present = np.zeros(256, bool)
+        present[syms] = True
+        out += np.packbits(present, bitorder="little").tobytes()
+    acc, bits = 0, 0
+    for f in freq[syms[:-1]].tolist():
+        k = f.bit_length() - 1
+        acc |= k << bits
+        bits += 4
+        acc |= (f & ((1 << k) - 1)) << bits
+        bits += k
+    return bytes(out) + acc.to_bytes((bits + 7) // 8, "little")
+
+
+def encode(sym: np.ndarray, lanes_log2: Optional[int] = None) -> bytes:
+    """One plane (uint8, n >= 1) as an ans blob."""
+    n = sym.size
+    if lanes_log2 is None:
+        lanes_log2 = lanes_log2_for(n)
+    if _fast is not None:
+        return _fast.ans_encode(sym, lanes_log2)
+    return encode_numpy(sym, lanes_log2)
+
+
+def encode_numpy(sym: np.ndarray, lanes_log2: int) -> bytes:
+    sym = np.ascontiguousarray(sym, np.uint8).ravel()
+    n = sym.size
+    counts = np.bincount(sym, minlength=256)
+    present = np.flatnonzero(counts)
+    if present.size == 1:
+        return bytes([0, int(present[0])])
+    freq = normalise(counts)
+    cum = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint64)
+    f64 = freq.astype(np.uint64)
+    lanes = 1 << lanes_log2
+    x = np.full(lanes, RANS_L, np.uint64)
+    pieces = []
+    for lo in range(((n - 1) // lanes) * lanes, -1, -lanes):  # last step first, as the encoder runs backwards
+        s = sym[lo:lo + lanes]
+        a = s.size
+        fs = f64[s]
+        xs = x[:a]
+        emit = xs >= (fs << np.uint64(20))
+        if emit.any():
+            pieces.append((xs[emit] & np.uint64(0xFFFF)).astype("<u2"))
+            xs = np.where(emit, xs >> np.uint64(16), xs)
+        x[:a] = ((xs // fs) << np.uint64(PROB_BITS)) + (xs % fs) + cum[s]
+    words = np.concatenate(pieces[::-1]).tobytes() if pieces else b""
+    return bytes([lanes_log2 + 1]) + write_table(freq) + x.astype("<u4").tobytes() + words
+
+
+class Damaged(Exception):
+    """A blob that cannot be what the encoder wrote (the caller raises CorruptFileError)."""
+
+
+def _read_table(b: bytes, pos: int):
+    if pos >= len(b):
+        raise Damaged("frequency table truncated")
+    nsym = b[pos] + 1
+    pos += 1
+    if nsym < 2:
+        raise Damaged("frequency table with one symbol")
+    if nsym < 32:
+        if len(b) - pos < nsym:
+            raise Damaged("frequency table truncated")
+        syms = np.frombuffer(b, np.uint8, nsym, pos).astype(np.int64)
+        if np.any(np.diff(syms) <= 0):
+            raise Damaged("frequency table symbols out of order")
+        pos += nsym
+    else:
+        if len(b) - pos < 32:
+            raise Damaged("frequency table truncated")
+        syms = np.flatnonzero(np.unpackbits(np.frombuffer(b, np.uint8, 32, pos), bitorder="little"))
+        if syms.size != nsym:
+            raise Damaged("frequency table bitmap disagrees with its count")
+        pos += 32
+    freq = np.zeros(256, np.int64)
+    acc, bits, total = 0, 0, 0
+    for s in syms[:-1].tolist():
+        while bits < 4:
+            if pos >= len(b):
+                raise Damaged("frequency table truncated")
+            acc |= b[pos] << bits
+            pos, bits = pos + 1, bits + 8
+        k = acc & 15
+        acc, bits = acc >> 4, bits - 4
+        if k > 11:
+            raise Damaged("frequency out of range")
+        while bits < k:
+            if pos >= len(b):
+                raise Damaged("frequency table truncated")
+            acc |= b[pos] << bits
+            pos, bits = pos + 1, bits + 8
+        f = (1 << k) | (acc & ((1 << k) - 1))
+        acc, bits = acc >> k, bits - k
+        total += f
+        if total >= PROB_SCALE:
+            raise Damaged("frequencies exceed the total")
+        freq[s] = f
+    freq[syms[-1]] = PROB_SCALE - total
+    return freq, pos
+
+
+def decode_numpy(blob, n: int, out: np.ndarray) -> None:
+    """One ans blob of n >= 1 symbols into out (uint8, n); Damaged when it cannot be right."""
+    b = bytes(blob)
+    if len(b) < 2:
+        raise Damaged("ans plane truncated")
+    if b[0] == 0:
+        if len(b) != 2:
+            raise Damaged("constant ans plane of the wrong size")
+        out[:n] = b[1]
+        return
+    if b[0] > MAX_LANES_LOG2 + 1:
+        raise Damaged("ans plane with an unknown lane count")
+    lanes = 1 << (b[0] - 1)
+    freq, pos = _read_table(b, 1)
+    if len(b) - pos < 4 * lanes:
+        raise Damaged("ans plane truncated (states)")
+    x = np.frombuffer(b, "<u4", lanes, pos).astype(np.uint64)
+    pos += 4 * lanes
+    if np.any(x < RANS_L):
+        raise Damaged("ans state out of range")
+    if (len(b) - pos) % 2:
+        raise Damaged("ans words of odd length")
+    words = np.frombuffer(b, "<u2", offset=pos).astype(np.uint64)
+    slot_sym = np.repeat(np.arange(256, dtype=np.uint8), freq)
+    slot_freq = np.repeat(freq, freq).astype(np.uint64)
+    cum = np.concatenate([[0], np.cumsum(freq)[:-1]])
+    slot_bias = (np.arange(PROB_SCALE) - np.repeat(cum, freq)).astype(np.uint64)
+    wp = 0
+    mask, lim = np.uint64(PROB_SCALE - 1), np.uint64(RANS_L)
+    for lo in range(0, n, lanes):
+        a = min(lanes, n - lo)
+        xs = x[:a]
+        slot = xs & mask
+        out[lo:lo + a] = slot_sym[slot]
+        xs = slot_freq[slot] * (xs >> np.uint64(PROB_BITS)) + slot_bias[slot]
+        need = xs < lim
+        c = int(np.count_nonzero(need))
+        if c:
+            if wp + c > words.size:
+                raise Damaged("ans words run out")
+            xs[need] = (xs[need] << np.uint64(16)) | words[wp:wp + c]
+            wp += c
+        x[:a] = xs
+    if wp != words.size or np.any(x != RANS_L):
+        raise Damaged("ans plane does not end where it should (final states or words)")
