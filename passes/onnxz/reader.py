@@ -20,6 +20,7 @@ from . import codecs
 from .protowire import write_varint
 from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, Index, Stream, decode_index, parse_header, parse_index
 
+_xxh3 = xxhash.xxh3_64_intdigest
 WINDOW_BYTES = 8 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 
@@ -175,19 +176,20 @@ class PackedFile:
     def _stored(self, chunk):
         """The chunk's stored bytes, checksum verified: a slice of the in-memory buffer, or read
         with one pread into this thread's reusable input buffer."""
-        n = chunk.stored
+        offset = chunk.offset
+        n = sum(chunk.planes)
         if self._buf is not None:
-            mv = self._buf[chunk.offset:chunk.offset + n]  # the index vouched: inside the data area
+            mv = self._buf[offset:offset + n]  # the index vouched: inside the data area
         else:
             mv = memoryview(codecs.scratch("input").get(n))
             try:
-                got = os.preadv(self._fd, [mv], chunk.offset)
+                got = os.preadv(self._fd, (mv,), offset)
             except OSError as exc:
                 raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
             if got != n:
-                raise CorruptFileError(f"truncated .onnxz file: chunk at {chunk.offset} runs past the end")
-        if xxhash.xxh3_64_intdigest(mv) != chunk.xxh3:
-            raise CorruptFileError(f"damaged .onnxz file: chunk at {chunk.offset} fails its checksum (XXH3-64)")
+                raise CorruptFileError(f"truncated .onnxz file: chunk at {offset} runs past the end")
+        if _xxh3(mv) != chunk.xxh3:
+            raise CorruptFileError(f"damaged .onnxz file: chunk at {offset} fails its checksum (XXH3-64)")
         return mv
 
     def _frames(self, chunk) -> List[memoryview]:
@@ -197,8 +199,9 @@ class PackedFile:
             return [mv]
         frames, pos = [], 0
         for ln in planes:
-            frames.append(mv[pos:pos + ln])
-            pos += ln
+            end = pos + ln
+            frames.append(mv[pos:end])
+            pos = end
         return frames
 
     def _decode_chunk(self, stream: Stream, chunk, out: np.ndarray) -> None:
@@ -282,13 +285,13 @@ class PackedFile:
             raise InvalidArgumentError("tensors_bytes: one out per entry, or none")
         result, tasks = [], []
         for e, out in zip(entries, outs):
-            out = self._out(out, e.length, f"tensor {e.key!r}")
+            out = np.empty(e.length, np.uint8) if out is None else self._out(out, e.length, f"tensor {e.key!r}")
             result.append(out)
             if e.stream is not None:
                 tasks.extend(self.stream_tasks(e.stream, out))
             else:
                 self._read_range_into(e.file, e.offset, out)
-        self._run(self._balanced(tasks))
+        self._run(self._balanced(tasks) if self._pool is not None else tasks)
         return result
 
     def tensor_bytes(self, entry, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -343,7 +346,7 @@ class PackedFile:
                 window[woff:woff + ln] = skel[src[1]:src[1] + ln]
             else:
                 tasks.append((self._decode_chunk, src[1], src[2], window[woff:woff + ln]))
-        return self._balanced(tasks)
+        return self._balanced(tasks) if self._pool is not None else tasks
 
     def _restore(self, fi: int, target):
         """Decode file `fi` window by window and yield each window, after hashing it. With a
