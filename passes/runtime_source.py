@@ -4,9 +4,10 @@
   mapping without reading the weights (`runtime_wire`), and each weight is a read-only numpy view
   of the mapping: no copy at all until a rewrite (fold, int8 forms, float16) makes its own array.
 - `.onnxz`: the pack's model file is restored with only its graph bytes and small tensors
-  decoded (the big payload ranges stay untouched zero pages), the skeleton is cut the same way,
-  and each big tensor is decoded on its own with `PackedModel.get_tensor`, straight into the array
-  the session keeps.
+  decoded (`restore_file(skip=)`: the big payload ranges stay untouched zero pages), the skeleton
+  is cut the same way, and the big tensors are decoded together (`tensors_bytes`: all their
+  chunks on the reader's thread pool at once), each straight into the array the session keeps.
+  Only the pack reader's public API is used.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ._fileio import _safe_external_path, check_readable, parse_model_bytes
 from .errors import CorruptFileError, FileAccessError, InvalidModelError
@@ -150,85 +151,63 @@ def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
     from .onnxz import open_packed
 
     with open_packed(path, threads=threads, max_bytes=max_bytes) as packed:
-        pf = packed._pf  # the pack reader's file layer: skeleton pieces and chunk decoding
+        pf = packed.packed_file  # the pack reader's public file layer (whole files, tensor bytes)
         model, stripped, buf = _packed_skeleton(pf, str(path))
         entries = {(t.file, t.offset): t for t in pf.index.tensors}
-        arrays = {}
+        arrays, coded = {}, []
         for s in stripped:
             entry = entries.get((0, s.offset))
             if entry is not None and entry.length == s.length:
-                arrays[s.name] = _entry_array(packed, entry, s.dtype, s.shape)
+                coded.append((s.name, entry, helper.tensor_dtype_to_np_dtype(s.dtype), s.shape))
             else:  # payload kept in the pack's skeleton: already restored in `buf`
                 arrays[s.name] = s.view(buf).copy()
         del buf
-        _packed_external(model, pf, packed, entries, arrays)
+        _packed_external(model, pf, packed, entries, arrays, coded)
+        _decode_together(pf, coded, arrays)
         return _assemble(model, stripped, arrays)
 
 
-def _entry_array(packed, entry, dtype, shape) -> np.ndarray:
-    array = packed.get_tensor(entry.key)
-    if not array.flags.writeable:
-        array = array.copy()
-    return array.reshape(shape) if list(array.shape) != list(shape) else array
+def _decode_together(pf, coded, arrays) -> None:
+    """Decode the tensors [(name, entry, numpy dtype, shape)] in one go (every chunk of every
+    tensor on the reader's thread pool at once), each straight into the array the session keeps."""
+    if not coded:
+        return
+    outs = pf.tensors_bytes([entry for _, entry, _, _ in coded])
+    for (name, _, dtype, shape), out in zip(coded, outs):
+        arrays[name] = out.view(dtype).reshape(shape)
 
 
 def _packed_skeleton(pf, name: str):
     """(skeleton ModelProto, stripped tensors, restored buffer) of the pack's model file.
 
-    File 0 is restored into fresh zero pages with its graph bytes and the payloads of small
-    tensors only: np.zeros gets untouched pages from the kernel, so a big payload never decoded
-    costs no memory. The tensors the walk then strips are decoded later, one by one. A big
+    File 0 is restored into fresh zero pages without the payloads of its big tensors
+    (`restore_file(skip=)`): np.zeros gets untouched pages from the kernel, so a big payload never
+    decoded costs no memory. The tensors the walk then strips are decoded later, together. A big
     payload the walk keeps inline (in a subgraph, or a layout that cannot be viewed) is decoded
-    too and the walk repeated (rare)."""
+    into the buffer too and the walk repeated (rare)."""
     from .onnxz.protowire import WireError
     from .runtime_wire import strip_main_graph_payloads
 
     size = pf.index.files[0].size
     buf = np.zeros(size, np.uint8)
-    skel = pf.skeleton(0)
-    chunks = []
-    for off, ln, src in pf._pieces(0):
-        if src[0] == "skel":
-            buf[off:off + ln] = skel[src[1]:src[1] + ln]
-        else:
-            chunks.append((off, ln, src))
-    big = [(t.offset, t.length) for t in pf.index.tensors
-           if t.file == 0 and t.stream is not None and t.length > INLINE_MAX_BYTES]
-    decoded = set()
-
-    def decode(select):
-        tasks = []
-        for off, ln, src in chunks:
-            if off in decoded or not select(off, ln, src):
-                continue
-            decoded.add(off)
-            tasks.append((pf._decode_chunk, src[1], src[2], buf[off:off + ln]))
-        pf._run(tasks)
-
-    big_ranges = sorted((a, a + n) for a, n in big)
-    starts = [a for a, _ in big_ranges]
-    import bisect
-
-    def in_big(off, ln):
-        i = bisect.bisect_right(starts, off) - 1
-        return i >= 0 and big_ranges[i][0] <= off and off + ln <= big_ranges[i][1]
-
-    decode(lambda off, ln, src: not in_big(off, ln))
+    big = [t for t in pf.index.tensors if t.file == 0 and t.stream is not None and t.length > INLINE_MAX_BYTES]
+    pf.restore_file(0, buf, skip=big)
     for attempt in range(2):
         try:
             skeleton_bytes, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)
         except (WireError, IndexError, ValueError) as exc:
             raise CorruptFileError(f"damaged .onnxz file: its model does not parse ({exc})") from None
         taken = {(s.offset, s.length) for s in stripped}
-        missing = [(a, n) for a, n in big if (a, n) not in taken]
+        missing = [t for t in big if (t.offset, t.length) not in taken]
         if not missing or attempt:
             break
-        ranges = sorted((a, a + n) for a, n in missing)
-        decode(lambda off, ln, src: any(a <= off and off + ln <= b for a, b in ranges))
+        pf.tensors_bytes(missing, [buf[t.offset:t.offset + t.length] for t in missing])
     return parse_model_bytes(skeleton_bytes, name), stripped, buf
 
 
-def _packed_external(model, pf, packed, entries, arrays) -> None:
+def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
+    """Main-graph initializers in the pack's external data files: coded ones join `coded` (decoded
+    together later), others are read from their range."""
     names = {f.name: fi for fi, f in enumerate(pf.index.files)}
     for t in model.graph.initializer:
         if t.data_location != TensorProto.EXTERNAL:
@@ -239,9 +218,40 @@ def _packed_external(model, pf, packed, entries, arrays) -> None:
             raise CorruptFileError(f"damaged .onnxz file: external data {info.get('location')!r} of {t.name!r} is not in the pack")
         offset = int(info.get("offset", 0) or 0)
         entry = entries.get((fi, offset))
+        shape = list(t.dims)
+        if entry is not None and _plain_layout(t, entry.length):
+            coded.append((t.name, entry, helper.tensor_dtype_to_np_dtype(t.data_type), shape))
+            arrays[t.name] = None  # decoded later; the placeholder needs only dtype and shape
+            t.CopyFrom(_placeholder_for(t.name, t.data_type, shape, entry.length))
+            continue
         if entry is not None:
-            arrays[t.name] = _entry_array(packed, entry, t.data_type, list(t.dims))
+            value = packed.get_tensor(entry.key)
+            arrays[t.name] = (value if value.flags.writeable else value.copy()).reshape(shape)
         else:
             length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
             arrays[t.name] = _view_external(t, info, pf.read_range(fi, offset, length))
         t.CopyFrom(placeholder(t.name, arrays[t.name]))
+
+
+def _plain_layout(t: TensorProto, length: int) -> bool:
+    """Whether an external payload of `length` bytes is the tensor's values as they lie in memory."""
+    if t.data_type in (TensorProto.INT4, TensorProto.UINT4, TensorProto.STRING, TensorProto.UNDEFINED):
+        return False
+    try:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    except (KeyError, TypeError, ValueError):
+        return False
+    return itemsize * int(np.prod(t.dims, dtype=np.int64)) == length
+
+
+def _placeholder_for(name: str, data_type: int, shape: list, length: int) -> TensorProto:
+    from .runtime_feed import PLACEHOLDER_LOCATION
+
+    t = TensorProto()
+    t.name, t.data_type = name, data_type
+    t.dims.extend(shape)
+    t.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", PLACEHOLDER_LOCATION), ("offset", "0"), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t

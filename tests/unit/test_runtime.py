@@ -161,6 +161,53 @@ def test_external_data_model(files, tmp_path):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
+def test_packed_external_data_model(files, tmp_path):
+    """A packed model whose weights lie in an external data file: decoded from the pack together."""
+    f = files["dense"]
+    path = tmp_path / "ext.onnx"
+    onnx.save(onnx.load(str(f["q8"])), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.data", size_threshold=0)
+    packed = tmp_path / "ext.onnxz"
+    passes.pack(str(path), str(packed))
+    feeds = feeds_for(f["model"])
+    for mode in ("fold", "int8"):
+        session = passes.InferenceSession(packed, mode=mode)
+        reference = run(passes.InferenceSession(f["q8"], mode=mode), feeds)
+        for got, want in zip(run(session, feeds), reference):
+            np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_copied_weights_travel_inside_the_model(files, monkeypatch):
+    """A Conv weight (onnxruntime reorders it, so it cannot be shared) goes inside the model given to
+    onnxruntime, streamed through a pipe or, where that is not available, as bytes: same outputs."""
+    import passes.runtime as runtime
+
+    f = files["conv"]
+    feeds = feeds_for(f["model"])
+    want = run_plain(f["model"], feeds)
+    streamed = passes.InferenceSession(f["floatz"], mode="fold")
+    assert "W" in streamed.embedded_names and "W" not in streamed.weight_arrays  # our copy is gone
+    assert streamed.skeleton_bytes < 4096
+    monkeypatch.setattr(runtime, "_streaming_supported", lambda: False)
+    joined = passes.InferenceSession(f["floatz"], mode="fold")
+    assert joined.embedded_names == streamed.embedded_names
+    for a, b, w in zip(run(streamed, feeds), run(joined, feeds), want):
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_allclose(a[0], w[0], rtol=1e-6, atol=1e-6)
+
+
+def test_refused_model_is_reported_after_streaming(tmp_path):
+    """onnxruntime refusing a streamed model (a Conv weight of the wrong rank) gives our error, no hang."""
+    w = numpy_helper.from_array(_w((64, 32, 3), 6), "W")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    path = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(SurgeonError):
+        passes.InferenceSession(path, mode="fold")
+
+
 # ---------------------------------------------------------------------- precision
 
 @pytest.mark.parametrize("name", ["dense", "conv", "gather"])
@@ -211,6 +258,32 @@ def test_int8_keeps_weights_quantized(files):
     assert embed.op_counts.get("Gather", 0) >= 1 and "DequantizeLinear" not in embed.op_counts
     conv = passes.InferenceSession(files["conv"]["q8z"], mode="int8")
     assert conv.op_counts.get("DequantizeLinear") == 1  # the Conv weight stays int8, dequantized per run
+
+
+def test_int8_folds_the_first_convolutions(monkeypatch, tmp_path):
+    """int8 mode folds the Conv weights met first in the graph, up to a share of all Conv weights."""
+    import passes.runtime_int8 as int8
+
+    inits = [numpy_helper.from_array(_w((32, 8, 3, 3), 11), "W1"), numpy_helper.from_array(_w((64, 32, 3, 3), 12), "W2"),
+             numpy_helper.from_array(_w((128, 64, 3, 3), 13), "W3")]
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c1", "W2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c2", "W3"], ["y"], pads=[1, 1, 1, 1])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 10])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 128, 10, 10])], inits)
+    q8 = passes.quantize_weights(m, bits=8, min_elements=256)
+    path = tmp_path / "convs.q8.onnx"
+    onnx.save(q8, str(path))
+    feeds = feeds_for(m)
+    want = run_plain(passes.fold_dequantize(q8), feeds)
+    counts = {}
+    for share in (0.0, 0.3, 1.0):  # W1 is 2304 of 94464 weights, W1 + W2 20736
+        monkeypatch.setattr(int8, "EARLY_CONV_FLOAT_SHARE", share)
+        session = passes.InferenceSession(path, mode="int8")
+        counts[share] = session.op_counts.get("DequantizeLinear", 0)
+        for got, w in zip(run(session, feeds), want):
+            np.testing.assert_allclose(got[0], w[0], rtol=1e-5, atol=1e-5)
+    assert counts == {0.0: 2, 0.3: 1, 1.0: 0}  # W1 (2.3 KB of int8) is folded as small in any case
 
 
 def test_int8_quantizes_a_lossless_model_at_load(files):
