@@ -27,7 +27,7 @@ def lanes_log2_for(n: int) -> int:
     """The writer's lane count: 64 lanes (4 AVX-512 / 8 AVX2 registers: ~7% faster than 32) once
     the 256 bytes of final states are noise against the plane, fewer on smaller planes (4 bytes
     of state per lane)."""
-    return 6 if n >= 131072 else 5 if n >= 16384 else 2 if n >= 1024 else 0
+    return 6 if n >= 131072 else 5 if n >= 65536 else 2 if n >= 1024 else 0
 
 
 def normalise(counts: np.ndarray) -> np.ndarray:
@@ -55,13 +55,16 @@ def write_table(freq: np.ndarray) -> bytes:
         present = np.zeros(256, bool)
         present[syms] = True
         out += np.packbits(present, bitorder="little").tobytes()
-    acc, bits = 0, 0
+    acc, bits, prev = 0, 0, 4
     for f in freq[syms[:-1]].tolist():
         k = f.bit_length() - 1
-        acc |= k << bits
-        bits += 4
+        d = k - prev
+        z = 2 * d if d >= 0 else -2 * d - 1
+        acc |= 1 << (bits + z)  # z zeros then a one
+        bits += z + 1
         acc |= (f & ((1 << k) - 1)) << bits
         bits += k
+        prev = k
     return bytes(out) + acc.to_bytes((bits + 7) // 8, "little")
 
 
@@ -128,17 +131,25 @@ def _read_table(b: bytes, pos: int):
             raise Damaged("frequency table bitmap disagrees with its count")
         pos += 32
     freq = np.zeros(256, np.int64)
-    acc, bits, total = 0, 0, 0
+    acc, bits, total, prev = 0, 0, 0, 4
     for s in syms[:-1].tolist():
-        while bits < 4:
-            if pos >= len(b):
-                raise Damaged("frequency table truncated")
-            acc |= b[pos] << bits
-            pos, bits = pos + 1, bits + 8
-        k = acc & 15
-        acc, bits = acc >> 4, bits - 4
-        if k > 11:
+        z = 0
+        while True:
+            if not bits:
+                if pos >= len(b):
+                    raise Damaged("frequency table truncated")
+                acc, bits, pos = b[pos], 8, pos + 1
+            bit = acc & 1
+            acc, bits = acc >> 1, bits - 1
+            if bit:
+                break
+            if z >= 23:
+                raise Damaged("frequency out of range")
+            z += 1
+        k = prev + (-(z + 1) // 2 if z & 1 else z // 2)
+        if not 0 <= k <= 11:
             raise Damaged("frequency out of range")
+        prev = k
         while bits < k:
             if pos >= len(b):
                 raise Damaged("frequency table truncated")

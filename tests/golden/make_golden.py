@@ -1,7 +1,10 @@
 """Regenerate the golden `.onnxz` files of tests/golden/ (format stability, issue 6 item 7).
 
-    python tests/golden/make_golden.py            # writes tests/golden/v1.0/*.onnxz + MANIFEST.json
-    python tests/golden/make_golden.py --check    # only checks that the files decode to the manifest
+    python tests/golden/make_golden.py --dest tests/golden/v1.1   # writes v1.1/*.onnxz + MANIFEST.json
+    python tests/golden/make_golden.py --check                     # only checks that v1.0 decodes to its manifest
+
+v1.0/ was written by the 1.0 writer from `cases()`; v1.1/ (codec `ans`) from `cases_v11()`. The
+folder name picks the case set; today's writer would no longer choose the 1.0 codecs for `cases()`.
 
 Each golden file is a tiny model whose weights go through one codec of FORMAT.md (the script
 checks that the writer really chose that codec). MANIFEST.json records, for every file, the
@@ -111,6 +114,54 @@ def cases():
     return out
 
 
+def cases_v11():
+    """The `ans` codec of format 1.1 (FORMAT.md 3.1): every width, sign move or not, pairs, every
+    lane count (1, 4, 32, 64), constant planes, several chunks, inside `narrow`."""
+    rng = np.random.default_rng(20261130)
+    f32 = rng.standard_normal(20000).astype(np.float32)
+    low0 = (rng.standard_normal(3000).astype(np.float32).view(np.uint32) & 0xFFFFFF00).view(np.float32)  # plane 3 constant
+    bf16 = helper.make_tensor("w_bf16", TensorProto.BFLOAT16, [3000],
+                              (rng.standard_normal(3000).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes(), raw=True)
+    wide = (rng.standard_normal(20000) * np.exp2(rng.integers(-30, 30, 20000))).astype(np.float32)  # > 15 exponents: escapes
+    return {
+        "ans-w1-int8": ([numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 10, 70000)), -127, 127).astype(np.int8), "w_int8")],
+                        {"ans"}, {}, False),
+        "ans-w1-ternary-64lanes": ([numpy_helper.from_array(rng.choice(np.array([-1, 0, 1], np.int8), 140000, p=[0.2, 0.6, 0.2]),
+                                                            "w_ternary")], {"ans"}, {}, False),
+        "ans-w4-float32-1lane": ([numpy_helper.from_array(rng.standard_normal(1000).astype(np.float32), "w_f32_small")], {"ans"}, {},
+                                 False),
+        "ans-w4-float32": ([numpy_helper.from_array(f32, "w_f32")], {"ans"}, {}, False),
+        "ans-w4-constant-plane": ([numpy_helper.from_array(low0, "w_f32_low0")], {"ans"}, {}, False),
+        "ans-w2-float16": ([numpy_helper.from_array(rng.standard_normal(40000).astype(np.float16), "w_f16")], {"ans"}, {}, False),
+        "ans-w2-bfloat16": ([bf16], {"ans"}, {}, False),
+        "ans-w8-float64": ([numpy_helper.from_array(rng.standard_normal(1000) * 1e-3, "w_f64")], {"ans"}, {}, False),
+        "ans-w2-int16": ([numpy_helper.from_array(rng.integers(-300, 300, 3000).astype(np.int16), "w_int16")], {"ans"}, {}, False),
+        "ans-w4-int32": ([numpy_helper.from_array(rng.integers(-5000, 5000, 2000).astype(np.int32), "w_int32")], {"ans"}, {}, False),
+        "ans-pairs-w4-escapes": ([numpy_helper.from_array(wide, "w_f32_wide")], {"ans"}, {"force_ans_pairs": True, "chunk_bytes": 32768},
+                                 False),
+        "ans-pairs-w2-bfloat16": ([bf16], {"ans"}, {"force_ans_pairs": True}, False),
+        "ans-narrow-f32-f16": ([numpy_helper.from_array(rng.standard_normal(3000).astype(np.float16).astype(np.float32), "w_f32_f16")],
+                               {"narrow", "ans"}, {}, False),
+        "ans-multi-chunk": ([numpy_helper.from_array(rng.standard_normal(3000).astype(np.float32), "w_chunked"),
+                             numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 10, 5000)), -127, 127).astype(np.int8), "w_chunked_i8")],
+                            {"ans"}, {"chunk_bytes": 2048}, False),
+    }
+
+
+@contextlib.contextmanager
+def forced_ans_pairs():
+    """The writer with `ans` pairs as the only float codec (it takes pairs only with effort="max"
+    and only where smaller)."""
+    from passes.onnxz import codecs
+
+    saved = codecs._float_specs
+    codecs._float_specs = lambda width, value_type, size, effort="default": [("ans", width, codecs.ANS_PAIRS)]
+    try:
+        yield
+    finally:
+        codecs._float_specs = saved
+
+
 def _all_tensors(model):
     from onnx.external_data_helper import _get_all_tensors
 
@@ -121,11 +172,13 @@ def build(dest: Path) -> dict:
     from passes import open_packed, pack
 
     dest.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": "1.0", "generator": "tests/golden/make_golden.py", "files": {}}
-    for name, (inits, want_codecs, opts, external) in cases().items():
+    version = dest.name.lstrip("v")
+    manifest = {"format": version, "generator": "tests/golden/make_golden.py", "files": {}}
+    for name, (inits, want_codecs, opts, external) in (cases_v11() if version == "1.1" else cases()).items():
         opts = dict(opts)
         model = _model(inits, opts.pop("extra_nodes", ()))
         force = opts.pop("force_fpairs", False)
+        force_pairs = opts.pop("force_ans_pairs", False)
         onnx.checker.check_model(model, full_check=True)
         expected_tensors = {}
         for t in _all_tensors(model):
@@ -142,7 +195,7 @@ def build(dest: Path) -> dict:
             out = dest / f"{name}.onnxz"
             from fuzz.samples import forced_fpairs
 
-            with forced_fpairs() if force else contextlib.nullcontext():
+            with forced_fpairs() if force else forced_ans_pairs() if force_pairs else contextlib.nullcontext():
                 pack(src, out, threads=1, force=True, **opts)
         with open_packed(out, threads=1) as pm:
             used = {t["codec"] for t in pm.metadata()["tensors"]} | {
@@ -161,7 +214,10 @@ def build(dest: Path) -> dict:
             "codecs": sorted(used),
             "tensors": {k: expected_tensors[k.split("#")[0]] for k in sorted(keys)},
         }
-    _write_newer(dest, manifest)
+    if version == "1.0":  # the newer-version files live there once
+        _write_newer(dest, manifest)
+    else:
+        manifest["newer"] = {}
     (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
