@@ -274,12 +274,13 @@ class InferenceSession(ort.InferenceSession):
                 from .runtime_gpu import fold_on_device
 
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
-            from .runtime_fold import constants_to_initializers, fold_into, plan_fold
+            from .runtime_fold import constants_to_initializers, fold_into, has_foldable, plan_fold
 
-            constants_to_initializers(split)
-            converting = target is not None and target != own_dtype  # the converter must see float weights
-            deferred = plan_fold(split, options) if not (self.on_gpu or converting) else set()
-            fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
+            if has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
+                constants_to_initializers(split)
+                converting = target is not None and target != own_dtype  # the converter must see float weights
+                deferred = plan_fold(split, options) if not (self.on_gpu or converting) else set()
+                fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
         else:
             from .runtime_int8 import prepare_quantized
 

@@ -106,11 +106,17 @@ class SplitModel:
     def set_weight(self, name: str, array: np.ndarray) -> None:
         """Add or replace a main-graph initializer; big arrays are fed, small ones go inline."""
         self.remove_initializer(name)
+        inits = self.skeleton.graph.initializer
         if array.nbytes > INLINE_MAX_BYTES:
             self.weights[name] = np.ascontiguousarray(array)
-            self.skeleton.graph.initializer.append(placeholder(name, array))
+            inits.append(placeholder(name, array))
         else:
-            self.skeleton.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+            inits.append(numpy_helper.from_array(np.asarray(array), name))
+        # keep the name index current instead of rebuilding it (folds add hundreds of tensors)
+        cache = getattr(self, "_inline_cache", None)
+        if cache is not None and cache[0] == (id(self.skeleton), len(inits) - 1):
+            cache[1][name] = inits[-1]
+            self._inline_cache = ((id(self.skeleton), len(inits)), cache[1])
 
     def remove_initializer(self, name: str) -> None:
         self.weights.pop(name, None)

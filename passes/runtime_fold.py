@@ -67,6 +67,32 @@ def _local_dq(node, arrays, types):
                       out_dtype=scale.dtype), types[1]
 
 
+def has_foldable(split: SplitModel) -> bool:
+    """Whether any node of the model (subgraphs included) is one fold_into may replace: a
+    DequantizeLinear, an operator with a registered folder, or a Gather with a Cast (palettes)."""
+    folders = _folders()
+    ops = set()
+    stack = [split.skeleton.graph]
+    while stack:
+        graph = stack.pop()
+        for node in graph.node:
+            ops.add((node.domain or "", node.op_type))
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attr.graphs)
+    if any(op in folders for op in ops) or any(op_type == "DequantizeLinear" for _, op_type in ops):
+        return True
+    if ("", "Gather") not in ops:
+        return False
+    inits = split.initializer_names()  # palettes: Gather(constant table, Cast(constant indices))
+    cast_of_constant = {n.output[0] for n in split.skeleton.graph.node
+                        if n.op_type == "Cast" and n.input and n.input[0] in inits}
+    return any(n.op_type == "Gather" and len(n.input) == 2 and n.input[0] in inits and n.input[1] in cast_of_constant
+               for n in split.skeleton.graph.node)
+
+
 def constant_foldable_nodes(split: SplitModel, folders: dict) -> list:
     """Main-graph nodes with a folder whose inputs are all initializers."""
     inits = split.initializer_names()

@@ -133,7 +133,7 @@ def _strip_graph(mv, start, end, min_bytes, stripped) -> bytes:
             if tensor is not None:
                 out += write_varint(5 << 3 | LEN) + write_varint(len(tensor)) + tensor
                 continue
-        elif number == 1 and wire == LEN:  # node: only a Constant's value is stripped
+        elif number == 1 and wire == LEN and _may_be_constant(mv, a, b):  # only a Constant's value is stripped
             node = _strip_constant_node(mv, a, b, min_bytes, stripped)
             if node is not None:
                 out += write_varint(1 << 3 | LEN) + write_varint(len(node)) + node
@@ -154,6 +154,18 @@ def _strip_tensor(mv, start, end, min_bytes, stripped, constant_output) -> bytes
             continue
         out += mv[fstart:b]
     return bytes(out)
+
+
+# serialisers write a node's fields in field order (input, output, name, op_type, attribute, ...):
+# "Constant" (op_type) lies within the first bytes of a Constant node, before its value
+_OP_TYPE_WINDOW = 4096
+
+
+def _may_be_constant(mv, start, end) -> bool:
+    """A cheap filter before walking a node's fields: False only when the node cannot be a
+    Constant written in field order (a node written otherwise keeps its value inline: correct,
+    only not stripped)."""
+    return b"Constant" in bytes(mv[start:min(end, start + _OP_TYPE_WINDOW)])
 
 
 def _strip_constant_node(mv, start, end, min_bytes, stripped) -> bytes | None:
