@@ -44,7 +44,7 @@ _LAMBDAS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.11, 0.1
 # step factors each row chooses from (times its error-minimising scale)
 _STEP_SCALES = (0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.65, 1.8, 2.0)
 _SAMPLE = 1 << 15  # weights the search looks at
-_ITERS = 3  # histogram re-estimations (converges in 2-3)
+_ITERS = 2  # histogram re-estimations on the sample
 _SMOOTH = 0.5  # added to every level count: unused levels get a finite, high cost
 
 

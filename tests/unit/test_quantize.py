@@ -149,9 +149,10 @@ def test_conv_constant_nodes():
     onnx.checker.check_model(q, full_check=True)
 
 
-def test_bfloat16_weights():
+@pytest.mark.parametrize("rounding", ["nearest", "rdo"])
+def test_bfloat16_weights(rounding):
     m = mg.dense_model("bfloat16", 13)
-    q = quantize_weights(m, min_elements=64)
+    q = quantize_weights(m, min_elements=64, rounding=rounding)
     onnx.checker.check_model(q, full_check=True)
     inits = {t.name: t for t in q.graph.initializer}
     assert inits["W1_scale"].data_type == onnx.TensorProto.BFLOAT16

@@ -174,3 +174,16 @@ def test_nearest_is_the_default_and_unchanged():
     a = quantize_weights(m, min_elements=64)
     b = quantize_weights(m, min_elements=64, rounding="nearest")
     assert a.SerializeToString() == b.SerializeToString()
+
+
+def test_float16_scales_stay_finite_with_larger_steps():
+    """Step factors above 1 on weights near the float16 limit: the stored scale times the top level
+    must stay finite (forms._stored steps such scales down)."""
+    w = (_laplace((32, 256)) * 3e4).astype(np.float16)
+    w[0, 0] = np.float16(65504)
+    lv = forms.Levels(8, True)
+    qz = forms.quantize_linear(w, lv, 0, rounding=rd.options("rdo", rd_lambda=2.0))
+    assert qz.scale.dtype == np.float16 and np.all(np.isfinite(qz.scale))
+    deq = forms.dequantize_linear(qz.q, qz.scale, None, 0)
+    assert np.all(np.isfinite(deq))
+    assert qz.snr_db() == pytest.approx(_snr(w.astype(np.float32), deq.astype(np.float32)), abs=2e-3)
