@@ -4,7 +4,8 @@ Blobs carry a CRC-32 of everything before it, so blind damage is refused at the 
 harness also *crafts* blobs: bytes changed, then the CRC recomputed, so the parser and the
 compiled decoder loops see hostile headers, tables and words. Each mutant must give a documented
 error (SurgeonError) or an array of the declared shape; a segfault, a foreign exception or a hang
-(default 2 s) is a finding. Runs in worker processes (a crash in compiled code kills only the
+(default 2 s) is a finding. When the C decoder (passes/_tcodec.c) is built, every mutant is also
+decoded by the numba decoder: a different verdict or different values are a finding too. Runs in worker processes (a crash in compiled code kills only the
 worker; it is counted and the worker restarted).
 
     python -m fuzz.tensorcodec_fuzz --seconds 300 --workers 2
@@ -40,6 +41,7 @@ def blobs():
         "matrix": (rng.laplace(0, 0.05, (32, 48))).astype(np.float32),
         "vector": rng.standard_normal(300).astype(np.float32),
         "f16": rng.standard_normal((16, 16)).astype(np.float16),
+        "chunks": (rng.laplace(0, 0.05, (96, 512))).astype(np.float32),  # 3 chunks: lanes, threads
     }
     out = {}
     for name, a in arrays.items():
@@ -70,6 +72,7 @@ def craft(rng: random.Random, blob: bytes) -> tuple[str, bytes]:
 def _worker(conn, mem_limit):
     import numpy as np
 
+    import passes.tensorcodec as tc
     from passes import SurgeonError, decode_array
 
     resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
@@ -83,14 +86,30 @@ def _worker(conn, mem_limit):
         blob, shape = base[name]
         desc, data = craft(random.Random(f"{name}/{seed}"), blob)
         t0 = time.perf_counter()
-        try:
-            arr = decode_array(data, threads=1)
-            verdict = "decoded" if isinstance(arr, np.ndarray) else f"crash: returned {type(arr).__name__}"
-        except SurgeonError as exc:
-            verdict = "refused"
-        except BaseException as exc:  # noqa: BLE001
-            verdict = f"crash: {type(exc).__name__}: {str(exc)[:160]}"
+        verdict, arr = _decode_once(decode_array, data, SurgeonError, np)
+        if tc._FAST is not None:  # the C decoder ran: the numba one must agree, value for value
+            tc._FAST, fast = None, tc._FAST
+            try:
+                verdict_nb, arr_nb = _decode_once(decode_array, data, SurgeonError, np)
+            finally:
+                tc._FAST = fast
+            if verdict == "decoded" and verdict_nb == "decoded":
+                if arr.shape != arr_nb.shape or arr.dtype != arr_nb.dtype or \
+                        arr.tobytes() != arr_nb.tobytes():
+                    verdict = "crash: the C and numba decoders returned different values"
+            elif verdict != verdict_nb and not verdict.startswith("crash"):
+                verdict = f"crash: C decoder {verdict}, numba decoder {verdict_nb}"
         conn.send((task, desc, verdict, time.perf_counter() - t0))
+
+
+def _decode_once(decode_array, data, SurgeonError, np):
+    try:
+        arr = decode_array(data, threads=2)
+        return ("decoded" if isinstance(arr, np.ndarray) else f"crash: returned {type(arr).__name__}"), arr
+    except SurgeonError:
+        return "refused", None
+    except BaseException as exc:  # noqa: BLE001
+        return f"crash: {type(exc).__name__}: {str(exc)[:160]}", None
 
 
 def main(argv=None) -> int:

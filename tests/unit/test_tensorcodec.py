@@ -124,3 +124,95 @@ def test_public_names():
     import passes
 
     assert passes.encode_array is encode_array and passes.decode_array is decode_array
+
+
+# ---------------------------------------------------------------------------------------------
+# the C decoder (passes/_tcodec.c) against the numba one (the fallback): same values, same refusals
+
+def _numba_decode(blob, **kw):
+    import passes.tensorcodec as tc
+
+    saved = tc._FAST
+    tc._FAST = None
+    try:
+        return tc.decode_array(blob, **kw)
+    finally:
+        tc._FAST = saved
+
+
+def _fast_or_skip():
+    import passes.tensorcodec as tc
+
+    if tc._FAST is None:
+        pytest.skip("the C decoder passes._tcodec was not built")
+    return tc
+
+
+@pytest.mark.parametrize("shape,kwargs", [
+    ((48, 32, 3, 3), dict(snr_db=30)),                          # conv kernels, trellis
+    ((40, 24, 5, 5), dict(snr_db=20, form="rdo")),              # 25 taps: position classes
+    ((300, 700), dict(snr_db=25)),                              # several chunks, row classes
+    ((3000,), dict(snr_db=35, form="nearest")),                 # one unit
+    ((64, 96), dict(bits=16, form="nearest")),                  # magnitudes >= 256 (computed values)
+    ((64, 96), dict(bits=14)),                                  # same, trellis
+    ((5, 1), dict(snr_db=40)),                                  # one-element units
+])
+def test_c_decoder_equals_numba_decoder(shape, kwargs):
+    tc = _fast_or_skip()
+    w = _weights(shape, seed=5)
+    blob = encode_array(w, **kwargs)
+    ref = _numba_decode(blob, threads=1)
+    for threads in (1, 2, 3):
+        for lanes in (1, 2, 3, 4):
+            tc.LANES = lanes
+            try:
+                got = decode_array(blob, threads=threads)
+            finally:
+                tc.LANES = 4
+            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (threads, lanes)
+
+
+def test_c_decoder_refuses_what_numba_refuses():
+    """Blobs with a valid CRC but damaged entropy-coded data (crafted): both decoders refuse the
+    same ones or return the same values."""
+    import struct
+    import zlib
+
+    _fast_or_skip()
+    w = _weights((120, 400), seed=7)
+    blob = encode_array(w, snr_db=25)
+    rng = np.random.default_rng(1)
+    refused = 0
+    for i in range(150):
+        body = bytearray(blob[:-4])
+        # the streams are the tail; the header and side information are before
+        for _ in range(int(rng.integers(1, 4))):
+            pos = int(rng.integers(len(body) // 4, len(body)))
+            body[pos] ^= 1 << int(rng.integers(0, 8))
+        bad = bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
+        outcomes = []
+        for decode in (decode_array, _numba_decode):
+            try:
+                outcomes.append(decode(bad, threads=2).view(np.uint32))
+            except CorruptFileError:
+                outcomes.append(None)
+        if outcomes[0] is None or outcomes[1] is None:
+            assert outcomes[0] is None and outcomes[1] is None, i
+            refused += 1
+        else:
+            assert np.array_equal(outcomes[0], outcomes[1]), i
+    assert refused > 100  # nearly every damaged stream is caught by the final state / length checks
+
+
+def test_numba_fallback_round_trips():
+    w = _weights((30, 16, 3, 3))
+    blob = encode_array(w, snr_db=30)
+    out = _numba_decode(blob, threads=2)
+    assert _snr(w, out) >= 30 and np.array_equal(out, decode_array(blob))
+
+
+def test_bad_thread_count():
+    blob = encode_array(_weights((10, 10)), snr_db=20)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgumentError):
+            decode_array(blob, threads=bad)
