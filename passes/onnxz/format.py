@@ -215,14 +215,17 @@ def _stream(obj, extents: _Extents, what: str) -> Stream:
         raise _bad(f"{what}: chunks")
     chunks = []
     total = 0
+    inner = params.get("inner") if codec == "narrow" else None
+    empty_ok = codec == "ans" or (isinstance(inner, dict) and inner.get("codec") == "ans")
     for c in chunks_in:
         if not isinstance(c, list) or len(c) != 4 or not isinstance(c[2], list):
             raise _bad(f"{what}: chunk entry")
         off = _int(c[0], "chunk offset")
         digest = _int(c[3], "chunk xxh3", 0, (1 << 64) - 1)
         raw = _int(c[1], "chunk length", 0, MAX_CHUNK_BYTES)
-        # an `ans` escapes plane may be empty (1.1); every other plane holds at least one byte
-        planes = [_int(p, "plane length", 0 if codec == "ans" else 1, MAX_CHUNK_BYTES + (1 << 16)) for p in c[2]]
+        # an `ans` escapes plane may be empty (1.1, also inside `narrow`); every other plane holds
+        # at least one byte
+        planes = [_int(p, "plane length", 0 if empty_ok else 1, MAX_CHUNK_BYTES + (1 << 16)) for p in c[2]]
         if len(planes) != len(plane_sizes(codec, params, raw)):
             raise _bad(f"{what}: {codec} chunk with {len(planes)} planes")
         extents.add(off, sum(planes))
