@@ -147,7 +147,7 @@ def as_matrix(w: np.ndarray, node_op: str, trans_b: bool) -> tuple[np.ndarray, c
 
 
 def gptq_levels(w: np.ndarray, h: np.ndarray, scale: np.ndarray, qmin: int, qmax: int,
-                block: int = 128) -> np.ndarray:
+                block: int = 128, damp: float = DAMP) -> np.ndarray:
     """Integer levels (K, N) for w (K, N) with per-output-column scales (N,) (zero point 0),
     rounding rows in order with error feedback through the Cholesky factor of H^-1 (lazy block
     updates: one matrix product per block of rows)."""
@@ -157,7 +157,7 @@ def gptq_levels(w: np.ndarray, h: np.ndarray, scale: np.ndarray, qmin: int, qmax
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0
     w[dead, :] = 0.0
-    h[np.diag_indices(k)] += DAMP * float(np.mean(np.diag(h)))
+    h[np.diag_indices(k)] += damp * float(np.mean(np.diag(h)))
     try:
         hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
     except np.linalg.LinAlgError:
@@ -189,7 +189,7 @@ def _dq_node(qmodel: onnx.ModelProto, name: str):
     return None
 
 
-def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: int) -> dict:
+def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: int, damp: float = DAMP) -> dict:
     """GPTQ levels for every weight of `qmodel` (made by quantize_weights from `src` at `bits`,
     symmetric, per channel) that has a Hessian and a per-output-channel scale.
     Returns name -> (levels in W's shape, int32; dequantized float array in W's dtype)."""
@@ -221,7 +221,7 @@ def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: 
         if h.shape != (mat.shape[0], mat.shape[0]):
             continue
         s32 = scale.astype(np.float32)
-        lv = gptq_levels(mat, h, s32.astype(np.float64), -qmax, qmax)
+        lv = gptq_levels(mat, h, s32.astype(np.float64), -qmax, qmax, damp=damp)
         levels = back(lv)
         shape = [1] * w.ndim
         shape[axis] = -1

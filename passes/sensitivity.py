@@ -165,14 +165,18 @@ def relative_error(ref, cand) -> float:
     return float(np.mean(vals)) if vals else 0.0
 
 
-def measure(infos: dict[str, TensorInfo], runner: TrialRunner, ref, ref_bits: int, progress=None) -> None:
-    """Output error of each tensor alone at `ref_bits`; sets out_error and sensitivity."""
+def measure(infos: dict[str, TensorInfo], runner: TrialRunner, ref, ref_bits: int, progress=None,
+            transform=None) -> None:
+    """Output error of each tensor alone at `ref_bits`; sets out_error and sensitivity.
+    transform: maps a run's outputs to those in which the error is measured (auto.proxy_outputs)."""
+    transform = transform or (lambda outs: outs)
+    ref = transform(ref)
     names = [n for n in runner.names if n in infos and ref_bits in infos[n].options]
     for i, name in enumerate(names):
         info = infos[name]
         opt = info.options[ref_bits]
         cand = runner.run({name: opt.dequantized.astype(info.options[FLOAT].dequantized.dtype)})
-        e = relative_error(ref, cand)
+        e = relative_error(ref, transform(cand))
         info.out_error[ref_bits] = e
         info.out_error[FLOAT] = 0.0
         info.sensitivity = e / opt.noise if opt.noise > 0 else 0.0

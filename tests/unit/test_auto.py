@@ -8,7 +8,7 @@ import passes
 from passes import InvalidArgumentError, Report
 from passes.fidelity import evaluate
 
-from modelgen import conv_model, dense_model, feeds
+from modelgen import conv_model, dense_model, feeds, subgraph_model
 
 
 def _quantized_bits(model):
@@ -103,3 +103,41 @@ def test_run_as_fold_measures_folded_candidates():
     assert evaluate(m, out, feeds=f, run_as="fold").metrics["cosine"] >= 0.999
     with pytest.raises(InvalidArgumentError, match="run_as"):
         passes.compress(m, target="cosine>=0.999", feeds=f, run_as="gpu")
+
+
+def _softmax_model():
+    """dense_model with a Softmax after its output: y = Softmax(logits)."""
+    m = dense_model()
+    for n in m.graph.node:
+        if n.output[0] == "y":
+            n.output[0] = "logits"
+    m.graph.node.append(onnx.helper.make_node("Softmax", ["logits"], ["y"], axis=-1))
+    return m
+
+
+def test_softmax_output_measured_on_its_logits():
+    from passes import auto
+
+    m = _softmax_model()
+    probe, n_out, plan = auto.probe_outputs(m)
+    assert n_out == 1 and [o.name for o in probe.graph.output] == ["y", "logits"] and plan == [(1, -1)]
+    f = feeds(m, n=4)
+    out, rep = passes.compress(m, target="top1>=0.99", feeds=f)
+    onnx.checker.check_model(out, full_check=True)
+    assert [o.name for o in out.graph.output] == ["y"], "the probe output is not left in the result"
+    # the saturation-free error (centred logits) is what the search held to its floor
+    assert rep["met_on_feeds"] and rep["fidelity"]["proxy_snr"] >= auto.TOP1_SNR_DB
+    assert evaluate(m, out, feeds=f).metrics["top1"] >= 0.99
+
+
+def test_weights_inside_subgraphs_are_allocated_per_tensor():
+    m = subgraph_model()
+    f = [dict(d, cond=np.array(True)) for d in feeds(m, n=4)]  # the else branch is never taken
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f)
+    onnx.checker.check_model(out, full_check=True)
+    assert rep["per_tensor_allocation"] and rep["met_on_feeds"]
+    forms = {r["name"]: r["form"] for r in rep["tensors"]}
+    assert set(forms) == {"Wt", "We", "Wl", "W_OUT"}
+    # the untaken branch's weight is unmeasured, so it gets the widest width, not the narrowest
+    assert forms["We"].startswith("int8") and any("never reached" in n for n in rep["notes"])
+    assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.999
