@@ -150,7 +150,13 @@ def _streaming_supported() -> bool:
         version = tuple(int(p) for p in ort.__version__.split(".")[:2])
     except ValueError:
         return False
-    return sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd") and version >= (1, 32)
+    if not (sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd") and version >= (1, 32)):
+        return False
+    # a model onnxruntime refuses halfway leaves the writer writing into a closed pipe: harmless
+    # while SIGPIPE is ignored (Python's default), fatal where an application restored it
+    import signal
+
+    return signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
 
 
 def parse_pieces(options, pieces: list, read_config: bool):

@@ -196,6 +196,18 @@ def test_copied_weights_travel_inside_the_model(files, monkeypatch):
         np.testing.assert_allclose(a[0], w[0], rtol=1e-6, atol=1e-6)
 
 
+def test_no_streaming_where_sigpipe_would_kill():
+    import signal
+
+    import passes.runtime as runtime
+
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        assert not runtime._streaming_supported()
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
+
+
 def test_refused_model_is_reported_after_streaming(tmp_path):
     """onnxruntime refusing a streamed model (a Conv weight of the wrong rank) gives our error, no hang."""
     w = numpy_helper.from_array(_w((64, 32, 3), 6), "W")
