@@ -126,19 +126,64 @@ def part_a(max_rows):
     return results
 
 
+def _decode_rates(blob, n, threads, repeat=5):
+    """decode_array of one blob, `repeat` times per output mode (fresh array / reused buffer):
+    MB/s of float32 output by wall time (best and median run) and per CPU second of this process."""
+    out = np.empty(n, np.float32)
+    passes.decode_array(blob, out=out, threads=threads)
+    res = {}
+    for mode in ("fresh", "reuse"):
+        walls, cpus = [], []
+        for _ in range(repeat):
+            c0, t0 = time.process_time(), time.perf_counter()
+            passes.decode_array(blob, out=out if mode == "reuse" else None, threads=threads)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+        mb = n * 4 / 1e6
+        res[mode] = {"wall_best_MBps": round(mb / min(walls), 1), "wall_median_MBps": round(mb / float(np.median(walls)), 1),
+                     "per_cpu_s_MBps": round(mb / float(np.median(cpus)), 1)}
+    return res
+
+
 def part_c():
-    print("\n(c) decode throughput, float32 output (MB/s; wall, and per CPU second x threads)")
+    """Decode throughput of the C decoder (passes/_tcodec.c) and of the numba fallback (the
+    decoder before it) on the same blobs, in the same run."""
+    from passes import tensorcodec
+
+    print("\n(c) decode throughput, float32 output, MB/s: wall (best / median of 5) and per CPU second of this process"
+          " (the machine is shared: compare decoders within this run)")
     tensors = load_tensors({"minilm_fp32": ["m.embeddings.word_embeddings.weight"], "open_nsfw": ["onnx::Conv_5831"]})
+    fast = tensorcodec._FAST
+    decoders = (["C"] if fast is not None else []) + ["numba"]
+    if fast is None:
+        print("passes._tcodec not built (pip install -e . with a C compiler): numba decoder only")
+    print(f"{'tensor':36s} {'SNR':>5s} {'bpw':>5s} {'decoder':>7s} thr | {'fresh wall best/med':>19s} {'per CPU-s':>9s} | "
+          f"{'reuse wall best/med':>19s} {'per CPU-s':>9s} | load avg")
     res = []
     for (model, name), w in tensors.items():
         for target in (23.0, 35.0, 47.0):
             blob = passes.encode_array(w, snr_db=target)
-            for threads in (1, 2):
-                sp = decode_speed(blob, w.size, threads)
-                res.append({"tensor": name, "snr": target, "threads": threads, **sp})
-                print(f"{name:36s} {target:5.1f} dB {threads} thr: fresh {sp['fresh']['wall_MBps']:7.1f} wall "
-                      f"{sp['fresh']['cpu_MBps']:7.1f} cpu | reuse {sp['reuse']['wall_MBps']:7.1f} wall "
-                      f"{sp['reuse']['cpu_MBps']:7.1f} cpu", flush=True)
+            for dec in decoders:
+                tensorcodec._FAST = fast if dec == "C" else None
+                try:
+                    for threads in (1, 2):
+                        sp = _decode_rates(blob, w.size, threads)
+                        load = os.getloadavg()[0]
+                        res.append({"tensor": name, "snr": target, "bpw": round(len(blob) * 8 / w.size, 3),
+                                    "decoder": dec, "threads": threads, "load_avg_1min": round(load, 2), **sp})
+                        f, r = sp["fresh"], sp["reuse"]
+                        print(f"{name:36s} {target:5.1f} {len(blob) * 8 / w.size:5.2f} {dec:>7s} {threads:3d} | "
+                              f"{f['wall_best_MBps']:9.0f}/{f['wall_median_MBps']:<9.0f} {f['per_cpu_s_MBps']:9.0f} | "
+                              f"{r['wall_best_MBps']:9.0f}/{r['wall_median_MBps']:<9.0f} {r['per_cpu_s_MBps']:9.0f} | {load:.2f}",
+                              flush=True)
+                finally:
+                    tensorcodec._FAST = fast
+    c2 = [r for r in res if r["decoder"] == "C" and r["threads"] == 2]
+    if c2:
+        worst = min(c2, key=lambda r: r["fresh"]["wall_best_MBps"])
+        print(f"C decoder, 2 threads: slowest best wall {worst['fresh']['wall_best_MBps']:.0f} MB/s fresh output "
+              f"({worst['tensor']} at {worst['snr']} dB); target >= 1000 MB/s; {os.cpu_count()} CPUs, "
+              f"load average {os.getloadavg()[0]:.2f}")
     return res
 
 
