@@ -128,6 +128,8 @@ def cases_v11():
                         {"ans"}, {}, False),
         "ans-w1-ternary-64lanes": ([numpy_helper.from_array(rng.choice(np.array([-1, 0, 1], np.int8), 140000, p=[0.2, 0.6, 0.2]),
                                                             "w_ternary")], {"ans"}, {}, False),
+        "ans-w1-ternary-128lanes": ([numpy_helper.from_array(rng.choice(np.array([-1, 0, 1], np.int8), 270000, p=[0.1, 0.8, 0.1]),
+                                                             "w_ternary_big")], {"ans"}, {}, False),
         "ans-w4-float32-1lane": ([numpy_helper.from_array(rng.standard_normal(1000).astype(np.float32), "w_f32_small")], {"ans"}, {},
                                  False),
         "ans-w4-float32": ([numpy_helper.from_array(f32, "w_f32")], {"ans"}, {}, False),

@@ -68,12 +68,12 @@ def _levels():
 @pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 1000, 4097, 70001, 140000])
 def test_c_and_numpy_encoders_write_the_same_blob(kind, n):
     sym = _symbols(kind, n)
-    for lanes_log2 in sorted({0, 2, 5, 6, ans.lanes_log2_for(n)}):
+    for lanes_log2 in sorted({0, 2, 5, 6, 7, ans.lanes_log2_for(n)}):
         assert C.ans_encode(sym, lanes_log2) == ans.encode_numpy(sym, lanes_log2), lanes_log2
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [2, 65, 4097, 70001, 140000])
+@pytest.mark.parametrize("n", [2, 65, 4097, 70001, 140000, 270001])
 def test_every_decoder_restores_the_plane(kind, n):
     sym = _symbols(kind, n)
     blob = ans.encode(sym)
@@ -102,7 +102,7 @@ def test_ans_codes_close_to_order0():
     sym = _symbols("ternary", 1 << 20)
     p = np.bincount(sym, minlength=256) / sym.size
     h = -(p[p > 0] * np.log2(p[p > 0])).sum() * sym.size / 8
-    assert len(ans.encode(sym)) < 1.003 * h
+    assert len(ans.encode(sym)) < 1.006 * h  # 0.92 bits/symbol: the 512 bytes of 128 lane states are 0.4%
 
 
 # ------------------------------------------------------------------ chunks through decode_chunk
