@@ -1,4 +1,13 @@
-"""Reading `.onnxz`: open_packed (lazy tensors), unpack (files back, byte for byte), load, verify."""
+"""Reading `.onnxz`: open_packed (lazy tensors), unpack (files back, byte for byte), load, verify,
+and PackedFile, the file layer under them (raw payloads, whole files, ranges).
+
+Every entry point takes the .onnxz path or the packed bytes already in memory. Chunks are the
+unit of work: each is read (one pread into a per-thread buffer, or a slice of the caller's
+buffer), its XXH3-64 checked, and decoded by codecs.decode_chunk straight into its place in the
+destination; a call hands all its chunks to `threads` threads at once (the calling thread
+included), largest first. Restoring a file runs as a pipeline: while the pool decodes window k+1,
+the caller hashes (sha256) and writes window k.
+"""
 from __future__ import annotations
 
 import hashlib

@@ -19,7 +19,7 @@ from .. import __version__
 from .._fileio import _safe_external_path, atomic_output, check_readable, check_writable, parse_model_bytes
 from ..errors import FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
-from .format import HEADER_SIZE, check_data_name, encode_index, pack_header
+from .format import HEADER_SIZE, VERSION, check_data_name, encode_index, pack_header
 from .protowire import TensorRef, WireError, find_tensors
 
 MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhead would eat the gain
@@ -288,7 +288,7 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
                 "file": ref_file[i], "offset": r.offset, "length": r.length,
                 "stream": tensor_streams.get(i),
             })
-        index = {"format": [1, 0], "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
+        index = {"format": list(VERSION), "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
         text, frame = encode_index(index)
         f.write(frame)
         file_length = pos + len(frame)
