@@ -570,15 +570,17 @@ def _decode(b: bytes, k, out, threads):
     if n_words > (len(b) - pos) // 2:  # checked before numpy sees a count it cannot represent
         raise CorruptFileError("decode_array: declared word count beyond the blob")
     # padded: the C decoder reads a little past a chunk's streams before it checks the bounds
-    words = np.zeros(n_words + _WORD_PAD, np.uint16)
+    words = np.empty(n_words + _WORD_PAD, np.uint16)
     words[:n_words] = np.frombuffer(b, "<u2", n_words, pos)
+    words[n_words:] = 0
     pos += 2 * n_words
     (n_raw,) = struct.unpack_from("<Q", b, pos)
     pos += 8
     if n_raw > (len(b) - pos) // 4:
         raise CorruptFileError("decode_array: declared raw count beyond the blob")
-    raw = np.zeros(n_raw + _RAW_PAD_WORDS, np.uint32)
+    raw = np.empty(n_raw + _RAW_PAD_WORDS, np.uint32)
     raw[:n_raw] = np.frombuffer(b, "<u4", n_raw, pos)
+    raw[n_raw:] = 0
     pos += 4 * n_raw
     if pos != len(b) - 4:
         raise CorruptFileError("decode_array: trailing or missing bytes")
@@ -651,7 +653,8 @@ def _decode(b: bytes, k, out, threads):
         raise CorruptFileError("decode_array: damaged entropy-coded data")
     res = res.reshape(shape)
     if dtype != np.float32:
-        return res.astype(dtype)
+        with np.errstate(over="ignore"):  # crafted values beyond float16 become inf
+            return res.astype(dtype)
     return res if out is None else out
 
 
