@@ -30,7 +30,8 @@ from .protowire import write_varint
 from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, Index, Stream, decode_index, parse_header, parse_index
 
 _xxh3 = xxhash.xxh3_64_intdigest
-WINDOW_BYTES = 8 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes
+WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
+# small enough that hashing and writing find it still in cache (measured: 8 -> 4 MiB saves ~8% of unpack CPU)
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 
 
