@@ -10,6 +10,7 @@ extension _planes.c (GIL released too) or, when it was not built, in numpy (same
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -692,9 +693,27 @@ def _rank(stream: EncodedStream) -> float:
     return stream.stored * (ANS_PREFERENCE if stream.codec == "ans" else 1.0)
 
 
+_write_ans = True
+
+
+@contextlib.contextmanager
+def without_ans():
+    """While active, the writer chooses among the codecs of format 1.0 only (no `ans`): a test
+    tool, so that fuzz samples and golden files keep exercising the 1.0 decoders, which readers
+    must keep forever. Not thread-safe against other packs running meanwhile."""
+    global _write_ans
+    saved, _write_ans = _write_ans, False
+    try:
+        yield
+    finally:
+        _write_ans = saved
+
+
 def _best(data: np.ndarray, specs, chunk_bytes: int) -> EncodedStream:
     """The smallest encoding among `specs` ((codec, width, split) tuples; see _rank). A large
     payload is encoded in full only with the spec that wins on a sample of it (pack time / 2.5)."""
+    if not _write_ans:
+        specs = [sp for sp in specs if sp[0] != "ans"]
     if len(specs) > 1 and data.size > 2 * SAMPLE_BYTES:
         # four slices of SAMPLE_BYTES / 4: zstd's optimal parser (~30 MB/s) on the whole tensor was
         # 70% of pack time, for a choice a sample makes as well
