@@ -157,12 +157,12 @@ def _sha256(data) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _in_order(pool: ThreadPoolExecutor, fn, jobs, threads: int):
+def _in_order(pool: ThreadPoolExecutor, fn, jobs):
     """Yield (job, fn(job)) in the order of `jobs`, computed on the pool. Jobs are submitted ahead
-    while the raw bytes submitted beyond the oldest unwritten job stay under a budget (and at
-    most 4 jobs per thread are pending), so encoded planes never pile up while one big tensor is
-    still being encoded. On an error the jobs not started are cancelled and the running ones
-    waited for."""
+    while the raw bytes submitted beyond the oldest unwritten job stay under a budget, so encoded
+    planes never pile up while one big tensor is still being encoded (and the other threads keep
+    encoding the tensors after it meanwhile). On an error the jobs not started are cancelled and
+    the running ones waited for."""
     budget = max(LOOKAHEAD_BYTES, 0)
     pending = collections.deque()
     in_flight = 0
@@ -170,7 +170,7 @@ def _in_order(pool: ThreadPoolExecutor, fn, jobs, threads: int):
     nxt = next(it, None)
     try:
         while nxt is not None or pending:
-            while nxt is not None and (not pending or (in_flight + nxt[2] <= budget and len(pending) < 4 * threads)):
+            while nxt is not None and (not pending or in_flight + nxt[2] <= budget):
                 pending.append((nxt, pool.submit(fn, nxt)))
                 in_flight += nxt[2]
                 nxt = next(it, None)
@@ -248,7 +248,7 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         shas = [pool.submit(_sha256, src.data) for src in sources]
         f.write(b"\0" * HEADER_SIZE)
         pos = HEADER_SIZE
-        for job, enc in _in_order(pool, encode, jobs, threads):
+        for job, enc in _in_order(pool, encode, jobs):
             chunks = []
             for c in enc.chunks:
                 digest = xxhash.xxh3_64()
