@@ -248,7 +248,7 @@ def speeds(row, name, path, packed, blobs, cut, zipnn_streams, original, repeat,
                 warnings.simplefilter("ignore")
                 fns = {"ZipNN": zipnn_decode, "mem": ours_mem, "file": ours_file}
                 for clock, tag in ((time.perf_counter, "wall"), (time.process_time, "cpu")):
-                    best = race(fns, repeat, clock)
+                    best = race(fns, 4 * repeat, clock)  # milliseconds each: more runs, less noise
                     row[f"ZipNN dec {tag} t{threads}"] = raw_total / best["ZipNN"] / MB
                     row[f".onnxz dec mem {tag} t{threads}"] = raw_total / best["mem"] / MB
                     row[f".onnxz dec file {tag} t{threads}"] = raw_total / best["file"] / MB
