@@ -130,6 +130,8 @@ class PackedFile:
             frame = self._buf[header.index_offset:header.index_offset + header.index_length]
             self.index: Index = parse_index(decode_index(frame, header), header, limit)
         else:
+            if not isinstance(source, (str, os.PathLike)):
+                raise InvalidArgumentError(f"expected a path or the packed bytes, got {type(source).__name__}")
             self.path = check_readable(source)
             try:
                 self._f = open(self.path, "rb")

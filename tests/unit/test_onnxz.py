@@ -737,3 +737,9 @@ def test_damage_in_memory_is_refused_like_on_disk(tmp_path):
         assert verdict(bytes(damaged)) == on_disk, pos
     for cut in (1, 63, 64, len(data) // 2, len(data) - 1):
         assert isinstance(verdict(data[:cut]), str)
+
+
+def test_reader_refuses_what_is_neither_path_nor_buffer():
+    for bad in (None, 3, object(), 2.5):
+        with pytest.raises(InvalidArgumentError):
+            passes.open_packed(bad)
