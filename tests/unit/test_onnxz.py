@@ -3,7 +3,6 @@ and layout, lazy tensor access, and the documented errors on bad inputs."""
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
