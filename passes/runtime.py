@@ -199,7 +199,9 @@ def parse_pieces(options, pieces: list, read_config: bool):
         return C.InferenceSession(options, f"/proc/self/fd/{read_end}", True, read_config)
     finally:
         os.close(read_end)  # a writer still blocked gets EPIPE and ends
-        writer.join()
+        # (onnxruntime reads to the end or closes its descriptor: the writer is done at once; the
+        # bound only keeps a pathological reader from hanging the caller, the thread is a daemon)
+        writer.join(timeout=60)
         pieces.clear()
 
 
