@@ -36,6 +36,7 @@
 #define MAX_LANES 128
 #define MAX_PLANES 8
 #define BLOCK 4096 /* elements per fused decode block: the decoded planes stay in L1 */
+#define NT_BYTES (512u << 10) /* chunks from this size are merged with non-temporal stores */
 
 /* ---------------------------------------------------------------- frequency table */
 
@@ -352,6 +353,8 @@ size_t decN_avx512(Dec *d, uint8_t *out, size_t steps, const int LANES) {
     return done;
 }
 
+/* any lane count (small planes): full steps branch-free while words suffice */
+static size_t decL_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, d->lanes); }
 static size_t dec32_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 32); }
 static size_t dec64_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 64); }
 static size_t dec128_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 128); }
@@ -404,6 +407,8 @@ static int dec_run(Dec *d, uint8_t *out, size_t i0, size_t count) {
         done = simd_level == 2 ? dec128_avx512(d, out, steps) : simd_level == 1 ? dec128_avx2(d, out, steps)
                                                                                 : dec128_scalar(d, out, steps);
         done *= 128;
+    } else {
+        done = decL_scalar(d, out, count / (size_t)d->lanes) * (size_t)d->lanes;
     }
     return dec_checked(d, out + done, i0 + done, count - done);
 }
@@ -446,7 +451,7 @@ const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, i
                 if (dec_run(decs[i], t, lo, m)) { err = "ans words run out"; break; }
                 ptr[i] = t;
             }
-            if (!err) onnxz_merge_ptrs(ptr, (Py_ssize_t)m, w, sign_move, out + lo * w);
+            if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, sign_move, out + lo * w, n * w >= NT_BYTES);
         }
     }
     for (int i = 0; i < w && !err; i++)
@@ -519,7 +524,7 @@ const char *onnxz_ans_decode_pairs(const uint8_t *table, const uint8_t *ranks, s
             if (dec_run(decs[i], t, lo, m)) { err = "ans words run out"; break; }
             ptr[i] = t;
         }
-        if (!err) onnxz_merge_ptrs(ptr, (Py_ssize_t)m, w, 1, out + lo * w);
+        if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, 1, out + lo * w, n * w >= NT_BYTES);
     }
     if (!err && jj != ne) err = "exponent escapes left over";
     for (int i = 0; i < w && !err; i++)

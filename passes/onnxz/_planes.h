@@ -6,6 +6,8 @@
 
 /* interleave w planes of n bytes (pointers p[0..w-1], most significant first) into dst */
 void onnxz_merge_ptrs(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst);
+/* the same; nt: non-temporal stores where the CPU and the alignment allow (large outputs) */
+void onnxz_merge_ptrs_nt(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst, int nt);
 
 void onnxz_ans_init(void);
 int onnxz_ans_simd_level(void); /* 0 scalar, 1 AVX2, 2 AVX-512 */
