@@ -165,12 +165,21 @@ def _all_tensors(model):
 
 # ---------------------------------------------------------------------- the samples
 
-def all_families(nbytes: int = 1024, seed: int = 0) -> Sample:
-    """One small model holding one tensor per codec family (the every-byte sweeps use this one)."""
+def all_families(nbytes: int = 1024, seed: int = 0, name: str = "all_families") -> Sample:
+    """One small model holding one tensor per codec family (the every-byte sweeps use this one),
+    written with the codecs of format 1.0 (which readers keep forever; the writer now prefers
+    `ans`); `ans_families` is the same model as today's writer packs it."""
+    from passes.onnxz import codecs
+
     rng = np.random.default_rng(seed)
     inits = [numpy_helper.from_array(a, k) for k, a in _family_tensors(rng, nbytes).items()]
     inits.append(numpy_helper.from_array(np.arange(6, dtype=np.float32), "tiny"))  # stays in the skeleton
-    return _sample("all_families", _graph_with(inits))
+    with codecs.without_ans() if name == "all_families" else contextlib.nullcontext():
+        return _sample(name, _graph_with(inits))
+
+
+def ans_families() -> Sample:
+    return all_families(name="ans_families")
 
 
 def per_family(nbytes: int = 2048, seed: int = 1) -> List[Sample]:
@@ -271,11 +280,11 @@ def real_models() -> List[Sample]:
 
 
 def build_all() -> List[Sample]:
-    return [all_families()] + per_family() + odd_layouts() + fpairs_samples() + quantized_samples()
+    return [all_families(), ans_families()] + per_family() + odd_layouts() + fpairs_samples() + quantized_samples()
 
 
 SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
-    "all_families": lambda: [all_families()],
+    "all_families": lambda: [all_families(), ans_families()],
     "per_family": per_family,
     "odd_layouts": odd_layouts,
     "fpairs": fpairs_samples,
@@ -284,7 +293,7 @@ SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
 }
 
 
-REQUIRED_FAMILIES = {"bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "skeleton"}
+REQUIRED_FAMILIES = {"bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "skeleton", "ans"}
 
 
 def check_families(samples: List[Sample]) -> set:

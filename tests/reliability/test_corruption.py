@@ -20,7 +20,7 @@ from fuzz.samples import REQUIRED_FAMILIES, check_families
 CHEAP = ("open_packed",)                 # every mutant: get_tensor hashes no whole file, the riskiest path
 ALL = ("load", "open_packed", "unpack", "verify", "session")  # every FULL_STRIDE-th mutant, and the truncations
 FULL_STRIDE = 8
-SWEPT = ["all_families", "external_data", "fpairs_forced"]  # every codec family between them
+SWEPT = ["all_families", "ans_families", "external_data", "fpairs_forced"]  # every codec family between them
 
 
 def _sweep(oracle, specs, packed, apis_for):

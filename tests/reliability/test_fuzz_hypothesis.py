@@ -25,7 +25,7 @@ from passes import SurgeonError
 from fuzz.campaign import make_mutant
 from fuzz.profiles import fuzz_settings
 
-SWEPT = ["all_families", "external_data", "fpairs_forced", "typed_fields", "subgraph_const_empty", "quantized_int8"]
+SWEPT = ["all_families", "ans_families", "external_data", "fpairs_forced", "typed_fields", "subgraph_const_empty", "quantized_int8"]
 ALL = ("load", "open_packed", "unpack", "verify", "session")
 
 
