@@ -336,7 +336,9 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
 def _snr(noise: float, signal: float) -> float:
     if noise == 0:
         return 200.0
-    return 10 * math.log10(signal / noise) if signal > 0 else -200.0
+    if not (math.isfinite(noise) and math.isfinite(signal)) or signal <= 0:
+        return -200.0
+    return 10 * math.log10(signal / noise)
 
 
 class _Tally:
@@ -405,10 +407,12 @@ def _round_rd(rows: np.ndarray, scales: np.ndarray, zps, levels: Levels, dtype, 
         v = None if weights is None else weights[start:start + step]
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             m, q, y = _rd.round_rows(part, s, z, v, levels.qmin, levels.qmax, choice.rd_lambda, choice.bits,
-                                     choice.steps)
+                                     choice.steps, choice.level_rdo)
         counts += tally(q, start)
-        s_new = _stored(s * m, dtype, top)
         z_new = None if z is None else _rd.shifted_zero(z, m, levels.qmin, levels.qmax)
+        s_new = s * m * (_unit_gain(part, q, z_new, s * m) if choice.level_rdo else 1)
+        # a step enlarged near the dtype's limit: the top level must still dequantize finite
+        s_new = _stored(np.minimum(s_new, np.float32(_limits(dtype)[1] / top)), dtype, top)
         new_scales[start:start + step] = s_new
         if z_new is not None:
             new_zps[start:start + step] = z_new
@@ -418,6 +422,24 @@ def _round_rd(rows: np.ndarray, scales: np.ndarray, zps, levels: Levels, dtype, 
         noise += float(np.sum(noise_rows))
         signal += float(np.sum(signal_rows))
     return q_rows, new_scales, new_zps, noise, signal, counts
+
+
+def _unit_gain(rows: np.ndarray, q: np.ndarray, z, scale: np.ndarray) -> np.ndarray:
+    """Per row, the factor on the scale that makes the dequantized row's projection on the original
+    exactly 1: <w, w> / <w, (q - z) * s>, with s the scale applied (returned relative to it).
+
+    Rate-aware levels (rd_levels="rdo") lean towards zero and the frequent small levels, so each
+    row comes back a little shrunk; one layer's shrink is tiny, but it is coherent and compounds
+    through a deep network, where errors uncorrelated with the weights add in power only
+    (open_nsfw int8, levels only: output SNR 28.7 -> 27.5 dB for 0.13 dB of weight SNR; this
+    correction gets back about half of it).
+    """
+    d = q if z is None else q - z[:, None]
+    ww = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
+    wd = np.einsum("ij,ij->i", rows, d, dtype=np.float64) * scale
+    ok = (ww > 0) & (wd > 0)
+    f = np.where(ok, ww / np.where(ok, wd, 1.0), 1.0)
+    return np.clip(f, 0.8, 1.25).astype(np.float32)
 
 
 @dataclass

@@ -27,10 +27,10 @@ Forms: bits 5..8 are stored in int8 (uint8 when asymmetric) containers, bits 2..
 Scales are stored in the weight's own float type (float16 / bfloat16 need opset 19, blocks and
 int4 opset 21; the opset is raised with onnx.version_converter and the result checked).
 
-Rounding: to nearest by default; rounding="rdo" chooses, per row (channel / block), a step
-factor and, per weight, a level that minimise squared error + lambda * (bits the pack's order-0
-coder spends on the level), the histogram re-estimated as it goes (passes/rounding.py). Only
-which integers and scales are stored changes: the graph is the same DequantizeLinear.
+Rounding: to nearest by default; rounding="rdo" chooses, per row (channel / block), the step
+factor that minimises squared error + lambda * (bits the pack's order-0 coder spends on the
+levels), optionally also each weight's level by that cost (passes/rounding.py). Only which
+integers and scales are stored changes: the graph is the same DequantizeLinear.
 
 Speed and memory: the numeric work per weight runs on a thread pool (numpy releases the GIL;
 results are consumed in weight order, so the output bytes do not depend on the thread count), the
@@ -217,23 +217,28 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                      exclude=None, rounding: str = "nearest", rd_lambda: float | None = None,
                      rd_max_snr_loss_db: float | None = None, rd_target_snr_db: float | None = None,
                      rd_step_scale: float | None = None, rd_distortion: str | None = None,
-                     report: Report | None = None, progress=None) -> onnx.ModelProto:
+                     rd_levels: str | None = None, report: Report | None = None,
+                     progress=None) -> onnx.ModelProto:
     """A new model whose float weights are n-bit integers expanded by DequantizeLinear nodes.
 
     See the module docstring for naming, include/exclude and axis rules. The input is never
     modified; the same input and options give the same output bytes.
 
     rounding="rdo" trades rate for distortion with the pack's order-0 entropy coder in mind
-    (passes/rounding.py): per row a step factor and per weight a level minimising
-    error + lambda * bits. rd_lambda fixes lambda (squared steps per bit; ~0.1 is the high-rate
-    slope); by default each tensor gets the largest lambda keeping its SNR within
-    rd_max_snr_loss_db (0.5 dB) of nearest rounding, or at least rd_target_snr_db.
-    rd_step_scale fixes the step factor; rd_distortion "absolute" weighs rows by their scale
-    (tensor SNR) instead of each in its own steps ("relative"). The report gives per tensor the
-    rounding, lambda, median step factor, SNR and an order-0 estimate of its packed bits per weight.
+    (passes/rounding.py): each row (channel / block) takes the step factor minimising
+    error + lambda * bits, the bits counted under the tensor's own level histogram. rd_lambda fixes
+    lambda (squared steps per bit; ~0.1 is the high-rate slope); by default each tensor gets the
+    largest lambda keeping its SNR within rd_max_snr_loss_db (0.5 dB) of nearest rounding, or at
+    least rd_target_snr_db. rd_levels="rdo" also picks each weight's level by the same cost (a dead
+    zone; each row's scale then corrected to unit gain): ~0.1% smaller, and it cost open_nsfw ~1 dB
+    of output SNR, so it is off by default. rd_step_scale fixes the step factor; rd_distortion
+    "absolute" weighs rows by their scale (tensor SNR) instead of each in its own steps
+    ("relative"). The report gives per tensor the rounding, lambda, median step factor, SNR and an
+    order-0 estimate of its packed bits per weight.
     """
     block = _check_args(bits, granularity, block_size, min_elements)
-    rounding_opts = _rounding.options(rounding, rd_lambda, rd_max_snr_loss_db, rd_target_snr_db, rd_step_scale, rd_distortion)
+    rounding_opts = _rounding.options(rounding, rd_lambda, rd_max_snr_loss_db, rd_target_snr_db, rd_step_scale,
+                                      rd_distortion, rd_levels)
     include_p = _patterns(include, "include")
     exclude_p = _patterns(exclude, "exclude")
     source = load_model(model)

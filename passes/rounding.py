@@ -12,16 +12,23 @@ this includes a dead zone around zero whose width grows with lam, and it also pu
 the frequent small levels. Only which integers are stored changes: the output is still a plain
 DequantizeLinear that onnxruntime runs and `fold_dequantize` folds bit-exactly.
 
-The step is searched together with lam (`choose`): every scale of the tensor is multiplied by a
-common factor m from a small grid (m > 1: fewer levels used, lower rate; m < 1: more clipping,
-finer granularity), and lam is expressed in squared *base* steps, so one Lagrangian
-D + lam * R picks m and the rounding alike. With no lam given, the largest lam on a grid whose
-SNR stays within `max_snr_loss_db` of nearest rounding (or above `target_snr_db`) is used: the
-smallest rate within the stated fidelity bound. The search runs on a deterministic strided
-sample of the tensor (at most 65536 weights); the chosen (m, lam) is then applied to all of it.
+The step is searched with the same cost (`round_rows`): each row (channel, block) multiplies its
+error-minimising scale by the factor m from a small grid (0.9 .. 2) that minimises its
+D + lam * R with nearest levels, before the levels themselves are chosen; lam is counted in
+squared *base* steps, so a larger step pays for its larger error. This per-row choice is where
+most of the gain is: with one common factor for the whole tensor, rdo levels did no better than
+nearest rounding at a larger step (within about 0.5% of the rate at equal SNR on the corpus
+tensors); bench/rounding.py compares against that baseline.
 
-Distortion counts in each row's own steps (every channel / block loses the same share of its
-precision), which is also what the per-tensor SNR bound is measured against.
+With no lam given (`choose`), the largest lam on a grid whose tensor SNR stays within
+`max_snr_loss_db` of nearest rounding (or above `target_snr_db`) is used: the smallest rate within
+the stated bound. The search runs on a deterministic sample of whole rows (about 32768 weights);
+the caller (forms.quantize_linear) applies the choice to the whole tensor, checks the bound there
+and tightens it when the sample was optimistic, and keeps nearest rounding when rdo would not
+shrink the tensor.
+
+Distortion counts in each row's own steps by default (every channel / block loses about the same
+share of its precision; "relative"), or in weight units ("absolute": the tensor SNR itself).
 """
 from __future__ import annotations
 
@@ -36,13 +43,14 @@ from .report import TensorChange
 
 ROUNDINGS = ("nearest", "rdo")
 DISTORTIONS = ("relative", "absolute")
+LEVEL_MODES = ("nearest", "rdo")
 DEFAULT_MAX_SNR_LOSS_DB = 0.5
 # lam grid (squared base steps per bit); 2 ln2 / 12 = 0.116 is the high-rate slope of uniform
 # quantization, so the grid spans well below and above it
 _LAMBDAS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.11, 0.12, 0.13, 0.14, 0.15, 0.17,
             0.19, 0.21, 0.24, 0.28, 0.33, 0.4, 0.5, 0.65, 0.8, 1.0, 1.3, 1.6, 2.0)
 # step factors each row chooses from (times its error-minimising scale)
-_STEP_SCALES = (0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.65, 1.8, 2.0)
+_STEP_SCALES = (0.9, 0.95, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.13, 1.16, 1.2, 1.25, 1.3, 1.4, 1.5, 1.65, 1.8, 2.0)
 _SAMPLE = 1 << 15  # weights the search looks at
 _ITERS = 2  # histogram re-estimations on the sample
 _SMOOTH = 0.5  # added to every level count: unused levels get a finite, high cost
@@ -62,6 +70,7 @@ class Rounding:
     target_snr_db: float | None = None
     step_scale: float | None = None
     distortion: str = "relative"
+    levels: str = "nearest"  # per weight: "nearest" at the row's step, or "rdo" (dead zone, frequent levels)
 
     @property
     def rdo(self) -> bool:
@@ -92,6 +101,8 @@ class Rounding:
             how += f",step x{self.step_scale:g}"
         if self.distortion != "relative":
             how += f",{self.distortion}"
+        if self.levels != "nearest":
+            how += f",levels={self.levels}"
         return f"rdo({how})"
 
 
@@ -105,7 +116,7 @@ def _number(value, what: str, *, positive: bool) -> float:
 
 
 def options(rounding="nearest", rd_lambda=None, rd_max_snr_loss_db=None, rd_target_snr_db=None,
-            rd_step_scale=None, rd_distortion=None) -> Rounding:
+            rd_step_scale=None, rd_distortion=None, rd_levels=None) -> Rounding:
     """Checked Rounding from the keyword arguments of quantize_weights (clear errors on bad ones)."""
     if isinstance(rounding, Rounding):
         return rounding
@@ -114,7 +125,8 @@ def options(rounding="nearest", rd_lambda=None, rd_max_snr_loss_db=None, rd_targ
     given = [n for n, v in (("rd_lambda", rd_lambda), ("rd_max_snr_loss_db", rd_max_snr_loss_db),
                             ("rd_target_snr_db", rd_target_snr_db)) if v is not None]
     if rounding == "nearest":
-        extra = given + [n for n, v in (("rd_step_scale", rd_step_scale), ("rd_distortion", rd_distortion)) if v is not None]
+        extra = given + [n for n, v in (("rd_step_scale", rd_step_scale), ("rd_distortion", rd_distortion),
+                                        ("rd_levels", rd_levels)) if v is not None]
         if extra:
             raise InvalidArgumentError(f"{extra[0]} is only used with rounding='rdo'")
         return Rounding()
@@ -136,7 +148,10 @@ def options(rounding="nearest", rd_lambda=None, rd_max_snr_loss_db=None, rd_targ
     distortion = "relative" if rd_distortion is None else rd_distortion
     if distortion not in DISTORTIONS:
         raise InvalidArgumentError(f"rd_distortion must be 'relative' or 'absolute', got {rd_distortion!r}")
-    return Rounding("rdo", lam, loss, target, step, distortion)
+    level_mode = "nearest" if rd_levels is None else rd_levels
+    if level_mode not in LEVEL_MODES:
+        raise InvalidArgumentError(f"rd_levels must be 'nearest' or 'rdo', got {rd_levels!r}")
+    return Rounding("rdo", lam, loss, target, step, distortion, level_mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,34 +173,51 @@ def entropy_bits(counts: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def rdo_levels(y: np.ndarray, qmin: int, qmax: int, zero, lam, bits: np.ndarray) -> np.ndarray:
+def rdo_levels(y: np.ndarray, qmin: int, qmax: int, zero, lam, bits: np.ndarray, origin=None) -> np.ndarray:
     """Per element of `y` (unrounded levels, zero point included), the level among floor(y),
     floor(y) + 1 (both clipped to [qmin, qmax]) and `zero` (scalar or broadcastable array) that
-    minimises (q - y)**2 + lam * bits[q - qmin]; lam a scalar or broadcastable (per row). float32
-    result, whole numbers."""
+    minimises (q - y)**2 + lam * bits[q - origin]; lam and origin scalars or broadcastable (per
+    row); origin defaults to qmin (see rate_origin). float32 result, whole numbers."""
     lo32, hi32 = np.float32(qmin), np.float32(qmax)
+    org = lo32 if origin is None else np.asarray(origin, dtype=np.float32)
     a = np.floor(y)
     np.clip(a, lo32, hi32, out=a)
     b = np.minimum(a + np.float32(1), hi32)
     lam32 = np.asarray(lam, dtype=np.float32)
     ja = np.subtract(a, y)
     ja *= ja
-    ja += lam32 * bits[(a - lo32).astype(np.intp)]
+    ja += lam32 * bits[(a - org).astype(np.intp)]
     jb = np.subtract(b, y)
     jb *= jb
-    jb += lam32 * bits[(b - lo32).astype(np.intp)]
+    jb += lam32 * bits[(b - org).astype(np.intp)]
     q = np.where(jb < ja, b, a)
     np.minimum(ja, jb, out=ja)
     z = np.broadcast_to(np.asarray(zero, dtype=np.float32), y.shape)
     jz = np.subtract(z, y)
     jz *= jz
-    jz += lam32 * bits[(z - lo32).astype(np.intp)]
+    jz += lam32 * bits[(z - org).astype(np.intp)]
     np.copyto(q, z, where=jz < ja)
     return q
 
 
-def counts_of(q: np.ndarray, qmin: int, n_levels: int) -> np.ndarray:
-    return np.bincount((q.ravel() - np.float32(qmin)).astype(np.intp), minlength=n_levels)[:n_levels]
+def counts_of(q: np.ndarray, origin, size: int) -> np.ndarray:
+    """Histogram of q - origin over `size` bins (origin a scalar or broadcastable per row)."""
+    return np.bincount((q - np.asarray(origin, dtype=np.float32)).ravel().astype(np.intp), minlength=size)[:size]
+
+
+def rate_table_size(qmin: int, qmax: int, asymmetric: bool) -> int:
+    """Bins of the rate model: the levels when symmetric; the level minus its row's zero point
+    when asymmetric (a larger step moves the zero point, and the shape of the distribution around
+    it is what the step does not change), -(n-1)..n-1."""
+    n = qmax - qmin + 1
+    return 2 * n - 1 if asymmetric else n
+
+
+def rate_origin(zps, qmin: int, qmax: int):
+    """The level that falls in bin 0 of the rate model: qmin, or per row zero point - (n - 1)."""
+    if zps is None:
+        return np.float32(qmin)
+    return (zps - np.float32(qmax - qmin)).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,13 +245,15 @@ def _capped(lam, weights: np.ndarray) -> np.ndarray:
 
 
 def round_rows(rows: np.ndarray, scales: np.ndarray, zps: np.ndarray | None, weights: np.ndarray | None,
-               qmin: int, qmax: int, lam: float, bits: np.ndarray, steps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               qmin: int, qmax: int, lam: float, bits: np.ndarray, steps,
+               level_rdo: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One pass of rate-distortion quantization over a chunk of rows (float32, (g, n)).
 
     Each row first takes the step factor m from `steps` minimising its
         sum (q - y)**2 * m**2 * weight + lam * sum bits[q]      (q nearest at that step)
-    -- the scale search with the rate in it -- then each weight the level minimising the same
-    cost (rdo_levels). Returns (m per row float32, levels float32, unrounded levels float32).
+    -- the scale search with the rate in it -- then each weight its nearest level at that step,
+    or with `level_rdo` the level minimising the same cost (rdo_levels). Returns (m per row
+    float32, levels float32, unrounded levels float32).
     """
     steps = np.asarray(steps, dtype=np.float32)
     lo32, hi32 = np.float32(qmin), np.float32(qmax)
@@ -233,10 +267,13 @@ def round_rows(rows: np.ndarray, scales: np.ndarray, zps: np.ndarray | None, wei
         y = np.empty_like(u)
         for g in steps:
             np.multiply(u, np.float32(1) / g, out=y)
+            origin = lo32
             if zps is not None:
-                y += shifted_zero(zps, g, qmin, qmax)[:, None]
+                zg = shifted_zero(zps, g, qmin, qmax)
+                y += zg[:, None]
+                origin = rate_origin(zg, qmin, qmax)[:, None]
             q = np.clip(np.rint(y), lo32, hi32)
-            rate = bits[(q - lo32).astype(np.intp)].sum(axis=1, dtype=np.float64)
+            rate = bits[(q - origin).astype(np.intp)].sum(axis=1, dtype=np.float64)
             q -= y
             dist = np.einsum("ij,ij->i", q, q).astype(np.float64) * float(g) ** 2
             j = dist + lam_r * rate
@@ -247,8 +284,11 @@ def round_rows(rows: np.ndarray, scales: np.ndarray, zps: np.ndarray | None, wei
     y = u / m[:, None]
     if z is not None:
         y += z[:, None]
+    if not level_rdo:
+        return m, np.clip(np.rint(y), lo32, hi32), y
     lam_q = lam / (m * m) if weights is None else _capped(lam / (m * m), weights)
-    q = rdo_levels(y, qmin, qmax, 0.0 if z is None else z[:, None], lam_q[:, None], bits)
+    origin = None if z is None else rate_origin(z, qmin, qmax)[:, None]
+    q = rdo_levels(y, qmin, qmax, 0.0 if z is None else z[:, None], lam_q[:, None], bits, origin)
     return m, q, y
 
 
@@ -266,6 +306,7 @@ class Choice:
     snr_db: float = math.nan
     rate_nearest: float = math.nan  # order-0 bits per weight
     rate: float = math.nan
+    level_rdo: bool = False  # levels chosen by rdo_levels (else nearest at each row's step)
 
     @property
     def is_nearest(self) -> bool:
@@ -276,7 +317,7 @@ class _Sample:
     """Whole rows taken at a regular stride (each row's step is chosen on all its weights), or,
     for rows longer than the sample, a strided part of every other row."""
 
-    def __init__(self, rows, scales, zps, weights, qmin: int, qmax: int):
+    def __init__(self, rows, scales, zps, weights, qmin: int, qmax: int, level_rdo: bool):
         g, n = rows.shape
         if n <= _SAMPLE // 2:
             r = np.arange(0, g, max(1, (g * n) // _SAMPLE))
@@ -288,28 +329,37 @@ class _Sample:
         self.z = None if zps is None else zps[r]
         self.v = None if weights is None else weights[r]
         self.signal = float(np.einsum("ij,ij->", self.rows, self.rows, dtype=np.float64))
-        self.qmin, self.qmax = qmin, qmax
-        self.n_levels = qmax - qmin + 1
+        self.qmin, self.qmax, self.level_rdo = qmin, qmax, level_rdo
+        self.n_bins = rate_table_size(qmin, qmax, zps is not None)
         q = np.clip(np.rint(self.rows / self.s[:, None] + (0 if self.z is None else self.z[:, None])), qmin, qmax)
         self.nearest = self._measure(0.0, (1.0,), np.ones(len(r), np.float32), q, None)
         self._seen: dict = {}
 
     def _measure(self, lam, steps, m, q, z) -> Choice:
-        counts = counts_of(q, self.qmin, self.n_levels)
+        counts = self._counts(q, z)
         s = (self.s * m).astype(np.float64)[:, None]
         zz = 0 if self.z is None else (self.z if z is None else z)[:, None]
         err = (q - zz) * s - self.rows
         noise = float(np.einsum("ij,ij->", err, err, dtype=np.float64))
         snr = 200.0 if noise == 0 else 10 * math.log10(self.signal / noise) if self.signal > 0 else -200.0
-        return Choice(lam, level_bits(counts), tuple(steps), snr_db=snr, rate=entropy_bits(counts))
+        return Choice(lam, level_bits(counts), tuple(steps), snr_db=snr, rate=entropy_bits(counts),
+                      level_rdo=self.level_rdo)
+
+    def _counts(self, q, z) -> np.ndarray:
+        """Rate-model histogram of levels q whose rows have zero points z (None: the original)."""
+        if self.z is None:
+            return counts_of(q, self.qmin, self.n_bins)
+        return counts_of(q, rate_origin(self.z if z is None else z, self.qmin, self.qmax)[:, None], self.n_bins)
 
     def evaluate(self, lam: float, steps) -> Choice:
         key = (lam, tuple(steps))
         if key not in self._seen:
             bits = self.nearest.bits
             for _ in range(_ITERS):
-                m, q, _ = round_rows(self.rows, self.s, self.z, self.v, self.qmin, self.qmax, lam, bits, steps)
-                bits = level_bits(counts_of(q, self.qmin, self.n_levels))
+                m, q, _ = round_rows(self.rows, self.s, self.z, self.v, self.qmin, self.qmax, lam, bits, steps,
+                                     self.level_rdo)
+                z = None if self.z is None else shifted_zero(self.z, m, self.qmin, self.qmax)
+                bits = level_bits(self._counts(q, z))
             z = None if self.z is None else shifted_zero(self.z, m, self.qmin, self.qmax)
             self._seen[key] = self._measure(lam, steps, m, q, z)
         return self._seen[key]
@@ -320,7 +370,7 @@ def choose(rows: np.ndarray, scales: np.ndarray, zps: np.ndarray | None, qmin: i
     """lam (and the step factors offered to the rows) for one tensor: rows (groups, members)
     float32 with their error-minimising scales (float32 per row), zero points (float32 per row,
     or None) and row_weights()."""
-    sample = _Sample(rows, scales, zps, weights, qmin, qmax)
+    sample = _Sample(rows, scales, zps, weights, qmin, qmax, opts.levels == "rdo")
     nearest = sample.nearest
     steps = _STEP_SCALES if opts.step_scale is None else (opts.step_scale,)
 

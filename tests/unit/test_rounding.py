@@ -38,6 +38,7 @@ def _packed_bits(q):
     dict(rounding="rdo", rd_lambda="0.1"), dict(rounding="rdo", rd_max_snr_loss_db=-1),
     dict(rounding="rdo", rd_target_snr_db=float("inf")), dict(rounding="rdo", rd_step_scale=100),
     dict(rounding="rdo", rd_lambda=0.1, rd_max_snr_loss_db=1), dict(rounding="rdo", rd_distortion="l1"),
+    dict(rounding="rdo", rd_levels="floor"), dict(rd_levels="rdo"),
 ])
 def test_bad_options(bad):
     with pytest.raises(InvalidArgumentError):
@@ -93,10 +94,12 @@ def test_dead_zone_and_lambda_order():
     near = forms.quantize_linear(w, lv, 0)
     rates, zeros = [], []
     for lam in (0.05, 0.2, 0.8):
-        qz = forms.quantize_linear(w, lv, 0, rounding=rd.options("rdo", rd_lambda=lam, rd_step_scale=1.0))
+        qz = forms.quantize_linear(w, lv, 0, rounding=rd.options("rdo", rd_lambda=lam, rd_step_scale=1.0,
+                                                                   rd_levels="rdo"))
         rates.append(qz.bits_per_weight)
         zeros.append(np.mean(qz.q == 0))
-        assert np.array_equal(qz.scale, near.scale)  # fixed step: only the levels moved
+        # fixed step: the levels moved, the scales only by the gain correction (a few %)
+        assert np.allclose(qz.scale, near.scale, rtol=0.05)
         # never further than the neighbouring levels or zero
         y = np.clip(w / near.scale[:, None], lv.qmin, lv.qmax)
         assert np.all((np.abs(qz.q - y) < 1) | (qz.q == 0))
@@ -131,7 +134,7 @@ def test_zero_and_constant_rows():
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("kw", [dict(), dict(bits=4, granularity="block", block_size=16),
-                                dict(bits=6, symmetric=False), dict(rd_lambda=0.2)])
+                                dict(bits=6, symmetric=False), dict(rd_lambda=0.2), dict(rd_levels="rdo")])
 def test_models_run_and_fold(dtype, kw):
     kw = dict(kw)
     extra = {k: kw.pop(k) for k in list(kw) if k.startswith("rd_")}
@@ -187,3 +190,18 @@ def test_float16_scales_stay_finite_with_larger_steps():
     deq = forms.dequantize_linear(qz.q, qz.scale, None, 0)
     assert np.all(np.isfinite(deq))
     assert qz.snr_db() == pytest.approx(_snr(w.astype(np.float32), deq.astype(np.float32)), abs=2e-3)
+
+
+def test_rdo_levels_keep_unit_gain():
+    """With rate-aware levels, each row's scale is corrected so that its dequantized row projects
+    on the original with gain 1 (a shrink would compound through a deep network)."""
+    w = _laplace((64, 300), seed=7)
+    lv = forms.Levels(6, True)
+    for levels in ("nearest", "rdo"):
+        qz = forms.quantize_linear(w, lv, 0, rounding=rd.options("rdo", rd_lambda=0.3, rd_levels=levels))
+        deq = forms.dequantize_linear(qz.q, qz.scale, None, 0).astype(np.float64)
+        gain = (deq * w).sum(axis=1) / (w.astype(np.float64) ** 2).sum(axis=1)
+        if levels == "rdo":
+            assert np.allclose(gain, 1.0, atol=2e-6)
+        else:  # nearest levels at a larger step: no systematic shrink to correct
+            assert abs(gain.mean() - 1) < 5e-3
