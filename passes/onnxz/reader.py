@@ -5,8 +5,8 @@ Every entry point takes the .onnxz path or the packed bytes already in memory. C
 unit of work: each is read (one pread into a per-thread buffer, or a slice of the caller's
 buffer), its XXH3-64 checked, and decoded by codecs.decode_chunk straight into its place in the
 destination; a call hands all its chunks to `threads` threads at once (the calling thread
-included), largest first. Restoring a file runs as a pipeline: while the pool decodes window k+1,
-the caller hashes (sha256) and writes window k.
+included), largest first. Restoring a file runs as a pipeline (threads > 1): while the pool decodes
+window k+1, a hashing thread runs the sha256 over window k and the caller writes it.
 """
 from __future__ import annotations
 
@@ -109,6 +109,7 @@ class PackedFile:
       external data files) as uint8; `skip`: tensor entries whose payload is not decoded (`out`
       keeps what it held there; the sha256 is then not checked);
     - `restore_windows(fi)` -> the file in consecutive windows (memory-bounded), sha256 checked;
+      with threads > 1 the next window decodes and this one is hashed while the caller writes it;
     - `read_range(fi, offset, length)` -> bytes of the restored file in that range;
     - `skeleton(fi)` -> the decoded skeleton stream of file `fi`;
     - `close()`, context manager.
@@ -155,6 +156,7 @@ class PackedFile:
         # pipelined restore decodes on all of them while the caller hashes and writes
         self._pool = ThreadPoolExecutor(max_workers=self.threads) if self.threads > 1 else None
         self._lock = threading.Lock()
+        self._hash_pool: Optional[ThreadPoolExecutor] = None
         self._skeletons: Dict[int, np.ndarray] = {}
         self.closed = False
 
@@ -170,6 +172,8 @@ class PackedFile:
         self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
         if self._f is not None:
             self._f.close()
         self._buf = None
@@ -361,21 +365,25 @@ class PackedFile:
         return self._balanced(tasks) if self._pool is not None else tasks
 
     def _restore(self, fi: int, target):
-        """Decode file `fi` window by window and yield each window, after hashing it. With a
-        pool, window k+1 decodes on the pool while the caller hashes (and writes) window k.
-        `target(start, length, k)` gives the array a window decodes into. The sha256 is checked
-        before the last window is yielded."""
+        """Decode file `fi` window by window and yield each window. With a pool, three things
+        overlap: window k+1 decodes on the pool, window k is hashed (sha256, in order) on a
+        hashing thread, and the caller consumes (writes) window k. `target(start, length, k)`
+        gives the array window k decodes into (it may reuse window k-2's array: both decoding
+        into it and hashing it are finished by then). The sha256 is checked before the last
+        window is yielded."""
         fe = self.index.files[fi]
         skel = self.skeleton(fi)
         sha = hashlib.sha256()
         windows = self._windows(fi, WINDOW_BYTES)
         pending = None  # (window array, group) decoding on the pool
+        hashing = None  # the sha256 update of the previous window, on the hashing thread
+        parallel = self._pool is not None
 
         def start(k, spec):
             s, n, items = spec
             arr = target(s, n, k)
             tasks = self._fill(arr, items, skel)
-            if self._pool is None:
+            if not parallel:
                 self._run(tasks)
                 return arr, None
             return arr, self._start(tasks, self.threads)
@@ -389,24 +397,42 @@ class PackedFile:
                 pending = None
                 if group is not None:
                     group.wait()
+                if hashing is not None:  # window k-1's array is about to be reused
+                    hashing, h = None, hashing
+                    h.result()
                 k += 1
                 pending = start(k, spec)  # decodes while this window is hashed and consumed
-                sha.update(arr)
+                if parallel:
+                    hashing = self._hasher().submit(sha.update, arr)
+                else:
+                    sha.update(arr)
                 yield arr
             arr, group = pending
             pending = None
             if group is not None:
                 group.wait()
+            if hashing is not None:
+                hashing, h = None, hashing
+                h.result()
             sha.update(arr)
             if sha.hexdigest() != fe.sha256:
                 raise CorruptFileError(f"damaged .onnxz file: {fe.name} does not match its sha256")
             yield arr
-        finally:
-            if pending is not None and pending[1] is not None:  # abandoned: let the workers finish
-                try:
-                    pending[1].wait()
-                except BaseException:
-                    pass
+        finally:  # abandoned or failed: let the workers finish with the arrays before they go
+            for waiter in ((pending[1].wait if pending is not None and pending[1] is not None else None),
+                           (hashing.result if hashing is not None else None)):
+                if waiter is not None:
+                    try:
+                        waiter()
+                    except BaseException:
+                        pass
+
+    def _hasher(self) -> ThreadPoolExecutor:
+        """One thread for sha256 updates: in order, beside the decoding (hashlib releases the GIL)."""
+        with self._lock:
+            if self._hash_pool is None:
+                self._hash_pool = ThreadPoolExecutor(max_workers=1)
+            return self._hash_pool
 
     def restore_windows(self, fi: int):
         """Yield the file `fi` in consecutive windows (memory-bounded: two windows of about
