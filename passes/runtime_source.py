@@ -153,7 +153,7 @@ def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
     with open_packed(path, threads=threads, max_bytes=max_bytes) as packed:
         pf = packed.packed_file  # the pack reader's public file layer (whole files, tensor bytes)
         model, stripped, buf = _packed_skeleton(pf, str(path))
-        entries = {(t.file, t.offset): t for t in pf.index.tensors}
+        entries = _entries(pf)
         arrays, coded = {}, []
         for s in stripped:
             entry = entries.get((0, s.offset))
@@ -165,6 +165,11 @@ def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
         _packed_external(model, pf, packed, entries, arrays, coded)
         _decode_together(pf, coded, arrays)
         return _assemble(model, stripped, arrays)
+
+
+def _entries(pf) -> dict:
+    """(file, offset) -> the pack's entry of the tensor whose payload starts there."""
+    return {(t.file, t.offset): t for t in pf.index.tensors}
 
 
 def _decode_together(pf, coded, arrays) -> None:
@@ -244,7 +249,9 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
             arrays[t.name] = (value if value.flags.writeable else value.copy()).reshape(shape)
         else:
             length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
-            arrays[t.name] = _view_external(t, info, pf.read_range(fi, offset, length))
+            # (the range read starts at the tensor: its offset in that buffer is 0)
+            arrays[t.name] = _view_external(t, {**info, "offset": "0", "length": str(length)},
+                                            pf.read_range(fi, offset, length))
         t.CopyFrom(placeholder(t.name, arrays[t.name]))
 
 

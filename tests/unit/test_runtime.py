@@ -177,6 +177,25 @@ def test_packed_external_data_model(files, tmp_path):
             np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_packed_external_payload_read_as_a_range(files, tmp_path, monkeypatch):
+    """An external payload the pack did not cut into a tensor of its own is read as a byte range
+    (offsets in that range start at the tensor)."""
+    import passes.runtime_source as source
+
+    f = files["dense"]
+    path = tmp_path / "ext.onnx"
+    onnx.save(onnx.load(str(f["q8"])), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.data", size_threshold=0)
+    packed = tmp_path / "ext.onnxz"
+    passes.pack(str(path), str(packed))
+    real = source._entries
+    monkeypatch.setattr(source, "_entries", lambda pf: {k: t for k, t in real(pf).items() if k[0] == 0})
+    feeds = feeds_for(f["model"])
+    session = passes.InferenceSession(packed, mode="fold")
+    for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
 def test_copied_weights_travel_inside_the_model(files, monkeypatch):
     """A Conv weight (onnxruntime reorders it, so it cannot be shared) goes inside the model given to
     onnxruntime, streamed through a pipe or, where that is not available, as bytes: same outputs."""
