@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import onnx
 import xxhash
+import zstandard as zstd
 
 from .. import __version__
 from .._fileio import _safe_external_path, atomic_output, check_readable, check_writable, parse_model_bytes
@@ -24,6 +26,7 @@ from .protowire import TensorRef, WireError, find_tensors
 
 MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhead would eat the gain
 SKELETON_CHUNK = 4 << 20
+SKELETON_LEVEL = 17
 LOOKAHEAD_BYTES = 256 << 20  # raw bytes encoded ahead of the one being written (bounds memory)
 
 
@@ -142,12 +145,25 @@ def _skeleton(data: bytes, cuts: List[TensorRef]) -> bytes:
     return b"".join(parts)
 
 
+_skeleton_zstd = threading.local()
+
+
+def _compress_skeleton(part: np.ndarray) -> bytes:
+    """One skeleton chunk as a zstd frame (level 17: measured on the corpus, half the time of
+    level 19 for 0.1-0.7% more skeleton bytes, which are ~1% of a file), or raw if not smaller."""
+    c = getattr(_skeleton_zstd, "c", None)
+    if c is None:
+        c = _skeleton_zstd.c = zstd.ZstdCompressor(level=SKELETON_LEVEL, write_checksum=False, write_content_size=True)
+    frame = c.compress(part)
+    return frame if len(frame) < part.size else part
+
+
 def _encode_skeleton(data: bytes) -> codecs.EncodedStream:
     arr = np.frombuffer(data, dtype=np.uint8)
     stream = codecs.EncodedStream("bytes")
     for start in range(0, arr.size, SKELETON_CHUNK):
         part = arr[start:start + SKELETON_CHUNK]
-        stream.chunks.append(codecs.EncodedChunk(part.size, [codecs.compress_plane(part, "lz", True)]))
+        stream.chunks.append(codecs.EncodedChunk(part.size, [_compress_skeleton(part)]))
     if not stream.chunks:
         stream.chunks = []
     return stream
