@@ -153,7 +153,8 @@ class PackedFile:
                 raise
         self._by_key = {t.key: t for t in self.index.tensors}
         # `threads` workers: a synchronous run uses threads-1 of them plus the calling thread; a
-        # pipelined restore decodes on all of them while the caller hashes and writes
+        # pipelined restore decodes on all of them while a hashing thread (_hasher) and the caller
+        # hash and write the window before
         self._pool = ThreadPoolExecutor(max_workers=self.threads) if self.threads > 1 else None
         self._lock = threading.Lock()
         self._hash_pool: Optional[ThreadPoolExecutor] = None
