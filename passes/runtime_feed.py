@@ -1,22 +1,27 @@
-"""How weights reach onnxruntime without a protobuf copy and without a temporary file.
+"""How weights reach onnxruntime without a temporary file and with one copy at a time.
 
 A model is split into a *skeleton* (the graph, small tensors inline) and a dict of big weights
-(numpy arrays). Each big initializer stays declared in the skeleton as an external-data
-placeholder (name, dtype, shape; onnxruntime requires the declaration) and its bytes are handed to
-onnxruntime as an OrtValue, in one of two ways:
+(numpy arrays). Each weight reaches onnxruntime in one of three ways:
 
-- **shared** (`SessionOptions.add_initializer`): onnxruntime uses our buffer as is, no copy. The
-  buffer must outlive the session (the session object keeps it). Graph optimisers that want to
-  read or rewrite the tensor's bytes (NCHWc reordering of Conv weights, the transpose optimiser,
-  constant folding) cannot see a shared tensor and fail, so only tensors consumed by operators
-  that read weights at kernel creation (MatMul, Gemm, Gather, MatMulNBits, ...) are shared.
-- **copied** (`SessionOptions.add_external_initializers`): onnxruntime copies the bytes into its
-  graph when the model is *loaded*, before optimisation, so every optimiser sees them. Our array
-  is dropped right after that load step (`FeedingSession` splits onnxruntime's load and
-  initialise steps), so the two copies coexist only for a moment, never during optimisation.
+- **shared** (`SessionOptions.add_initializer`): the weight stays declared in the skeleton as an
+  external-data placeholder (name, dtype, shape) and onnxruntime uses our buffer as is, no copy.
+  The buffer must outlive the session (the session object keeps it). Graph optimisers that want
+  to read or rewrite the tensor's bytes (NCHWc reordering of Conv weights, the transpose
+  optimiser, constant folding, float16 -> float32 casts on a CPU) cannot see a shared tensor and
+  fail, so only tensors consumed by operators that read weights at kernel creation (MatMul, Gemm,
+  Gather, MatMulNBits, ...) are shared.
+- **embedded** (`serialise_with_weights`, models under EMBED_MAX_BYTES): a weight onnxruntime must
+  own goes inside the model it parses, as raw_data. Measured: handed over as an OrtValue
+  (add_external_initializers) it was copied during initialisation while our array lived on, so
+  both copies sat beside onnxruntime's reordered one (open_nsfw float pack: 1.31-1.54x the plain
+  file's added memory; float16 MiniLM: 1.39x). Embedded, our array is dropped once onnxruntime has
+  parsed it (1.00-1.06x). The model is streamed through a pipe (`runtime.parse_pieces`), so
+  neither joined bytes nor pybind's std::string copy of them exists.
+- **copied** (`SessionOptions.add_external_initializers`): what cannot be embedded (models near
+  protobuf's 2 GiB limit, GPU sessions); onnxruntime copies the bytes before optimising.
 
-The skeleton's placeholders point at ".", a location that is never a data file: onnxruntime never
-reads it, because every placeholder is replaced by an OrtValue before anything reads it.
+Placeholders point at ".", a location that is never a data file: onnxruntime never reads it,
+because every placeholder is replaced by an OrtValue before anything reads it.
 """
 from __future__ import annotations
 
