@@ -7,9 +7,10 @@
                                    providers=["CUDAExecutionProvider"])  # says what it picked
     sess.run(None, feeds)                                                # an onnxruntime.InferenceSession
 
-No temporary model file is written and the weights never go through a protobuf: the model is split
-into a small skeleton and numpy arrays (see `runtime_feed`), each weight is decoded or folded once
-into the array handed to onnxruntime, and models over 2 GB load like small ones.
+No temporary model file is written: the model is split into a small skeleton and numpy arrays
+(see `runtime_feed`), each weight is decoded or folded once into the array handed to onnxruntime
+(shared as its own buffer where its kernels allow, else inside the model streamed to it through a
+pipe, then dropped), and models over 2 GB load like small ones.
 
 Modes
 - "fold": every constant DequantizeLinear becomes a float tensor (dtype: the model's own, or
