@@ -26,8 +26,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
-
 #include "_planes.h"
 
 #define PROB_BITS 12
@@ -293,6 +291,7 @@ static inline __attribute__((always_inline)) size_t decN_scalar(Dec *d, uint8_t 
 
 static uint32_t PERM8[256][8]; /* AVX2 refill: lane i takes word number popcount(mask below i) */
 
+#if ONNXZ_X86
 __attribute__((target("avx2"))) static inline __attribute__((always_inline))
 size_t decN_avx2(Dec *d, uint8_t *out, size_t steps, const int LANES) {
     __m256i x[16];
@@ -352,18 +351,25 @@ size_t decN_avx512(Dec *d, uint8_t *out, size_t steps, const int LANES) {
     d->p = p;
     return done;
 }
+#endif /* ONNXZ_X86 */
 
 /* any lane count (small planes): full steps branch-free while words suffice */
 static size_t decL_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, d->lanes); }
 static size_t dec32_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 32); }
 static size_t dec64_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 64); }
 static size_t dec128_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 128); }
+#if ONNXZ_X86
 __attribute__((target("avx2"))) static size_t dec32_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 32); }
 __attribute__((target("avx2"))) static size_t dec64_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 64); }
 __attribute__((target("avx2"))) static size_t dec128_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 128); }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec32_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 32); }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec64_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 64); }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec128_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 128); }
+#define DECODE(L) (simd_level == 2 ? dec##L##_avx512(d, out, steps) : simd_level == 1 ? dec##L##_avx2(d, out, steps) \
+                                                                       : dec##L##_scalar(d, out, steps))
+#else
+#define DECODE(L) dec##L##_scalar(d, out, steps)
+#endif
 
 static int simd_level = 0, simd_max = 0; /* 0 scalar, 1 AVX2, 2 AVX-512; ONNXZ_ANS_SIMD lowers it */
 
@@ -372,10 +378,12 @@ void onnxz_ans_init(void) {
         int k = 0;
         for (int i = 0; i < 8; i++) PERM8[m][i] = (m >> i & 1) ? (uint32_t)k++ : 0;
     }
-    __builtin_cpu_init();
     int level = 0;
+#if ONNXZ_X86
+    __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) level = 1;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) level = 2;
+#endif
     simd_max = level;
     const char *env = getenv("ONNXZ_ANS_SIMD");
     if (env && env[0] >= '0' && env[0] <= '2' && env[0] - '0' < level) level = env[0] - '0';
@@ -394,18 +402,15 @@ static int dec_run(Dec *d, uint8_t *out, size_t i0, size_t count) {
     size_t done = 0;
     if (d->lanes == 32) {
         size_t steps = count / 32;
-        done = simd_level == 2 ? dec32_avx512(d, out, steps) : simd_level == 1 ? dec32_avx2(d, out, steps)
-                                                                               : dec32_scalar(d, out, steps);
+        done = DECODE(32);
         done *= 32;
     } else if (d->lanes == 64) {
         size_t steps = count / 64;
-        done = simd_level == 2 ? dec64_avx512(d, out, steps) : simd_level == 1 ? dec64_avx2(d, out, steps)
-                                                                               : dec64_scalar(d, out, steps);
+        done = DECODE(64);
         done *= 64;
     } else if (d->lanes == 128) {
         size_t steps = count / 128;
-        done = simd_level == 2 ? dec128_avx512(d, out, steps) : simd_level == 1 ? dec128_avx2(d, out, steps)
-                                                                                : dec128_scalar(d, out, steps);
+        done = DECODE(128);
         done *= 128;
     } else {
         done = decL_scalar(d, out, count / (size_t)d->lanes) * (size_t)d->lanes;

@@ -16,8 +16,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <immintrin.h>
-
 #include "_planes.h"
 
 static void split_impl(const uint8_t *restrict src, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst) {
@@ -234,6 +232,7 @@ static int get_planes(PyObject *seq, Py_buffer *bufs, int *count, Py_ssize_t n, 
 /* AVX2 interleave of 2 or 4 planes (the sign moved back when asked): 32 elements per step, the
  * tail left to the portable loop. ~2x the compiler's vectorisation of the loop below, which made
  * the plane merge as costly as the rANS decode of the exponents. Same bytes. */
+#if ONNXZ_X86
 /* nt: non-temporal stores (dst 32-byte aligned): a large output is not read back from cache soon,
  * and streaming it skips the read-for-ownership of every output line (~a third of the traffic) */
 #define STORE(ptr, v) do { if (nt) _mm256_stream_si256((__m256i *)(ptr), (v)); else _mm256_storeu_si256((__m256i *)(ptr), (v)); } while (0)
@@ -269,12 +268,14 @@ __attribute__((target("avx2"))) static Py_ssize_t merge_avx2(const uint8_t *cons
     return k;
 }
 #undef STORE
+#endif
 
 void onnxz_merge_ptrs(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst) {
     onnxz_merge_ptrs_nt(p, n, w, sign_move, dst, 0);
 }
 
 void onnxz_merge_ptrs_nt(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst, int nt) {
+#if ONNXZ_X86
     const uint8_t *q[MAX_W];
     /* the SIMD level of the ans decoder (ans_simd) also picks this loop: tests compare both */
     if (onnxz_ans_simd_level() >= 1 && (w == 2 || w == 4) && n >= 32) {
@@ -285,6 +286,7 @@ void onnxz_merge_ptrs_nt(const uint8_t *const *p, Py_ssize_t n, int w, int sign_
         n -= done;
         dst += done * w;
     }
+#endif
     if (w == 4) {
         const uint8_t *restrict p0 = p[0], *restrict p1 = p[1], *restrict p2 = p[2], *restrict p3 = p[3];
         for (Py_ssize_t k = 0; k < n; k++) {
