@@ -6,13 +6,17 @@
     tensor coder (passes.onnxz.codecs.encode_tensor on the stored integer bytes; int4 as the
     two-per-byte payload the model holds) and weight SNR, for
       nearest           round to nearest at the error-minimising scales (today's default),
-      rdo               rounding="rdo" with its default bound (SNR within 0.5 dB of nearest),
+      rdo               rounding="rdo" with its default bound (SNR within 0.5 dB of nearest):
+                        a rate-aware step per row, nearest levels,
       nearest@SNR(rdo)  nearest rounding with every scale enlarged by a common factor (a sweep,
                         interpolated at rdo's SNR): what a larger step alone buys, the fair
                         baseline for the rounding itself.
 (b) whole model: passes.quantize_weights + passes.pack (.onnxz size) and passes.evaluate on the
-    corpus feeds, nearest vs rdo, for open_nsfw (top1) and minilm_fp32 (cosine); CPU seconds of
-    the quantize call (time.process_time: the machine is shared).
+    corpus feeds, for open_nsfw (top1) and minilm_fp32 (cosine): nearest, rdo, rdo+levels
+    (rd_levels="rdo": each weight's level by the rate cost too, a dead zone), and as a control
+    nearest with every scale 5% larger (a perturbation of about rdo's weight-SNR loss: at 6 bits
+    open_nsfw's top1 flips on its borderline crops under any such change); mean per-tensor weight
+    SNR; CPU seconds of the quantize call (time.process_time: the machine is shared).
 
     python bench/rounding.py [--parts ab] [--tensors 4] [--bits 8,6,5,4] [--only NAME ...]
 
@@ -174,8 +178,8 @@ def summarize_a(rows, bit_widths):
 def part_b(names, configs, fallback):
     rows = []
     print("\n(b) whole model: quantize_weights + pack, fidelity on the corpus feeds")
-    print(f"{'model':<12} {'form':<22} {'rounding':<8} | {'.onnxz bytes':>12} {'% float':>7} {'change':>7} | "
-          f"{'metric':>22} {'snr dB':>7} | {'cpu s':>6}")
+    print(f"{'model':<12} {'form':<24} {'rounding':<12} | {'.onnxz bytes':>12} {'% float':>7} {'change':>7} | "
+          f"{'w SNR':>6} | {'metric':>26} {'out SNR':>7} | {'cpu s':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             path = model_path(name, fallback)
@@ -184,10 +188,13 @@ def part_b(names, configs, fallback):
             float_bytes = os.path.getsize(path)
             for form in configs:
                 base = None
-                for rounding in ("nearest", "rdo"):
+                for rounding, how in (("nearest", dict(rounding="nearest")),
+                                      ("nearest×1.05", dict(rounding="rdo", rd_lambda=0, rd_step_scale=1.05)),
+                                      ("rdo", dict(rounding="rdo")),
+                                      ("rdo+levels", dict(rounding="rdo", rd_levels="rdo"))):
                     report = passes.Report()
                     c0 = time.process_time()
-                    q = passes.quantize_weights(model, rounding=rounding, report=report, **form)
+                    q = passes.quantize_weights(model, report=report, **form, **how)
                     cpu = time.process_time() - c0
                     dst = Path(tmp) / f"{name}.onnxz"
                     passes.pack(q, dst, force=True)
@@ -198,15 +205,16 @@ def part_b(names, configs, fallback):
                     row = {"model": name, "form": form, "rounding": rounding, "packed_bytes": size,
                            "float_bytes": float_bytes, "metrics": res.metrics, "cpu_s": round(cpu, 2),
                            "tensors_rdo": sum(t.rounding == "rdo" for t in changed), "tensors": len(changed),
-                           "order0_int_bytes": int(sum(t.packed_bits_per_weight * np.prod(t.shape) for t in changed) / 8)}
+                           "order0_int_bytes": int(sum(t.packed_bits_per_weight * np.prod(t.shape) for t in changed) / 8),
+                           "mean_weight_snr_db": float(np.mean([t.snr_db for t in changed]))}
                     rows.append(row)
                     base = base or size
                     label = "/".join(f"{k}={v}" for k, v in form.items())
                     m = res.metrics
                     shown = f"{metric} {m[metric]:.5f}" + (f" min {m['cosine_min']:.5f}" if metric == "cosine" else "")
-                    print(f"{name:<12} {label:<22} {rounding:<8} | {size:12d} {100 * size / float_bytes:6.2f}% "
-                          f"{100 * (size / base - 1):+6.1f}% | {shown:>22} {m.get('snr', float('nan')):7.2f} | {cpu:6.2f}",
-                          flush=True)
+                    print(f"{name:<12} {label:<24} {rounding:<12} | {size:12d} {100 * size / float_bytes:6.2f}% "
+                          f"{100 * (size / base - 1):+6.1f}% | {row['mean_weight_snr_db']:6.2f} | {shown:>26} "
+                          f"{m.get('snr', float('nan')):7.2f} | {cpu:6.2f}", flush=True)
     return rows
 
 
