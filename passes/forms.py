@@ -406,8 +406,10 @@ def _round_rd(rows: np.ndarray, scales: np.ndarray, zps, levels: Levels, dtype, 
         z = None if zps is None else zps[start:start + step]
         v = None if weights is None else weights[start:start + step]
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            given = choice.row_steps is not None
             m, q, y = _rd.round_rows(part, s, z, v, levels.qmin, levels.qmax, choice.rd_lambda, choice.bits,
-                                     choice.steps, choice.level_rdo)
+                                     choice.row_steps[start:start + step] if given else choice.steps,
+                                     choice.level_rdo, row_steps=given)
         counts += tally(q, start)
         z_new = None if z is None else _rd.shifted_zero(z, m, levels.qmin, levels.qmax)
         s_new = s * m * (_unit_gain(part, q, z_new, s * m) if choice.level_rdo else 1)

@@ -246,19 +246,22 @@ def _capped(lam, weights: np.ndarray) -> np.ndarray:
 
 def round_rows(rows: np.ndarray, scales: np.ndarray, zps: np.ndarray | None, weights: np.ndarray | None,
                qmin: int, qmax: int, lam: float, bits: np.ndarray, steps,
-               level_rdo: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               level_rdo: bool = False, row_steps: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One pass of rate-distortion quantization over a chunk of rows (float32, (g, n)).
 
     Each row first takes the step factor m from `steps` minimising its
         sum (q - y)**2 * m**2 * weight + lam * sum bits[q]      (q nearest at that step)
-    -- the scale search with the rate in it -- then each weight its nearest level at that step,
+    -- the scale search with the rate in it (with `row_steps`, `steps` already holds each row's
+    factor) -- then each weight its nearest level at that step,
     or with `level_rdo` the level minimising the same cost (rdo_levels). Returns (m per row
     float32, levels float32, unrounded levels float32).
     """
     steps = np.asarray(steps, dtype=np.float32)
     lo32, hi32 = np.float32(qmin), np.float32(qmax)
     u = rows / scales[:, None]
-    if len(steps) == 1:
+    if steps.ndim == 1 and len(steps) == rows.shape[0] and row_steps:
+        m = steps  # chosen beforehand, one per row
+    elif len(steps) == 1:
         m = np.full(rows.shape[0], steps[0], dtype=np.float32)
     else:
         lam_r = np.float32(lam) if weights is None else _capped(np.float32(lam), weights)
@@ -307,6 +310,7 @@ class Choice:
     rate_nearest: float = math.nan  # order-0 bits per weight
     rate: float = math.nan
     level_rdo: bool = False  # levels chosen by rdo_levels (else nearest at each row's step)
+    row_steps: np.ndarray | None = None  # each row's factor, when the sample held every row
 
     @property
     def is_nearest(self) -> bool:
@@ -324,7 +328,8 @@ class _Sample:
             self.rows = rows[r]
         else:
             r = np.arange(0, g, max(1, g // 2))
-            self.rows = np.ascontiguousarray(rows[r][:, :: -(-n // (_SAMPLE // 2))])
+            self.rows = np.ascontiguousarray(rows[r, :: -(-n // (_SAMPLE // 2))])  # no copy of whole rows
+        self.all_rows = len(r) == g and n > _SAMPLE // 2
         self.s = scales[r]
         self.z = None if zps is None else zps[r]
         self.v = None if weights is None else weights[r]
@@ -361,7 +366,12 @@ class _Sample:
                 z = None if self.z is None else shifted_zero(self.z, m, self.qmin, self.qmax)
                 bits = level_bits(self._counts(q, z))
             z = None if self.z is None else shifted_zero(self.z, m, self.qmin, self.qmax)
-            self._seen[key] = self._measure(lam, steps, m, q, z)
+            c = self._measure(lam, steps, m, q, z)
+            if self.all_rows and len(steps) > 1:
+                # long rows, all in the sample: their factors are chosen already (a large
+                # per-tensor row would otherwise be searched again over the whole grid)
+                c.row_steps = m
+            self._seen[key] = c
         return self._seen[key]
 
 
