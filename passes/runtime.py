@@ -289,8 +289,7 @@ class InferenceSession(ort.InferenceSession):
                 constants_to_initializers(split)
                 converting = target is not None and target != own_dtype  # the converter must see float weights
                 deferred = plan_fold(split, options) if not (self.on_gpu or converting) else set()
-                fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True,
-                          threads=s["threads"] or os.cpu_count() or 1)
+                fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
         else:
             from .runtime_int8 import prepare_quantized
 

@@ -7,8 +7,6 @@ missing.
 """
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -105,11 +103,10 @@ def constant_foldable_nodes(split: SplitModel, folders: dict) -> list:
     ]
 
 
-def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, threads=1) -> int:
+def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None) -> int:
     """Replace constant DequantizeLinear (and other registered constant-form) nodes by their
     float initializers (subgraphs too unless `only` is given or subgraphs=False); returns how
-    many were folded. `only`: optional predicate on a main-graph node. `threads` > 1 computes
-    that many folds at once (numpy releases the GIL in its loops): same results, applied in order."""
+    many were folded. `only`: optional predicate on a main-graph node."""
     folders = _folders()
     constants_to_initializers(split)
     if subgraphs if subgraphs is not None else only is None:
@@ -118,51 +115,25 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, threa
     nodes = [n for n in constant_foldable_nodes(split, folders) if only is None or only(n)]
     folded = set()
     consumers = _consumer_counts(split.skeleton.graph)
-    pool = None
-    if threads and threads > 1 and len(nodes) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="passes-fold")
-    # a bounded window of folds in flight: the quantized inputs are still dropped as they are used
-    window = 2 * threads if pool is not None else 1
-    pending = collections.deque()
-    queue = iter(enumerate(nodes, 1))
-
-    def start_next() -> bool:
-        for done, node in queue:
-            arrays = [split.array(i) if i else None for i in node.input]  # (main thread: the index is not thread-safe)
-            if any(a is None for a, i in zip(arrays, node.input) if i):
-                continue
-            fn = folders.get((node.domain or "", node.op_type), _local_dq)
-            args = (node, arrays, [types.get(i, 0) for i in node.input])
-            pending.append((done, node, pool.submit(fn, *args) if pool is not None else fn(*args)))
-            return True
-        return False
-
-    try:
-        while len(pending) < window and start_next():
-            pass
-        while pending:
-            done, node, result = pending.popleft()
-            if pool is not None:
-                result = result.result()
-            start_next()
-            if result is None:
-                continue
-            value = np.asarray(result[0])
-            split.set_weight(node.output[0], value)
-            types[node.output[0]] = result[1]
-            folded.add(node.output[0])
-            # the quantized inputs are dropped as soon as nothing else reads them (bounded memory)
-            for name in node.input:
-                if name in split.weights and consumers.get(name, 0) <= 1:
-                    split.weights.pop(name)
-                consumers[name] = consumers.get(name, 0) - 1
-            if progress:
-                progress(done, len(nodes))
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+    for done, node in enumerate(nodes, 1):
+        arrays = [split.array(i) if i else None for i in node.input]
+        if any(a is None for a, i in zip(arrays, node.input) if i):
+            continue
+        fn = folders.get((node.domain or "", node.op_type), _local_dq)
+        result = fn(node, arrays, [types.get(i, 0) for i in node.input])
+        if result is None:
+            continue
+        value = np.asarray(result[0])
+        split.set_weight(node.output[0], value)
+        types[node.output[0]] = result[1]
+        folded.add(node.output[0])
+        # the quantized inputs are dropped as soon as nothing else reads them (bounded memory)
+        for name in node.input:
+            if name in split.weights and consumers.get(name, 0) <= 1:
+                split.weights.pop(name)
+            consumers[name] = consumers.get(name, 0) - 1
+        if progress:
+            progress(done, len(nodes))
     folded |= _fold_palettes(split, consumers, only)
     if folded:
         keep = [n for n in split.skeleton.graph.node if not (n.output and n.output[0] in folded)]
