@@ -36,7 +36,9 @@ SENSITIVITY_FEEDS = 6
 GPTQ_MIN_BITS = 4  # rapidocr_cls: 3-bit error feedback fitted the calibration images (37 dB) and
 # failed held-out ones (10.6 dB output SNR, top1 0.917)
 GPTQ_MAX_BITS = 8  # error feedback at every width: it lowers the output error of 7-8 bit weights too
-TOP1_SNR_DB = 30.0  # output SNR also asked of the search when the target is an agreement >= 0.98
+TOP1_SNR_DB = 30.0  # output SNR (of the logits, see probe_outputs) also asked of the search for agreement targets >= 0.98
+TIGHTEN_TRIES = 12  # greedy one-width steps tried after the search (each one run of the feeds)
+AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
 def _float_constant(n) -> bool:
@@ -118,7 +120,7 @@ def _has_nested_constants(g, defined) -> bool:
 
 
 _SATURATING = ("Softmax", "LogSoftmax", "Sigmoid")
-_SHAPE_ONLY = ("Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose")
+_SHAPE_ONLY = ("Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast")
 
 
 def probe_outputs(model: onnx.ModelProto):
@@ -211,10 +213,40 @@ def _meets(result, reqs) -> bool:
     return all(r.check(result) for r in reqs)
 
 
+def _tighten(plan: dict, infos: dict, passes_check, tries: int) -> dict:
+    """Greedy steps after the Lagrangian search: one weight one width narrower at a time, the
+    best predicted bytes saved per unit of added error first, kept when the check on the feeds
+    still passes (the search's plan is on a coarse grid of mu and its error model is linear)."""
+    rejected = set()
+    for _ in range(tries):
+        best = None
+        for name, b in plan.items():
+            widths = sorted(k for k in infos[name].options if k != sens.FLOAT and (b == sens.FLOAT or k < b))
+            if not widths or (name, widths[-1]) in rejected:
+                continue
+            nb = widths[-1]
+            saving = infos[name].options[b].rate_bytes - infos[name].options[nb].rate_bytes
+            if saving <= 0:
+                continue
+            cost = max(infos[name].error(nb) - infos[name].error(b), 1e-30)
+            if best is None or saving / cost > best[0]:
+                best = (saving / cost, name, nb)
+        if best is None:
+            break
+        _, name, nb = best
+        trial = dict(plan)
+        trial[name] = nb
+        if passes_check(trial):
+            plan = trial
+        else:
+            rejected.add((name, nb))
+    return plan
+
+
 def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict | None = None,
              bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4, gptq: bool = True,
-             min_elements: int = 1024, run_as: str = "onnxruntime",
-             n_synthesized: int = 8, report: Report | None = None, progress=None):
+             min_elements: int = AUTO_MIN_ELEMENTS, run_as: str = "onnxruntime",
+             n_synthesized: int = 8, tighten: int = TIGHTEN_TRIES, report: Report | None = None, progress=None):
     """Returns (compressed ModelProto, report dict). See the module docstring.
 
     target: "top1>=0.99", "cosine>=0.999", "maxabs<=0.01", "snr>=30" or a comma list of them.
@@ -222,6 +254,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     bits: candidate widths (2..8) for weights; a weight may also stay float.
     gptq: error-feedback rounding (passes.gptq) for MatMul/Gemm/Conv weights.
     min_elements: smaller tensors (and 1-D ones, biases) stay float.
+    tighten: greedy one-width-narrower steps tried after the search (0: none).
     run_as: how candidates are measured, as in passes.fidelity.evaluate: "onnxruntime" (the file as
     onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it)."""
     from .fidelity import (RUN_AS, check_feeds, load_feeds, output_snr_db, parse_requirements, run_outputs,
@@ -289,14 +322,16 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     infos, models = sens.dequantized_forms(probe, bits, granularity=granularity, min_elements=min_elements)
     lap("forms")
     gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
+    plain_ref = {n: i.options[ref_bits].dequantized for n, i in infos.items() if ref_bits in i.options}
     if gptq and infos:
         from . import gptq as gq
 
         hess = gq.collect_hessians(probe, feeds, list(infos))
+        factors = {}  # the inverse Hessian factor of a weight serves every width
         for b in bits:
             if not GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS:
                 continue
-            refined = gq.refine(models[b], probe, hess, b)
+            refined = gq.refine(models[b], probe, hess, b, factors=factors)
             gptq_levels[b] = {}
             for name, (lv, deq) in refined.items():
                 opt = infos[name].options.get(b)
@@ -307,7 +342,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                 rate = sens.entropy_bytes(lv) + (opt.rate_bytes - opt.levels_entropy_bytes)
                 infos[name].options[b] = sens.TensorOption(
                     b, rate, noise, opt.snr_db if noise == 0 else round(10 * math.log10(infos[name].energy / noise), 3),
-                    deq, sens.entropy_bytes(lv), "gptq")
+                    deq, sens.entropy_bytes(lv), "gptq", opt.noise)
                 gptq_levels[b][name] = lv
         lap("gptq")
     main_inits = {t.name for t in probe.graph.initializer}
@@ -335,7 +370,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         # sensitivities need only a few feeds (they set the allocation's shape); the search for
         # mu checks the target on all of them
         few = sens.TrialRunner(probe, list(infos), feeds[:SENSITIVITY_FEEDS])
-        sens.measure(infos, few, few.run({}), ref_bits, transform=lambda o: proxy_outputs(o, proxy_plan))
+        sens.measure(infos, few, few.run({}), ref_bits, transform=lambda o: proxy_outputs(o, proxy_plan),
+                     plain=plain_ref)
+        del plain_ref
         del few
         # a weight whose error never reaches the outputs on the feeds (the untaken branch of an
         # If, as silero_vad's 8 kHz weights under 16 kHz feeds) is unmeasured, not harmless:
@@ -351,13 +388,15 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         runner = sens.TrialRunner(probe, list(infos), feeds)
         ref_s = runner.run({})
 
-        def trial(mu):
-            plan = sens.allocate(infos, mu)
+        def trial_plan(plan, mu=None):
             repl = {n: infos[n].options[b].dequantized.astype(infos[n].options[sens.FLOAT].dequantized.dtype)
                     for n, b in plan.items() if b != sens.FLOAT}
             res, ok = check(ref_s, runner.run(repl), search_reqs)
             trials.append({"mu": mu, "rate": sens.plan_rate(infos, plan), "ok": ok, "metrics": res.metrics})
             return plan, ok
+
+        def trial(mu):
+            return trial_plan(sens.allocate(infos, mu), mu)
 
         # mu: bytes per unit of relative output error; bracket then bisect in log space
         lo, hi = 1.0, 1e4
@@ -382,6 +421,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                     if hi / lo < 1.15:
                         break
         plan = plan_hi
+        if ok_hi and tighten:
+            plan = _tighten(plan, infos, lambda p: trial_plan(p)[1], tighten)
         lap("search")
         candidate = build(plan)
         # confirm on the built model; grow mu while it misses (numerics of the graph may differ)

@@ -146,23 +146,31 @@ def as_matrix(w: np.ndarray, node_op: str, trans_b: bool) -> tuple[np.ndarray, c
     return w, (lambda m: m)
 
 
-def gptq_levels(w: np.ndarray, h: np.ndarray, scale: np.ndarray, qmin: int, qmax: int,
-                block: int = 128, damp: float = DAMP) -> np.ndarray:
-    """Integer levels (K, N) for w (K, N) with per-output-column scales (N,) (zero point 0),
-    rounding rows in order with error feedback through the Cholesky factor of H^-1 (lazy block
-    updates: one matrix product per block of rows)."""
-    w = w.astype(np.float64).copy()
-    k, n = w.shape
+def inverse_factor(h: np.ndarray, damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
+    """(upper Cholesky factor U of the damped H^-1 = U^T U, mask of dead inputs). It depends on H
+    only, so the auto mode computes it once per weight for all its candidate widths."""
+    k = h.shape[0]
     h = h.astype(np.float64).copy()
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0
-    w[dead, :] = 0.0
     h[np.diag_indices(k)] += damp * float(np.mean(np.diag(h)))
     try:
-        hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
+        hinv = np.linalg.cholesky(np.linalg.inv(h)).T
     except np.linalg.LinAlgError:
         h[np.diag_indices(k)] += float(np.mean(np.diag(h)))
         hinv = np.linalg.cholesky(np.linalg.inv(h)).T
+    return hinv, dead
+
+
+def gptq_levels(w: np.ndarray, h: np.ndarray, scale: np.ndarray, qmin: int, qmax: int,
+                block: int = 128, damp: float = DAMP, factor=None) -> np.ndarray:
+    """Integer levels (K, N) for w (K, N) with per-output-column scales (N,) (zero point 0),
+    rounding rows in order with error feedback through the Cholesky factor of H^-1 (lazy block
+    updates: one matrix product per block of rows). factor: inverse_factor(h, damp), if known."""
+    hinv, dead = factor if factor is not None else inverse_factor(h, damp)
+    w = w.astype(np.float64).copy()
+    k, n = w.shape
+    w[dead, :] = 0.0
     s = np.where(scale > 0, scale, 1.0).astype(np.float64)
     q = np.zeros((k, n), np.int32)
     for b0 in range(0, k, block):
@@ -189,10 +197,12 @@ def _dq_node(qmodel: onnx.ModelProto, name: str):
     return None
 
 
-def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: int, damp: float = DAMP) -> dict:
+def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: int, damp: float = DAMP,
+           factors: dict | None = None) -> dict:
     """GPTQ levels for every weight of `qmodel` (made by quantize_weights from `src` at `bits`,
     symmetric, per channel) that has a Hessian and a per-output-channel scale.
-    Returns name -> (levels in W's shape, int32; dequantized float array in W's dtype)."""
+    Returns name -> (levels in W's shape, int32; dequantized float array in W's dtype).
+    factors: a dict kept across calls for other widths (name -> inverse_factor)."""
     if not hessians:
         return {}
     q_inits = graph.unique_initializers(qmodel)
@@ -221,7 +231,10 @@ def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: 
         if h.shape != (mat.shape[0], mat.shape[0]):
             continue
         s32 = scale.astype(np.float32)
-        lv = gptq_levels(mat, h, s32.astype(np.float64), -qmax, qmax, damp=damp)
+        if factors is not None and name not in factors:
+            factors[name] = inverse_factor(h, damp)
+        lv = gptq_levels(mat, h, s32.astype(np.float64), -qmax, qmax, damp=damp,
+                         factor=factors.get(name) if factors is not None else None)
         levels = back(lv)
         shape = [1] * w.ndim
         shape[axis] = -1

@@ -38,6 +38,7 @@ class TensorOption:
     dequantized: np.ndarray | None = field(default=None, repr=False)
     levels_entropy_bytes: float = 0.0  # part of rate_bytes spent on the levels
     rounding: str = "nearest"  # or "gptq"
+    plain_noise: float | None = None  # gptq: the noise energy of nearest rounding at the same width
 
 
 @dataclass
@@ -47,12 +48,18 @@ class TensorInfo:
     energy: float  # sum w^2
     options: dict[int, TensorOption]
     out_error: dict[int, float] = field(default_factory=dict)  # measured, per bits
-    sensitivity: float = 0.0  # output error per unit of weight noise energy
+    sensitivity: float = 0.0  # output error per unit of weight noise energy (nearest rounding)
+    gptq_gain: float = 1.0  # output error of error-feedback rounding / that of nearest, as measured
 
     def error(self, bits: int) -> float:
         if bits in self.out_error:
             return self.out_error[bits]
-        return self.sensitivity * self.options[bits].noise
+        opt = self.options[bits]
+        if opt.rounding == "gptq" and opt.plain_noise is not None:
+            # error feedback shapes its noise away from what the inputs excite: its weight noise is
+            # larger but harms less; carried over from the measured gain at the reference width
+            return self.sensitivity * opt.plain_noise * self.gptq_gain
+        return self.sensitivity * opt.noise
 
 
 def entropy_bytes(levels: np.ndarray) -> float:
@@ -166,20 +173,34 @@ def relative_error(ref, cand) -> float:
 
 
 def measure(infos: dict[str, TensorInfo], runner: TrialRunner, ref, ref_bits: int, progress=None,
-            transform=None) -> None:
+            transform=None, plain: dict | None = None) -> None:
     """Output error of each tensor alone at `ref_bits`; sets out_error and sensitivity.
-    transform: maps a run's outputs to those in which the error is measured (auto.proxy_outputs)."""
+    transform: maps a run's outputs to those in which the error is measured (auto.proxy_outputs).
+    plain: name -> nearest-rounding dequantized weight at ref_bits, for tensors whose ref_bits
+    option is error-feedback rounded: both are measured, the sensitivity comes from the nearest
+    one (whose noise is unshaped, like the other widths' without error feedback) and gptq_gain
+    from their ratio."""
     transform = transform or (lambda outs: outs)
     ref = transform(ref)
+    plain = plain or {}
     names = [n for n in runner.names if n in infos and ref_bits in infos[n].options]
+
+    def error_of(name, arr):
+        dtype = infos[name].options[FLOAT].dequantized.dtype
+        return relative_error(ref, transform(runner.run({name: arr.astype(dtype)})))
+
     for i, name in enumerate(names):
         info = infos[name]
         opt = info.options[ref_bits]
-        cand = runner.run({name: opt.dequantized.astype(info.options[FLOAT].dequantized.dtype)})
-        e = relative_error(ref, transform(cand))
+        e = error_of(name, opt.dequantized)
         info.out_error[ref_bits] = e
         info.out_error[FLOAT] = 0.0
-        info.sensitivity = e / opt.noise if opt.noise > 0 else 0.0
+        if opt.rounding == "gptq" and name in plain and opt.plain_noise:
+            e_plain = error_of(name, plain[name])
+            info.sensitivity = e_plain / opt.plain_noise
+            info.gptq_gain = e / e_plain if e_plain > 0 else 1.0
+        else:
+            info.sensitivity = e / opt.noise if opt.noise > 0 else 0.0
         if progress:
             progress(i + 1, len(names))
 
