@@ -288,7 +288,9 @@ class InferenceSession(ort.InferenceSession):
             if has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
                 constants_to_initializers(split)
                 converting = target is not None and target != own_dtype  # the converter must see float weights
-                deferred = plan_fold(split, options) if not (self.on_gpu or converting) else set()
+                # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
+                share_planned = not (own_dtype == np.float16 and not self.on_gpu)
+                deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
                 fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
         else:
             from .runtime_int8 import prepare_quantized

@@ -268,6 +268,26 @@ def test_float16_model_as_float32(tmp_path):
     assert as32.get_outputs()[0].type == "tensor(float)"
 
 
+def test_float16_fold_on_cpu_lets_onnxruntime_fold(tmp_path):
+    """float16 weights on a CPU: onnxruntime gets the integer levels and folds them itself (it
+    casts them to float32 anyway); outputs identical to the folded model's."""
+    inits = [numpy_helper.from_array(_w((256, 384), 21).astype(np.float16), "W1"),
+             numpy_helper.from_array(_w((384, 128), 22).astype(np.float16), "W2")]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "W2"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4, 256])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [4, 128])], inits)
+    q8 = passes.quantize_weights(m, bits=8, min_elements=256)
+    path = tmp_path / "fp16.q8.onnx"
+    onnx.save(q8, str(path))
+    feeds = [{"x": np.random.default_rng(i).standard_normal((4, 256)).astype(np.float16)} for i in range(2)]
+    session = passes.InferenceSession(path, mode="fold")
+    assert session.dtype == np.float16
+    assert session.op_counts.get("DequantizeLinear", 0) >= 1  # left to onnxruntime's constant folding
+    for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
+        np.testing.assert_array_equal(got[0], want[0])
+
+
 # ---------------------------------------------------------------------- int8 / int4
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
