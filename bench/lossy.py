@@ -11,7 +11,7 @@
 (c) decode throughput of decode_array (float32 output, 1 and 2 threads) in wall time and per
     CPU second of this process (the machine is shared: CPU seconds are the steadier figure).
 
-    python bench/lossy.py [--parts abc] [--only NAME ...] [--rows N]
+    python bench/lossy.py [--parts abc] [--only NAME ...] [--rows N] [--bits 3,4,5,6,8] [--run-as fold]
 
 Prints tables, writes bench/out/lossy.json and bench/out/lossy.png (matplotlib, if installed).
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -196,23 +197,33 @@ def _packed_size(model, tmp, label):
     return st.packed_bytes
 
 
-def part_b(only, forms_bits):
+def _auto(src, target, calib, margs, run_as):
+    """passes.compress on the calibration half; (model, summary, CPU seconds, wall seconds)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    model, rep = passes.compress(str(src), target=target, feeds=calib, metric_args=margs, run_as=run_as)
+    return model, rep, round(time.process_time() - c0, 1), round(time.perf_counter() - t0, 1)
+
+
+def _feeds_path(e):
+    path = CORPUS / e.get("feeds", f"{e['name']}/feeds.npz")
+    return path if path.exists() else CORPUS / e["name"] / "feeds.npz"
+
+
+def part_b(only, forms_bits, run_as="onnxruntime", at_dynamic=True):
     from passes.fidelity import evaluate, load_feeds
 
     manifest = json.loads((CORPUS / "MANIFEST.json").read_text())
     entries = manifest["entries"] if isinstance(manifest, dict) else manifest
-    print("\n(b) packed size vs fidelity; auto calibrated on the first half of the feeds, all measured on the second half")
+    print("\n(b) packed size vs fidelity; auto calibrated on the first half of the feeds, all measured on the second half"
+          f" (candidates and held-out runs: run_as={run_as})")
     print(f"{'model':16s} {'form':22s} {'packed %':>9s} {'metric':>8s} {'value':>9s} {'target met':>10s}")
-    results = []
+    results, summary = [], []
     for e in entries:
         name, metric = e["name"], e["metric"]
         if metric == "none" or (only and name not in only):
             continue
         src = CORPUS / name / f"{name}.onnx"
-        feeds_path = CORPUS / name / e.get("feeds", "feeds.npz").split("/")[-1]
-        if not feeds_path.exists():
-            feeds_path = CORPUS / name.replace("_fp16", "") / "feeds.npz"
-        feeds = load_feeds(feeds_path)
+        feeds = load_feeds(_feeds_path(e))
         half = len(feeds) // 2
         calib, held = feeds[:half], feeds[half:]
         margs = e.get("metric_args")
@@ -222,15 +233,16 @@ def part_b(only, forms_bits):
         is16 = "float16" in e.get("dtypes", {})
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
-            def record(form, model, seconds=None, extra=None):
-                size = _packed_size(model, tmp, form.replace("/", "_"))
-                r = evaluate(str(src), model, feeds=held, metric=metric, metric_args=margs)
+            def record(form, model, seconds=None, extra=None, requirement=req):
+                size = _packed_size(model, tmp, form.replace("/", "_").replace(">=", "_"))
+                r = evaluate(str(src), model, feeds=held, metric=metric, metric_args=margs, run_as=run_as)
                 val = r.metrics.get(metric)
                 row = {"model": name, "form": form, "packed_bytes": size, "packed_pct": round(100 * size / orig_bytes, 2),
-                       "metric": metric, "value": val, "metrics": r.metrics, "target": target,
-                       "met": bool(req.check(r)), "seconds": seconds, **(extra or {})}
+                       "metric": metric, "value": val, "metrics": r.metrics, "target": str(requirement),
+                       "met": bool(requirement.check(r)), "seconds": seconds, "run_as": run_as, **(extra or {})}
                 rows.append(row)
                 print(f"{name:16s} {form:22s} {row['packed_pct']:8.2f}% {metric:>8s} {val:9.5f} {str(row['met']):>10s}", flush=True)
+                return row
 
             record("original (packed)", str(src))
             for b in forms_bits:
@@ -246,25 +258,35 @@ def part_b(only, forms_bits):
                 record("quantize_dynamic", str(dyn), extra={"onnx_bytes": dyn.stat().st_size})
             except Exception as exc:  # onnxruntime's quantizer refuses some models
                 print(f"{name:16s} quantize_dynamic failed: {str(exc).splitlines()[0][:100]}")
-            t0 = time.perf_counter()
-            try:
-                model, rep = passes.compress(str(src), target=target, feeds=calib, metric_args=margs)
+            dyn = next((r for r in rows if r["form"] == "quantize_dynamic"), None)
+            auto_targets = [("auto", target)]
+            if at_dynamic and dyn and dyn["value"] is not None and not dyn["met"]:
+                # our smallest model at quantize_dynamic's own (held-out) fidelity
+                auto_targets.append(("auto@dynamic", f"{metric}>={math.floor(dyn['value'] * 1e4) / 1e4:.4f}"))
+            for form, tgt in auto_targets:
+                try:
+                    model, rep, cpu, wall = _auto(src, tgt, calib, margs, run_as)
+                except passes.SurgeonError as exc:
+                    print(f"{name:16s} {form} failed: {exc}")
+                    continue
                 forms = {}
                 for t in rep["tensors"]:
                     forms[t["form"]] = forms.get(t["form"], 0) + 1
-                record("auto", model, round(time.perf_counter() - t0, 1),
-                       {"auto_forms": forms, "auto_calib_fidelity": rep["fidelity"], "auto_notes": rep["notes"]})
-            except passes.SurgeonError as exc:
-                print(f"{name:16s} auto failed: {exc}")
+                record(form, model, cpu, {"auto_target": tgt, "auto_forms": forms, "auto_calib_fidelity": rep["fidelity"],
+                                          "auto_notes": rep["notes"], "auto_wall_s": wall, "auto_cpu_stages": rep.get("cpu_seconds")},
+                       requirement=passes.fidelity.parse_requirement(tgt))
         auto = next((r for r in rows if r["form"] == "auto"), None)
-        dyn = next((r for r in rows if r["form"] == "quantize_dynamic"), None)
+        at_dyn = next((r for r in rows if r["form"] == "auto@dynamic"), None)
+        int8 = next((r for r in rows if r["form"] == "int8/channel"), None)
         is_float = any(k.startswith("float") and v > 0.5 * sum(e.get("dtypes", {}).values())
                        for k, v in e.get("dtypes", {}).items())
+        goal = 25.0 if is16 else 12.5
+        summary.append({"model": name, "metric": metric, "float": is_float, "goal_pct": goal if is_float else None,
+                        "auto": auto, "int8": int8, "dynamic": dyn, "auto_at_dynamic": at_dyn})
         if auto and not is_float:
             print(f"{name:16s} weights already integer: size goals apply to float models; "
                   f"target on held-out half: {'met' if auto['met'] else 'MISSED'}")
         elif auto:
-            goal = 25.0 if is16 else 12.5
             half_dyn = dyn["packed_bytes"] / 2 if dyn else None
             verdict = (f"auto {auto['packed_pct']:.2f}% (goal <= {goal}%: {'ok' if auto['packed_pct'] <= goal else 'MISSED'})"
                        + (f", vs quantize_dynamic packed {dyn['packed_pct']:.2f}%: "
@@ -272,7 +294,32 @@ def part_b(only, forms_bits):
                        + f", target on held-out half: {'met' if auto['met'] else 'MISSED'}")
             print(f"{name:16s} {verdict}")
         results.extend(rows)
-    return results
+    print_summary(summary)
+    return results, summary
+
+
+def _fmt(row, with_value=True):
+    if not row:
+        return "-"
+    v = row["value"]
+    return f"{row['packed_pct']:.2f}%" + (f" ({row['metric']} {v:.5f})" if with_value and v is not None else "")
+
+
+def print_summary(summary):
+    print("\n| model | auto packed | held-out fidelity | target met | int8/channel packed | quantize_dynamic packed "
+          "| ours at quantize_dynamic's fidelity | auto CPU s (wall s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in summary:
+        a, d, ad = s["auto"], s["dynamic"], s["auto_at_dynamic"]
+        if not a:
+            continue
+        at_dyn = (f"{ad['packed_pct']:.2f}% ({ad['metric']} {ad['value']:.5f}, {'met' if ad['met'] else 'MISSED'} "
+                  f"{ad['target']}; {'<=' if d and ad['packed_bytes'] <= d['packed_bytes'] / 2 else '>'} half)") if ad else (
+            "dynamic meets the target" if d and d["met"] else "-")
+        goal = f" (goal <= {s['goal_pct']}%)" if s["goal_pct"] else ""
+        print(f"| {s['model']} | {a['packed_pct']:.2f}%{goal} | {a['metric']} {a['value']:.5f} | "
+              f"{'yes' if a['met'] else 'NO'} | {_fmt(s['int8'])} | {_fmt(d)} | {at_dyn} | "
+              f"{a['seconds']} ({a.get('auto_wall_s')}) |")
 
 
 def plot(results_b, path):
@@ -311,8 +358,28 @@ def main():
     ap.add_argument("--rows", type=int, default=len(ROWS), help="first N rows of part (a)")
     ap.add_argument("--bits", default="3,4,5,6,8", help="uniform widths of part (b)")
     ap.add_argument("--json", default=None, help="output file name under bench/out (default lossy.json)")
+    ap.add_argument("--run-as", default="onnxruntime", choices=("onnxruntime", "fold"),
+                    help="part (b): how candidates and held-out runs execute (fold: weights folded to float)")
+    ap.add_argument("--no-at-dynamic", action="store_true",
+                    help="part (b): skip the auto run at quantize_dynamic's fidelity")
+    ap.add_argument("--merge", nargs="*", default=None,
+                    help="part (b) results of several runs (bench/out/*.json, e.g. groups run in parallel with "
+                         "--json): merged into --json (default lossy.json) and one summary table printed")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merged = {"b_models": [], "b_summary": []}
+        for name in args.merge:
+            part = json.loads((OUT / name).read_text())
+            merged["b_models"] += part.get("b_models", [])
+            merged["b_summary"] += part.get("b_summary", [])
+        out_json = OUT / (args.json or "lossy.json")
+        data = json.loads(out_json.read_text()) if out_json.exists() else {}
+        data.update(merged)
+        out_json.write_text(json.dumps(data, indent=1, default=str))
+        print_summary(merged["b_summary"])
+        plot(merged["b_models"], OUT / "lossy.png")
+        return
     out_json = OUT / (args.json or "lossy.json")
     data = json.loads(out_json.read_text()) if out_json.exists() else {}
     if "a" in args.parts:
@@ -322,10 +389,12 @@ def main():
         data["c_decode"] = part_c()
         out_json.write_text(json.dumps(data, indent=1, default=str))
     if "b" in args.parts:
-        fresh = part_b(args.only, [int(b) for b in args.bits.split(",")])
+        fresh, summary = part_b(args.only, [int(b) for b in args.bits.split(",") if b], args.run_as,
+                                not args.no_at_dynamic)
         done = {r["model"] for r in fresh}
         # runs of other models (--only) are kept: the table grows model by model
         data["b_models"] = [r for r in data.get("b_models", []) if r["model"] not in done] + fresh
+        data["b_summary"] = [r for r in data.get("b_summary", []) if r["model"] not in done] + summary
         out_json.write_text(json.dumps(data, indent=1, default=str))
         plot(data["b_models"], OUT / "lossy.png")
     print(f"\nwrote {out_json}")
