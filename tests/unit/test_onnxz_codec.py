@@ -77,8 +77,9 @@ def test_c_and_numpy_encoders_write_the_same_blob(kind, n):
 def test_every_decoder_restores_the_plane(kind, n):
     sym = _symbols(kind, n)
     blob = ans.encode(sym)
-    if len(blob) >= n:
-        pytest.skip("stored raw")
+    if len(blob) >= n:  # the writer stores such a plane raw: only noise or a handful of symbols
+        assert kind == "uniform" or n <= 65, (kind, n, len(blob))
+        return
     want = sym.tobytes()
     out = np.empty(n, np.uint8)
     if n <= 5000:  # the numpy decoder is slow (~3 MB/s)
