@@ -278,6 +278,10 @@ def cmd_compress(args) -> int:
     check_readable(args.input)
     _check_distinct(args.input, args.output)
     check_writable(args.output, args.force)  # fail before the long work, not after
+    if args.rd_max_snr_loss is not None and args.rounding != "rdo":
+        from passes import InvalidArgumentError
+
+        raise InvalidArgumentError("--rd-max-snr-loss needs --rounding rdo")
     pack = _wants_pack(args.output, args.pack)
     model = passes.load_model(args.input)
     feeds = passes.load_feeds(args.feeds, model) if args.feeds else None
@@ -292,6 +296,10 @@ def cmd_compress(args) -> int:
         options["include"] = list(args.include)
     if args.exclude:
         options["exclude"] = list(args.exclude)
+    if args.rounding != "nearest":
+        options["rounding"] = args.rounding
+    if args.rd_max_snr_loss is not None:
+        options["rd_max_snr_loss_db"] = args.rd_max_snr_loss
 
     report = passes.Report()
     auto = None
@@ -712,6 +720,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include", action="append", metavar="PATTERN", help="only weights whose name or consumer op type matches (repeatable)")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave weights whose name or consumer op type matches (repeatable)")
     p.add_argument("--min-elements", type=_non_negative_int, metavar="N", help="leave tensors with fewer elements as they are")
+    p.add_argument("--rounding", choices=("nearest", "rdo"), default="nearest",
+                   help="rdo: each channel/block takes the step that trades error against packed size (1.5-5%% smaller packs)")
+    p.add_argument("--rd-max-snr-loss", type=float, metavar="DB",
+                   help="with --rounding rdo: dB of weight SNR each tensor may lose against nearest rounding (default 0.5)")
     p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (implied by -o NAME.onnxz)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     verify_option(p)

@@ -136,6 +136,26 @@ def test_compress_options_reach_the_pass(tmp_path, capsys):
                for t in report["report"]["tensors"])
 
 
+def test_compress_rdo_rounding_is_smaller_and_reported(tmp_path, capsys, compressed):
+    out = tmp_path / "rdo.onnx"
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", out, "--rounding", "rdo", "--rd-max-snr-loss", "0.5", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    schemes = {t["scheme"] for t in report["report"]["tensors"] if t["bytes_after"] != t["bytes_before"]}
+    assert schemes and all(s.endswith("/rdo") or "rdo" not in s for s in schemes) and any("rdo" in s for s in schemes), schemes
+    onnx.checker.check_model(str(out), full_check=True)
+    # same graph, other integers: the pack of the rdo model is the smaller one
+    sizes = [passes.pack(m, tmp_path / (m.stem + ".onnxz")).packed_bytes for m in (compressed, out)]
+    assert sizes[1] < sizes[0], sizes
+
+
+def test_compress_rd_option_without_rdo_is_refused(tmp_path, capsys):
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "x.onnx", "--rd-max-snr-loss", "1")
+    assert code == 1
+    assert_one_line_error(err, "--rd-max-snr-loss needs --rounding rdo")
+    assert not (tmp_path / "x.onnx").exists()
+
+
 def test_compress_verbose_prints_the_per_tensor_table(tmp_path, capsys):
     code, stdout, _ = run(capsys, "compress", SAMPLE, "-o", tmp_path / "v.onnx", "-v")
     assert code == 0
