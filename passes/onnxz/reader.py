@@ -576,12 +576,27 @@ class PackedModel:
     def __len__(self) -> int:
         return len(self._pf._by_key)
 
-    def get_tensor(self, key: str) -> np.ndarray:
+    def get_tensor(self, key: str, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The tensor `key` as a numpy array. With `out` (a C-contiguous writable array of the
+        tensor's dtype and shape, e.g. one reused from call to call: fresh memory is page-fault
+        bound) a plain payload is decoded straight into it, others are copied into it; after an
+        error its contents are undefined."""
         self._pf._check_open()
         entry = self._pf._by_key.get(key)
         if entry is None:
             raise KeyError(key)
-        return _to_array(entry, self._pf.tensor_bytes(entry))
+        if out is None:
+            return _to_array(entry, self._pf.tensor_bytes(entry))
+        np_type = _PLAIN.get(entry.dtype)
+        if not isinstance(out, np.ndarray) or np_type is None or out.dtype != np_type \
+                or list(out.shape) != list(entry.shape) or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError(f"out for tensor {key!r} must be a writable C-contiguous {entry.dtype} array of shape {entry.shape}")
+        if entry.field in ("raw_data", "external") and out.nbytes == entry.length:
+            self._pf.tensor_bytes(entry, out.reshape(-1).view(np.uint8))
+            _to_array(entry, out.reshape(-1).view(np.uint8))  # the same checks as without out
+        else:
+            out[...] = _to_array(entry, self._pf.tensor_bytes(entry))
+        return out
 
     def get_tensors(self, keys=None) -> Dict[str, np.ndarray]:
         """Several tensors (all by default) decoded together, every chunk on the thread pool at once."""

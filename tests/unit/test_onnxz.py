@@ -742,3 +742,20 @@ def test_reader_refuses_what_is_neither_path_nor_buffer():
     for bad in (None, 3, object(), 2.5):
         with pytest.raises(InvalidArgumentError):
             passes.open_packed(bad)
+
+
+def test_get_tensor_into_a_reused_array(tmp_path):
+    w = _weights(1 << 15).reshape(128, 256)
+    i64 = np.arange(3000, dtype=np.int64)
+    m = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(w, "w"), helper.make_tensor("v", TensorProto.INT64, [3000], i64.tolist())]))
+    src = tmp_path / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    passes.pack(src, tmp_path / "m.onnxz")
+    with passes.open_packed(tmp_path / "m.onnxz", threads=2) as pm:
+        out = np.zeros_like(w)
+        assert pm.get_tensor("w", out) is out and np.array_equal(out, w)
+        typed = np.zeros(3000, np.int64)  # int64_data varints: decoded, then copied
+        assert pm.get_tensor("v", typed) is typed and np.array_equal(typed, i64)
+        for bad in (np.zeros((256, 128), np.float32), np.zeros_like(w, dtype=np.float64), np.zeros((128, 512), np.float32)[:, ::2], w.copy().tolist()):
+            with pytest.raises(InvalidArgumentError):
+                pm.get_tensor("w", bad)
