@@ -759,3 +759,29 @@ def test_get_tensor_into_a_reused_array(tmp_path):
         for bad in (np.zeros((256, 128), np.float32), np.zeros_like(w, dtype=np.float64), np.zeros((128, 512), np.float32)[:, ::2], w.copy().tolist()):
             with pytest.raises(InvalidArgumentError):
                 pm.get_tensor("w", bad)
+
+
+@pytest.mark.parametrize("window", [1, 700, 4096, 1 << 16])
+def test_restore_in_small_windows(tmp_path, monkeypatch, window):
+    """Windows smaller than chunks and skeleton pieces (the pipeline reuses two arrays, hashes
+    on its own thread): every way of restoring still gives the original bytes."""
+    from passes.onnxz import reader
+
+    m = dtype_model()
+    src = tmp_path / "model.onnx"
+    src.write_bytes(m.SerializeToString())
+    packed = tmp_path / "m.onnxz"
+    passes.pack(src, packed, chunk_bytes=2048)
+    monkeypatch.setattr(reader, "WINDOW_BYTES", window)
+    raw = src.read_bytes()
+    for threads in (1, 2, 3):
+        with reader.PackedFile(packed, threads=threads) as pf:
+            windows = [bytes(w) for w in pf.restore_windows(0)]
+            assert b"".join(windows) == raw
+            assert len(windows) > 1 and max(len(w) for w in windows) <= max(window, 2048 * 4)
+            assert pf.restore_file(0).tobytes() == raw
+            it = pf.restore_windows(0)
+            next(it)
+            it.close()  # abandoned half-way: the workers finish, nothing is left running
+        out = reader.unpack(packed, tmp_path / f"r{threads}.onnx", threads=threads)
+        assert out.read_bytes() == raw
