@@ -302,22 +302,23 @@ size_t decN_avx2(Dec *d, uint8_t *out, size_t steps, const int LANES) {
                   lim = _mm256_set1_epi32(RANS_L - 1), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     size_t done = 0;
     for (; done < steps && end - p >= 2 * LANES; done++, out += LANES) {
+        /* every gather of the step first (see decN_avx512), the symbol stores last */
+        __m256i e[16];
+        for (int r = 0; r < LANES / 8; r++) e[r] = _mm256_i32gather_epi32(tab, _mm256_and_si256(x[r], m12), 4);
+        for (int r = 0; r < LANES / 8; r++) {
+            __m256i f = _mm256_and_si256(_mm256_srli_epi32(e[r], 8), m12b);
+            __m256i v = _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x[r], PROB_BITS)), _mm256_srli_epi32(e[r], 20));
+            __m256i need = _mm256_cmpeq_epi32(_mm256_min_epu32(v, lim), v);
+            int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+            w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)PERM8[m]));
+            x[r] = _mm256_blendv_epi8(v, _mm256_or_si256(_mm256_slli_epi32(v, 16), w), need);
+            p += 2 * __builtin_popcount((unsigned)m);
+        }
         for (int g = 0; g < LANES / 32; g++) {
-            __m256i sym[4];
-            for (int q = 0; q < 4; q++) {
-                int r = 4 * g + q;
-                __m256i e = _mm256_i32gather_epi32(tab, _mm256_and_si256(x[r], m12), 4);
-                sym[q] = _mm256_and_si256(e, _mm256_set1_epi32(0xFF));
-                __m256i f = _mm256_and_si256(_mm256_srli_epi32(e, 8), m12b);
-                __m256i v = _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x[r], PROB_BITS)), _mm256_srli_epi32(e, 20));
-                __m256i need = _mm256_cmpeq_epi32(_mm256_min_epu32(v, lim), v);
-                int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
-                __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-                w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)PERM8[m]));
-                x[r] = _mm256_blendv_epi8(v, _mm256_or_si256(_mm256_slli_epi32(v, 16), w), need);
-                p += 2 * __builtin_popcount((unsigned)m);
-            }
-            __m256i a = _mm256_packus_epi32(sym[0], sym[1]), b = _mm256_packus_epi32(sym[2], sym[3]);
+            const __m256i lo8 = _mm256_set1_epi32(0xFF);
+            __m256i a = _mm256_packus_epi32(_mm256_and_si256(e[4 * g], lo8), _mm256_and_si256(e[4 * g + 1], lo8));
+            __m256i b = _mm256_packus_epi32(_mm256_and_si256(e[4 * g + 2], lo8), _mm256_and_si256(e[4 * g + 3], lo8));
             __m256i c = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(a, b), order);
             _mm256_storeu_si256((__m256i *)(out + 32 * g), c);
         }
@@ -336,16 +337,22 @@ size_t decN_avx512(Dec *d, uint8_t *out, size_t steps, const int LANES) {
     const __m512i m12 = _mm512_set1_epi32(PROB_SCALE - 1), m12b = _mm512_set1_epi32(0xFFF), lim = _mm512_set1_epi32(RANS_L);
     size_t done = 0;
     for (; done < steps && end - p >= 2 * LANES; done++, out += LANES) {
+        /* every gather of the step first: they depend only on the states, and a byte store to
+         * `out` in between would keep the compiler from hoisting the next ones (char aliasing) */
+        __m512i e[8], v[8];
+        __mmask16 need[8];
+        for (int r = 0; r < LANES / 16; r++) e[r] = _mm512_i32gather_epi32(_mm512_and_si512(x[r], m12), tab, 4);
         for (int r = 0; r < LANES / 16; r++) {
-            __m512i e = _mm512_i32gather_epi32(_mm512_and_si512(x[r], m12), tab, 4);
-            _mm_storeu_si128((__m128i *)(out + 16 * r), _mm512_cvtepi32_epi8(e));
-            __m512i f = _mm512_and_si512(_mm512_srli_epi32(e, 8), m12b);
-            __m512i v = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srli_epi32(x[r], PROB_BITS)), _mm512_srli_epi32(e, 20));
-            __mmask16 need = _mm512_cmplt_epu32_mask(v, lim);
-            __m512i w = _mm512_maskz_expand_epi32(need, _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)));
-            x[r] = _mm512_mask_or_epi32(v, need, _mm512_slli_epi32(v, 16), w);
-            p += 2 * __builtin_popcount((unsigned)need);
+            __m512i f = _mm512_and_si512(_mm512_srli_epi32(e[r], 8), m12b);
+            v[r] = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srli_epi32(x[r], PROB_BITS)), _mm512_srli_epi32(e[r], 20));
+            need[r] = _mm512_cmplt_epu32_mask(v[r], lim);
         }
+        for (int r = 0; r < LANES / 16; r++) {
+            __m512i w = _mm512_maskz_expand_epi32(need[r], _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)));
+            x[r] = _mm512_mask_or_epi32(v[r], need[r], _mm512_slli_epi32(v[r], 16), w);
+            p += 2 * __builtin_popcount((unsigned)need[r]);
+        }
+        for (int r = 0; r < LANES / 16; r++) _mm_storeu_si128((__m128i *)(out + 16 * r), _mm512_cvtepi32_epi8(e[r]));
     }
     for (int r = 0; r < LANES / 16; r++) _mm512_storeu_si512(d->x + 16 * r, x[r]);
     d->p = p;
