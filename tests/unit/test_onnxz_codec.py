@@ -160,12 +160,17 @@ def _verdict(stream, total):
         return "corrupt"
 
 
-@pytest.mark.parametrize("name", ["int8", "float32", "float32-pairs-escapes-odd", "float16"])
-def test_damaged_chunks_get_the_same_verdict_everywhere(name):
-    """Byte flips and truncations of every plane: never a crash; the C decoders (each SIMD level)
-    and the numpy one agree on the result (CorruptFileError, or the same bytes)."""
-    data, width, variant = CASES[name]
-    data = data[: 4096 * width]
+@pytest.mark.parametrize("name, elements", [("int8", 4096), ("float32", 4096), ("float32-pairs-escapes-odd", 4096),
+                                            ("float16", 4096), ("int8-128-lanes", 300000), ("float32", 70000)])
+def test_damaged_chunks_get_the_same_verdict_everywhere(name, elements):
+    """Byte flips and truncations of every plane: never a crash; the C decoders (each SIMD level,
+    4 lanes and the SIMD lane counts) and the numpy one agree on the result (CorruptFileError, or
+    the same bytes)."""
+    if name == "int8-128-lanes":
+        data, width, variant = _symbols("laplace", elements), 1, codecs.ANS_INT
+    else:
+        data, width, variant = CASES[name]
+    data = data[: elements * width]
     stream = codecs._encode_planes(data, "ans", width, 1 << 20, variant)
     (chunk,) = stream.chunks
     rng = np.random.default_rng(5)
