@@ -227,9 +227,17 @@ static const char *dec_init(Dec *d, const uint8_t *b, size_t len) {
     uint32_t freq[256];
     const char *err = read_table(b, len, &pos, freq);
     if (err) return err;
-    uint32_t slot = 0;
-    for (uint32_t s = 0; s < 256; s++)
-        for (uint32_t k = 0; k < freq[s]; k++, slot++) d->tab[slot] = s | freq[s] << 8 | k << 20;
+    /* built for every coded plane, even of 1000 symbols: locals and a restrict pointer let the
+     * compiler vectorise the fill (through d->tab it reloaded freq[s] at every slot: a store of
+     * the same type may alias it) */
+    uint32_t *restrict tab = d->tab;
+    size_t slot = 0; /* size_t indices: no 32-bit wrap for the vectoriser to preserve */
+    for (uint32_t s = 0; s < 256; s++) {
+        const uint32_t f = freq[s], base = s | f << 8;
+        uint32_t *restrict t = tab + slot;
+        for (size_t k = 0; k < f; k++) t[k] = base | (uint32_t)k << 20;
+        slot += f;
+    }
     if (len - pos < (size_t)d->lanes * 4) return "ans plane truncated (states)";
     for (int j = 0; j < d->lanes; j++) {
         memcpy(&d->x[j], b + pos, 4);
@@ -278,7 +286,9 @@ static inline __attribute__((always_inline)) size_t decN_scalar(Dec *d, uint8_t 
             uint32_t x = X[j], e = tab[x & (PROB_SCALE - 1)];
             out[j] = (uint8_t)e;
             x = ((e >> 8) & 0xFFF) * (x >> PROB_BITS) + (e >> 20);
-            uint32_t need = x < RANS_L, mask = 0u - need; /* branch-free: refills are unpredictable */
+            /* branch-free (refills are unpredictable): a conditional move, fewer operations
+             * than a mask blend on the lane's critical path */
+            uint32_t need = x < RANS_L, mask = 0u - need;
             uint32_t w = rd16(p);
             X[j] = (x & ~mask) | ((x << 16 | w) & mask);
             p += need * 2;
@@ -362,6 +372,10 @@ size_t decN_avx512(Dec *d, uint8_t *out, size_t steps, const int LANES) {
 
 /* any lane count (small planes): full steps branch-free while words suffice */
 static size_t decL_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, d->lanes); }
+/* the writer's lane counts for planes under 64 KiB (1 and 4): a constant LANES lets the compiler
+ * keep the states in registers */
+static size_t dec1_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 1); }
+static size_t dec4_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 4); }
 static size_t dec32_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 32); }
 static size_t dec64_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 64); }
 static size_t dec128_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 128); }
@@ -419,6 +433,10 @@ static int dec_run(Dec *d, uint8_t *out, size_t i0, size_t count) {
         size_t steps = count / 128;
         done = DECODE(128);
         done *= 128;
+    } else if (d->lanes == 4) {
+        done = dec4_scalar(d, out, count / 4) * 4;
+    } else if (d->lanes == 1) {
+        done = dec1_scalar(d, out, count);
     } else {
         done = decL_scalar(d, out, count / (size_t)d->lanes) * (size_t)d->lanes;
     }
