@@ -34,55 +34,11 @@ static void split_impl(const uint8_t *restrict src, Py_ssize_t n, int w, int sig
     }
 }
 
+/* planes back to back (plane i at src + i*n): the pointer-list merge below does the work */
 static void merge_impl(const uint8_t *restrict src, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst) {
-    const uint8_t *restrict p0 = src, *restrict p1 = src + n;
-    if (w == 4) {
-        const uint8_t *restrict p2 = src + 2 * n, *restrict p3 = src + 3 * n;
-        /* little-endian hosts only (checked at import); memcpy: the output may be unaligned */
-        if (sign_move) {
-            for (Py_ssize_t k = 0; k < n; k++) {
-                uint32_t t = p0[k], m = p1[k];
-                uint32_t v = ((m & 0x80) | (t >> 1)) << 24 | (((t & 1) << 7) | (m & 0x7F)) << 16
-                             | (uint32_t)p2[k] << 8 | p3[k];
-                memcpy(dst + 4 * k, &v, 4);
-            }
-        } else {
-            for (Py_ssize_t k = 0; k < n; k++) {
-                uint32_t v = (uint32_t)p0[k] << 24 | (uint32_t)p1[k] << 16 | (uint32_t)p2[k] << 8 | p3[k];
-                memcpy(dst + 4 * k, &v, 4);
-            }
-        }
-        return;
-    }
-    if (w == 2) {
-        if (sign_move) {
-            for (Py_ssize_t k = 0; k < n; k++) {
-                uint16_t t = p0[k], m = p1[k];
-                uint16_t v = (uint16_t)(((m & 0x80) | (t >> 1)) << 8 | (((t & 1) << 7) | (m & 0x7F)));
-                memcpy(dst + 2 * k, &v, 2);
-            }
-        } else {
-            for (Py_ssize_t k = 0; k < n; k++) {
-                uint16_t v = (uint16_t)(p0[k] << 8 | p1[k]);
-                memcpy(dst + 2 * k, &v, 2);
-            }
-        }
-        return;
-    }
-    /* w == 8 (and any other width): byte by byte */
-    for (int i = 0; i < w; i++) {
-        const uint8_t *s = src + (Py_ssize_t)i * n;
-        uint8_t *d = dst + (w - 1 - i);
-        for (Py_ssize_t k = 0; k < n; k++) d[k * w] = s[k];
-    }
-    if (sign_move) {
-        for (Py_ssize_t k = 0; k < n; k++) {
-            uint8_t *e = dst + k * w;
-            uint8_t t = e[w - 1], m = e[w - 2];
-            e[w - 1] = (uint8_t)((m & 0x80) | (t >> 1));
-            e[w - 2] = (uint8_t)(((t & 1) << 7) | (m & 0x7F));
-        }
-    }
+    const uint8_t *p[8];
+    for (int i = 0; i < w; i++) p[i] = src + (Py_ssize_t)i * n;
+    onnxz_merge_ptrs(p, n, w, sign_move, dst);
 }
 
 static PyObject *run(PyObject *args, int is_merge) {
