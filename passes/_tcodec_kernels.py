@@ -137,6 +137,21 @@ def _bits(cost_bits, c, m):
     return cost_bits[c, t] + nbits + (1.0 if m > 0 else 0.0)
 
 
+@nb.njit(cache=True, inline="always")
+def _candidate(cand, lo, max_level):
+    """Candidate magnitude `cand` of a weight between grid levels lo and lo + 1: lo, lo + 1, then
+    zero (the rate-saving choice); -1 when it is out of range or repeats lo = 0."""
+    if cand == 0:
+        m = lo
+    elif cand == 1:
+        m = lo + 1
+    else:
+        m = 0
+    if m > max_level or (cand == 2 and lo == 0):
+        return -1
+    return m
+
+
 @nb.njit(cache=True)
 def rdo_quantize(x, unit_len, units_per_row, row_cls, pos_cls, n_pos_cls, lut, nb_ctx,
                  cost_bits, recon, lam, max_level):
@@ -162,13 +177,8 @@ def rdo_quantize(x, unit_len, units_per_row, row_cls, pos_cls, n_pos_cls, lut, n
             best_m = 0
             best = 1e300
             for cand in range(3):
-                if cand == 0:
-                    m = lo
-                elif cand == 1:
-                    m = lo + 1
-                else:
-                    m = 0
-                if m > max_level or (cand == 2 and lo == 0):
+                m = _candidate(cand, lo, max_level)
+                if m < 0:
                     continue
                 d = a - _recon(m, 0, False, recon)
                 cost = d * d + lam * _bits(cost_bits, c, m)
@@ -231,13 +241,8 @@ def trellis_quantize(x, unit_len, units_per_row, row_cls, pos_cls, n_pos_cls, lu
                     else:
                         lo = np.int64((a + 1.0) * 0.5)
                     for cand in range(3):
-                        if cand == 0:
-                            m = lo
-                        elif cand == 1:
-                            m = lo + 1
-                        else:
-                            m = 0
-                        if m > max_level or (cand == 2 and lo == 0):
+                        m = _candidate(cand, lo, max_level)
+                        if m < 0:
                             continue
                         d = a - _recon(m, q, True, recon)
                         jc = cost[s] + d * d + lam * _bits(cost_bits, c, m)
