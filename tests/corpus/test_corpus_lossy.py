@@ -34,28 +34,30 @@ def test_auto_meets_target_on_rapidocr(corpus):
     assert out.ByteSize() < 0.6 * model.ByteSize()
 
 
-def test_auto_holds_on_rapidocr_held_out_half(corpus):
-    name = "rapidocr_cls"
+def _halves(corpus, name):
+    """The corpus model and its feeds split in two: calibration, then held out."""
     model = onnx.load(str(corpus.model(name)))
     feeds = load_feeds(corpus.feeds(name), model)
     half = len(feeds) // 2
-    out, rep = passes.compress(model, target="top1>=0.99", feeds=feeds[:half])
+    return model, feeds[:half], feeds[half:]
+
+
+def test_auto_holds_on_rapidocr_held_out_half(corpus):
+    model, calibration, held_out = _halves(corpus, "rapidocr_cls")
+    out, rep = passes.compress(model, target="top1>=0.99", feeds=calibration)
     from passes import auto
 
     assert rep["met_on_feeds"] and rep["fidelity"]["proxy_snr"] >= auto.TOP1_SNR_DB  # the logits' floor
-    assert evaluate(model, out, feeds=feeds[half:], metric="top1").metrics["top1"] >= 0.99
+    assert evaluate(model, out, feeds=held_out, metric="top1").metrics["top1"] >= 0.99
 
 
 def test_auto_allocates_silero_subgraph_weights(corpus):
     # silero_vad keeps every weight in Constant nodes inside If branches; the feeds take one branch
-    name = "silero_vad_v6"
-    model = onnx.load(str(corpus.model(name)))
-    feeds = load_feeds(corpus.feeds(name), model)
-    half = len(feeds) // 2
-    out, rep = passes.compress(model, target="cosine>=0.999", feeds=feeds[:half])
+    model, calibration, held_out = _halves(corpus, "silero_vad_v6")
+    out, rep = passes.compress(model, target="cosine>=0.999", feeds=calibration)
     onnx.checker.check_model(out, full_check=True)
     assert rep["per_tensor_allocation"] and rep["met_on_feeds"]
     assert any("never reached" in n for n in rep["notes"])
     forms = {r["form"] for r in rep["tensors"]}
     assert len(forms) > 1, "widths differ per tensor"
-    assert evaluate(model, out, feeds=feeds[half:]).metrics["cosine"] >= 0.999
+    assert evaluate(model, out, feeds=held_out).metrics["cosine"] >= 0.999

@@ -149,12 +149,17 @@ def test_fold_of_blocked_int4(files):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
+def _with_external_data(model_path, folder):
+    """A copy of the model in `folder` whose every tensor lies in one external data file."""
+    path = folder / "ext.onnx"
+    onnx.save(onnx.load(str(model_path)), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.data", size_threshold=0)
+    return path
+
+
 def test_external_data_model(files, tmp_path):
     f = files["dense"]
-    q8 = onnx.load(str(f["q8"]))
-    path = tmp_path / "ext.onnx"
-    onnx.save(q8, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data",
-              size_threshold=0)
+    path = _with_external_data(f["q8"], tmp_path)
     feeds = feeds_for(f["model"])
     session = passes.InferenceSession(path, mode="fold")
     for got, want in zip(run(session, feeds), run_plain(f["folded"], feeds)):
@@ -164,11 +169,8 @@ def test_external_data_model(files, tmp_path):
 def test_packed_external_data_model(files, tmp_path):
     """A packed model whose weights lie in an external data file: decoded from the pack together."""
     f = files["dense"]
-    path = tmp_path / "ext.onnx"
-    onnx.save(onnx.load(str(f["q8"])), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="ext.data", size_threshold=0)
     packed = tmp_path / "ext.onnxz"
-    passes.pack(str(path), str(packed))
+    passes.pack(str(_with_external_data(f["q8"], tmp_path)), str(packed))
     feeds = feeds_for(f["model"])
     for mode in ("fold", "int8"):
         session = passes.InferenceSession(packed, mode=mode)
@@ -183,11 +185,8 @@ def test_packed_external_payload_read_as_a_range(files, tmp_path, monkeypatch):
     import passes.runtime_source as source
 
     f = files["dense"]
-    path = tmp_path / "ext.onnx"
-    onnx.save(onnx.load(str(f["q8"])), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="ext.data", size_threshold=0)
     packed = tmp_path / "ext.onnxz"
-    passes.pack(str(path), str(packed))
+    passes.pack(str(_with_external_data(f["q8"], tmp_path)), str(packed))
     real = source._entries
     monkeypatch.setattr(source, "_entries", lambda pf: {k: t for k, t in real(pf).items() if k[0] == 0})
     feeds = feeds_for(f["model"])
