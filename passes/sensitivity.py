@@ -25,6 +25,7 @@ from onnx import helper
 from . import graph
 from .errors import InvalidArgumentError
 from .report import Report
+from .rounding import entropy_bits
 
 FLOAT = 0  # "bits" value meaning: the weight stays float
 
@@ -66,10 +67,8 @@ def entropy_bytes(levels: np.ndarray) -> float:
     """Order-0 entropy of integer levels, in bytes."""
     if levels.size == 0:
         return 0.0
-    v = levels.astype(np.int64).ravel()
-    _, counts = np.unique(v, return_counts=True)
-    p = counts / v.size
-    return float(-(counts * np.log2(p)).sum() / 8)
+    _, counts = np.unique(levels.astype(np.int64).ravel(), return_counts=True)
+    return entropy_bits(counts) * levels.size / 8
 
 
 def float_pack_bytes(arr: np.ndarray) -> float:
