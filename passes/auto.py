@@ -28,6 +28,7 @@ fidelity on real data is unmeasured.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -228,11 +229,11 @@ def _meets(result, reqs) -> bool:
     return all(r.check(result) for r in reqs)
 
 
-def _tighten(plan: dict, infos: dict, passes_check, tries: int) -> dict:
+def _tighten(plan: dict, infos: dict, passes_check, tries: int, frozen=()) -> dict:
     """Greedy steps after the Lagrangian search: one weight one width narrower at a time, the
     best predicted bytes saved per unit of added error first, kept when the check on the feeds
     still passes (the search's plan is on a coarse grid of mu and its error model is linear)."""
-    rejected = set()
+    rejected = {(n, b) for n in frozen for b in range(9)}
     for _ in range(tries):
         best = None
         for name, b in plan.items():
@@ -390,15 +391,30 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         del plain_ref
         del few
         # a weight whose error never reaches the outputs on the feeds (the untaken branch of an
-        # If, as silero_vad's 8 kHz weights under 16 kHz feeds) is unmeasured, not harmless:
-        # it gets the widest candidate width, not the narrowest
+        # If, as silero_vad's 8 kHz weights under 16 kHz feeds, or a recurrent weight under a zero
+        # state) is unmeasured, not harmless. It gets a data-free criterion: the output error per
+        # unit of relative weight noise (1 / weight SNR) of the measured weights of its shape (the
+        # same layer in the other branch; the most sensitive of them), else the median of all
+        # measured weights; so the same mu keeps it at a weight SNR like theirs. No check on the
+        # feeds can see it, so the greedy tightening leaves it alone.
         unexercised = [n for n, i in infos.items() if i.out_error.get(ref_bits, 1.0) == 0.0
                        and i.options[ref_bits].noise > 0]
+        measured = [(i.shape, i.sensitivity * i.energy) for n, i in infos.items()
+                    if n not in unexercised and i.sensitivity > 0 and i.energy > 0]
         for n in unexercised:
-            infos[n].options = {b: o for b, o in infos[n].options.items() if b in (sens.FLOAT, bits[-1])}
+            info = infos[n]
+            peers = [s for shape, s in measured if shape == info.shape]
+            if measured and info.energy > 0:
+                rel = max(peers) if peers else float(np.median([s for _, s in measured]))
+                info.sensitivity = rel / info.energy
+                # its error is its own weight noise (error feedback without activations shapes nothing)
+                info.options = {b: dataclasses.replace(o, plain_noise=None) for b, o in info.options.items()}
+            else:
+                info.options = {b: o for b, o in info.options.items() if b in (sens.FLOAT, bits[-1])}
+            info.out_error.clear()
         if unexercised:
             notes.append(f"{len(unexercised)} weights never reached the outputs on the feeds (untaken branches?): "
-                         f"kept at int{bits[-1]}")
+                         "allocated by weight SNR, as sensitive as the measured weights of their shape (else the median)")
         lap("sensitivity")
         runner = sens.TrialRunner(probe, list(infos), feeds)
         ref_s = runner.run({})
@@ -437,7 +453,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                         break
         plan = plan_hi
         if ok_hi and tighten:
-            plan = _tighten(plan, infos, lambda p: trial_plan(p)[1], tighten)
+            plan = _tighten(plan, infos, lambda p: trial_plan(p)[1], tighten, frozen=unexercised)
         lap("search")
         candidate = build(plan)
         # confirm on the built model; grow mu while it misses (numerics of the graph may differ)
