@@ -22,4 +22,7 @@ int onnxz_ans_simd_level(void); /* 0 scalar, 1 AVX2, 2 AVX-512 */
 PyObject *onnxz_py_ans_encode(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_simd(PyObject *self, PyObject *args);
+PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args);
+PyObject *onnxz_py_set_xxh3(PyObject *self, PyObject *args);
+PyObject *onnxz_py_xxh3(PyObject *self, PyObject *args);
 #endif

@@ -1,0 +1,117 @@
+"""The reader's batch decoder (_planes.ans_decode_batch: many `ans` chunks read, checked with
+XXH3-64 and decoded in one C call) against the per-chunk path: same bytes, same refusals."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import xxhash
+from onnx import helper, numpy_helper
+
+import passes
+from passes import CorruptFileError
+from passes.onnxz import reader
+
+pytestmark = pytest.mark.skipif(reader._decode_batch_c is None, reason="batch decoder not available (extension or xxhash symbol)")
+
+
+def test_c_xxh3_is_the_xxhash_digest_at_every_size_class():
+    from passes.onnxz import _planes
+
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 300000, np.uint8).tobytes()
+    for n in list(range(0, 300)) + [1023, 1024, 1025, 65536, 65537, 299999, 300000]:
+        assert _planes.xxh3(data[:n]) == xxhash.xxh3_64_intdigest(data[:n]), n
+
+
+def _model_file(tmp_path):
+    rng = np.random.default_rng(2)
+    big = (rng.standard_normal(700000) * np.exp2(rng.integers(-4, 4, 700000))).astype(np.float32)  # 3 chunks
+    inits = [numpy_helper.from_array(big, "big"),
+             numpy_helper.from_array(rng.standard_normal((64, 50)).astype(np.float32), "small_f32"),
+             numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 6, 400000)), -127, 127).astype(np.int8), "i8"),
+             numpy_helper.from_array(rng.standard_normal(9000).astype(np.float16), "f16"),
+             numpy_helper.from_array(np.zeros(5000, np.float32), "zeros")]
+    src = tmp_path / "m.onnx"
+    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
+    dst = tmp_path / "m.onnxz"
+    passes.pack(src, dst, threads=1)
+    return src, dst
+
+
+def _all_payloads(source, threads):
+    with reader.PackedFile(source, threads=threads) as pf:
+        entries = [t for t in pf.index.tensors if t.stream is not None]
+        assert sum(t.stream.codec == "ans" for t in entries) >= 3
+        return [bytes(b) for b in pf.tensors_bytes(entries)], bytes(pf.restore_file(0))
+
+
+def test_batch_and_per_chunk_paths_give_the_same_bytes(tmp_path, monkeypatch):
+    src, packed = _model_file(tmp_path)
+    data = packed.read_bytes()
+    results = []
+    for batch in (True, False):
+        monkeypatch.setattr(reader, "_decode_batch_c", reader._batch_decoder() if batch else None)
+        for source in (packed, data):
+            for threads in (1, 2):
+                results.append(_all_payloads(source, threads))
+    assert all(r == results[0] for r in results)
+    assert results[0][1] == src.read_bytes()
+
+
+def _verdict(source, threads):
+    try:
+        return _all_payloads(source, threads)
+    except CorruptFileError as exc:
+        return type(exc).__name__, str(exc)
+
+
+def test_damaged_data_gets_the_same_refusal_on_both_paths(tmp_path, monkeypatch):
+    _, packed = _model_file(tmp_path)
+    data = packed.read_bytes()
+    with reader.PackedFile(data) as pf:
+        chunks = [c for t in pf.index.tensors if t.stream is not None for c in t.stream.chunks]
+    rng = np.random.default_rng(3)
+    positions = set()
+    for c in chunks:  # the first and last stored byte of each chunk and a few inside
+        stored = sum(c.planes)
+        positions |= {c.offset, c.offset + stored - 1} | {c.offset + int(k) for k in rng.integers(0, stored, 3)}
+    for pos in sorted(positions):
+        bad = bytearray(data)
+        bad[pos] ^= 0x40
+        verdicts = set()
+        for batch in (True, False):
+            monkeypatch.setattr(reader, "_decode_batch_c", reader._batch_decoder() if batch else None)
+            verdicts.add(_verdict(bytes(bad), 2))
+        assert len(verdicts) == 1, pos
+        (v,) = verdicts
+        assert v[0] == "CorruptFileError" and "checksum" in v[1], (pos, v)
+
+
+def test_batch_call_reports_each_failure(tmp_path):
+    from passes.onnxz import _planes
+
+    _, packed = _model_file(tmp_path)
+    data = packed.read_bytes()
+    with reader.PackedFile(data) as pf:
+        stream = next(t.stream for t in pf.index.tensors if t.stream is not None and t.stream.codec == "ans")
+        chunk = stream.chunks[0]
+        spec = pf._spec(stream, chunk)
+    out = np.empty(chunk.raw_length, np.uint8)
+    assert _planes.ans_decode_batch(data, None, [spec + (out,)]) is None
+    wrong = spec[:3] + (spec[3] ^ 1,) + spec[4:]
+    assert _planes.ans_decode_batch(data, None, [spec + (out,), wrong + (out,)])[:2] == (1, 0)  # checksum
+    past = (len(data) - 2,) + spec[1:]
+    assert _planes.ans_decode_batch(data, None, [past + (out,)])[:2] == (0, 2)  # runs past the end
+    fd = os.open(packed, os.O_RDONLY)
+    try:
+        scratch = np.empty(spec[1], np.uint8)
+        assert _planes.ans_decode_batch(fd, scratch, [spec + (out,)]) is None
+        assert _planes.ans_decode_batch(fd, scratch, [past + (out,)])[:2] == (0, 2)
+        with pytest.raises(ValueError):
+            _planes.ans_decode_batch(fd, scratch[:10], [spec + (out,)])
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError):  # plane sizes not adding up to the stored size
+        _planes.ans_decode_batch(data, None, [(spec[0], spec[1] + 1) + spec[2:] + (out,)])
