@@ -178,8 +178,9 @@ _FINE = (-2, -1, 1, 2)
 class _Rows:
     """One chunk of rows (in cache) with the scratch buffers the error evaluations share."""
 
-    def __init__(self, rows: np.ndarray, levels: Levels, dtype: np.dtype):
+    def __init__(self, rows: np.ndarray, levels: Levels, dtype: np.dtype, importance: np.ndarray | None = None):
         self.rows, self.levels, self.dtype = rows, levels, dtype
+        self.importance = importance  # per element weight of the squared error (search only), or None
         self.y = np.empty_like(rows)  # rows / scale (+ zero point): the unrounded levels
         self.q = np.empty_like(rows)
         if levels.symmetric:
@@ -227,7 +228,10 @@ class _Rows:
             inverse = np.float32(1) / s  # inf for an all-zero row's tiny scale: its errors are nan and lose
         q = self.levels_of(s, z, inverse)
         q -= self.y
-        e = np.einsum("ij,ij->i", q, q)
+        if self.importance is None:
+            e = np.einsum("ij,ij->i", q, q)
+        else:
+            e = np.einsum("ij,ij,ij->i", q, q, self.importance)
         s64 = s.astype(np.float64)
         return e.astype(np.float64) * (s64 * s64)
 
@@ -272,7 +276,8 @@ def _search(part: _Rows, search: bool):
 
 
 def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size: int = 0,
-                    search: bool = True, rounding: _rd.Rounding | None = None) -> Quantized:
+                    search: bool = True, rounding: _rd.Rounding | None = None,
+                    importance: np.ndarray | None = None) -> Quantized:
     """Quantize float weights `w` (float32/float16/bfloat16) with scales in w's dtype.
 
     axis None: one scale; axis a without block_size: one scale per index of a; with block_size:
@@ -280,6 +285,10 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     scale is chosen from a grid to minimise the squared error (vectorised over all rows).
     rounding: None / Rounding("nearest") rounds to nearest; Rounding("rdo", ...) then trades
     rate for distortion (passes/rounding.py), which may also enlarge every scale by one factor.
+    importance: non-negative weights broadcastable to w's shape (e.g. the mean squared input
+    activation of each weight's input, gptq.input_importance): the clip search then minimises
+    sum importance * error**2 per channel / block -- the output error of a layer whose inputs are
+    uncorrelated -- instead of the plain weight error. Only the scales change.
     """
     if w.ndim == 0 and axis is not None:
         raise InvalidArgumentError("a scalar can only be quantized per tensor")
@@ -293,6 +302,13 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     else:
         w32 = w.astype(np.float32, copy=False)  # only read: a float32 input is not copied
         rows, info, pad = _groups(w32, axis, block_size)
+    imp_rows = None
+    if importance is not None and search:
+        imp = np.broadcast_to(np.asarray(importance, dtype=np.float32), w.shape)
+        if _channels_last(w, axis, block_size):
+            imp_rows = _transpose2d(imp.reshape(-1, w.shape[-1]), np.float32)
+        else:
+            imp_rows = _groups(np.ascontiguousarray(imp), axis, block_size)[0]
     scales = np.empty(rows.shape[0], dtype=np.float32)
     zps = None if levels.symmetric else np.empty(rows.shape[0], dtype=np.float32)
     q_rows = np.empty(rows.shape, dtype=levels.np_dtype)
@@ -302,7 +318,8 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     tally = _Tally(levels, info[1] if block_size and pad else 0, pad)
     step = max(1, _SEARCH_CHUNK // max(rows.shape[1], 1))
     for start in range(0, rows.shape[0], step):
-        part = _Rows(rows[start:start + step], levels, dtype)
+        part = _Rows(rows[start:start + step], levels, dtype,
+                     None if imp_rows is None else imp_rows[start:start + step])
         with np.errstate(over="ignore", invalid="ignore"):  # extreme weights: inf errors just lose
             s, z = _search(part, search)
             scales[start:start + step] = s

@@ -105,6 +105,21 @@ def _check_args(bits, granularity, block_size, min_elements):
     return int(block_size or 0)
 
 
+def _check_importance(importance) -> dict:
+    """{name: float array >= 0, finite} or a clear error."""
+    if importance is None:
+        return {}
+    if not isinstance(importance, dict):
+        raise InvalidArgumentError("importance must be a dict {weight name: array}")
+    out = {}
+    for name, arr in importance.items():
+        a = np.asarray(arr, dtype=np.float32)
+        if not np.all(np.isfinite(a)) or np.any(a < 0):
+            raise InvalidArgumentError(f"importance of {name!r} must be finite and non-negative")
+        out[name] = a
+    return out
+
+
 def _patterns(value, what: str) -> list[str]:
     if value is None:
         return []
@@ -217,8 +232,8 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                      exclude=None, rounding: str = "nearest", rd_lambda: float | None = None,
                      rd_max_snr_loss_db: float | None = None, rd_target_snr_db: float | None = None,
                      rd_step_scale: float | None = None, rd_distortion: str | None = None,
-                     rd_levels: str | None = None, report: Report | None = None,
-                     progress=None) -> onnx.ModelProto:
+                     rd_levels: str | None = None, importance: dict | None = None,
+                     report: Report | None = None, progress=None) -> onnx.ModelProto:
     """A new model whose float weights are n-bit integers expanded by DequantizeLinear nodes.
 
     See the module docstring for naming, include/exclude and axis rules. The input is never
@@ -235,8 +250,15 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     "absolute" weighs rows by their scale (tensor SNR) instead of each in its own steps
     ("relative"). The report gives per tensor the rounding, lambda, median step factor, SNR and an
     order-0 estimate of its packed bits per weight.
+
+    importance: {weight name: non-negative array broadcastable to the weight's shape}, e.g.
+    gptq.input_importance(model, gptq.collect_hessians(model, feeds, names)) (the mean squared
+    activation of each weight's input): the clip search of those weights minimises the error
+    weighted by it (about the layer's output error) instead of the plain weight error. Only the
+    scales change; weights not named are unaffected. Measured in bench/layer_rd.py.
     """
     block = _check_args(bits, granularity, block_size, min_elements)
+    importance = _check_importance(importance)
     rounding_opts = _rounding.options(rounding, rd_lambda, rd_max_snr_loss_db, rd_target_snr_db, rd_step_scale,
                                       rd_distortion, rd_levels)
     include_p = _patterns(include, "include")
@@ -283,7 +305,8 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         return w.tensor
 
     reasons = [_keep_reason(w, include_p, exclude_p, ops, min_elements) for w in weights]
-    jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels, rounding_opts)
+    jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels, rounding_opts,
+                 importance.get(w.name))
             for w, reason in zip(weights, reasons) if reason is None]
     results = _ordered_map(_Job.run, jobs, _threads())
 
@@ -394,6 +417,7 @@ class _Job:
     block: int
     levels: forms.Levels
     rounding: _rounding.Rounding = _rounding.Rounding()
+    importance: np.ndarray | None = None
 
     def run(self):
         """(axis, block size, forms.Quantized), or None when the weight holds inf or nan."""
@@ -410,7 +434,14 @@ class _Job:
         else:
             axis = self.choice.reduce if self.choice.reduce is not None else arr.ndim - 1
             blk = self.block
-        return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk, rounding=self.rounding)
+        imp = self.importance
+        if imp is not None:
+            try:
+                imp = np.broadcast_to(imp, arr.shape)
+            except ValueError:
+                raise InvalidArgumentError(f"importance of {self.tensor.name}: shape {np.shape(self.importance)} "
+                                           f"does not broadcast to the weight's {arr.shape}") from None
+        return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk, rounding=self.rounding, importance=imp)
 
 
 def _threads() -> int:

@@ -75,3 +75,88 @@ def test_compress_uses_error_feedback_for_conv():
     _, rep = passes.compress(m, target="cosine>=0.99", feeds=f, bits=[3, 4, 5, 6])
     assert rep["met_on_feeds"]
     assert any(r["form"].endswith("/gptq") for r in rep["tensors"])
+
+
+def _layer_case(seed=1, k=96, n=40, rows=2000):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, n)) * 0.1
+    x = _correlated_inputs(rows, k, seed) * rng.uniform(0.2, 3.0, size=k)  # uneven input energies
+    return w, x, x.T @ x / len(x)
+
+
+def _out_err(x, w, q, s):
+    return float(np.sum((x @ (w - q * s)) ** 2))
+
+
+def test_act_order_keeps_levels_valid_and_beats_nearest():
+    w, x, h = _layer_case()
+    qmax = 7
+    scale = np.abs(w).max(axis=0) / qmax
+    order = gptq.activation_order(h)
+    assert sorted(order.tolist()) == list(range(len(h)))
+    assert np.all(np.diff(np.diag(h)[order]) <= 0)
+    q = gptq.gptq_levels(w, h, scale, -qmax, qmax, order=order)
+    assert q.dtype == np.int32 and q.min() >= -qmax and q.max() <= qmax
+    q_near = np.clip(np.rint(w / scale), -qmax, qmax)
+    assert _out_err(x, w, q, scale) < 0.8 * _out_err(x, w, q_near, scale)
+    # the factor computed for that order gives the same levels
+    f = gptq.inverse_factor(h, order=order)
+    assert np.array_equal(gptq.gptq_levels(w, h, scale, -qmax, qmax, order=order, factor=f), q)
+
+
+def test_strong_damping_tends_to_nearest_rounding():
+    w, _, h = _layer_case()
+    qmax = 7
+    scale = np.abs(w).max(axis=0) / qmax
+    q_near = np.clip(np.rint(w / scale), -qmax, qmax)
+    changed = [np.mean(gptq.gptq_levels(w, h, scale, -qmax, qmax, damp=d) != q_near) for d in (0.01, 1.0, 1e4)]
+    assert changed[0] > changed[1] > changed[2] and changed[2] < 0.01
+
+
+def test_blocked_scales_follow_their_inputs():
+    w, x, h = _layer_case(k=100)
+    qmax = 7
+    bs = 32
+    nb = -(-100 // bs)
+    scale = np.stack([np.abs(w[i * bs:(i + 1) * bs]).max(axis=0) / qmax for i in range(nb)])  # (nb, N)
+    rows = gptq.row_scales(scale, 100, bs)
+    assert rows.shape == (100, 40) and np.array_equal(rows[99], scale[3]) and np.array_equal(rows[31], scale[0])
+    q = gptq.gptq_levels(w, h, scale, -qmax, qmax, block_size=bs, order=gptq.activation_order(h))
+    assert q.min() >= -qmax and q.max() <= qmax
+    q_near = np.clip(np.rint(w / rows), -qmax, qmax)
+    assert _out_err(x, w, q, rows) < 0.8 * _out_err(x, w, q_near, rows)
+
+
+def test_rate_aware_levels_inside_the_loop_cost_fewer_bits():
+    from passes import rounding as rd
+
+    w, x, h = _layer_case(k=128, n=64)
+    qmax = 7
+    scale = np.abs(w).max(axis=0) / qmax
+    plain = gptq.gptq_levels(w, h, scale, -qmax, qmax)
+    rated = gptq.gptq_levels(w, h, scale, -qmax, qmax, lam=0.3)
+    ent = lambda q: rd.entropy_bits(np.bincount((q + qmax).ravel(), minlength=2 * qmax + 1))  # noqa: E731
+    assert ent(rated) < ent(plain)
+    assert rated.min() >= -qmax and rated.max() <= qmax
+    q_near = np.clip(np.rint(w / scale), -qmax, qmax)
+    assert _out_err(x, w, rated, scale) < _out_err(x, w, q_near, scale)
+
+
+def test_refine_options_write_a_model_that_runs_and_folds_bit_exactly():
+    m = mg.dense_model()
+    f = mg.feeds(m, n=4)
+    hess = gptq.collect_hessians(m, f, ["W2", "W3"])
+    imp = gptq.input_importance(m, hess)
+    assert imp["W2"].shape == (48, 1) and np.all(imp["W2"] >= 0)
+    q = passes.quantize_weights(m, bits=4, include=["W2", "W3"], rounding="rdo", importance=imp)
+    factors = {}
+    refined = gptq.refine(q, m, hess, 4, damp=0.3, act_order=True, factors=factors)
+    assert set(refined) == {"W2", "W3"} and ("W2", True, 0.3) in factors
+    out = gptq.write_levels(q, {n: lv for n, (lv, _) in refined.items()})
+    onnx.checker.check_model(out, full_check=True)
+    folded = {t.name: onnx.numpy_helper.to_array(t) for t in passes.fold_dequantize(out).graph.initializer}
+    for n, (_, deq) in refined.items():
+        assert np.array_equal(folded[n], deq)
+    ref = mg.run(m, f)
+    got = mg.run(out, f)
+    assert all(mg.cosine(a, b) > 0.99 for a, b in zip(ref, got))

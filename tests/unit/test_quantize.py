@@ -335,3 +335,46 @@ def test_weight_with_nan_keeps_its_payload(dtype):
     assert out[t.name].raw_data == t.raw_data
     assert any(n.op_type == "DequantizeLinear" for n in q.graph.node)
     onnx.checker.check_model(q, full_check=True)
+
+
+def _weighted_err(w, deq, imp):
+    return float(np.sum(imp * (w.astype(np.float64) - deq) ** 2))
+
+
+@pytest.mark.parametrize("block", [0, 16])
+def test_importance_weighted_clip_search(block):
+    from passes import forms
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_t(3, size=(64, 48)) * 0.05).astype(np.float32)  # heavy tails: clipping matters
+    imp = rng.uniform(0.0, 1.0, size=(64, 1)).astype(np.float32) ** 4  # uneven input energies
+    lv = forms.Levels(4, True)
+    axis = 1 if not block else 0
+    plain = forms.quantize_linear(w, lv, axis, block)
+    weighted = forms.quantize_linear(w, lv, axis, block, importance=imp)
+    deq = lambda qz: forms.dequantize_linear(qz.q, qz.scale, None, axis, block).astype(np.float64)  # noqa: E731
+    assert _weighted_err(w, deq(weighted), imp) < _weighted_err(w, deq(plain), imp)
+    # uniform importance is the plain search
+    same = forms.quantize_linear(w, lv, axis, block, importance=np.full((1, 1), 2.0, np.float32))
+    assert np.array_equal(same.q, plain.q) and np.array_equal(same.scale, plain.scale)
+
+
+def test_importance_option_of_quantize_weights():
+    m = mg.dense_model()
+    w2 = {t.name: tensor_to_array(t) for t in m.graph.initializer}["W2"]
+    imp = {"W2": np.linspace(0.0, 4.0, w2.shape[0], dtype=np.float32)[:, None] ** 2}
+    q = quantize_weights(m, bits=4, importance=imp)
+    onnx.checker.check_model(q, full_check=True)
+    plain = quantize_weights(m, bits=4)
+    inits = lambda mm: {t.name: tensor_to_array(t) for t in mm.graph.initializer}  # noqa: E731
+    assert not np.array_equal(inits(q)["W2_scale"], inits(plain)["W2_scale"])
+    assert np.array_equal(inits(q)["W3_scale"], inits(plain)["W3_scale"])  # not named: unchanged
+    f = mg.feeds(m, n=2)
+    for a, b in zip(mg.run(m, f), mg.run(fold_dequantize(q), f)):
+        assert mg.cosine(a, b) > 0.95  # 4 bits on random weights
+    with pytest.raises(InvalidArgumentError, match="broadcast"):
+        quantize_weights(m, bits=4, importance={"W2": np.ones((3, 5), np.float32)})
+    with pytest.raises(InvalidArgumentError, match="non-negative"):
+        quantize_weights(m, bits=4, importance={"W2": -np.ones((1, 1), np.float32)})
+    with pytest.raises(InvalidArgumentError, match="dict"):
+        quantize_weights(m, bits=4, importance=[1.0])

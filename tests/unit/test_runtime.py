@@ -267,6 +267,27 @@ def test_float16_model_as_float32(tmp_path):
     assert as32.get_outputs()[0].type == "tensor(float)"
 
 
+@pytest.mark.parametrize("size", [0, 5, 70_000, 300_001])
+def test_float16_weights_converted_as_onnxruntimes_converter_does(size):
+    """to_float16_clamped gives the bits of onnxruntime's convert_np_to_float16 (tiny values to
+    the smallest subnormal, overflow to the largest finite, inf/NaN/zeros kept), on the small
+    (numpy) and big (onnxruntime Cast) paths; cast_array is astype, bit for bit."""
+    from onnxruntime.transformers.float16 import convert_np_to_float16
+
+    from passes.precision import cast_array, to_float16_clamped
+
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * 0.05).astype(np.float32)
+    edge = np.array([0, -0.0, 1e-9, -1e-9, 3e-8, -3e-8, 2.98e-8, 6e-8, 7e4, -7e4, 65510, 65530, np.inf, -np.inf,
+                     np.nan, 1e30, -1e30, 5.96e-8, -5.96e-8, 2.0 ** -25], np.float32)
+    for case in ([x], [x, edge[3:4]], [x, edge]):  # clean, one negative tiny value, every edge
+        a = np.concatenate(case)
+        assert np.array_equal(to_float16_clamped(a).view(np.uint16), convert_np_to_float16(a).view(np.uint16))
+    h = np.concatenate([x, edge]).astype(np.float16).reshape(-1, 1)
+    got = cast_array(h, np.float32)
+    assert got.shape == h.shape and np.array_equal(got.view(np.uint32), h.astype(np.float32).view(np.uint32))
+
+
 def test_float16_fold_on_cpu_lets_onnxruntime_fold(tmp_path):
     """float16 weights on a CPU: onnxruntime gets the integer levels and folds them itself (it
     casts them to float32 anyway); outputs identical to the folded model's."""
