@@ -464,7 +464,7 @@ static int dec_finished(const Dec *d) {
 
 /* One chunk of codec `ans`: w planes of n symbols (plane i raw when its length is n, else an ans
  * blob) merged into out (n*w bytes) in one pass, block by block. NULL or an error message. */
-const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, int w, int sign_move, size_t n, uint8_t *out) {
+const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, int w, int sign_move, size_t n, uint8_t *out, int nt) {
     Dec *decs[MAX_PLANES] = {0};
     uint8_t *tmp = NULL;
     const char *err = NULL;
@@ -493,7 +493,7 @@ const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, i
                 if (dec_run(decs[i], t, lo, m)) { err = "ans words run out"; break; }
                 ptr[i] = t;
             }
-            if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, sign_move, out + lo * w, n * w >= NT_BYTES);
+            if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, sign_move, out + lo * w, nt && n * w >= NT_BYTES);
         }
     }
     for (int i = 0; i < w && !err; i++)
@@ -509,7 +509,7 @@ const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, i
  * the planes 1..w-1 in `rest`. Half the symbols to decode of a plain exponent plane, and the order-0
  * model of a pair catches the correlation of neighbouring exponents. NULL or an error message. */
 const char *onnxz_ans_decode_pairs(const uint8_t *table, const uint8_t *ranks, size_t rlen, const uint8_t *esc, size_t ne,
-                                   const uint8_t *const *rest, const size_t *rest_lens, int w, size_t n, uint8_t *out) {
+                                   const uint8_t *const *rest, const size_t *rest_lens, int w, size_t n, uint8_t *out, int nt) {
     size_t nr = (n + 1) / 2;
     Dec *decs[MAX_PLANES] = {0}; /* 0: ranks, i: plane i */
     uint8_t *tmp = NULL;
@@ -566,7 +566,7 @@ const char *onnxz_ans_decode_pairs(const uint8_t *table, const uint8_t *ranks, s
             if (dec_run(decs[i], t, lo, m)) { err = "ans words run out"; break; }
             ptr[i] = t;
         }
-        if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, 1, out + lo * w, n * w >= NT_BYTES);
+        if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, 1, out + lo * w, nt && n * w >= NT_BYTES);
     }
     if (!err && jj != ne) err = "exponent escapes left over";
     for (int i = 0; i < w && !err; i++)
@@ -605,7 +605,7 @@ PyObject *onnxz_py_ans_encode(PyObject *self, PyObject *args) {
  * out (outlen bytes). NULL or what is damaged; *bad_args set (and NULL returned) when the planes do
  * not fit the call at all (the single-chunk wrapper raises ValueError then). */
 static const char *decode_chunk(const uint8_t *const *ptr, const size_t *lens, int np_, int sign_move, int pairs,
-                                uint8_t *out, size_t outlen, int *bad_args) {
+                                uint8_t *out, size_t outlen, int nt, int *bad_args) {
     int w = pairs ? np_ - 2 : np_;
     *bad_args = 0;
     if (!(w == 1 || w == 2 || w == 4 || w == 8) || outlen % (size_t)w || (w == 1 && sign_move)
@@ -617,8 +617,8 @@ static const char *decode_chunk(const uint8_t *const *ptr, const size_t *lens, i
     if (n == 0) return "empty ans chunk";
     if (pairs && lens[0] != 15) return "exponent table of the wrong size";
     if (pairs && lens[2] > n) return "more exponent escapes than elements";
-    return pairs ? onnxz_ans_decode_pairs(ptr[0], ptr[1], lens[1], ptr[2], lens[2], ptr + 3, lens + 3, w, n, out)
-                 : onnxz_ans_decode(ptr, lens, w, sign_move, n, out);
+    return pairs ? onnxz_ans_decode_pairs(ptr[0], ptr[1], lens[1], ptr[2], lens[2], ptr + 3, lens + 3, w, n, out, nt)
+                 : onnxz_ans_decode(ptr, lens, w, sign_move, n, out, nt);
 }
 
 /* ans_decode(planes, sign_move, pairs, out) -> None, or a str saying what is damaged.
@@ -650,7 +650,7 @@ PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args) {
         const char *err;
         int bad_args;
         Py_BEGIN_ALLOW_THREADS
-        err = decode_chunk(ptr, lens, (int)np_, sign_move, pairs, (uint8_t *)out.buf, (size_t)out.len, &bad_args);
+        err = decode_chunk(ptr, lens, (int)np_, sign_move, pairs, (uint8_t *)out.buf, (size_t)out.len, 1, &bad_args);
         Py_END_ALLOW_THREADS
         if (bad_args) PyErr_SetString(PyExc_ValueError, "ans_decode: 1, 2, 4 or 8 planes (pairs: 2 or 4, with the sign move), out a multiple of their number");
         else if (err) result = PyUnicode_FromString(err);
@@ -728,7 +728,8 @@ static int parse_task(PyObject *item, BatchTask *t) {
 /* ans_decode_batch(source, scratch, tasks) -> None or (i, code, message)
  * source: the packed bytes (a buffer) or a file descriptor (int); scratch: a writable buffer at least
  * as large as the largest stored chunk (used for a file only); tasks: tuples (offset, stored,
- * plane sizes, xxh3 digest, flags (1: sign move, 2: pairs), out). Stops at the first failure: code 0
+ * plane sizes, xxh3 digest, flags (1: sign move, 2: pairs, 4: keep the output in cache: no
+ * non-temporal stores, for output read again soon, e.g. a restore window hashed and written), out). Stops at the first failure: code 0
  * checksum, 1 damaged (message), 2 truncated file, 3 OS error (errno), 4 bad planes for the codec. */
 PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
     PyObject *source, *scratch_obj, *tasks;
@@ -781,7 +782,8 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
             size_t pos = 0;
             for (int i = 0; i < t->np_; i++) { ptr[i] = base + pos; pos += t->lens[i]; }
             int bad_args;
-            msg = decode_chunk(ptr, t->lens, t->np_, t->flags & 1, (t->flags >> 1) & 1, (uint8_t *)t->out.buf, (size_t)t->out.len, &bad_args);
+            msg = decode_chunk(ptr, t->lens, t->np_, t->flags & 1, (t->flags >> 1) & 1, (uint8_t *)t->out.buf, (size_t)t->out.len,
+                               !(t->flags & 4), &bad_args);
             if (bad_args) code = FAIL_ARGS;
             else if (msg) code = FAIL_DAMAGED;
         }

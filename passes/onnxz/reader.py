@@ -307,11 +307,13 @@ class PackedFile:
             raise FileAccessError(f"cannot read {self.path}: {message}")
         raise CorruptFileError(f"damaged index: ans chunk at {offset} has planes that do not fit its codec")
 
-    def _tasks(self, jobs) -> list:
+    def _tasks(self, jobs, cached: bool = False) -> list:
         """Tasks (fn, *args) for chunk jobs (stream, chunk, out slice). With a pool, largest
         first (the last task to start is a small one: the threads finish together) and small
         `ans` chunks grouped into batches of ~BATCH_BYTES; on one thread, every `ans` chunk in
-        one batch. Other codecs: one task per chunk."""
+        one batch. Other codecs: one task per chunk. `cached`: the output is read again right away
+        (a restore window, hashed and written): large chunks then skip the non-temporal stores
+        that keep a decoded tensor from evicting the cache."""
         parallel = self._pool is not None
         batching = _decode_batch_c is not None and codecs._fast is not None  # tests switch the C paths off there
         if parallel:
@@ -322,7 +324,7 @@ class PackedFile:
             if spec is None:
                 tasks.append((self._decode_chunk, stream, chunk, out))
                 continue
-            batch.append(spec + (out,))
+            batch.append((spec[:4] + (spec[4] | 4,) if cached else spec) + (out,))
             size += chunk.raw_length
             if parallel and size >= BATCH_BYTES:
                 tasks.append((self._decode_batch, batch))
@@ -448,7 +450,7 @@ class PackedFile:
                 window[woff:woff + ln] = skel[src[1]:src[1] + ln]
             else:
                 jobs.append((src[1], src[2], window[woff:woff + ln]))
-        return self._tasks(jobs)
+        return self._tasks(jobs, cached=True)
 
     def _restore(self, fi: int, target):
         """Decode file `fi` window by window and yield each window. With a pool, three things
