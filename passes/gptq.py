@@ -11,7 +11,7 @@ form) are those quantize_weights chose; only the integer levels change.
     q = gptq_levels(W_matrix, H, scale, qmin, qmax)    # W_matrix (K, N), scale (N,)
 
 Supported consumers: MatMul (weight as input B, 2-D), Gemm (input B, transB handled; transA=0),
-Conv (group 1, 2-D kernels; patches by im2col on a sample of output positions). Weights read
+Conv (group 1, 1-D or 2-D kernels; patches by im2col on a sample of output positions). Weights read
 by anything else, or by several nodes, are left to plain rounding.
 """
 from __future__ import annotations
@@ -88,6 +88,16 @@ def _im2col(x: np.ndarray, node, kshape, rng) -> np.ndarray:
     return patches.reshape(len(pick), c * kh * kw).astype(np.float64)
 
 
+def _as_conv2d(node) -> onnx.NodeProto:
+    """A 1-D Conv node's attributes as those of the 2-D convolution of height 1 it equals."""
+    pads = list(_attr(node, "pads", [0, 0]))
+    return helper.make_node("Conv", list(node.input), list(node.output),
+                            pads=[0, pads[0], 0, pads[1]] if len(pads) == 2 else [0, 0, 0, 0],
+                            strides=[1] + list(_attr(node, "strides", [1]))[:1],
+                            dilations=[1] + list(_attr(node, "dilations", [1]))[:1],
+                            auto_pad=_attr(node, "auto_pad", b"NOTSET"))
+
+
 def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0) -> dict[str, np.ndarray]:
     """H = X^T X / rows for every weight with a supported consumer, from onnxruntime runs of the
     model on the feeds with the consumers' activation inputs added as graph outputs."""
@@ -118,9 +128,12 @@ def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0) -> dic
             x = np.asarray(res[a])
             dims = tuple(inits[name].dims)
             if node.op_type == "Conv":
-                if x.ndim != 4 or len(dims) != 4:
+                if x.ndim == 3 and len(dims) == 3:  # Conv1d: a 2-D convolution of height 1
+                    X = _im2col(x[:, :, None, :].astype(np.float32), _as_conv2d(node), (1, dims[2]), rng)
+                elif x.ndim == 4 and len(dims) == 4:
+                    X = _im2col(x.astype(np.float32), node, dims[2:], rng)
+                else:
                     continue
-                X = _im2col(x.astype(np.float32), node, dims[2:], rng)
             else:
                 k = dims[1] if (node.op_type == "Gemm" and _attr(node, "transB", 0)) else dims[0]
                 if x.shape[-1] != k:
