@@ -464,14 +464,23 @@ static int dec_finished(const Dec *d) {
 
 /* One chunk of codec `ans`: w planes of n symbols (plane i raw when its length is n, else an ans
  * blob) merged into out (n*w bytes) in one pass, block by block. NULL or an error message. */
+static const char *ans_decode_planes(const uint8_t *const *planes, const size_t *lens, const int *raw, int w, int sign_move,
+                                     size_t n, uint8_t *out, int nt);
+
 const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, int w, int sign_move, size_t n, uint8_t *out, int nt) {
+    return ans_decode_planes(planes, lens, NULL, w, sign_move, n, out, nt);
+}
+
+/* raw: which planes are stored raw (NULL: those of n bytes; any other must then be shorter) */
+static const char *ans_decode_planes(const uint8_t *const *planes, const size_t *lens, const int *raw, int w, int sign_move,
+                                     size_t n, uint8_t *out, int nt) {
     Dec *decs[MAX_PLANES] = {0};
     uint8_t *tmp = NULL;
     const char *err = NULL;
     int coded = 0;
     for (int i = 0; i < w && !err; i++) {
-        if (lens[i] == n) continue;
-        if (lens[i] > n) { err = "ans plane larger than its raw size"; break; }
+        if (raw ? raw[i] : lens[i] == n) continue;
+        if (!raw && lens[i] > n) { err = "ans plane larger than its raw size"; break; }
         decs[i] = (Dec *)malloc(sizeof(Dec));
         if (!decs[i]) { err = "out of memory"; break; }
         err = dec_init(decs[i], planes[i], lens[i]);
@@ -657,6 +666,77 @@ PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args) {
         else { result = Py_None; Py_INCREF(result); }
     }
     for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* ans_decode_shared(planes, tables, sign_move, out) -> None, or a str saying what is damaged.
+ * Codec `ans_shared` (FORMAT.md 3.2): w planes of n = len(out)/w bytes; plane i is raw when it
+ * holds n bytes, else an ans blob, which for tables[i] not None lacks its frequency table: the
+ * blob decoded is planes[i][0:1] + tables[i] + planes[i][1:] (however long that makes it; the
+ * plane itself must still be shorter than n; a constant plane, byte 0 = 0, has no table). Same
+ * checks and merge as ans_decode. */
+PyObject *onnxz_py_ans_decode_shared(PyObject *self, PyObject *args) {
+    PyObject *seq, *tseq;
+    int sign_move;
+    Py_buffer out, bufs[MAX_PLANES], tabs[MAX_PLANES];
+    if (!PyArg_ParseTuple(args, "OOpw*", &seq, &tseq, &sign_move, &out)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "planes must be a sequence of buffers");
+    PyObject *tfast = fast ? PySequence_Fast(tseq, "tables must be a sequence") : NULL;
+    if (!tfast) { Py_XDECREF(fast); PyBuffer_Release(&out); return NULL; }
+    Py_ssize_t w = PySequence_Fast_GET_SIZE(fast);
+    if (!(w == 1 || w == 2 || w == 4 || w == 8) || PySequence_Fast_GET_SIZE(tfast) != w || out.len % w || (w == 1 && sign_move)) {
+        Py_DECREF(fast);
+        Py_DECREF(tfast);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "ans_decode_shared: 1, 2, 4 or 8 planes, as many tables (or None), out a multiple of their number");
+        return NULL;
+    }
+    int got = 0, gott = 0, has[MAX_PLANES] = {0};
+    for (; got < w; got++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &bufs[got], PyBUF_SIMPLE) < 0) break;
+    for (; got == w && gott < w; gott++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(tfast, gott);
+        if (t == Py_None) continue;
+        if (PyObject_GetBuffer(t, &tabs[gott], PyBUF_SIMPLE) < 0) break;
+        has[gott] = 1;
+    }
+    Py_DECREF(fast);
+    Py_DECREF(tfast);
+    PyObject *result = NULL;
+    if (got == w && gott == w) {
+        size_t n = (size_t)out.len / (size_t)w;
+        const uint8_t *ptr[MAX_PLANES];
+        size_t lens[MAX_PLANES];
+        int raw[MAX_PLANES];
+        uint8_t *whole[MAX_PLANES] = {0};
+        const char *err = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        if (n == 0) err = "empty ans chunk";
+        for (int i = 0; i < w && !err; i++) {
+            ptr[i] = (const uint8_t *)bufs[i].buf;
+            lens[i] = (size_t)bufs[i].len;
+            raw[i] = lens[i] == n;
+            if (raw[i]) continue;
+            if (lens[i] > n) { err = "ans plane larger than its raw size"; break; }
+            if (!has[i] || (lens[i] >= 1 && ptr[i][0] == 0)) continue; /* a constant plane has no table */
+            if (lens[i] < 1) { err = "ans plane truncated"; break; }
+            size_t tl = (size_t)tabs[i].len;
+            if (!(whole[i] = (uint8_t *)malloc(lens[i] + tl))) { err = "out of memory"; break; }
+            whole[i][0] = ptr[i][0];
+            memcpy(whole[i] + 1, tabs[i].buf, tl);
+            memcpy(whole[i] + 1 + tl, ptr[i] + 1, lens[i] - 1);
+            ptr[i] = whole[i];
+            lens[i] += tl;
+        }
+        if (!err) err = ans_decode_planes(ptr, lens, raw, (int)w, sign_move, n, (uint8_t *)out.buf, 1);
+        for (int i = 0; i < w; i++) free(whole[i]);
+        Py_END_ALLOW_THREADS
+        if (err) result = PyUnicode_FromString(err);
+        else { result = Py_None; Py_INCREF(result); }
+    }
+    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    for (int i = 0; i < gott && i < w; i++) if (has[i]) PyBuffer_Release(&tabs[i]);
     PyBuffer_Release(&out);
     return result;
 }

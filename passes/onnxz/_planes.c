@@ -428,6 +428,7 @@ static PyMethodDef methods[] = {
     {"ans_encode", onnxz_py_ans_encode, METH_VARARGS, "ans_encode(data, lanes_log2) -> bytes: one plane as an ans blob (FORMAT.md 3.1)"},
     {"ans_decode", onnxz_py_ans_decode, METH_VARARGS, "ans_decode(planes, sign_move, pairs, out) -> None or str: an ans chunk into out; a str names the damage"},
     {"ans_decode_batch", onnxz_py_ans_decode_batch, METH_VARARGS, "ans_decode_batch(source, scratch, tasks) -> None or (i, code, message): many ans chunks read, checked (XXH3-64) and decoded, GIL released"},
+    {"ans_decode_shared", onnxz_py_ans_decode_shared, METH_VARARGS, "ans_decode_shared(planes, tables, sign_move, out) -> None or str: an ans_shared chunk (blobs without their shared tables) into out"},
     {"set_xxh3", onnxz_py_set_xxh3, METH_VARARGS, "set_xxh3(address): the XXH3_64bits function ans_decode_batch checks chunks with"},
     {"xxh3", onnxz_py_xxh3, METH_VARARGS, "xxh3(data) -> int: XXH3-64 through the function set by set_xxh3"},
     {"ans_simd", onnxz_py_ans_simd, METH_VARARGS, "ans_simd([level]) -> int: the ans decoder in use (0 scalar, 1 AVX2, 2 AVX-512)"},

@@ -23,6 +23,7 @@ PyObject *onnxz_py_ans_encode(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_simd(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args);
+PyObject *onnxz_py_ans_decode_shared(PyObject *self, PyObject *args);
 PyObject *onnxz_py_set_xxh3(PyObject *self, PyObject *args);
 PyObject *onnxz_py_xxh3(PyObject *self, PyObject *args);
 #endif

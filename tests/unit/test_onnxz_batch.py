@@ -115,3 +115,78 @@ def test_batch_call_reports_each_failure(tmp_path):
         os.close(fd)
     with pytest.raises(ValueError):  # plane sizes not adding up to the stored size
         _planes.ans_decode_batch(data, None, [(spec[0], spec[1] + 1) + spec[2:] + (out,)])
+
+
+def test_unpack_without_the_sha256_still_refuses_damaged_chunks(tmp_path):
+    src, packed = _model_file(tmp_path)
+    out = passes.unpack(packed, tmp_path / "a.onnx", threads=2, check_sha256=False)
+    assert out.read_bytes() == src.read_bytes()
+    data = bytearray(packed.read_bytes())
+    with reader.PackedFile(bytes(data)) as pf:
+        c = next(t.stream for t in pf.index.tensors if t.stream is not None).chunks[0]
+    data[c.offset + 5] ^= 1
+    bad = tmp_path / "bad.onnxz"
+    bad.write_bytes(bytes(data))
+    for threads in (1, 2):
+        with pytest.raises(CorruptFileError, match="checksum"):
+            passes.unpack(bad, tmp_path / f"b{threads}.onnx", threads=threads, check_sha256=False)
+        assert not (tmp_path / f"b{threads}.onnx").exists()
+
+
+@pytest.mark.parametrize("n, kind", [(256, "narrow"), (256, "mid"), (300, "wide"), (1000, "mid"), (5000, "narrow"), (4096, "constant")])
+def test_ans_decode_shared_matches_the_numpy_path(n, kind):
+    """`ans_shared` planes (blobs without their table, FORMAT.md 3.2) decoded by the C entry and
+    by table re-insertion + the numpy decoder: the same bytes or both refused, also when the
+    table makes the whole blob as long as the plane or longer."""
+    from passes.onnxz import _planes, ans
+
+    rng = np.random.default_rng(n)
+    w = 4
+    planes, tables, blobs = [], [], []
+    for i in range(w):
+        if kind == "constant" and i == 1:
+            sym = np.full(n, 7, np.uint8)
+        elif kind == "wide":
+            sym = rng.integers(0, 256, n).astype(np.uint8)
+        elif kind == "mid":  # ~6.5 bits: the short blob fits in n, the blob with its table does not
+            sym = np.clip(np.round(rng.laplace(0, 20, n)), -127, 127).astype(np.int8).view(np.uint8)
+        else:
+            sym = np.clip(np.round(rng.laplace(0, 3, n)), -20, 20).astype(np.int8).view(np.uint8)
+        planes.append(sym)
+        counts = np.bincount(sym, minlength=256)
+        if (counts > 0).sum() < 2:  # a constant plane: byte 0 = 0 and the symbol
+            blobs.append(bytes([0, int(sym[0])]))
+            tables.append(b"\x00")
+            continue
+        freq = ans.normalise(counts)
+        blobs.append(ans.encode_shared(sym, freq, 2))
+        tables.append(ans.write_table(freq))
+    expected = np.stack(planes)  # plane i = byte (w-1-i) of each element, no sign move
+    want = np.ascontiguousarray(expected[::-1].T).ravel()
+    out = np.empty(n * w, np.uint8)
+    fed = [b if len(b) < n else planes[i].tobytes() for i, b in enumerate(blobs)]  # a blob >= n is stored raw
+    if kind == "mid" and n == 256:
+        assert any(len(b) < n <= len(b) + len(t) for b, t in zip(fed, tables))
+    assert _planes.ans_decode_shared(fed, tables, False, out) is None
+    assert out.tobytes() == want.tobytes()
+    rng2 = np.random.default_rng(1)
+    for i, b in enumerate(fed):  # damage: both paths agree (refused or the same bytes)
+        if len(b) == n or len(b) < 3:
+            continue
+        for pos in rng2.integers(0, len(b), 6).tolist():
+            bad = bytearray(b)
+            bad[pos] ^= 0x55
+            planes_bad = list(fed)
+            planes_bad[i] = bytes(bad)
+            c_out = np.zeros(n * w, np.uint8)
+            c_err = _planes.ans_decode_shared(planes_bad, tables, False, c_out)
+            whole = ans.with_table(bytes(bad), tables[i])
+            try:
+                ref = np.empty(n, np.uint8)
+                ans.decode_numpy(whole, n, ref)
+                py_ok = True
+            except ans.Damaged:
+                py_ok = False
+            assert (c_err is None) == py_ok, (i, pos, c_err)
+            if py_ok:
+                assert c_out.reshape(n, w)[:, w - 1 - i].tobytes() == ref.tobytes()
