@@ -146,3 +146,28 @@ def test_weights_inside_subgraphs_are_allocated_per_tensor():
     peers = [snr[n] for n in ("Wt", "Wl", "W_OUT") if forms[n] != "float"]
     assert forms["We"] == "float" or snr["We"] >= max(peers) - 3.0
     assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.999
+
+
+def test_error_feedback_with_far_larger_weight_noise_is_refused(monkeypatch):
+    """Error-feedback levels whose weight noise is beyond GPTQ_MAX_NOISE_GAIN x nearest rounding's
+    (a rank-deficient Hessian: the levels fit the calibration activations' span, as rapidocr_cls's
+    squeeze-excite weights did at 260-1160x) are not used; the others are."""
+    from passes import auto, gptq
+
+    real_refine = gptq.refine
+
+    def refine(qmodel, src, hessians, bits, **kw):
+        out = real_refine(qmodel, src, hessians, bits, **kw)
+        if "W2" in out:  # W2's error feedback moved its weights 30x (noise 900x) further off
+            lv, deq = out["W2"]
+            w = next(onnx.numpy_helper.to_array(t) for t in src.graph.initializer if t.name == "W2")
+            out["W2"] = (lv, w + 30.0 * (deq - w))
+        return out
+
+    monkeypatch.setattr(gptq, "refine", refine)
+    m = dense_model()
+    out, rep = passes.compress(m, target="cosine>=0.99", feeds=feeds(m, n=4))
+    forms = {r["name"]: r["form"] for r in rep["tensors"]}
+    assert rep["met_on_feeds"]
+    assert not forms["W2"].endswith("/gptq") and forms["W3"].endswith("/gptq"), forms
+    assert auto.GPTQ_MAX_NOISE_GAIN < 30.0 ** 2
