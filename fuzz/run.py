@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from .campaign import random_specs, sweep_specs
-    from .samples import build_all, check_families, real_models
+    from .samples import SAMPLE_BUILDERS, build_all, check_families, real_models
 
     t_build = time.perf_counter()
     chosen = set(args.samples.split(","))
@@ -161,6 +161,8 @@ def main(argv=None) -> int:
         samples += build_all()
     if chosen & {"all", "real"}:
         samples += real_models()
+    for name in sorted(chosen & (set(SAMPLE_BUILDERS) - {"real"})):  # one builder's samples only
+        samples += SAMPLE_BUILDERS[name]()
     packed = {s.name: s.packed for s in samples}
     names = sorted(packed)
     print(f"{len(samples)} samples built in {time.perf_counter() - t_build:.1f} s; codec families: "

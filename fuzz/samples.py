@@ -79,7 +79,7 @@ def forced_fpairs():
 
     original = codecs.encode_tensor
 
-    def encode(data, dtype, field, *, chunk_bytes=codecs.CHUNK_BYTES, try_lz=None):
+    def encode(data, dtype, field, *, chunk_bytes=codecs.CHUNK_BYTES, try_lz=None, **extra):
         if field == "raw_data" and dtype in (codecs.FLOAT, codecs.BFLOAT16) and data.size % 4 == 0:
             width = 4 if dtype == codecs.FLOAT else 2
             narrowed = codecs._narrowed(data, dtype) if dtype == codecs.FLOAT else None
@@ -89,7 +89,7 @@ def forced_fpairs():
                     "narrow", {"from": dtype, "to": codecs.BFLOAT16, "inner": {"codec": inner.codec, "params": inner.params}},
                     [codecs.EncodedChunk(c.raw_length * 2, c.planes) for c in inner.chunks])
             return codecs._encode_planes(data, "fpairs", width, chunk_bytes)
-        return original(data, dtype, field, chunk_bytes=chunk_bytes, try_lz=try_lz)
+        return original(data, dtype, field, chunk_bytes=chunk_bytes, try_lz=try_lz, **extra)
 
     codecs.encode_tensor = encode
     try:
@@ -279,8 +279,33 @@ def real_models() -> List[Sample]:
     return out
 
 
+def shared_samples(seed: int = 6) -> List[Sample]:
+    """Format 1.2 (`ans_shared`): small int8 and float32 tensors whose planes use tables stored
+    once in the index (a few KB: swept byte by byte)."""
+    from passes.onnxz import codecs
+
+    rng = np.random.default_rng(seed)
+    inits = []
+    for i in range(3):
+        q = np.clip(np.round(rng.laplace(0, 6 + 2 * i, 1200)), -127, 127).astype(np.int8)
+        inits.append(numpy_helper.from_array(q, f"shared_q{i}"))
+        inits.append(numpy_helper.from_array((rng.standard_normal(300) * 0.1).astype(np.float32), f"shared_w{i}"))
+    samples = [_sample("shared_tables", _graph_with(inits))]
+    # short blobs longer than their plane once the table is back (the writer's restriction lifted:
+    # decoded by the numpy path today)
+    wide = [numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 30, n)), -127, 127).astype(np.int8), f"shared_long{i}")
+            for i, n in enumerate([1100, 1300, 1200])]
+    saved, codecs.SHARED_WHOLE_BELOW_PLANE = codecs.SHARED_WHOLE_BELOW_PLANE, False
+    try:
+        samples.append(_sample("shared_long_blobs", _graph_with(wide)))
+    finally:
+        codecs.SHARED_WHOLE_BELOW_PLANE = saved
+    return samples
+
+
 def build_all() -> List[Sample]:
-    return [all_families(), ans_families()] + per_family() + odd_layouts() + fpairs_samples() + quantized_samples()
+    return ([all_families(), ans_families()] + per_family() + odd_layouts() + fpairs_samples() + quantized_samples()
+            + shared_samples())
 
 
 SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
@@ -289,6 +314,7 @@ SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
     "odd_layouts": odd_layouts,
     "fpairs": fpairs_samples,
     "quantized": quantized_samples,
+    "shared": shared_samples,
     "real": real_models,
 }
 

@@ -105,6 +105,56 @@ def encode_numpy(sym: np.ndarray, lanes_log2: int) -> bytes:
     return bytes([lanes_log2 + 1]) + write_table(freq) + x.astype("<u4").tobytes() + words
 
 
+def cum_freq(freq: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.int64)
+
+
+def coded_bits(counts: np.ndarray, freq: np.ndarray) -> float:
+    """Bits of the rANS words for symbols with these counts under the table freq (inf when a
+    present symbol has no frequency): what a blob's words cost, within a word per lane."""
+    present = counts > 0
+    if np.any(freq[present] == 0):
+        return float("inf")
+    c = counts[present].astype(np.float64)
+    return float((c * (PROB_BITS - np.log2(freq[present].astype(np.float64)))).sum())
+
+
+def encode_shared(sym: np.ndarray, freq: np.ndarray, lanes_log2: int) -> bytes:
+    """One plane as an ans blob *without* its frequency table (FORMAT.md 3.2: the table is shared,
+    stored once in the index): byte 0 (lanes), the initial states, the words. The coding is that
+    of encode_numpy with the given table (every symbol of sym must have a frequency). A scalar
+    Python loop (~0.3 us a symbol): used on small planes only."""
+    f = freq.tolist()
+    c = cum_freq(freq).tolist()
+    syms = np.ascontiguousarray(sym, np.uint8).ravel().tolist()
+    lanes = 1 << lanes_log2
+    mask = lanes - 1
+    x = [RANS_L] * lanes
+    words = []
+    emit = words.append
+    for i in range(len(syms) - 1, -1, -1):
+        s = syms[i]
+        fs = f[s]
+        j = i & mask
+        xj = x[j]
+        if xj >= fs << 20:
+            emit(xj & 0xFFFF)
+            xj >>= 16
+        q, r = divmod(xj, fs)
+        x[j] = (q << PROB_BITS) + r + c[s]
+    words.reverse()
+    return bytes([lanes_log2 + 1]) + np.array(x, "<u4").tobytes() + np.array(words, "<u2").tobytes()
+
+
+def with_table(blob, table: bytes) -> bytes:
+    """A blob written by encode_shared made whole again: its table put back after byte 0 (a
+    constant plane, byte 0 = 0, has none)."""
+    b = bytes(blob)
+    if not b or b[0] == 0:
+        return b
+    return b[:1] + table + b[1:]
+
+
 class Damaged(Exception):
     """A blob that cannot be what the encoder wrote (the caller raises CorruptFileError)."""
 

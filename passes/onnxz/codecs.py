@@ -10,7 +10,9 @@ extension _planes.c (GIL released too) or, when it was not built, in numpy (same
 """
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import heapq
 import threading
 from dataclasses import dataclass, field
@@ -39,7 +41,13 @@ SAMPLE_BYTES = 1 << 19  # tensors above 2x this choose their codec on a sample o
 
 CHUNK_BYTES = 1 << 20  # raw bytes per chunk written (readers accept any size up to MAX_CHUNK_BYTES)
 MAX_CHUNK_BYTES = 64 << 20
-CODECS = ("bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "ans")
+CODECS = ("bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "ans", "ans_shared")
+SHARED_MAX_BYTES = 64 << 10  # payloads up to this size may code planes with a file-wide table (1.2)
+SHARED_MIN_BYTES = 64
+# the writer keeps a blob with a shared table, once its table is put back, shorter than its
+# plane: the C decoder of `ans` can then decode it (a longer one is decoded by numpy, correct
+# but ~1000x slower); False once _planes has ans_decode_shared (asked of its owner)
+SHARED_WHOLE_BELOW_PLANE = True
 SPLIT = 6  # fpairs "split": exponent classes given their own sign/mantissa plane (effort="max" only)
 EFFORTS = ("default", "max")
 PAIR_TABLE = 15  # fpairs: the 15 most frequent exponent bytes of a chunk get 4-bit ranks, 15 escapes
@@ -317,7 +325,7 @@ def plane_sizes(codec: str, params: dict, raw_length: int) -> List[int]:
     """Sizes of the planes (before zstd) of one chunk; CorruptFileError if they cannot fit."""
     if codec == "bytes":
         return [raw_length]
-    if codec == "ans":
+    if codec in ("ans", "ans_shared"):
         w = params["width"]
         if raw_length % w or not raw_length:
             raise CorruptFileError(f"damaged index: ans chunk of {raw_length} bytes for width {w}")
@@ -364,6 +372,17 @@ def check_params(codec: str, params) -> None:
         if type(pairs) is not bool or (pairs and (not params["sign"] or params["width"] not in (2, 4))):
             raise CorruptFileError(f"damaged index: bad ans pairs {pairs!r}")
         return
+    if codec == "ans_shared":
+        w = params.get("width")
+        if type(w) is not int or w not in ANS_WIDTHS:
+            raise CorruptFileError(f"damaged index: bad ans_shared width {w!r}")
+        if type(params.get("sign")) is not bool or (params["sign"] and w == 1) or params.get("pairs", False) is not False:
+            raise CorruptFileError("damaged index: bad ans_shared sign / pairs")
+        tables = params.get("tables")
+        if not isinstance(tables, list) or len(tables) != w or any(type(t) is not int or t < -1 for t in tables) \
+                or max(tables) < 0:
+            raise CorruptFileError(f"damaged index: bad ans_shared tables {tables!r}")
+        return
     if codec in ("planes", "fplanes", "fpairs"):
         if type(params.get("width")) is not int or params.get("width") not in WIDTHS:
             raise CorruptFileError(f"damaged index: bad width {params.get('width')!r}")
@@ -378,8 +397,8 @@ def check_params(codec: str, params) -> None:
         if type(params.get("from")) is not int or type(params.get("to")) is not int \
                 or (params.get("from"), params.get("to")) not in NARROW or not isinstance(inner, dict):
             raise CorruptFileError("damaged index: bad narrow parameters")
-        if inner.get("codec") == "narrow":
-            raise CorruptFileError("damaged index: nested narrow codec")
+        if inner.get("codec") in ("narrow", "ans_shared"):
+            raise CorruptFileError(f"damaged index: {inner.get('codec')} inside narrow")
         check_params(inner.get("codec"), inner.get("params", {}))
         return
     raise NewerFormatError(f"codec {codec!r} is unknown to this reader (written by a newer version)")
@@ -417,6 +436,44 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         return
     if codec == "ans":
         err = ans_decode(frames, params["sign"], out, params.get("pairs", False))
+        if err:
+            raise CorruptFileError(f"damaged chunk: {err}")
+        return
+    if codec == "ans_shared":
+        # a blob of a plane with a shared table is made whole (its table put back after byte 0)
+        # and decoded as an `ans` chunk: the same checks, the same decoders
+        n = sizes[0]
+        tables = params.get("table_data")
+        if tables is None:
+            raise CorruptFileError("damaged index: ans_shared stream without its tables")
+        if _fast is not None and hasattr(_fast, "ans_decode_shared"):
+            err = _fast.ans_decode_shared(frames, [None if t is None else _table_bytes(t) for t in tables],
+                                          params["sign"], out)
+            if err:
+                raise CorruptFileError(f"damaged chunk: {err}")
+            return
+        whole, err = [], None
+        buf = scratch("shared").get(n * len(frames))
+        for i, (f, t) in enumerate(zip(frames, tables)):
+            if t is None or len(f) == n:
+                whole.append(f)
+                continue
+            if len(f) > n:
+                err = "ans plane larger than its raw size"
+                break
+            blob = _ans.with_table(f, _table_bytes(t))
+            if len(blob) < n:  # as an `ans` plane
+                whole.append(blob)
+                continue
+            # the table made it as large as the plane: the decoders of `ans` would take it for
+            # a raw plane (or refuse it), so it is decoded here and passed on as raw
+            try:
+                _decode_plane(blob, n, buf[i * n:(i + 1) * n])
+            except _ans.Damaged as exc:
+                err = str(exc)
+                break
+            whole.append(buf[i * n:(i + 1) * n])
+        err = err or ans_decode(whole, params["sign"], out, False)
         if err:
             raise CorruptFileError(f"damaged chunk: {err}")
         return
@@ -477,6 +534,18 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
         widen(tmp, frm, to, out)
         return
     raise NewerFormatError(f"codec {codec!r} is unknown to this reader (written by a newer version)")
+
+
+def _decode_plane(blob: bytes, n: int, dst: np.ndarray) -> None:
+    """One whole ans blob of n symbols into dst whatever its length (Damaged when it cannot be
+    right): numpy, for blobs the C `ans` entry cannot take (see decode_chunk)."""
+    _ans.decode_numpy(blob, n, dst)
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_bytes(text: str) -> bytes:
+    """A shared table as the index holds it (base64, checked by format.parse_index) -> bytes."""
+    return base64.b64decode(text)
 
 
 def ans_decode(frames, sign: bool, out: np.ndarray, pairs: bool = False) -> Optional[str]:
@@ -702,7 +771,7 @@ def _sample(data: np.ndarray, width: int, chunk_bytes: int) -> np.ndarray:
 def _rank(stream: EncodedStream) -> float:
     """What _best minimises: the stored size, with `ans` (1.5-3x faster to decode than the zstd
     codecs) preferred unless another codec is more than 1 - ANS_PREFERENCE smaller."""
-    return stream.stored * (ANS_PREFERENCE if stream.codec == "ans" else 1.0)
+    return stream.stored * (ANS_PREFERENCE if stream.codec in ("ans", "ans_shared") else 1.0)
 
 
 _write_ans = True
@@ -830,8 +899,131 @@ def _best(data: np.ndarray, specs, chunk_bytes: int) -> EncodedStream:
     return _choose(data, specs, chunk_bytes)[0]
 
 
+# ---------------------------------------------------------------- shared tables (1.2)
+
+def _shared_kind(data: np.ndarray, dtype: int, field: str):
+    """(kind, width, sign) of a payload that may use shared tables: planes of one kind (same
+    type, width, sign move and plane number) share one table; None for other payloads."""
+    if not SHARED_MIN_BYTES <= data.size <= SHARED_MAX_BYTES:
+        return None
+    codec, width = base_codec(dtype, field, data.size)
+    value_type = FLOAT if field == "float_data" else DOUBLE if field == "double_data" else dtype
+    if codec == "fplanes":
+        return (value_type, "f"), width, True
+    if codec == "planes":
+        return (value_type, "i"), width, False
+    if field in ("int32_data", "int64_data", "uint64_data"):
+        return (value_type, field), 1, False
+    return (value_type, "b"), 1, False
+
+
+def _shared_lanes_log2(n: int) -> int:
+    """Lanes of a blob with a shared table: 1 below 8192 symbols (the 12 bytes of 3 more states
+    are ~0.5% of such a plane), 4 above."""
+    return 0 if n < 8192 else 2
+
+
+def _own_cost(counts: np.ndarray, n: int) -> float:
+    """Estimated stored size of a plane coded as an `ans` plane of its own (blob with its table,
+    or raw when that saves under ANS_MIN_GAIN)."""
+    if np.count_nonzero(counts) < 2:
+        return 2.0
+    freq = _ans.normalise(counts)
+    blob = _ans.coded_bits(counts, freq) / 8 + len(_ans.write_table(freq)) + 1 + 4 * (1 << _ans.lanes_log2_for(n))
+    return blob if blob < n * (1 - ANS_MIN_GAIN) else float(n)
+
+
+class SharedTables:
+    """The frequency tables a file's small payloads share (FORMAT.md 3.2): one per kind of plane,
+    from the symbols of all small payloads of that kind, kept where the estimated saving over
+    per-plane tables pays for the table. Built once per file before encoding; read-only after."""
+
+    def __init__(self):
+        self.freq: Dict[tuple, np.ndarray] = {}
+        self.ids: Dict[tuple, int] = {}
+        self.tables: List[bytes] = []
+
+    @classmethod
+    def build(cls, payloads) -> "SharedTables":
+        """payloads: (uint8 array, dtype, field) of every payload that will be cut."""
+        counts: Dict[tuple, list] = {}
+        for data, dtype, field in payloads:
+            kind = _shared_kind(data, dtype, field)
+            if kind is None:
+                continue
+            key, width, sign = kind
+            planes = [data] if width == 1 else split_planes(data, width, sign)
+            for i, p in enumerate(planes):
+                counts.setdefault(key + (width, i), []).append(np.bincount(p, minlength=256))
+        self = cls()
+        for key in sorted(counts, key=repr):
+            members = counts[key]
+            total = np.sum(members, axis=0)
+            if len(members) < 2 or np.count_nonzero(total) < 2:
+                continue
+            freq = _ans.normalise(total)
+            table = _ans.write_table(freq)
+            saving = 0.0
+            for c in members:
+                n = int(c.sum())
+                shared = _ans.coded_bits(c, freq) / 8 + 3 + 4 * (1 << _shared_lanes_log2(n))
+                if shared < n * (1 - ANS_MIN_GAIN):
+                    saving += max(0.0, _own_cost(c, n) - shared)
+            if saving > 1.5 * len(table):  # base64 in the index, mostly won back by its zstd
+                self.ids[key] = len(self.tables)
+                self.freq[key] = freq
+                self.tables.append(table)
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def for_planes(self, data: np.ndarray, dtype: int, field: str):
+        """(width, sign, [(table id, freq) or None per plane]) for this payload, or None."""
+        kind = _shared_kind(data, dtype, field)
+        if kind is None:
+            return None
+        key, width, sign = kind
+        per_plane = [(self.ids[k], self.freq[k], len(self.tables[self.ids[k]])) if k in self.ids else None
+                     for k in (key + (width, i) for i in range(width))]
+        return (width, sign, per_plane) if any(per_plane) else None
+
+
+def _encode_shared(data: np.ndarray, width: int, sign: bool, per_plane, chunk_bytes: int) -> Optional[EncodedStream]:
+    """The payload as one `ans_shared` chunk: each plane coded with its shared table where that
+    is smaller than its own `ans` plane (and saves ANS_MIN_GAIN of it), else as in `ans`. None
+    when no plane gains or the payload spans several chunks."""
+    if data.size > max(width, chunk_bytes // width * width) or data.size % width:
+        return None
+    planes = [data] if width == 1 else list(split_planes(data, width, sign))
+    stored, ids = [], []
+    for p, shared in zip(planes, per_plane):
+        own = _ans_blob_or_raw(p)
+        best, best_id = own, -1
+        if shared is not None and len(own) > 2:
+            tid, freq, table_len = shared
+            counts = np.bincount(p, minlength=256)
+            n = p.size
+            lanes_log2 = _shared_lanes_log2(n)
+            # what the blob must stay under: its own ans plane, the gain asked of any coded plane,
+            # and (until the C decoder takes a table apart from its blob) the plane's size with
+            # the table put back (else numpy would decode it: correct, ~1000x slower)
+            limit = min(len(own), n * (1 - ANS_MIN_GAIN), n - table_len if SHARED_WHOLE_BELOW_PLANE else n)
+            estimate = _ans.coded_bits(counts, freq) / 8 + 1 + 4 * (1 << lanes_log2)
+            if estimate + 2 < limit:
+                blob = _ans.encode_shared(p, freq, lanes_log2)
+                if len(blob) < limit:
+                    best, best_id = blob, tid
+        stored.append(best)
+        ids.append(best_id)
+    if max(ids) < 0:
+        return None
+    return EncodedStream("ans_shared", {"width": width, "sign": sign, "tables": ids}, [EncodedChunk(data.size, stored)])
+
+
 def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int = CHUNK_BYTES,
-                  try_lz: Optional[bool] = None, effort: str = "default") -> EncodedStream:
+                  try_lz: Optional[bool] = None, effort: str = "default",
+                  shared: Optional[SharedTables] = None) -> EncodedStream:
     """The smallest encoding found for one payload (uint8 array). effort="max" also tries the
     fpairs "split" layout (~0.1% smaller float32, ~30% slower float32 decode)."""
     codec, width = base_codec(dtype, field, data.size)
@@ -857,6 +1049,11 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
         if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
             specs.append(("bytes", 1, 0))
         best = _best(data, specs, chunk_bytes)
+        plan = shared.for_planes(data, dtype, field) if shared and _write_ans else None
+        if plan is not None:
+            candidate = _encode_shared(data, *plan, chunk_bytes)
+            if candidate is not None and _rank(candidate) < _rank(best):
+                best = candidate
     if try_lz is None:
         try_lz = data.size >= 1024 and _lz_promising(data, best.stored / max(1, data.size))
     if try_lz:

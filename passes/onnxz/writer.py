@@ -1,6 +1,7 @@
 """pack(): an ONNX file (and its external data files) -> one `.onnxz` file (FORMAT.md)."""
 from __future__ import annotations
 
+import base64
 import collections
 import hashlib
 import os
@@ -205,6 +206,27 @@ def _in_order(pool: ThreadPoolExecutor, fn, jobs):
                     pass
 
 
+def _payload(sources, ref_file, all_refs, i) -> np.ndarray:
+    r = all_refs[i]
+    return np.frombuffer(sources[ref_file[i]].data, dtype=np.uint8, count=r.length, offset=r.offset)
+
+
+def _used_tables(tensor_streams: Dict[int, dict], shared) -> List[str]:
+    """The shared tables the streams use, in order of first use (base64), with the streams'
+    table numbers rewritten to their place in that list."""
+    order: Dict[int, int] = {}
+    for i in sorted(tensor_streams):
+        entry = tensor_streams[i]
+        if entry["codec"] != "ans_shared":
+            continue
+        ids = entry["params"]["tables"]
+        for t in ids:
+            if t >= 0 and t not in order:
+                order[t] = len(order)
+        entry["params"] = dict(entry["params"], tables=[order[t] if t >= 0 else -1 for t in ids])
+    return [base64.b64encode(shared.tables[t]).decode("ascii") for t in order]
+
+
 def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = False, progress=None,
          chunk_bytes: int = codecs.CHUNK_BYTES, effort: str = "default") -> PackStats:
     """Write `model_or_path` (a ModelProto or an .onnx path, with its external data) to `dst` (.onnxz).
@@ -245,15 +267,22 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         jobs.append(("skeleton", fi, len(sources[fi].data) - sum(r.length for r in cuts)))
     total = sum(len(s.data) for s in sources)
     done = 0
+    # the tables the small payloads share (1.2), from all of them before any is encoded
+    shared = codecs.SharedTables.build(
+        (_payload(sources, ref_file, all_refs, i), all_refs[i].dtype, all_refs[i].field)
+        for kind, i, _ in jobs if kind == "tensor" and all_refs[i].length <= codecs.SHARED_MAX_BYTES) \
+        if codecs._write_ans else codecs.SharedTables()
 
     def encode(job):
         kind, i, _ = job
         if kind == "skeleton":
             return _encode_skeleton(_skeleton(sources[i].data, plans[i]))
         r = all_refs[i]
-        data = np.frombuffer(sources[ref_file[i]].data, dtype=np.uint8, count=r.length, offset=r.offset)
-        # effort passed only when not the default: test tools patch encode_tensor without it
+        data = _payload(sources, ref_file, all_refs, i)
+        # effort and shared passed only when needed: test tools patch encode_tensor without them
         extra = {"effort": effort} if effort != "default" else {}
+        if shared:
+            extra["shared"] = shared
         return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
 
     tensor_streams: Dict[int, dict] = {}
@@ -304,12 +333,17 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
                 "file": ref_file[i], "offset": r.offset, "length": r.length,
                 "stream": tensor_streams.get(i),
             })
-        index = {"format": list(VERSION), "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
+        tables = _used_tables(tensor_streams, shared)
+        # 1.2 only where a shared table is used: every other file stays readable as 1.1
+        version = VERSION if tables else (1, 1)
+        index = {"format": list(version), "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
+        if tables:
+            index["ans_tables"] = tables
         text, frame = encode_index(index)
         f.write(frame)
         file_length = pos + len(frame)
         f.seek(0)
-        f.write(pack_header(pos, len(frame), len(text), file_length, zlib.crc32(frame)))
+        f.write(pack_header(pos, len(frame), len(text), file_length, zlib.crc32(frame), version))
         f.seek(file_length)
     return PackStats(label, str(dst), total, file_length, len(sources), len(all_refs), len(tensor_streams),
                      time.perf_counter() - t0, by_codec)

@@ -1,9 +1,11 @@
 """Regenerate the golden `.onnxz` files of tests/golden/ (format stability, issue 6 item 7).
 
     python tests/golden/make_golden.py --dest tests/golden/v1.1   # writes v1.1/*.onnxz + MANIFEST.json
+    python tests/golden/make_golden.py --dest tests/golden/v1.2   # ans_shared (format 1.2)
     python tests/golden/make_golden.py --check                     # only checks that v1.0 decodes to its manifest
 
-v1.0/ was written by the 1.0 writer from `cases()`; v1.1/ (codec `ans`) from `cases_v11()`. The
+v1.0/ was written by the 1.0 writer from `cases()`; v1.1/ (codec `ans`) from `cases_v11()`; v1.2/
+(codec `ans_shared`, shared tables) from `cases_v12()`. The
 folder name picks the case set; today's writer would no longer choose the 1.0 codecs for `cases()`.
 
 Each golden file is a tiny model whose weights go through one codec of FORMAT.md (the script
@@ -150,6 +152,44 @@ def cases_v11():
     }
 
 
+def cases_v12():
+    """`ans_shared` of format 1.2 (FORMAT.md 3.2): several small tensors of a kind coding their
+    planes with tables stored once in the index: int8 (width 1, 1 and 4 lanes), float32 (shared
+    exponent table, sign move), int16 (width 2, no sign move), and short blobs whose whole blob
+    (table put back) is longer than the plane (`shared_long`: written with the writer's
+    restriction lifted; today's C decoder of `ans` cannot take them, the reader must still)."""
+    rng = np.random.default_rng(20261201)
+
+    def i8(name, n, scale):
+        return numpy_helper.from_array(np.clip(np.round(rng.laplace(0, scale, n)), -127, 127).astype(np.int8), name)
+
+    int8s = [i8(f"w_i8_{k}", n, s) for k, (n, s) in enumerate([(1500, 6), (2500, 8), (9000, 9), (1800, 7)])]
+    f32s = [numpy_helper.from_array((rng.standard_normal(n) * 0.05).astype(np.float32), f"w_f32_{k}")
+            for k, n in enumerate([400, 900, 1500, 3000])]
+    i16s = [numpy_helper.from_array(np.round(rng.laplace(0, 40, n)).astype(np.int16), f"w_i16_{k}") for k, n in enumerate([800, 1600, 2400])]
+    long8 = [i8(f"w_i8_long_{k}", n, 30) for k, n in enumerate([1100, 1300, 1200, 1000])]
+    return {
+        "ans-shared-int8": (int8s, {"ans_shared"}, {}, False),
+        "ans-shared-float32": (f32s, {"ans_shared"}, {}, False),
+        "ans-shared-int16": (i16s, {"ans_shared"}, {}, False),
+        "ans-shared-mixed": (int8s[:2] + f32s[:2], {"ans_shared"}, {}, False),
+        "ans-shared-long-blobs": (long8, {"ans_shared"}, {"shared_long": True}, False),
+    }
+
+
+@contextlib.contextmanager
+def shared_long():
+    """The writer with short blobs allowed to reach the plane's size once their table is put back."""
+    from passes.onnxz import codecs
+
+    saved = codecs.SHARED_WHOLE_BELOW_PLANE
+    codecs.SHARED_WHOLE_BELOW_PLANE = False
+    try:
+        yield
+    finally:
+        codecs.SHARED_WHOLE_BELOW_PLANE = saved
+
+
 @contextlib.contextmanager
 def forced_ans_pairs():
     """The writer with `ans` pairs as the only float codec (it takes pairs only with effort="max"
@@ -176,11 +216,13 @@ def build(dest: Path) -> dict:
     dest.mkdir(parents=True, exist_ok=True)
     version = dest.name.lstrip("v")
     manifest = {"format": version, "generator": "tests/golden/make_golden.py", "files": {}}
-    for name, (inits, want_codecs, opts, external) in (cases_v11() if version == "1.1" else cases()).items():
+    case_sets = {"1.1": cases_v11, "1.2": cases_v12}
+    for name, (inits, want_codecs, opts, external) in case_sets.get(version, cases)().items():
         opts = dict(opts)
         model = _model(inits, opts.pop("extra_nodes", ()))
         force = opts.pop("force_fpairs", False)
         force_pairs = opts.pop("force_ans_pairs", False)
+        long_blobs = opts.pop("shared_long", False)
         onnx.checker.check_model(model, full_check=True)
         expected_tensors = {}
         for t in _all_tensors(model):
@@ -197,7 +239,8 @@ def build(dest: Path) -> dict:
             out = dest / f"{name}.onnxz"
             from fuzz.samples import forced_fpairs
 
-            with forced_fpairs() if force else forced_ans_pairs() if force_pairs else contextlib.nullcontext():
+            with forced_fpairs() if force else forced_ans_pairs() if force_pairs else shared_long() if long_blobs \
+                    else contextlib.nullcontext():
                 pack(src, out, threads=1, force=True, **opts)
         with open_packed(out, threads=1) as pm:
             used = {t["codec"] for t in pm.metadata()["tensors"]} | {

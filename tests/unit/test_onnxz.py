@@ -179,15 +179,15 @@ def test_every_tensor_readable_lazily(tmp_path):
             else:
                 assert got.tobytes() == want.tobytes(), t.name
         meta = pm.metadata()
-        assert meta["format_version"] in ("1.0", "1.1")
+        assert meta["format_version"] in ("1.1", "1.2")
         assert meta["original_bytes"] == src.stat().st_size
         codecs_used = {t["codec"] for t in meta["tensors"]}
-        assert {"narrow", "skeleton"} <= codecs_used and codecs_used & {"fplanes", "fpairs", "ans"}, codecs_used
+        assert {"narrow", "skeleton"} <= codecs_used and codecs_used & {"fplanes", "fpairs", "ans", "ans_shared"}, codecs_used
         by_key = {t["key"]: t for t in meta["tensors"]}
         # floats that are exactly narrower are stored narrow
         assert by_key["f32_holding_f16"]["codec"] == "narrow" and by_key["f32_holding_f16"]["params"]["to"] == TensorProto.FLOAT16
         assert by_key["f32_holding_bf16"]["params"]["to"] == TensorProto.BFLOAT16
-        assert by_key["f32"]["codec"] in ("fplanes", "fpairs", "ans")
+        assert by_key["f32"]["codec"] in ("fplanes", "fpairs", "ans", "ans_shared")
         with pytest.raises(KeyError):
             pm.get_tensor("no such tensor")
 
@@ -785,3 +785,94 @@ def test_restore_in_small_windows(tmp_path, monkeypatch, window):
             it.close()  # abandoned half-way: the workers finish, nothing is left running
         out = reader.unpack(packed, tmp_path / f"r{threads}.onnx", threads=threads)
         assert out.read_bytes() == raw
+
+
+# ---------------------------------------------------------------- ans_shared (format 1.2)
+
+def _small_tensor_model():
+    """Many KB-sized tensors of two kinds (int8, float32): what shared tables are for."""
+    rng = np.random.default_rng(12)
+    inits = []
+    for i in range(12):
+        n = int(rng.integers(1100, 6000))
+        q = np.clip(np.round(rng.laplace(0, 12 + i, n)), -127, 127).astype(np.int8)
+        inits.append(numpy_helper.from_array(q, f"q{i}"))
+        inits.append(numpy_helper.from_array((rng.standard_normal(n // 2) * 0.1).astype(np.float32), f"w{i}"))
+    return helper.make_model(helper.make_graph([], "g", [], [], inits))
+
+
+def test_encode_shared_is_the_ans_blob_without_its_table():
+    from passes.onnxz import ans
+
+    rng = np.random.default_rng(3)
+    for n, lanes_log2 in ((2, 0), (777, 0), (5000, 2), (9000, 2)):
+        sym = np.clip(np.round(rng.laplace(128, 9, n)), 0, 255).astype(np.uint8)
+        freq = ans.normalise(np.bincount(sym, minlength=256))
+        short = ans.encode_shared(sym, freq, lanes_log2)
+        whole = ans.with_table(short, ans.write_table(freq))
+        assert whole == ans.encode_numpy(sym, lanes_log2)
+        out = np.empty(n, np.uint8)
+        ans.decode_numpy(whole, n, out)
+        assert np.array_equal(out, sym)
+
+
+@pytest.mark.parametrize("whole_below_plane", [True, False])
+def test_small_tensors_share_tables_and_round_trip(tmp_path, monkeypatch, whole_below_plane):
+    """Format 1.2: small payloads code planes with tables stored once in the index; the file says
+    1.2, restores byte for byte, every tensor decodes exactly (also planes the C decoder of `ans`
+    cannot take, decoded by numpy), and it is smaller than without shared tables."""
+    from passes.onnxz import codecs
+    from passes.onnxz.reader import PackedFile
+
+    monkeypatch.setattr(codecs, "SHARED_WHOLE_BELOW_PLANE", whole_below_plane)
+    m = _small_tensor_model()
+    src = tmp_path / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    stats = passes.pack(src, tmp_path / "m.onnxz", threads=2)
+    again = passes.pack(src, tmp_path / "m1.onnxz", threads=1)
+    assert (tmp_path / "m.onnxz").read_bytes() == (tmp_path / "m1.onnxz").read_bytes()
+    with PackedFile(tmp_path / "m.onnxz") as pf:
+        assert pf.index.version == (1, 2) and pf.index.raw["ans_tables"]
+        shared = [t for t in pf.index.tensors if t.stream is not None and t.stream.codec == "ans_shared"]
+        assert {t.dtype for t in shared} == {TensorProto.INT8, TensorProto.FLOAT}
+    with passes.open_packed(tmp_path / "m.onnxz", threads=2) as pm:
+        for t in m.graph.initializer:
+            assert pm.get_tensor(t.name).tobytes() == numpy_helper.to_array(t).tobytes(), t.name
+    assert passes.unpack(tmp_path / "m.onnxz", tmp_path / "r.onnx").read_bytes() == src.read_bytes()
+    monkeypatch.setattr(codecs.SharedTables, "build", classmethod(lambda cls, payloads: cls()))
+    alone = passes.pack(src, tmp_path / "a.onnxz", threads=2)
+    assert alone.packed_bytes > stats.packed_bytes == again.packed_bytes
+    with passes.open_packed(tmp_path / "a.onnxz") as pm:
+        assert pm.metadata()["format_version"] == "1.1"  # no shared table: still a 1.1 file
+
+
+def _first_shared(index):
+    return next(t["stream"] for t in index["tensors"] if t.get("stream") and t["stream"]["codec"] == "ans_shared")
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda ix: _first_shared(ix)["params"].update(tables=[99] * len(_first_shared(ix)["params"]["tables"])), CorruptFileError),
+    (lambda ix: _first_shared(ix)["params"].update(tables=[-1] * len(_first_shared(ix)["params"]["tables"])), CorruptFileError),
+    (lambda ix: _first_shared(ix)["params"].update(tables=[0, 0, 0]), CorruptFileError),
+    (lambda ix: ix.update(ans_tables=["not base64!"]), CorruptFileError),
+    (lambda ix: ix.update(ans_tables="AAAA"), CorruptFileError),
+    (lambda ix: ix.pop("ans_tables"), CorruptFileError),
+    (lambda ix: ix.update(ans_tables=[base64_of(b"\x05\x00\x01\x02\x03\x04\x05\xff\xff")] * len(ix["ans_tables"])), CorruptFileError),
+    (lambda ix: _first_shared(ix).update(codec="ans_shared2"), NewerFormatError),
+])
+def test_shared_tables_refused_when_damaged(tmp_path, change, error):
+    src = tmp_path / "m.onnx"
+    src.write_bytes(_small_tensor_model().SerializeToString())
+    passes.pack(src, tmp_path / "m.onnxz")
+    packed = tmp_path / "m.onnxz"
+    packed.write_bytes(_rewrite_index(packed.read_bytes(), change))
+    with pytest.raises(error):
+        with passes.open_packed(tmp_path / "m.onnxz") as pm:
+            for k in pm.keys():
+                pm.get_tensor(k)
+
+
+def base64_of(b: bytes) -> str:
+    import base64
+
+    return base64.b64encode(b).decode()
