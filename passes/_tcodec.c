@@ -11,7 +11,9 @@
  * (context, slot) gives the token, its frequency and its offset in one load.
  *
  * decode(words, woff, raw, roff, chunk_units, out, row_cls, pos_cls, lut, freq, recon,
- *        unit_len, units_per_row, n_pos_cls, nb_ctx, tcq, step, threads, lanes) -> 0 | -1
+ *        unit_len, units_per_row, n_pos_cls, nb_ctx, tcq, step, threads, lanes[, simd]) -> 0 | -1
+ *   simd    0 (default): scalar lanes only; 1..5: the AVX-512 lanes (below) where the CPU has them,
+ *           while a thread has at least that many chunks
  *   words   uint16, with at least one element after the last chunk's words (read, never used)
  *   woff, roff, chunk_units  int64[n_chunks + 1]   raw uint32   out float32 (written)
  *   row_cls uint8[rows]   pos_cls int32[unit_len]   lut int32[LUT_SIZE]
@@ -66,6 +68,15 @@ typedef struct {
     int tcq;
     float step;
     int lanes;
+    /* for the AVX-512 lanes (see there) */
+    int simd, simd_min;          /* vector lanes used; fewest chunks they decode (below: the scalar lanes finish) */
+    int64_t nb_ctx;
+    const int32_t *pos_off32;    /* pos_off, as int32 (the vector path needs all offsets < 2**31) */
+    const uint8_t *row_cls_pad;  /* row_cls and 4 readable bytes after (one 32-bit gather each) */
+    float recon2[32];            /* value of magnitudes < 16, Q0 then Q1 (0 exactly for magnitude 0) */
+    int32_t thr[8];              /* neighbour sums where the bucket steps up, and by how much (<< 12) */
+    uint32_t thr_delta[8];
+    int n_thr, use_thr;          /* use_thr: the LUT is <= 8 steps up (else it is gathered) */
     /* work distribution and result */
     int64_t next_chunk;
     int failed;
@@ -222,10 +233,10 @@ static int64_t take_chunk(Job *jb) {
     return __atomic_fetch_add(&jb->next_chunk, 1, __ATOMIC_RELAXED);
 }
 
-static void *worker(void *arg) {
-    Job *jb = (Job *)arg;
-    Lane ln[MAX_LANES];
-    int k = 0, failed = 0;
+/* The scalar lanes: k lanes already started (k may be 0), refilled from the queue until it is
+ * empty; returns 1 when a chunk failed. */
+static int run_scalar(Job *jb, Lane *ln, int k) {
+    int failed = 0;
     for (;;) {
         /* fill empty lanes with the next chunks */
         while (k < jb->lanes) {
@@ -259,6 +270,342 @@ static void *worker(void *arg) {
         }
         k = kk;
     }
+    return failed;
+}
+
+/* ---- AVX-512: 16 chunks per thread in the lanes of one vector ------------------------------
+ * Why: the scalar lanes above wait on two loads per symbol (table entry, then the next context);
+ * three interleaved chunks hide only part of that latency and run out of registers. Here one
+ * vector lane per chunk decodes 16 chunks at once: the table entries, the renormalisation words
+ * and the raw bits are gathered; the token's magnitude base and raw-bit count are computed, not
+ * looked up; the neighbour bucket is a sum of compares with the LUT's steps (when it has <= 8);
+ * values below 256 are computed (centroids by a permute, others (mult*m - q) * step exactly as
+ * the table holds them); the rare magnitudes >= 256 are fixed up one by one. Same output and the
+ * same refusals as the scalar lanes (the tests and the fuzz compare them); the scalar lanes finish
+ * the last few chunks of a thread, and run alone on CPUs without AVX-512 and on tensors whose
+ * offsets do not fit 31 bits. */
+#if defined(__GNUC__) && defined(__x86_64__)
+#define TC_SIMD 1
+#include <immintrin.h>
+#define SL 16
+#define MAX_THR 8
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+typedef struct {
+    int32_t x[SL], wp[SL], wend[SL], rel[SL], rlen[SL], rbyte[SL], st[SL], bad[SL], row[SL],
+        col[SL], rowbase[SL];
+} __attribute__((aligned(64))) SLanes;
+
+typedef struct {
+    SLanes v;
+    int64_t u[SL], uend[SL], ci[SL];
+    int64_t ob[SL]; /* output index of the lane's next value not yet written */
+    int active[SL];
+} SState;
+
+static int slane_start(const Job *jb, SState *S, int l, int64_t ci) {
+    int64_t w0 = jb->woff[ci], w1 = jb->woff[ci + 1];
+    if (w1 - w0 < 2) return -1;
+    S->v.x[l] = (int32_t)(((uint32_t)jb->words[w0] << 16) | jb->words[w0 + 1]);
+    S->v.wp[l] = (int32_t)(w0 + 2);
+    S->v.wend[l] = (int32_t)w1;
+    S->v.rel[l] = 0;
+    S->v.rlen[l] = (int32_t)((jb->roff[ci + 1] - jb->roff[ci]) * 32);
+    S->v.rbyte[l] = (int32_t)(jb->roff[ci] * 4);
+    S->v.st[l] = 0;
+    S->v.bad[l] = 0;
+    S->u[l] = jb->chunk_units[ci];
+    S->uend[l] = jb->chunk_units[ci + 1];
+    S->ci[l] = ci;
+    S->ob[l] = S->u[l] * jb->unit_len;
+    S->v.row[l] = (int32_t)(S->u[l] / jb->upr);
+    S->v.col[l] = (int32_t)(S->u[l] % jb->upr);
+    S->v.rowbase[l] = (int32_t)(jb->row_cls[S->v.row[l]] * jb->row_mul);
+    S->active[l] = 1;
+    return 0;
+}
+
+/* lane l of the vectors as a scalar lane (to finish its chunk there, or to check its end) */
+static void slane_to_lane(const Job *jb, const SState *S, int l, Lane *ln) {
+    int64_t ci = S->ci[l];
+    ln->x = (uint32_t)S->v.x[l];
+    ln->wp = jb->words + S->v.wp[l];
+    ln->wend = jb->words + jb->woff[ci + 1];
+    ln->rstart = (uint64_t)jb->roff[ci] * 32;
+    ln->rend = (uint64_t)jb->roff[ci + 1] * 32;
+    ln->bitpos = ln->rstart + (uint32_t)S->v.rel[l];
+    ln->bad = (uint32_t)S->v.bad[l];
+    ln->u = S->u[l];
+    ln->uend = S->uend[l];
+    ln->row = S->v.row[l];
+    ln->col = S->v.col[l];
+    uint32_t s = (uint32_t)S->v.st[l];
+    ln->st = ((uint32_t)((s >> 1) * jb->nb_ctx) << PROB_BITS) | s;
+}
+
+/* magnitudes >= 256 (rare): the value as the scalar lanes compute it, over the one scattered */
+AVX512 __attribute__((noinline, cold)) static void fix_big(const Job *jb, __mmask16 k, __m512i m,
+                                                           __m512i q, __m512i bits, int32_t *row) {
+    uint32_t am[SL], aq[SL], ab[SL];
+    _mm512_storeu_si512(am, m); _mm512_storeu_si512(aq, q);
+    _mm512_storeu_si512(ab, bits);
+    const double mult = jb->tcq ? 2.0 : 1.0;
+    for (int l = 0; l < SL; l++) {
+        if (!((k >> l) & 1)) continue;
+        union { float f; uint32_t i; } v;
+        v.f = (float)(mult * (double)am[l] - (double)aq[l]) * jb->step;
+        v.i ^= ab[l] << 31;
+        memcpy(&row[l], &v.i, 4);
+    }
+}
+
+/* 16 steps of 16 lanes (buf row t: step t of every lane) to each lane's next 16 outputs */
+AVX512 static inline void flush16(SState *S, float *out, const int32_t *buf, __mmask16 kact) {
+    __m512i r[SL], t[SL];
+    for (int i = 0; i < SL; i++) r[i] = _mm512_load_si512(buf + SL * i);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) {
+            t[8 * h + c] = _mm512_shuffle_i32x4(r[8 * h + c], r[8 * h + 4 + c], 0x88);
+            t[8 * h + 4 + c] = _mm512_shuffle_i32x4(r[8 * h + c], r[8 * h + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+    }
+    for (int l = 0; l < SL; l++) {
+        if (!((kact >> l) & 1)) continue;
+        _mm512_storeu_si512(out + S->ob[l], r[l]);
+        S->ob[l] += SL;
+    }
+}
+
+AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmask16 kact) {
+    const int64_t unit_len = jb->unit_len;
+    const int32_t upr = (int32_t)jb->upr;
+    const int32_t *restrict pos32 = jb->pos_off32;
+    const int32_t *restrict tab = (const int32_t *)jb->tab;
+    const int32_t *restrict lutv = (const int32_t *)jb->lut_off;
+    const uint16_t *words = jb->words;
+    const uint8_t *raw = jb->raw;
+    float *out = jb->out;
+    const __m512i one = _mm512_set1_epi32(1), m4095 = _mm512_set1_epi32(PROB_SCALE - 1),
+                  m16 = _mm512_set1_epi32(0xFFFF), m12 = _mm512_set1_epi32(0xFFF),
+                  mff = _mm512_set1_epi32(0xFF), c16 = _mm512_set1_epi32(16),
+                  c8 = _mm512_set1_epi32(8), c7 = _mm512_set1_epi32(7), c2 = _mm512_set1_epi32(2),
+                  c255 = _mm512_set1_epi32(255), c256 = _mm512_set1_epi32(256),
+                  rl = _mm512_set1_epi32(RANS_L), zero = _mm512_setzero_si512();
+    const __m512i qoff = _mm512_set1_epi32((int32_t)(jb->nb_ctx << PROB_BITS));
+    const __m512i multv = _mm512_set1_epi32(jb->tcq ? 2 : 1);
+    const __m512i tcqmask = _mm512_set1_epi32(jb->tcq ? -1 : 0);
+    const __m512i lut0 = _mm512_set1_epi32((int32_t)jb->lut_off[0]);
+    const __m512 stepv = _mm512_set1_ps(jb->step);
+    const __m512 rec0 = _mm512_loadu_ps(jb->recon2), rec1 = _mm512_loadu_ps(jb->recon2 + 16);
+    const int n_thr = jb->n_thr, use_thr = jb->use_thr;
+    int32_t buf[SL * SL] __attribute__((aligned(64)));
+    __m512i thr[MAX_THR], dlt[MAX_THR];
+    for (int i = 0; i < MAX_THR; i++) {
+        thr[i] = _mm512_set1_epi32(i < n_thr ? jb->thr[i] : (int32_t)PROB_SCALE);
+        dlt[i] = _mm512_set1_epi32(i < n_thr ? (int32_t)jb->thr_delta[i] : 0);
+    }
+    __m512i x = _mm512_load_si512(S->v.x), wp = _mm512_load_si512(S->v.wp),
+            wend = _mm512_load_si512(S->v.wend), rel = _mm512_load_si512(S->v.rel),
+            rlen = _mm512_load_si512(S->v.rlen), rbyte = _mm512_load_si512(S->v.rbyte),
+            st = _mm512_load_si512(S->v.st),
+            row = _mm512_load_si512(S->v.row), col = _mm512_load_si512(S->v.col),
+            rowbase = _mm512_load_si512(S->v.rowbase);
+    __mmask16 bad = _mm512_test_epi32_mask(_mm512_load_si512(S->v.bad), _mm512_load_si512(S->v.bad));
+    /* the word a renormalisation would take next, gathered ahead (off the state's dependency chain) */
+    __m512i nextw = _mm512_and_si512(_mm512_mask_i32gather_epi32(zero, kact, wp, words, 2), m16);
+    __m512i stoff = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(st, c2), qoff);
+    __m512i p1 = zero, p2 = zero;
+    int cnt = 0; /* steps in buf */
+
+/* one symbol of every lane at context offset CTX (without the quantizer's); its value into the
+ * next row of buf (written out 16 steps at a time, transposed: no scatter);
+ * its magnitude (saturated at 4095) into MS */
+#define SSTEP(CTX, MS) do {                                                                     \
+        __m512i idx_ = _mm512_add_epi32(_mm512_add_epi32(CTX, stoff), _mm512_and_si512(x, m4095)); \
+        __m512i e_ = _mm512_i32gather_epi32(idx_, tab, 4);                                         \
+        __m512i fr_ = _mm512_add_epi32(_mm512_srli_epi32(e_, 20), one);                            \
+        __m512i bi_ = _mm512_and_si512(_mm512_srli_epi32(e_, 8), m12);                             \
+        __m512i xx_ = _mm512_add_epi32(_mm512_mullo_epi32(fr_, _mm512_srli_epi32(x, PROB_BITS)), bi_); \
+        __mmask16 need_ = _mm512_mask_cmplt_epu32_mask(kact, xx_, rl);                             \
+        x = _mm512_mask_mov_epi32(xx_, need_, _mm512_or_si512(_mm512_slli_epi32(xx_, 16), nextw)); \
+        wp = _mm512_mask_add_epi32(wp, need_, wp, one);                                            \
+        nextw = _mm512_and_si512(_mm512_mask_i32gather_epi32(nextw, need_, wp, words, 2), m16);    \
+        /* raw bits: 8 bytes from the lane's bit position, two gathers of 8 lanes */                \
+        __m512i rb_ = _mm512_add_epi32(rbyte, _mm512_srli_epi32(rel, 3));                          \
+        __m512i sh_ = _mm512_and_si512(rel, c7);                                                   \
+        __m512i rlo_ = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)kact,         \
+                                                   _mm512_castsi512_si256(rb_), raw, 1);           \
+        __m512i rhi_ = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)(kact >> 8),  \
+                                                   _mm512_extracti64x4_epi64(rb_, 1), raw, 1);     \
+        rlo_ = _mm512_srlv_epi64(rlo_, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sh_)));        \
+        rhi_ = _mm512_srlv_epi64(rhi_, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sh_, 1)));  \
+        __m512i r_ = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(rlo_)),       \
+                                        _mm512_cvtepi64_epi32(rhi_), 1);                           \
+        /* token -> raw bits and smallest magnitude: t < 16: (t > 0, t); else                      \
+         * q = (t - 16) >> 3: (q + 2, (8 + (t - 16) % 8) << (q + 1)) */                            \
+        __m512i t_ = _mm512_and_si512(e_, mff);                                                    \
+        __mmask16 sm_ = _mm512_cmplt_epu32_mask(t_, c16);                                          \
+        __m512i tb_ = _mm512_sub_epi32(t_, c16);                                                   \
+        __m512i tq_ = _mm512_srai_epi32(tb_, 3);                                                   \
+        __m512i nb_ = _mm512_mask_mov_epi32(_mm512_add_epi32(tq_, c2), sm_, _mm512_min_epu32(t_, one)); \
+        __m512i mb_ = _mm512_mask_mov_epi32(                                                       \
+            _mm512_sllv_epi32(_mm512_add_epi32(_mm512_and_si512(tb_, c7), c8), _mm512_add_epi32(tq_, one)), \
+            sm_, t_);                                                                              \
+        __m512i bits_ = _mm512_and_si512(r_, _mm512_sub_epi32(_mm512_sllv_epi32(one, nb_), one));  \
+        rel = _mm512_mask_add_epi32(rel, kact, rel, nb_);                                          \
+        __m512i m_ = _mm512_add_epi32(mb_, _mm512_srli_epi32(bits_, 1));                           \
+        __m512i q_ = _mm512_srli_epi32(st, 1);                                                     \
+        /* value: centroid below 16, (mult * m - q) * step below 256 (as the table holds them) */   \
+        __m512i mi_ = _mm512_min_epu32(m_, c255);                                                  \
+        __m512 vc_ = _mm512_permutex2var_ps(rec0, _mm512_add_epi32(_mm512_slli_epi32(q_, 4), mi_), rec1); \
+        __m512 vf_ = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_mullo_epi32(multv, mi_), q_)), stepv); \
+        __m512i v_ = _mm512_castps_si512(_mm512_mask_mov_ps(vf_, _mm512_cmplt_epu32_mask(m_, c16), vc_)); \
+        v_ = _mm512_xor_si512(v_, _mm512_slli_epi32(bits_, 31));                                   \
+        _mm512_store_si512(buf + SL * cnt, v_);                                                    \
+        __mmask16 big_ = _mm512_mask_cmpge_epu32_mask(kact, m_, c256);                             \
+        if (__builtin_expect(big_ != 0, 0)) fix_big(jb, big_, m_, q_, bits_, buf + SL * cnt);      \
+        if (++cnt == SL) {                                                                         \
+            flush16(S, out, buf, kact);                                                            \
+            cnt = 0;                                                                               \
+        }                                                                                          \
+        /* trellis: next state ((s & 1) ^ parity) << 1 | s >> 1 (always 0 without it) */            \
+        st = _mm512_and_si512(tcqmask, _mm512_or_si512(                                            \
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_xor_si512(st, m_), one), 1), q_));           \
+        stoff = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(st, c2), qoff);                      \
+        MS = _mm512_min_epu32(m_, m4095);                                                          \
+    } while (0)
+#define SCHECK() do {                                                                              \
+        __mmask16 kw_ = _mm512_cmpgt_epi32_mask(wp, wend);                                         \
+        bad |= kw_;                                                                                \
+        wp = _mm512_mask_mov_epi32(wp, kw_, wend);                                                 \
+        __mmask16 kr_ = _mm512_cmpgt_epu32_mask(rel, rlen);                                        \
+        bad |= kr_;                                                                                \
+        rel = _mm512_mask_mov_epi32(rel, kr_, rlen);                                               \
+        if (kw_) nextw = _mm512_and_si512(_mm512_mask_i32gather_epi32(zero, kact, wp, words, 2), m16); \
+    } while (0)
+    for (int64_t it = 0; it < n_units; it++) {
+        __m512i ms;
+        __m512i c0 = _mm512_add_epi32(rowbase, _mm512_set1_epi32(pos32[0]));
+        SSTEP(c0, ms);
+        p1 = p2 = ms;
+        for (int64_t j0 = 1; j0 < unit_len; j0 += BLOCK) {
+            int64_t j1 = j0 + BLOCK < unit_len ? j0 + BLOCK : unit_len;
+            for (int64_t j = j0; j < j1; j++) {
+                __m512i s = _mm512_min_epu32(_mm512_add_epi32(p1, p2), m4095);
+                __m512i lo;
+                if (use_thr) {
+                    lo = lut0;
+                    for (int i = 0; i < MAX_THR; i++)
+                        lo = _mm512_mask_add_epi32(lo, _mm512_cmpge_epu32_mask(s, thr[i]), lo, dlt[i]);
+                } else {
+                    lo = _mm512_i32gather_epi32(s, lutv, 4);
+                }
+                __m512i c = _mm512_add_epi32(_mm512_add_epi32(rowbase, _mm512_set1_epi32(pos32[j])), lo);
+                __m512i m1;
+                SSTEP(c, m1);
+                p2 = p1;
+                p1 = m1;
+            }
+            SCHECK();
+        }
+        SCHECK(); /* (units of one element) */
+        col = _mm512_add_epi32(col, one);
+        __mmask16 kr = _mm512_mask_cmpeq_epi32_mask(kact, col, _mm512_set1_epi32(upr));
+        if (kr) {
+            col = _mm512_mask_mov_epi32(col, kr, zero);
+            row = _mm512_mask_add_epi32(row, kr, row, one);
+            __m512i rc = _mm512_and_si512(_mm512_mask_i32gather_epi32(zero, kr, row, jb->row_cls_pad, 1), mff);
+            rowbase = _mm512_mask_mullo_epi32(rowbase, kr, rc, _mm512_set1_epi32((int32_t)jb->row_mul));
+        }
+    }
+#undef SSTEP
+#undef SCHECK
+    (void)rl;
+    for (int l = 0; l < SL; l++) { /* the steps left in buf */
+        if (!((kact >> l) & 1)) continue;
+        for (int t = 0; t < cnt; t++) memcpy(&out[S->ob[l] + t], &buf[SL * t + l], 4); /* the bits */
+        S->ob[l] += cnt;
+    }
+    _mm512_store_si512(S->v.x, x); _mm512_store_si512(S->v.wp, wp); _mm512_store_si512(S->v.rel, rel);
+    _mm512_store_si512(S->v.st, st);
+    _mm512_store_si512(S->v.row, row); _mm512_store_si512(S->v.col, col);
+    _mm512_store_si512(S->v.rowbase, rowbase);
+    _mm512_store_si512(S->v.bad, _mm512_maskz_mov_epi32(bad, one));
+}
+
+static int run_simd(Job *jb, Lane *ln) {
+    SState S;
+    memset(&S, 0, sizeof S);
+    int failed = 0;
+    for (;;) {
+        for (int l = 0; l < SL && !failed; l++) {
+            if (S.active[l]) continue;
+            int64_t ci = take_chunk(jb);
+            if (ci < jb->n_chunks && slane_start(jb, &S, l, ci) != 0) failed = 1;
+        }
+        if (failed || __atomic_load_n(&jb->failed, __ATOMIC_RELAXED)) break;
+        int n_act = 0;
+        __mmask16 kact = 0;
+        int64_t n = INT64_MAX;
+        for (int l = 0; l < SL; l++) {
+            if (!S.active[l]) continue;
+            n_act++;
+            kact |= (__mmask16)(1u << l);
+            if (S.uend[l] - S.u[l] < n) n = S.uend[l] - S.u[l];
+        }
+        if (n_act == 0) break;
+        if (n_act < jb->simd_min) { /* the queue is empty: the scalar lanes finish these */
+            int k = 0;
+            for (int l = 0; l < SL; l++)
+                if (S.active[l]) slane_to_lane(jb, &S, l, &ln[k++]);
+            return run_scalar(jb, ln, k);
+        }
+        decode_simd(jb, &S, n, kact);
+        for (int l = 0; l < SL; l++) {
+            if (!S.active[l]) continue;
+            S.u[l] += n;
+            if (S.u[l] == S.uend[l]) {
+                Lane t;
+                slane_to_lane(jb, &S, l, &t);
+                if (!lane_finish_ok(&t)) failed = 1;
+                S.active[l] = 0;
+            } else if (S.v.bad[l]) {
+                failed = 1;
+            }
+        }
+    }
+    return failed;
+}
+
+static int simd_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
+static void *worker(void *arg) {
+    Job *jb = (Job *)arg;
+    Lane ln[MAX_LANES];
+    int failed;
+#ifdef TC_SIMD
+    if (jb->simd) failed = run_simd(jb, ln);
+    else
+#endif
+    failed = run_scalar(jb, ln, 0);
     if (failed) __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
     return NULL;
 }
@@ -300,15 +647,17 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_buffer b_words = {0}, b_woff = {0}, b_raw = {0}, b_roff = {0}, b_cu = {0}, b_out = {0},
               b_row = {0}, b_pos = {0}, b_lut = {0}, b_freq = {0}, b_recon = {0};
     long long unit_len, upr, n_pos, nb_ctx;
-    int tcq, threads, lanes;
+    int tcq, threads, lanes, simd = 0;
     double step;
     PyObject *result = NULL;
     uint64_t *pos_off = NULL;
+    int32_t *pos_off32 = NULL;
+    uint8_t *row_pad = NULL;
     uint32_t *tab = NULL;
     Job *jb = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*y*y*y*y*y*LLLLpdii", &b_words, &b_woff, &b_raw, &b_roff,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*y*y*y*y*y*LLLLpdii|i", &b_words, &b_woff, &b_raw, &b_roff,
                           &b_cu, &b_out, &b_row, &b_pos, &b_lut, &b_freq, &b_recon, &unit_len,
-                          &upr, &n_pos, &nb_ctx, &tcq, &step, &threads, &lanes))
+                          &upr, &n_pos, &nb_ctx, &tcq, &step, &threads, &lanes, &simd))
         return NULL;
     int64_t n_chunks = (int64_t)(b_cu.len / 8) - 1;
     int64_t nq = tcq ? 2 : 1;
@@ -383,6 +732,45 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         }
     }
     token_tables(jb);
+    jb->nb_ctx = nb_ctx;
+    jb->simd = 0;
+#ifdef TC_SIMD
+    /* the vector lanes index everything with int32 (and the chunks' raw bits with uint32) */
+    if (simd > 0 && simd_supported() && (uint64_t)n_ctx * PROB_SCALE < (1ull << 31)
+        && (uint64_t)n_words < (1ull << 30) && (uint64_t)b_raw.len < (1ull << 31)
+        && (uint64_t)(b_out.len / 4) < (1ull << 31) - (uint64_t)unit_len && rows + 64 < (1ll << 31)) {
+        jb->simd = 1;
+        for (int64_t i = 0; i < n_chunks; i++)
+            if ((roff[i + 1] - roff[i]) >= (1ll << 25)) jb->simd = 0;
+    }
+    if (jb->simd) {
+        jb->simd_min = simd > MAX_LANES + 1 ? MAX_LANES + 1 : simd; /* the scalar lanes take the rest */
+        pos_off32 = malloc(sizeof(int32_t) * unit_len);
+        row_pad = calloc((size_t)rows + 64, 1);
+        if (!pos_off32 || !row_pad) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (int64_t j = 0; j < unit_len; j++) pos_off32[j] = (int32_t)pos_off[j];
+        if (rows) memcpy(row_pad, b_row.buf, (size_t)rows);
+        jb->pos_off32 = pos_off32;
+        jb->row_cls_pad = row_pad;
+        for (int q = 0; q < 2; q++)
+            for (int m = 0; m < 16; m++) memcpy(&jb->recon2[q * 16 + m], &jb->vbits[q * 256 + m], 4);
+        /* the LUT as steps up (it rises with the sum; else, or with > 8 steps, it is gathered) */
+        jb->use_thr = 1;
+        jb->n_thr = 0;
+        for (int i = 1; i < LUT_SIZE && jb->use_thr; i++) {
+            if (lut[i] == lut[i - 1]) continue;
+            if (lut[i] < lut[i - 1] || jb->n_thr == MAX_THR) {
+                jb->use_thr = 0;
+                break;
+            }
+            jb->thr[jb->n_thr] = i;
+            jb->thr_delta[jb->n_thr++] = (uint32_t)(lut[i] - lut[i - 1]) << PROB_BITS;
+        }
+    }
+#endif
     int bad_table;
     Py_BEGIN_ALLOW_THREADS
     bad_table = build_table(tab, b_freq.buf, n_ctx);
@@ -403,6 +791,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     result = PyLong_FromLong(jb->failed ? -1 : 0);
 done:
     free(pos_off);
+    free(pos_off32);
+    free(row_pad);
     free(tab);
     free(jb);
     PyBuffer_Release(&b_words); PyBuffer_Release(&b_woff); PyBuffer_Release(&b_raw);

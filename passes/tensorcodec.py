@@ -509,6 +509,11 @@ _FAST = _fast_decoder()
 _WORD_PAD = _FAST.WORD_PAD if _FAST is not None else 0
 _RAW_PAD_WORDS = -(-_FAST.RAW_PAD_BYTES // 4) if _FAST is not None else 0
 LANES = 3  # chunks each C decoder thread interleaves (measured: 1: 84, 2: 146, 3: 167, 4: 152 M symbols/s)
+# the C decoder's AVX-512 lanes (16 chunks per thread, where the CPU has them) decode while a thread
+# has at least SIMD chunks (1..5) left; the scalar lanes finish the rest (0: scalar lanes only).
+# Measured: 5 scalar-lane chunks ~ 5 vector-lane chunks in time (the vector step costs the same at
+# any number of active lanes).
+SIMD = 5
 
 
 def _default_threads() -> int:
@@ -645,7 +650,7 @@ def _decode(b: bytes, k, out, threads):
         with np.errstate(over="ignore"):  # a crafted step beyond float32 decodes to inf, as in numba
             step32 = float(np.float32(step))
         status = _FAST.decode(words, woff, raw, roff, chunk_units, res, row_cls, pos_cls.astype(np.int32),
-                              lut, freq, recon, unit_len, upr, n_pos, nb_ctx, tcq, step32, n_threads, LANES)
+                              lut, freq, recon, unit_len, upr, n_pos, nb_ctx, tcq, step32, n_threads, LANES, SIMD)
     else:
         status = _decode_numba(k, words, woff, raw, roff, chunk_units, res, unit_len, upr, row_cls,
                                pos_cls, n_pos, lut, nb_ctx, tcq, freq, recon, step, n_threads)

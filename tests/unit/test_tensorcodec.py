@@ -162,14 +162,39 @@ def test_c_decoder_equals_numba_decoder(shape, kwargs):
     w = _weights(shape, seed=5)
     blob = encode_array(w, **kwargs)
     ref = _numba_decode(blob, threads=1)
-    for threads in (1, 2, 3):
-        for lanes in (1, 2, 3, 4):
-            tc.LANES = lanes
-            try:
+    saved = tc.LANES, tc.SIMD
+    try:
+        for threads in (1, 2, 3):
+            tc.SIMD = 0  # the scalar lanes
+            for lanes in (1, 2, 3, 4):
+                tc.LANES = lanes
                 got = decode_array(blob, threads=threads)
-            finally:
-                tc.LANES = 4
-            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (threads, lanes)
+                assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (threads, lanes)
+            tc.LANES = saved[0]
+            for simd in (1, 5):  # the AVX-512 lanes always, or down to 5 chunks per thread
+                tc.SIMD = simd
+                got = decode_array(blob, threads=threads)
+                assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (threads, simd)
+    finally:
+        tc.LANES, tc.SIMD = saved
+
+
+def test_vector_lanes_hand_over_to_scalar_lanes_mid_chunk():
+    """5 chunks, the last shorter: the AVX-512 lanes decode all five until the short one ends, then
+    the scalar lanes finish the other four from where the vector lanes stopped."""
+    tc = _fast_or_skip()
+    w = _weights((105, 700), seed=9)  # chunks of 23 rows: 23, 23, 23, 23, 13
+    for kwargs in (dict(snr_db=30), dict(bits=12, form="nearest")):
+        blob = encode_array(w, **kwargs)
+        ref = _numba_decode(blob, threads=1)
+        saved = tc.SIMD
+        try:
+            for simd in (0, 1, 5):
+                tc.SIMD = simd
+                got = decode_array(blob, threads=1)
+                assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), simd
+        finally:
+            tc.SIMD = saved
 
 
 def test_c_decoder_refuses_what_numba_refuses():
@@ -178,7 +203,8 @@ def test_c_decoder_refuses_what_numba_refuses():
     import struct
     import zlib
 
-    _fast_or_skip()
+    tc = _fast_or_skip()
+    saved = tc.SIMD
     w = _weights((120, 400), seed=7)
     blob = encode_array(w, snr_db=25)
     rng = np.random.default_rng(1)
@@ -191,16 +217,19 @@ def test_c_decoder_refuses_what_numba_refuses():
             body[pos] ^= 1 << int(rng.integers(0, 8))
         bad = bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
         outcomes = []
-        for decode in (decode_array, _numba_decode):
+        for decode, simd in ((decode_array, 0), (decode_array, 1), (_numba_decode, 0)):
+            tc.SIMD = simd  # scalar lanes, vector lanes
             try:
                 outcomes.append(decode(bad, threads=2).view(np.uint32))
             except CorruptFileError:
                 outcomes.append(None)
-        if outcomes[0] is None or outcomes[1] is None:
-            assert outcomes[0] is None and outcomes[1] is None, i
+            finally:
+                tc.SIMD = saved
+        if any(o is None for o in outcomes):
+            assert all(o is None for o in outcomes), i
             refused += 1
         else:
-            assert np.array_equal(outcomes[0], outcomes[1]), i
+            assert np.array_equal(outcomes[0], outcomes[2]) and np.array_equal(outcomes[1], outcomes[2]), i
     assert refused > 100  # nearly every damaged stream is caught by the final state / length checks
 
 
