@@ -394,44 +394,56 @@ def test_int8_folds_the_first_convolutions(monkeypatch, tmp_path):
     assert counts == {0.0: 2, 0.3: 1, 1.0: 0}  # W1 (2.3 KB of int8) is folded as small in any case
 
 
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_int8_fuses_the_bias_add_of_a_dequantized_conv(monkeypatch, tmp_path, layout):
-    """Conv(weight from DequantizeLinear) -> [Transpose, Cast] -> Add(per-channel constant): the Add
-    becomes the Conv's bias (onnxruntime only fuses it for constant weights); same outputs as the
-    unfused graph (bit for bit where the Conv had no bias)."""
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "batchnorm", "batchnorm-float"])
+def test_int8_takes_per_channel_arithmetic_into_the_conv(monkeypatch, tmp_path, layout):
+    """Conv -> [Transpose, Cast] -> Add / Sub / Mul by per-channel constants (a bias, a decomposed
+    batch norm): taken into the Conv (bias, DequantizeLinear scale or float weight rows), since
+    onnxruntime fuses them only for constant weights. Same outputs as the unfused graph: bit for
+    bit for a lone bias Add, to the last bits when regrouped."""
     import passes.runtime_int8 as int8
 
-    monkeypatch.setattr(int8, "EARLY_CONV_FLOAT_SHARE", 0.0)
-    inits = [numpy_helper.from_array(_w((64, 32, 3, 3), 31), "W"), numpy_helper.from_array(_w((64,), 32, 0.1), "B")]
+    monkeypatch.setattr(int8, "EARLY_CONV_FLOAT_SHARE", 1.0 if layout == "batchnorm-float" else 0.0)
+    c = 64
+    inits = [numpy_helper.from_array(_w((c, 32, 3, 3), 31), "W"), numpy_helper.from_array(_w((c,), 32, 0.1), "B")]
     if layout == "nchw":
-        inits.append(numpy_helper.from_array(_w((1, 64, 1, 1), 33, 0.5), "A"))
+        inits.append(numpy_helper.from_array(_w((1, c, 1, 1), 33, 0.5), "A"))
         nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], pads=[1, 1, 1, 1]),
                  helper.make_node("Add", ["A", "c"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
-        out_shape = [1, 64, 12, 12]
+        out_shape = [1, c, 12, 12]
     else:  # as tf2onnx writes it: NHWC values behind a Transpose and a no-op Cast
-        inits.append(numpy_helper.from_array(_w((64,), 33, 0.5), "A"))
+        inits.append(numpy_helper.from_array(_w((c,), 33, 0.5), "A"))
         nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
                  helper.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 3, 1]),
                  helper.make_node("Cast", ["t"], ["f"], to=TensorProto.FLOAT),
-                 helper.make_node("Add", ["f", "A"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
-        out_shape = [1, 12, 12, 64]
+                 helper.make_node("Add", ["f", "A"], ["a"])]
+        last = "a"
+        if layout.startswith("batchnorm"):
+            inits += [numpy_helper.from_array(_w((1, 1, 1, c), 34, 0.3), "S"),
+                      numpy_helper.from_array(np.abs(_w((1, 1, 1, c), 35)) + 0.5, "M"),
+                      numpy_helper.from_array(_w((1, 1, 1, c), 36, 0.3), "O")]
+            nodes += [helper.make_node("Sub", ["a", "S"], ["s"]), helper.make_node("Mul", ["M", "s"], ["m"]),
+                      helper.make_node("Add", ["m", "O"], ["o"])]
+            last = "o"
+        nodes.append(helper.make_node("Relu", [last], ["y"]))
+        out_shape = [1, 12, 12, c]
     m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 12, 12])],
                [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
     q8 = passes.quantize_weights(m, bits=8, min_elements=256)
-    path = tmp_path / f"conv_bias_{layout}.q8.onnx"
+    path = tmp_path / f"conv_{layout}.q8.onnx"
     onnx.save(q8, str(path))
     feeds = feeds_for(m)
     fused = passes.InferenceSession(path, mode="int8")
-    assert fused.op_counts.get("Add", 0) == 0 and fused.op_counts.get("DequantizeLinear") == 1
+    assert not any(fused.op_counts.get(op) for op in ("Add", "Sub", "Mul"))
+    assert fused.op_counts.get("DequantizeLinear", 0) == (0 if layout == "batchnorm-float" else 1)
     monkeypatch.setattr(int8, "fuse_conv_bias_adds", lambda split: 0)
     plain = passes.InferenceSession(path, mode="int8")
-    assert plain.op_counts.get("Add") == 1
+    assert plain.op_counts.get("Add")
     for a, b, w in zip(run(fused, feeds), run(plain, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
         if layout == "nhwc":  # no bias before: the same one addition
             np.testing.assert_array_equal(a[0], b[0])
-        else:  # B + A summed first, as onnxruntime's ConvAddFusion does: last-bit differences
-            np.testing.assert_allclose(a[0], b[0], rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(a[0], w[0], rtol=1e-5, atol=1e-5)
+        else:  # regrouped (B + A, scale * M): last-bit differences
+            np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a[0], w[0], rtol=1e-4, atol=1e-4)
 
 
 def test_int8_quantizes_a_lossless_model_at_load(files):
