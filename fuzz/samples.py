@@ -291,8 +291,8 @@ def shared_samples(seed: int = 6) -> List[Sample]:
         inits.append(numpy_helper.from_array(q, f"shared_q{i}"))
         inits.append(numpy_helper.from_array((rng.standard_normal(300) * 0.1).astype(np.float32), f"shared_w{i}"))
     samples = [_sample("shared_tables", _graph_with(inits))]
-    # short blobs longer than their plane once the table is back (the writer's restriction lifted:
-    # decoded by the numpy path today)
+    # short blobs longer than their plane once the table is back (forced whatever the writer's
+    # SHARED_WHOLE_BELOW_PLANE: decoded by _planes.ans_decode_shared or numpy, never ans_decode)
     wide = [numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 30, n)), -127, 127).astype(np.int8), f"shared_long{i}")
             for i, n in enumerate([1100, 1300, 1200])]
     saved, codecs.SHARED_WHOLE_BELOW_PLANE = codecs.SHARED_WHOLE_BELOW_PLANE, False

@@ -44,10 +44,10 @@ MAX_CHUNK_BYTES = 64 << 20
 CODECS = ("bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "ans", "ans_shared")
 SHARED_MAX_BYTES = 64 << 10  # payloads up to this size may code planes with a file-wide table (1.2)
 SHARED_MIN_BYTES = 64
-# the writer keeps a blob with a shared table, once its table is put back, shorter than its
-# plane: the C decoder of `ans` can then decode it (a longer one is decoded by numpy, correct
-# but ~1000x slower); False once _planes has ans_decode_shared (asked of its owner)
-SHARED_WHOLE_BELOW_PLANE = True
+# True: the writer would keep a short blob, once its table is put back, shorter than its plane
+# (what the C `ans_decode` takes). False since _planes has ans_decode_shared, which takes the table
+# apart; without the extension numpy decodes either (same checks, ~1000x slower)
+SHARED_WHOLE_BELOW_PLANE = False
 SPLIT = 6  # fpairs "split": exponent classes given their own sign/mantissa plane (effort="max" only)
 EFFORTS = ("default", "max")
 PAIR_TABLE = 15  # fpairs: the 15 most frequent exponent bytes of a chunk get 4-bit ranks, 15 escapes
@@ -465,8 +465,8 @@ def decode_chunk(codec: str, params: dict, frames: List[memoryview], raw_length:
             if len(blob) < n:  # as an `ans` plane
                 whole.append(blob)
                 continue
-            # the table made it as large as the plane: the decoders of `ans` would take it for
-            # a raw plane (or refuse it), so it is decoded here and passed on as raw
+            # (no C extension) the table made it as large as the plane: ans_decode would take it
+            # for a raw plane or refuse it, so it is decoded here and passed on as raw
             try:
                 _decode_plane(blob, n, buf[i * n:(i + 1) * n])
             except _ans.Damaged as exc:
@@ -895,8 +895,30 @@ def _best(data: np.ndarray, specs, chunk_bytes: int) -> EncodedStream:
         width = max(w for _, w, _ in specs)
         piece = SAMPLE_BYTES // 4 // width * width
         sample = _sample(data, width, 2 * piece)
+        ans_specs = [sp for sp in specs if sp[0] == "ans"]
+        if len(ans_specs) == 1 and ans_specs[0][2] != ANS_PAIRS:
+            # the ans size is known from the histograms: when no other spec can beat it on the
+            # sample, the sample need not be encoded at all
+            estimate = _ans_estimate(sample, ans_specs[0][1], ans_specs[0][2] != ANS_INT, piece) * ANS_PREFERENCE
+            if all(_hopeless(sample, sp, piece, estimate) for sp in specs if sp[0] != "ans"):
+                return _encode_planes(data, *ans_specs[0][:2], chunk_bytes, ans_specs[0][2])
         specs = [_choose(sample, specs, piece)[1]]
     return _choose(data, specs, chunk_bytes)[0]
+
+
+def _ans_estimate(data: np.ndarray, width: int, sign: bool, chunk_bytes: int) -> float:
+    """The stored size of `ans` (no pairs) from histograms, a little above what the coder writes
+    (rANS codes within a word per lane of the order-0 cost under its normalised table)."""
+    step = max(width, chunk_bytes // width * width)
+    total = 0.0
+    for start in range(0, data.size, step):
+        part = data[start:start + step]
+        planes = [part] if width == 1 else split_planes(part, width, sign)
+        for p in planes:
+            counts = np.bincount(p, minlength=256)
+            cost = _own_cost(counts, p.size)
+            total += cost + 2 * (1 << _ans.lanes_log2_for(p.size)) if cost < p.size else cost
+    return total
 
 
 # ---------------------------------------------------------------- shared tables (1.2)
@@ -1005,9 +1027,8 @@ def _encode_shared(data: np.ndarray, width: int, sign: bool, per_plane, chunk_by
             counts = np.bincount(p, minlength=256)
             n = p.size
             lanes_log2 = _shared_lanes_log2(n)
-            # what the blob must stay under: its own ans plane, the gain asked of any coded plane,
-            # and (until the C decoder takes a table apart from its blob) the plane's size with
-            # the table put back (else numpy would decode it: correct, ~1000x slower)
+            # what the blob must stay under: its own ans plane and the gain asked of any coded
+            # plane (and, with SHARED_WHOLE_BELOW_PLANE, the plane's size with the table back)
             limit = min(len(own), n * (1 - ANS_MIN_GAIN), n - table_len if SHARED_WHOLE_BELOW_PLANE else n)
             estimate = _ans.coded_bits(counts, freq) / 8 + 1 + 4 * (1 << lanes_log2)
             if estimate + 2 < limit:

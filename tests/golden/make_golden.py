@@ -156,8 +156,9 @@ def cases_v12():
     """`ans_shared` of format 1.2 (FORMAT.md 3.2): several small tensors of a kind coding their
     planes with tables stored once in the index: int8 (width 1, 1 and 4 lanes), float32 (shared
     exponent table, sign move), int16 (width 2, no sign move), and short blobs whose whole blob
-    (table put back) is longer than the plane (`shared_long`: written with the writer's
-    restriction lifted; today's C decoder of `ans` cannot take them, the reader must still)."""
+    (table put back) is longer than the plane (`shared_long`: forced
+    whatever the writer's SHARED_WHOLE_BELOW_PLANE; the C `ans_decode` cannot take them, the
+    reader must still decode them)."""
     rng = np.random.default_rng(20261201)
 
     def i8(name, n, scale):
