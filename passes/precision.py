@@ -147,25 +147,44 @@ def to_float16_clamped(array: np.ndarray) -> np.ndarray:
     """float32 -> float16 exactly as onnxruntime's converter (convert_np_to_float16) does it:
     tiny nonzero values to +-FLOAT16_TINY, finite values beyond float16 to +-FLOAT16_BIG, the rest
     rounded to nearest. The plain cast is right everywhere except where it gives 0 for a nonzero
-    value or infinity for a finite one; both are detected with cheap whole-array reductions and
-    only then fixed, element by element."""
+    value or infinity for a finite one: those are found and fixed in cache-sized steps."""
     array = np.ascontiguousarray(array, dtype=np.float32)
     out = cast_array(array, np.float16)
     if array.size == 0:
         return out
-    overflow = not (array.max(initial=-np.inf) <= FLOAT16_BIG and array.min(initial=np.inf) >= -FLOAT16_BIG)
-    # a nonzero value cast to +-0: more zeros out than in (counted on the bits without the sign,
-    # numpy's float count_nonzero is several times slower)
-    flushed = np.count_nonzero(out.view(np.uint16) << np.uint16(1)) != array.size - np.count_nonzero(array == 0)
-    if overflow or flushed:  # (NaN also lands here: max/min propagate it; it is kept as is)
-        flat, values = out.reshape(-1), array.reshape(-1)
-        bits = flat.view(np.uint16) & np.uint16(0x7FFF)
-        idx = np.flatnonzero((bits == 0) | (bits == 0x7C00))
-        v = values[idx]
-        fixed = np.where(v == 0, v, np.where(np.abs(v) < FLOAT16_TINY, np.copysign(FLOAT16_TINY, v),
-                                             np.where(np.isfinite(v), np.clip(v, -FLOAT16_BIG, FLOAT16_BIG), v)))
-        flat[idx] = fixed.astype(np.float16)
+    # (NaN makes this true too: max/min propagate it; NaN itself is kept by the step below)
+    overflow = not (array.max() <= FLOAT16_BIG and array.min() >= -FLOAT16_BIG)
+    _fix_half_cast(array.reshape(-1), out.reshape(-1), overflow)
     return out
+
+
+# values per step of the checks: scratch arrays reused while in cache (whole-array temporaries
+# cost more in page faults than the comparisons themselves)
+_CHECK_STEP = 1 << 18
+_HALF_INF_SHIFTED = np.uint16(0x7C00 << 1 & 0xFFFF)  # +-inf with the sign shifted out
+
+
+def _fix_half_cast(values: np.ndarray, half: np.ndarray, overflow: bool) -> None:
+    """Fix, in place, the float16 `half` cast from `values` where the converter clamps instead:
+    +-0 from a nonzero value (-> +-TINY) and, when `overflow`, +-inf from a finite one (-> +-BIG)."""
+    bits = half.view(np.uint16)
+    step = min(_CHECK_STEP, values.size)
+    zero_in, zero_out, shifted = np.empty(step, bool), np.empty(step, bool), np.empty(step, np.uint16)
+    for start in range(0, values.size, step):
+        stop = min(start + step, values.size)
+        n = stop - start
+        x = values[start:stop]
+        np.left_shift(bits[start:stop], 1, out=shifted[:n])
+        np.equal(shifted[:n], 0, out=zero_out[:n])
+        np.equal(x, 0, out=zero_in[:n])
+        if np.count_nonzero(zero_out[:n]) != np.count_nonzero(zero_in[:n]):
+            idx = np.flatnonzero(zero_out[:n] & ~zero_in[:n])
+            half[start + idx] = np.copysign(FLOAT16_TINY, x[idx]).astype(np.float16)
+        if overflow:
+            idx = np.flatnonzero(shifted[:n] == _HALF_INF_SHIFTED)
+            idx = idx[np.isfinite(x[idx])]
+            if idx.size:
+                half[start + idx] = np.copysign(FLOAT16_BIG, x[idx]).astype(np.float16)
 
 
 def _value_info_from_dims(tensor):
