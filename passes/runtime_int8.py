@@ -192,7 +192,7 @@ def fuse_conv_bias_adds(split: SplitModel) -> int:
     producers = {o: n for n in graph.node for o in n.output}
     uses = _consumers(graph)
     outputs = {o.name for o in graph.output}
-    removed, fused = set(), 0
+    removed, fused, renames = set(), 0, {}
     for conv in list(graph.node):
         if conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.input) < 2:
             continue
@@ -254,14 +254,37 @@ def fuse_conv_bias_adds(split: SplitModel) -> int:
             conv.input.append(base + "_fused_bias")
         for node, _, _ in steps:
             data = node.input[0] if split.array(node.input[0]) is None else node.input[1]
-            _rename_uses(graph, node.output[0], data)
+            renames[node.output[0]] = data
             removed.add(id(node))
         fused += 1
     if removed:
         keep = [n for n in graph.node if id(n) not in removed]
         del graph.node[:]
         graph.node.extend(keep)
+        _rename_all(graph, renames)
     return fused
+
+
+def _rename_all(graph, renames: dict) -> None:
+    """Every node input named in `renames` (followed through chains of renames) takes the new
+    name, in one walk of the graph and its subgraphs (which read outer names too)."""
+    def resolve(name):
+        while name in renames:
+            name = renames[name]
+        return name
+
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for node in g.node:
+            for i, inp in enumerate(node.input):
+                if inp in renames:
+                    node.input[i] = resolve(inp)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attr.graphs)
 
 
 def _set_axis(node, axis: int) -> None:
@@ -311,22 +334,6 @@ def _affine_steps(name: str, uses: dict, outputs: set, float_type: int, rank: in
             break
         name = node.output[0]
     return steps
-
-
-def _rename_uses(graph, old: str, new: str) -> None:
-    """Every main-graph node input `old` (subgraphs read outer names too) becomes `new`."""
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        for node in g.node:
-            for i, inp in enumerate(node.input):
-                if inp == old:
-                    node.input[i] = new
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
 
 
 def early_conv_weights(split: SplitModel, uses: dict) -> set:
