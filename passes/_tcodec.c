@@ -77,6 +77,12 @@ typedef struct {
     int32_t thr[8];              /* neighbour sums where the bucket steps up, and by how much (<< 12) */
     uint32_t thr_delta[8];
     int n_thr, use_thr;          /* use_thr: the LUT is <= 8 steps up (else it is gathered) */
+    /* the decode table, built by all threads (contexts in blocks) before any decodes */
+    const uint32_t *freq;
+    int64_t n_ctx, next_ctx, ctx_done;
+    int bad_table;
+    pthread_mutex_t mu;
+    pthread_cond_t built;
     /* work distribution and result */
     int64_t next_chunk;
     int failed;
@@ -597,10 +603,35 @@ static int simd_supported(void) {
 }
 #endif
 
+static int build_table(uint32_t *tab, const uint32_t *freq, int64_t n_ctx);
+
+#define CTX_BLOCK 8
+/* this thread's share of the decode table (1 MiB for 64 contexts: ~5% of a small tensor's decode
+ * when one thread built it before the others started), then wait until all of it is built */
+static int build_share(Job *jb) {
+    for (;;) {
+        int64_t c0 = __atomic_fetch_add(&jb->next_ctx, CTX_BLOCK, __ATOMIC_RELAXED);
+        if (c0 >= jb->n_ctx) break;
+        int64_t n = jb->n_ctx - c0 < CTX_BLOCK ? jb->n_ctx - c0 : CTX_BLOCK;
+        int bad = build_table((uint32_t *)jb->tab + (c0 << PROB_BITS), jb->freq + c0 * N_TOKENS, n);
+        pthread_mutex_lock(&jb->mu);
+        if (bad) jb->bad_table = 1;
+        jb->ctx_done += n;
+        if (jb->ctx_done == jb->n_ctx) pthread_cond_broadcast(&jb->built);
+        pthread_mutex_unlock(&jb->mu);
+    }
+    pthread_mutex_lock(&jb->mu);
+    while (jb->ctx_done < jb->n_ctx) pthread_cond_wait(&jb->built, &jb->mu);
+    int bad = jb->bad_table;
+    pthread_mutex_unlock(&jb->mu);
+    return bad;
+}
+
 static void *worker(void *arg) {
     Job *jb = (Job *)arg;
     Lane ln[MAX_LANES];
     int failed;
+    if (build_share(jb)) return NULL;
 #ifdef TC_SIMD
     if (jb->simd) failed = run_simd(jb, ln);
     else
@@ -771,23 +802,25 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         }
     }
 #endif
-    int bad_table;
+    jb->freq = b_freq.buf;
+    jb->n_ctx = n_ctx;
+    pthread_mutex_init(&jb->mu, NULL);
+    pthread_cond_init(&jb->built, NULL);
     Py_BEGIN_ALLOW_THREADS
-    bad_table = build_table(tab, b_freq.buf, n_ctx);
-    if (!bad_table) {
-        int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
-        if (nt > n_chunks) nt = (int)n_chunks;
-        pthread_t th[64];
-        int started = 0;
-        for (int i = 1; i < nt; i++) {
-            if (pthread_create(&th[started], NULL, worker, jb) != 0) break;
-            started++;
-        }
-        worker(jb);
-        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
+    if (nt > n_chunks) nt = (int)n_chunks;
+    pthread_t th[64];
+    int started = 0;
+    for (int i = 1; i < nt; i++) {
+        if (pthread_create(&th[started], NULL, worker, jb) != 0) break;
+        started++;
     }
+    worker(jb);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     Py_END_ALLOW_THREADS
-    NEED(!bad_table, "bad frequency table");
+    pthread_mutex_destroy(&jb->mu);
+    pthread_cond_destroy(&jb->built);
+    NEED(!jb->bad_table, "bad frequency table");
     result = PyLong_FromLong(jb->failed ? -1 : 0);
 done:
     free(pos_off);

@@ -29,6 +29,7 @@ side (after zstd): row_cls u8[rows] if row_classes > 1 | pos_cls u8[unit_len] if
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import zlib
@@ -102,12 +103,23 @@ class _Layout:
         return np.unique(np.append(np.arange(0, n_units, per), n_units)).astype(np.int64)
 
     def lut(self) -> np.ndarray:
-        return _neighbour_lut(self.mref, self.nb_ctx)
+        return _neighbour_lut_uncached(self.mref, self.nb_ctx)
 
 
 def _neighbour_lut(mref: float, nb_ctx: int) -> np.ndarray:
     """Context bucket (1..nb_ctx-1) of the sum of the two previous magnitudes; log-spaced around
     the tensor's mean magnitude so the same buckets work at every rate."""
+    return _neighbour_lut_cached(np.float32(mref).tobytes(), int(nb_ctx))
+
+
+@functools.lru_cache(maxsize=64)
+def _neighbour_lut_cached(mref_bits: bytes, nb_ctx: int) -> np.ndarray:
+    """(by the float32 bits of mref, shared: callers only read it; a decode of a blob seen before
+    skips ~20 us of logarithms)"""
+    return _neighbour_lut_uncached(np.frombuffer(mref_bits, np.float32)[0], nb_ctx)
+
+
+def _neighbour_lut_uncached(mref, nb_ctx: int) -> np.ndarray:
     s = np.arange(LUT_MAX + 1, dtype=np.float64)
     if nb_ctx <= 1:
         return np.zeros(LUT_MAX + 1, np.int32)
@@ -534,7 +546,7 @@ def decode_array(blob, *, out: np.ndarray | None = None, threads: int | None = N
         raise CorruptFileError("decode_array: not a tensor-codec blob (bad magic or too short)")
     if b[4] > VERSION:
         raise NewerFormatError(f"decode_array: blob version {b[4]} is newer than this reader ({VERSION})")
-    if zlib.crc32(b[:-4]) != struct.unpack("<I", b[-4:])[0]:
+    if zlib.crc32(memoryview(b)[:-4]) != struct.unpack("<I", b[-4:])[0]:  # (a view: no copy)
         raise CorruptFileError("decode_array: checksum mismatch (the blob is damaged)")
     if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
                             or not out.flags.c_contiguous):
@@ -611,14 +623,27 @@ def _decode(b: bytes, k, out, threads):
             or pos_cls is not None and pos_cls.max() >= n_pos):
         raise CorruptFileError("decode_array: class out of range")
     n_ctx = n_row * n_pos * nb_ctx * (2 if tcq else 1)
-    freq = np.zeros((n_ctx, N_TOKENS), np.uint32)
-    for c in range(n_ctx):
-        nt = side[sp]
-        sp += 1
+    sp0_tables = sp
+    # per context: u8 n_tokens, u16 freq[n_tokens]; the offsets in Python (cheap), the values in one go
+    counts = []
+    for _ in range(n_ctx):
+        nt = side[sp]  # (IndexError past the end: malformed)
         if nt > N_TOKENS:
             raise CorruptFileError("decode_array: bad table")
-        freq[c, :nt] = np.frombuffer(side, "<u2", nt, sp)
-        sp += 2 * nt
+        counts.append(nt)
+        sp += 1 + 2 * nt
+    if sp > len(side):
+        raise CorruptFileError("decode_array: bad table")
+    freq = np.zeros((n_ctx, N_TOKENS), np.uint32)
+    nts = np.asarray(counts, np.int64)
+    total = int(nts.sum())
+    if total:
+        first = np.cumsum(nts) - nts  # index of each context's first token among all tokens
+        ctx = np.repeat(np.arange(n_ctx), nts)
+        tok = np.arange(total) - np.repeat(first, nts)
+        at = sp0_tables + 1 + ctx + 2 * (first[ctx] + tok)  # byte offset of each u16
+        u8 = np.frombuffer(side, np.uint8)
+        freq[ctx, tok] = u8[at].astype(np.uint32) | (u8[at + 1].astype(np.uint32) << 8)
     if (freq.sum(axis=1) != PROB_SCALE).any():
         raise CorruptFileError("decode_array: bad probability table")
     chunk_units = np.frombuffer(side, "<u4", n_chunks + 1, sp).astype(np.int64)
@@ -649,7 +674,7 @@ def _decode(b: bytes, k, out, threads):
     if _FAST is not None:
         with np.errstate(over="ignore"):  # a crafted step beyond float32 decodes to inf, as in numba
             step32 = float(np.float32(step))
-        status = _FAST.decode(words, woff, raw, roff, chunk_units, res, row_cls, pos_cls.astype(np.int32),
+        status = _FAST.decode(words, woff, raw, roff, chunk_units, res, row_cls, pos_cls,
                               lut, freq, recon, unit_len, upr, n_pos, nb_ctx, tcq, step32, n_threads, LANES, SIMD)
     else:
         status = _decode_numba(k, words, woff, raw, roff, chunk_units, res, unit_len, upr, row_cls,
