@@ -60,4 +60,11 @@ def test_auto_allocates_silero_subgraph_weights(corpus):
     assert any("never reached" in n for n in rep["notes"])
     forms = {r["form"] for r in rep["tensors"]}
     assert len(forms) > 1, "widths differ per tensor"
+    # the untaken 8 kHz branch is allocated by weight SNR like its measured 16 kHz peer of the same
+    # shape, not kept at the widest width wholesale
+    rows = {r["name"]: r for r in rep["tensors"]}
+    pairs = [(r, rows.get(n.replace("else_branch", "then_branch"))) for n, r in rows.items() if "else_branch" in n]
+    pairs = [(e, t) for e, t in pairs if t is not None and e["shape"] == t["shape"] and t["form"] != "float"]
+    assert pairs and any(not e["form"].startswith("int8") for e, _ in pairs)
+    assert all(e["form"] == "float" or e["snr_db"] >= t["snr_db"] - 6.0 for e, t in pairs)
     assert evaluate(model, out, feeds=held_out).metrics["cosine"] >= 0.999
