@@ -97,12 +97,13 @@ def _check_providers(providers) -> list | None:
     return list(providers)
 
 
-def _read_split(path, threads, max_bytes=None) -> SplitModel:
-    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file."""
+def _read_split(path, threads, max_bytes=None, packed=None) -> SplitModel:
+    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file (`packed`:
+    that file already open)."""
     from .runtime_source import read_split
 
     try:
-        return read_split(path, threads=threads, max_bytes=max_bytes)
+        return read_split(path, threads=threads, max_bytes=max_bytes, packed=packed)
     except SurgeonError:
         raise
     except Exception as exc:  # a damaged file that got past the structural checks
@@ -303,10 +304,10 @@ class InferenceSession(ort.InferenceSession):
         """Read, rewrite for the mode and dtype; returns (options, disabled optimisers, skeleton bytes)."""
         s = self._settings
         mode, target = s["mode"], s["target"]
-        whole = self._whole_pack() if mode == "fold" and not self.on_gpu and share else None
+        whole, packed = self._whole_pack() if mode == "fold" and not self.on_gpu and share else (None, None)
         if whole is not None:
             return self._prepare_whole(sess_options, whole)
-        split = _read_split(self.source, s["threads"], s["max_bytes"])
+        split = _read_split(self.source, s["threads"], s["max_bytes"], packed=packed)
         own_dtype = model_float_dtype(split)
         self.mode_reason = f"requested mode={mode}"
         if mode == "auto":
@@ -380,22 +381,22 @@ class InferenceSession(ort.InferenceSession):
         return options, disabled, model_bytes
 
     def _whole_pack(self):
-        """A packed model onnxruntime can take as it is (runtime_source.WholePack), or None."""
+        """(a packed model onnxruntime can take as it is (runtime_source.WholePack), None) or
+        (None, the pack opened for the split path, or None)."""
         from .runtime_source import read_whole_packed
 
         s = self._settings
         if not _streaming_supported():
-            return None  # (joined bytes would hold the model twice: the split path shares instead)
+            return None, None  # (joined bytes would hold the model twice: the split path shares instead)
         try:
-            whole = read_whole_packed(self.source, s["threads"], s["max_bytes"], max_size=EMBED_MAX_BYTES)
+            whole, packed = read_whole_packed(self.source, s["threads"], s["max_bytes"], max_size=EMBED_MAX_BYTES)
         except SurgeonError:
             raise
         except Exception as exc:
             raise CorruptFileError(f"{self.source}: cannot read model ({type(exc).__name__}: {exc})") from None
         if whole is not None and s["target"] is not None and s["target"] != whole.float_dtype:
-            whole.close()  # a dtype conversion rewrites the graph
-            return None
-        return whole
+            return None, whole.detach()  # a dtype conversion rewrites the graph: the split path
+        return whole, packed
 
     def _prepare_whole(self, sess_options, whole):
         """fold mode for a pack with nothing to fold: the model file itself is streamed to

@@ -34,9 +34,12 @@ def is_packed(path: Path) -> bool:
         raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def read_split(path, threads=None, max_bytes=None) -> SplitModel:
+def read_split(path, threads=None, max_bytes=None, packed=None) -> SplitModel:
     """`max_bytes` caps what a packed file may restore to (the pack reader's limit; None: its
-    default); a plain .onnx is read where it lies, nothing to cap."""
+    default); a plain .onnx is read where it lies, nothing to cap. `packed`: the file already
+    opened with open_packed (read and closed here)."""
+    if packed is not None:
+        return read_packed(path, packed=packed)
     p = check_readable(path)
     if is_packed(p):
         return read_packed(p, threads=threads, max_bytes=max_bytes)
@@ -147,10 +150,12 @@ def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
 
 # ---------------------------------------------------------------------- packed files
 
-def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
+def read_packed(path: Path, threads=None, max_bytes=None, packed=None) -> SplitModel:
     from .onnxz import open_packed
 
-    with open_packed(path, threads=threads, max_bytes=max_bytes) as packed:
+    if packed is None:
+        packed = open_packed(path, threads=threads, max_bytes=max_bytes)
+    with packed:
         pf = packed.packed_file  # the pack reader's public file layer (whole files, tensor bytes)
         model, stripped, buf = _packed_skeleton(pf, str(path))
         entries = _entries(pf)
@@ -306,6 +311,11 @@ class WholePack:
         self.size, self.float_dtype, self.tensor_names = size, np.dtype(float_dtype), names
         self._big = sorted(big, key=lambda e: e.offset)
 
+    def detach(self):
+        """The open PackedModel, handed over (to read_split(packed=...)); this object is spent."""
+        packed, self._packed, self._pf = self._packed, None, None
+        return packed
+
     def close(self) -> None:
         if self._packed is not None:
             self._packed.close()
@@ -392,34 +402,32 @@ def _release(area, start: int, end: int) -> None:
 
 
 def read_whole_packed(path, threads=None, max_bytes=None, max_size=None):
-    """A WholePack when `path` is a packed model onnxruntime can take as it is in fold mode (one
-    file, no DequantizeLinear named in its graph bytes, no integer tensors a palette could
-    index with), else None. The test is conservative: a false "needs rewriting" only means the
-    split path."""
+    """(WholePack, None) when `path` is a packed model onnxruntime can take as it is in fold mode
+    (one file, no DequantizeLinear named in its graph bytes, no integer tensors a palette could
+    index with); else (None, the open PackedModel for read_split(packed=...), or None for a
+    plain .onnx). The test is conservative: a false "needs rewriting" only means the split path."""
     from .onnxz import open_packed
 
     p = check_readable(path)
     if not is_packed(p):
-        return None
+        return None, None
     packed = open_packed(p, threads=threads, max_bytes=max_bytes)
     try:
         pf = packed.packed_file
         files = pf.index.files
         if len(files) != 1 or (max_size is not None and files[0].size > max_size):
-            packed.close()
-            return None
+            return None, packed
         tensors = [t for t in pf.index.tensors if t.file == 0]
         skeleton = pf.skeleton(0).tobytes()
         if any(marker in skeleton for marker in _REWRITE_MARKERS) or any(t.dtype in _INTEGER_WEIGHT_TYPES for t in tensors):
-            packed.close()
-            return None
+            return None, packed
         weights = {TensorProto.FLOAT: 0, TensorProto.FLOAT16: 0}
         for t in tensors:
             if t.dtype in weights:
                 weights[t.dtype] += t.length
         dtype = np.float16 if weights[TensorProto.FLOAT16] > weights[TensorProto.FLOAT] else np.float32
         big = [t for t in tensors if t.stream is not None and t.length > INLINE_MAX_BYTES]
-        return WholePack(packed, pf, files[0].size, big, dtype, {t.name or t.key for t in big})
+        return WholePack(packed, pf, files[0].size, big, dtype, {t.name or t.key for t in big}), None
     except BaseException:
         packed.close()
         raise
