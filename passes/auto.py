@@ -11,13 +11,16 @@
    activations, MatMul/Gemm/Conv weights at 4..8 bits also get error-feedback levels (passes.gptq).
 2. Sensitivity (passes.sensitivity): the output error each weight causes alone at a reference
    width (nearest rounding, and error feedback's measured gain), in one onnxruntime session whose
-   weights are overridable. Weights whose error never reaches the outputs (untaken branches) keep
-   the widest width.
+   weights are overridable. Error-feedback levels whose weight noise exceeds GPTQ_MAX_NOISE_GAIN x
+   nearest rounding's (rank-deficient Hessians) are not used. Weights whose error never reaches the
+   outputs (untaken branches) are allocated by weight SNR, as sensitive per unit of relative weight
+   noise as the measured weights of their shape (else the median one).
 3. Allocation: per weight, the form minimising rate + mu * predicted error; mu is searched (on
    the same session, with the real metric of the target) for the smallest total rate whose
    model meets the target with a safety margin (cosine: 0.15 of the allowed 1 - cosine;
-   agreement >= 0.98: also 40 dB centred-logit SNR), then greedy one-width-narrower steps are
-   kept while the check still passes.
+   agreement >= 0.98: also 40 dB centred-logit SNR); one width for every weight is tried too
+   (kept when smaller and passing), then greedy one-width-narrower steps are kept while the check
+   still passes.
 4. The chosen model is built with quantize_weights (one call per width, `include` naming its
    weights) and checked on the feeds with passes.fidelity.evaluate; when it misses, mu grows.
 Weights that cannot be fed to the session (a name defined twice) leave one width for every
