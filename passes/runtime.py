@@ -10,7 +10,9 @@
 No temporary model file is written: the model is split into a small skeleton and numpy arrays
 (see `runtime_feed`), each weight is decoded or folded once into the array handed to onnxruntime
 (shared as its own buffer where its kernels allow, else inside the model streamed to it through a
-pipe, then dropped), and models over 2 GB load like small ones.
+pipe, then dropped), and models over 2 GB load like small ones. A pack with nothing to rewrite
+(a lossless float model in fold mode) skips the split: its model file is restored straight into
+the pipe while onnxruntime parses it (`runtime_source.WholePack`).
 
 Modes
 - "fold": every constant DequantizeLinear becomes a float tensor (dtype: the model's own, or
