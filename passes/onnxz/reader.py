@@ -3,9 +3,11 @@ and PackedFile, the file layer under them (raw payloads, whole files, ranges).
 
 Every entry point takes the .onnxz path or the packed bytes already in memory. Chunks are the
 unit of work: each is read (one pread into a per-thread buffer, or a slice of the caller's
-buffer), its XXH3-64 checked, and decoded by codecs.decode_chunk straight into its place in the
-destination; a call hands all its chunks to `threads` threads at once (the calling thread
-included), largest first. Restoring a file runs as a pipeline (threads > 1): while the pool decodes
+buffer), its XXH3-64 checked, and decoded straight into its place in the destination: `ans`
+chunks (nearly all the bytes) in batches by one C call each (_planes.ans_decode_batch: read,
+checked and decoded with the GIL released; one batch per call at 1 thread, ~1 MiB batches with
+a pool), other codecs one by one through codecs.decode_chunk. A call hands all its chunks to
+`threads` threads at once (the calling thread included), largest first. Restoring a file runs as a pipeline (threads > 1): while the pool decodes
 window k+1, a hashing thread runs the sha256 over window k and the caller writes it.
 """
 from __future__ import annotations
