@@ -412,8 +412,6 @@ class InferenceSession(ort.InferenceSession):
         self.prepack = s["prepack"] if s["prepack"] is not None else True
         if not self.prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
-        if whole.fold_in_onnxruntime:  # (its constant folding then includes DequantizeLinear)
-            options.add_session_config_entry("session.disable_quant_qdq", "1")
         self.weight_arrays, self.shared_names, self._device_values = {}, set(), {}
         self._op_counts = None  # counted from the skeleton when asked (not needed to load)
         self.skeleton_bytes = whole.size

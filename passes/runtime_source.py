@@ -290,9 +290,6 @@ def _placeholder_for(name: str, data_type: int, shape: list, length: int) -> Ten
 # and palettes need integer tensors; DequantizeLinear is named in the graph bytes)
 _REWRITE_MARKERS = (b"DequantizeLinear",)
 _INTEGER_WEIGHT_TYPES = {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4}
-# activations quantized in the graph: onnxruntime's QDQ fusions must stay on (see plan_fold)
-# (b"QuantizeLinear" with its capital Q is not part of b"DequantizeLinear")
-_ACTIVATION_QUANT_MARKERS = (b"QuantizeLinear",)
 # raw bytes decoded per step while streaming a whole model (the decoder runs this far ahead)
 STREAM_BATCH_BYTES = 4 << 20
 
@@ -313,7 +310,6 @@ class WholePack:
         self._packed, self._pf = packed, pf
         self.size, self.float_dtype, self.tensor_names = size, np.dtype(float_dtype), names
         self._big = sorted(big, key=lambda e: e.offset)
-        self.fold_in_onnxruntime = False  # DequantizeLinear nodes left to onnxruntime's constant folding
 
     def detach(self):
         """The open PackedModel, handed over (to read_split(packed=...)); this object is spent."""
@@ -406,15 +402,10 @@ def _release(area, start: int, end: int) -> None:
 
 
 def read_whole_packed(path, threads=None, max_bytes=None, max_size=None):
-    """(WholePack, None) when `path` is a packed model onnxruntime can take as it is in fold mode,
-    else (None, the open PackedModel for read_split(packed=...), or None for a plain .onnx).
-
-    Taken as it is: one file, and either nothing to fold (no DequantizeLinear named in its graph
-    bytes, no integer tensors a palette could index with), or a float16 model without
-    QuantizeLinear, whose folds the split path would leave to onnxruntime anyway (plan_fold with
-    share=False: float16 weights on a CPU are never shared); then `fold_in_onnxruntime` is set and
-    the caller asks onnxruntime to fold DequantizeLinear (session.disable_quant_qdq=1). The test
-    is conservative: a false "needs rewriting" only means the split path."""
+    """(WholePack, None) when `path` is a packed model onnxruntime can take as it is in fold mode
+    (one file, no DequantizeLinear named in its graph bytes, no integer tensors a palette could
+    index with); else (None, the open PackedModel for read_split(packed=...), or None for a
+    plain .onnx). The test is conservative: a false "needs rewriting" only means the split path."""
     from .onnxz import open_packed
 
     p = check_readable(path)
@@ -427,20 +418,16 @@ def read_whole_packed(path, threads=None, max_bytes=None, max_size=None):
         if len(files) != 1 or (max_size is not None and files[0].size > max_size):
             return None, packed
         tensors = [t for t in pf.index.tensors if t.file == 0]
+        skeleton = pf.skeleton(0).tobytes()
+        if any(marker in skeleton for marker in _REWRITE_MARKERS) or any(t.dtype in _INTEGER_WEIGHT_TYPES for t in tensors):
+            return None, packed
         weights = {TensorProto.FLOAT: 0, TensorProto.FLOAT16: 0}
         for t in tensors:
             if t.dtype in weights:
                 weights[t.dtype] += t.length
         dtype = np.float16 if weights[TensorProto.FLOAT16] > weights[TensorProto.FLOAT] else np.float32
-        skeleton = pf.skeleton(0).tobytes()
-        to_fold = any(marker in skeleton for marker in _REWRITE_MARKERS) or any(
-            t.dtype in _INTEGER_WEIGHT_TYPES for t in tensors)
-        if to_fold and (dtype != np.float16 or any(marker in skeleton for marker in _ACTIVATION_QUANT_MARKERS)):
-            return None, packed
         big = [t for t in tensors if t.stream is not None and t.length > INLINE_MAX_BYTES]
-        whole = WholePack(packed, pf, files[0].size, big, dtype, {t.name or t.key for t in big})
-        whole.fold_in_onnxruntime = to_fold
-        return whole, None
+        return WholePack(packed, pf, files[0].size, big, dtype, {t.name or t.key for t in big}), None
     except BaseException:
         packed.close()
         raise
