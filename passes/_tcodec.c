@@ -13,7 +13,8 @@
  * decode(words, woff, raw, roff, chunk_units, out, row_cls, pos_cls, lut, freq, recon,
  *        unit_len, units_per_row, n_pos_cls, nb_ctx, tcq, step, threads, lanes[, simd]) -> 0 | -1
  *   simd    0 (default): scalar lanes only; 1..5: the AVX-512 lanes (below) where the CPU has them,
- *           while a thread has at least that many chunks
+ *           while a thread has at least that many chunks; + 16: they read every token's raw bits
+ *           the way they read the rare ones of > 25 bits (a test hook: same values)
  *   words   uint16, with at least one element after the last chunk's words (read, never used)
  *   woff, roff, chunk_units  int64[n_chunks + 1]   raw uint32   out float32 (written)
  *   row_cls uint8[rows]   pos_cls int32[unit_len]   lut int32[LUT_SIZE]
@@ -70,6 +71,7 @@ typedef struct {
     int lanes;
     /* for the AVX-512 lanes (see there) */
     int simd, simd_min;          /* vector lanes used; fewest chunks they decode (below: the scalar lanes finish) */
+    int simd_wide;               /* every token's raw bits read as 8 bytes (to test that rare path) */
     int64_t nb_ctx;
     const int32_t *pos_off32;    /* pos_off, as int32 (the vector path needs all offsets < 2**31) */
     const uint8_t *row_cls_pad;  /* row_cls and 4 readable bytes after (one 32-bit gather each) */
@@ -349,6 +351,18 @@ static void slane_to_lane(const Job *jb, const SState *S, int l, Lane *ln) {
     ln->st = ((uint32_t)((s >> 1) * jb->nb_ctx) << PROB_BITS) | s;
 }
 
+/* lanes k of r: the 32 raw bits at (byte rb, shift sh) read as 8 bytes (tokens of > 25 raw bits) */
+AVX512 __attribute__((noinline, cold)) static __m512i raw_wide(const uint8_t *raw, __m512i r, __m512i rb,
+                                                               __m512i sh, __mmask16 k) {
+    __m512i lo = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)k, _mm512_castsi512_si256(rb), raw, 1);
+    __m512i hi = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)(k >> 8),
+                                             _mm512_extracti64x4_epi64(rb, 1), raw, 1);
+    lo = _mm512_srlv_epi64(lo, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sh)));
+    hi = _mm512_srlv_epi64(hi, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sh, 1)));
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(lo)), _mm512_cvtepi64_epi32(hi), 1);
+    return _mm512_mask_mov_epi32(r, k, w);
+}
+
 /* magnitudes >= 256 (rare): the value as the scalar lanes compute it, over the one scattered */
 AVX512 __attribute__((noinline, cold)) static void fix_big(const Job *jb, __mmask16 k, __m512i m,
                                                            __m512i q, __m512i bits, int32_t *row) {
@@ -411,6 +425,7 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
                   c255 = _mm512_set1_epi32(255), c256 = _mm512_set1_epi32(256),
                   rl = _mm512_set1_epi32(RANS_L), zero = _mm512_setzero_si512();
     const __m512i qoff = _mm512_set1_epi32((int32_t)(jb->nb_ctx << PROB_BITS));
+    const __m512i c25 = _mm512_set1_epi32(jb->simd_wide ? 0 : 25); /* (0: the test hook, see py_decode) */
     const __m512i multv = _mm512_set1_epi32(jb->tcq ? 2 : 1);
     const __m512i tcqmask = _mm512_set1_epi32(jb->tcq ? -1 : 0);
     const __m512i lut0 = _mm512_set1_epi32((int32_t)jb->lut_off[0]);
@@ -449,17 +464,11 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
         x = _mm512_mask_mov_epi32(xx_, need_, _mm512_or_si512(_mm512_slli_epi32(xx_, 16), nextw)); \
         wp = _mm512_mask_add_epi32(wp, need_, wp, one);                                            \
         nextw = _mm512_and_si512(_mm512_mask_i32gather_epi32(nextw, need_, wp, words, 2), m16);    \
-        /* raw bits: 8 bytes from the lane's bit position, two gathers of 8 lanes */                \
+        /* raw bits: 4 bytes from the lane's bit position (>= 25 bits after the shift); a token  \
+         * of more raw bits (magnitudes >= 2**24: rare) takes 8 bytes, two gathers of 8 lanes */  \
         __m512i rb_ = _mm512_add_epi32(rbyte, _mm512_srli_epi32(rel, 3));                          \
         __m512i sh_ = _mm512_and_si512(rel, c7);                                                   \
-        __m512i rlo_ = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)kact,         \
-                                                   _mm512_castsi512_si256(rb_), raw, 1);           \
-        __m512i rhi_ = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)(kact >> 8),  \
-                                                   _mm512_extracti64x4_epi64(rb_, 1), raw, 1);     \
-        rlo_ = _mm512_srlv_epi64(rlo_, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sh_)));        \
-        rhi_ = _mm512_srlv_epi64(rhi_, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sh_, 1)));  \
-        __m512i r_ = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(rlo_)),       \
-                                        _mm512_cvtepi64_epi32(rhi_), 1);                           \
+        __m512i r_ = _mm512_srlv_epi32(_mm512_mask_i32gather_epi32(zero, kact, rb_, raw, 1), sh_);  \
         /* token -> raw bits and smallest magnitude: t < 16: (t > 0, t); else                      \
          * q = (t - 16) >> 3: (q + 2, (8 + (t - 16) % 8) << (q + 1)) */                            \
         __m512i t_ = _mm512_and_si512(e_, mff);                                                    \
@@ -470,6 +479,8 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
         __m512i mb_ = _mm512_mask_mov_epi32(                                                       \
             _mm512_sllv_epi32(_mm512_add_epi32(_mm512_and_si512(tb_, c7), c8), _mm512_add_epi32(tq_, one)), \
             sm_, t_);                                                                              \
+        __mmask16 wide_ = _mm512_mask_cmpgt_epu32_mask(kact, nb_, c25);                            \
+        if (__builtin_expect(wide_ != 0, 0)) r_ = raw_wide(raw, r_, rb_, sh_, wide_);              \
         __m512i bits_ = _mm512_and_si512(r_, _mm512_sub_epi32(_mm512_sllv_epi32(one, nb_), one));  \
         rel = _mm512_mask_add_epi32(rel, kact, rel, nb_);                                          \
         __m512i m_ = _mm512_add_epi32(mb_, _mm512_srli_epi32(bits_, 1));                           \
@@ -775,7 +786,9 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
             if ((roff[i + 1] - roff[i]) >= (1ll << 25)) jb->simd = 0;
     }
     if (jb->simd) {
-        jb->simd_min = simd > MAX_LANES + 1 ? MAX_LANES + 1 : simd; /* the scalar lanes take the rest */
+        jb->simd_wide = (simd & 16) != 0;
+        simd &= 15;
+        jb->simd_min = simd < 1 ? 1 : simd > MAX_LANES + 1 ? MAX_LANES + 1 : simd; /* the scalar lanes take the rest */
         pos_off32 = malloc(sizeof(int32_t) * unit_len);
         row_pad = calloc((size_t)rows + 64, 1);
         if (!pos_off32 || !row_pad) {

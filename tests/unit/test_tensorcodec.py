@@ -171,7 +171,8 @@ def test_c_decoder_equals_numba_decoder(shape, kwargs):
                 got = decode_array(blob, threads=threads)
                 assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (threads, lanes)
             tc.LANES = saved[0]
-            for simd in (1, 5):  # the AVX-512 lanes always, or down to 5 chunks per thread
+            for simd in (1, 5, 1 + 16):  # AVX-512 lanes always, down to 5 chunks per thread; +16:
+                # every token's raw bits read the way the rare > 25-bit ones are (8-byte gathers)
                 tc.SIMD = simd
                 got = decode_array(blob, threads=threads)
                 assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (threads, simd)

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Decode speed of the tensor codec (issue 4 goal: >= 1 GB/s of float32 output on 2 threads), on
+the six blobs of `bench/lossy.py --parts c` (word_embeddings of minilm_fp32 and Conv_5831 of
+open_nsfw at 23 / 35 / 47 dB), measured by part (c)'s own helper (`lossy._decode_rates`).
+
+What this adds to part (c), for work on the decoder: the blobs are cached (bench/out/tcodec_blobs/,
+keyed by the tensor and the encoder's source: encoding them takes ~8 CPU minutes, decoding
+milliseconds), the C decoder runs with its AVX-512 lanes and with its scalar lanes only, and each
+row says how many CPU seconds one decode costs, so that a loaded machine (the wall figures) can be
+told from a slow decoder (the CPU figures).
+
+    python bench/tcodec_decode.py [--repeat 9] [--only word_embeddings|Conv_5831] [--no-scalar]
+
+Prints a table, writes bench/out/tcodec_decode.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import lossy  # noqa: E402  (part (c)'s tensors and its decode-rate helper)
+
+import passes  # noqa: E402
+from passes import tensorcodec  # noqa: E402
+
+OUT = REPO / "bench" / "out"
+TENSORS = {"minilm_fp32": ["m.embeddings.word_embeddings.weight"], "open_nsfw": ["onnx::Conv_5831"]}
+SNRS = (23.0, 35.0, 47.0)
+
+
+def _encoder_key() -> str:
+    h = hashlib.sha256()
+    for f in ("tensorcodec.py", "_tcodec_kernels.py"):
+        h.update((REPO / "passes" / f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def blobs(only=None):
+    """{(tensor name, snr): (blob, n)}, encoded once per tensor and encoder version."""
+    cache = OUT / "tcodec_blobs"
+    cache.mkdir(parents=True, exist_ok=True)
+    key = _encoder_key()
+    tensors = lossy.load_tensors(TENSORS)
+    res = {}
+    for (_, name), w in tensors.items():
+        short = name.split(".")[-2] if "embeddings" in name else name.split("::")[-1]
+        if only and short not in only:
+            continue
+        wkey = hashlib.sha256(w.tobytes()).hexdigest()[:16]
+        for snr in SNRS:
+            path = cache / f"{short}-{snr:g}dB-{wkey}-{key}.sctc"
+            if not path.exists():
+                t0 = time.process_time()
+                path.write_bytes(passes.encode_array(w, snr_db=snr))
+                print(f"encoded {short} at {snr:g} dB in {time.process_time() - t0:.0f} CPU s", flush=True)
+            res[(short, snr)] = (path.read_bytes(), w.size)
+    return res
+
+
+def _cpu_per_decode(blob, n, threads, repeat):
+    """Median CPU seconds of this process per decode into a fresh array."""
+    cpus = []
+    for _ in range(repeat):
+        c0 = time.process_time()
+        passes.decode_array(blob, threads=threads)
+        cpus.append(time.process_time() - c0)
+    return float(np.median(cpus))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=9, help="decodes per figure (best and median reported)")
+    ap.add_argument("--only", nargs="*", default=None, help="word_embeddings and/or Conv_5831")
+    ap.add_argument("--no-scalar", action="store_true", help="skip the scalar-lanes rows")
+    args = ap.parse_args(argv)
+    if tensorcodec._FAST is None:
+        print("passes._tcodec is not built: nothing to measure here (see bench/lossy.py --parts c for numba)")
+        return 1
+    modes = [("vector", tensorcodec.SIMD)] + ([] if args.no_scalar else [("scalar", 0)])
+    print(f"decode_array, MB/s of float32 output: wall best / median of {args.repeat}; CPU ms per decode "
+          f"(fresh output, all threads); {os.cpu_count()} CPUs")
+    print(f"{'blob':22s} {'bpw':>5s} {'lanes':>6s} | {'1 thread':>11s} | {'2 thr fresh':>11s} | "
+          f"{'2 thr reused':>12s} | {'CPU ms 1t/2t':>12s} | load")
+    rows = []
+    saved = tensorcodec.SIMD
+    try:
+        for (name, snr), (blob, n) in blobs(args.only).items():
+            for label, simd in modes:
+                tensorcodec.SIMD = simd
+                r1 = lossy._decode_rates(blob, n, 1, args.repeat)
+                r2 = lossy._decode_rates(blob, n, 2, args.repeat)
+                cpu1 = _cpu_per_decode(blob, n, 1, args.repeat)
+                cpu2 = _cpu_per_decode(blob, n, 2, args.repeat)
+                load = os.getloadavg()[0]
+                row = {"tensor": name, "snr": snr, "bpw": round(len(blob) * 8 / n, 3), "lanes": label,
+                       "threads1": r1, "threads2": r2, "cpu_ms_1t": round(cpu1 * 1e3, 2),
+                       "cpu_ms_2t": round(cpu2 * 1e3, 2), "load_avg_1min": round(load, 2)}
+                rows.append(row)
+
+                def bm(r):
+                    return f"{r['wall_best_MBps']:5.0f}/{r['wall_median_MBps']:<5.0f}"
+                print(f"{name + f' {snr:g} dB':22s} {row['bpw']:5.2f} {label:>6s} | {bm(r1['fresh'])} | "
+                      f"{bm(r2['fresh'])} | {bm(r2['reuse']):>12s} | {cpu1 * 1e3:5.1f}/{cpu2 * 1e3:<6.1f} | {load:.1f}",
+                      flush=True)
+    finally:
+        tensorcodec.SIMD = saved
+    vec = [r for r in rows if r["lanes"] == "vector"]
+    if vec:
+        worst = min(vec, key=lambda r: r["threads2"]["fresh"]["wall_best_MBps"])
+        print(f"slowest, 2 threads, fresh output (best wall): {worst['threads2']['fresh']['wall_best_MBps']:.0f} MB/s "
+              f"({worst['tensor']} {worst['snr']:g} dB); goal >= 1000")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "tcodec_decode.json").write_text(json.dumps({"command": " ".join(["python bench/tcodec_decode.py"] + (argv or sys.argv[1:])),
+                                                        "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
