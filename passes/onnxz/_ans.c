@@ -670,12 +670,45 @@ PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* ans_decode_shared(planes, tables, sign_move, out) -> None, or a str saying what is damaged.
- * Codec `ans_shared` (FORMAT.md 3.2): w planes of n = len(out)/w bytes; plane i is raw when it
- * holds n bytes, else an ans blob, which for tables[i] not None lacks its frequency table: the
- * blob decoded is planes[i][0:1] + tables[i] + planes[i][1:] (however long that makes it; the
- * plane itself must still be shorter than n; a constant plane, byte 0 = 0, has no table). Same
- * checks and merge as ans_decode. */
+/* Codec `ans_shared` (FORMAT.md 3.2): w planes of n = outlen/w bytes; plane i is raw when it
+ * holds n bytes, else an ans blob, which for tabs[i] not NULL lacks its frequency table: the blob
+ * decoded is planes[i][0:1] + tabs[i] + planes[i][1:] (however long that makes it; the plane
+ * itself must still be shorter than n; a constant plane, byte 0 = 0, has no table). Same checks
+ * and merge as `ans`. NULL or what is damaged; *bad_args as decode_chunk. GIL not needed. */
+static const char *decode_shared(const uint8_t *const *planes, const size_t *plens, int w, int sign_move,
+                                 const uint8_t *const *tabs, const size_t *tlens, uint8_t *out, size_t outlen, int nt,
+                                 int *bad_args) {
+    *bad_args = !(w == 1 || w == 2 || w == 4 || w == 8) || outlen % (size_t)w || (w == 1 && sign_move);
+    if (*bad_args) return NULL;
+    size_t n = outlen / (size_t)w;
+    const uint8_t *ptr[MAX_PLANES];
+    size_t lens[MAX_PLANES];
+    int raw[MAX_PLANES];
+    uint8_t *whole[MAX_PLANES] = {0};
+    const char *err = NULL;
+    if (n == 0) err = "empty ans chunk";
+    for (int i = 0; i < w && !err; i++) {
+        ptr[i] = planes[i];
+        lens[i] = plens[i];
+        raw[i] = lens[i] == n;
+        if (raw[i]) continue;
+        if (lens[i] > n) { err = "ans plane larger than its raw size"; break; }
+        if (!tabs[i] || (lens[i] >= 1 && ptr[i][0] == 0)) continue; /* own table, or a constant plane (none) */
+        if (lens[i] < 1) { err = "ans plane truncated"; break; }
+        if (!(whole[i] = (uint8_t *)malloc(lens[i] + tlens[i]))) { err = "out of memory"; break; }
+        whole[i][0] = ptr[i][0];
+        memcpy(whole[i] + 1, tabs[i], tlens[i]);
+        memcpy(whole[i] + 1 + tlens[i], ptr[i] + 1, lens[i] - 1);
+        ptr[i] = whole[i];
+        lens[i] += tlens[i];
+    }
+    if (!err) err = ans_decode_planes(ptr, lens, raw, w, sign_move, n, out, nt);
+    for (int i = 0; i < w; i++) free(whole[i]);
+    return err;
+}
+
+/* ans_decode_shared(planes, tables, sign_move, out) -> None, or a str saying what is damaged:
+ * one `ans_shared` chunk (decode_shared above); tables: one item per plane, bytes or None. */
 PyObject *onnxz_py_ans_decode_shared(PyObject *self, PyObject *args) {
     PyObject *seq, *tseq;
     int sign_move;
@@ -705,32 +738,18 @@ PyObject *onnxz_py_ans_decode_shared(PyObject *self, PyObject *args) {
     Py_DECREF(tfast);
     PyObject *result = NULL;
     if (got == w && gott == w) {
-        size_t n = (size_t)out.len / (size_t)w;
-        const uint8_t *ptr[MAX_PLANES];
-        size_t lens[MAX_PLANES];
-        int raw[MAX_PLANES];
-        uint8_t *whole[MAX_PLANES] = {0};
-        const char *err = NULL;
-        Py_BEGIN_ALLOW_THREADS
-        if (n == 0) err = "empty ans chunk";
-        for (int i = 0; i < w && !err; i++) {
+        const uint8_t *ptr[MAX_PLANES], *tp[MAX_PLANES];
+        size_t lens[MAX_PLANES], tl[MAX_PLANES];
+        for (int i = 0; i < w; i++) {
             ptr[i] = (const uint8_t *)bufs[i].buf;
             lens[i] = (size_t)bufs[i].len;
-            raw[i] = lens[i] == n;
-            if (raw[i]) continue;
-            if (lens[i] > n) { err = "ans plane larger than its raw size"; break; }
-            if (!has[i] || (lens[i] >= 1 && ptr[i][0] == 0)) continue; /* a constant plane has no table */
-            if (lens[i] < 1) { err = "ans plane truncated"; break; }
-            size_t tl = (size_t)tabs[i].len;
-            if (!(whole[i] = (uint8_t *)malloc(lens[i] + tl))) { err = "out of memory"; break; }
-            whole[i][0] = ptr[i][0];
-            memcpy(whole[i] + 1, tabs[i].buf, tl);
-            memcpy(whole[i] + 1 + tl, ptr[i] + 1, lens[i] - 1);
-            ptr[i] = whole[i];
-            lens[i] += tl;
+            tp[i] = has[i] ? (const uint8_t *)tabs[i].buf : NULL;
+            tl[i] = has[i] ? (size_t)tabs[i].len : 0;
         }
-        if (!err) err = ans_decode_planes(ptr, lens, raw, (int)w, sign_move, n, (uint8_t *)out.buf, 1);
-        for (int i = 0; i < w; i++) free(whole[i]);
+        const char *err;
+        int bad_args;
+        Py_BEGIN_ALLOW_THREADS
+        err = decode_shared(ptr, lens, (int)w, sign_move, tp, tl, (uint8_t *)out.buf, (size_t)out.len, 1, &bad_args);
         Py_END_ALLOW_THREADS
         if (err) result = PyUnicode_FromString(err);
         else { result = Py_None; Py_INCREF(result); }
@@ -773,16 +792,17 @@ PyObject *onnxz_py_xxh3(PyObject *self, PyObject *args) {
 typedef struct {
     Py_ssize_t offset, stored;
     size_t lens[MAX_PLANES + 2];
-    int np_, flags;
+    int np_, flags, shared; /* shared: codec ans_shared, tabs[i] where has_tab[i] */
     uint64_t digest;
-    Py_buffer out;
+    Py_buffer out, tabs[MAX_PLANES];
+    int has_tab[MAX_PLANES];
 } BatchTask;
 
 enum { FAIL_NONE = -1, FAIL_CHECKSUM = 0, FAIL_DAMAGED = 1, FAIL_TRUNCATED = 2, FAIL_OS = 3, FAIL_ARGS = 4 };
 
 static int parse_task(PyObject *item, BatchTask *t) {
-    PyObject *planes, *out;
-    if (!PyArg_ParseTuple(item, "nnOKiO", &t->offset, &t->stored, &planes, &t->digest, &t->flags, &out)) return -1;
+    PyObject *planes, *out, *tables = Py_None;
+    if (!PyArg_ParseTuple(item, "nnOKiO|O", &t->offset, &t->stored, &planes, &t->digest, &t->flags, &out, &tables)) return -1;
     if (!PyTuple_Check(planes) || PyTuple_GET_SIZE(planes) < 1 || PyTuple_GET_SIZE(planes) > MAX_PLANES + 2) {
         PyErr_SetString(PyExc_ValueError, "ans_decode_batch: planes must be a tuple of 1 to 10 sizes");
         return -1;
@@ -802,14 +822,33 @@ static int parse_task(PyObject *item, BatchTask *t) {
         PyErr_SetString(PyExc_ValueError, "ans_decode_batch: plane sizes must add up to the stored size");
         return -1;
     }
+    if (tables != Py_None) { /* ans_shared: one table (bytes) or None per plane */
+        if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != t->np_ || t->np_ > MAX_PLANES) {
+            PyErr_SetString(PyExc_ValueError, "ans_decode_batch: tables must be a tuple with one item per plane");
+            return -1;
+        }
+        t->shared = 1;
+        for (int i = 0; i < t->np_; i++) {
+            PyObject *tb = PyTuple_GET_ITEM(tables, i);
+            if (tb == Py_None) continue;
+            if (PyObject_GetBuffer(tb, &t->tabs[i], PyBUF_SIMPLE) < 0) return -1;
+            t->has_tab[i] = 1;
+        }
+    }
     return PyObject_GetBuffer(out, &t->out, PyBUF_WRITABLE);
+}
+
+static void release_task(BatchTask *t) {
+    for (int i = 0; i < MAX_PLANES; i++) if (t->has_tab[i]) PyBuffer_Release(&t->tabs[i]);
+    if (t->out.obj) PyBuffer_Release(&t->out);
 }
 
 /* ans_decode_batch(source, scratch, tasks) -> None or (i, code, message)
  * source: the packed bytes (a buffer) or a file descriptor (int); scratch: a writable buffer at least
  * as large as the largest stored chunk (used for a file only); tasks: tuples (offset, stored,
  * plane sizes, xxh3 digest, flags (1: sign move, 2: pairs, 4: keep the output in cache: no
- * non-temporal stores, for output read again soon, e.g. a restore window hashed and written), out). Stops at the first failure: code 0
+ * non-temporal stores, for output read again soon, e.g. a restore window hashed and written), out
+ * [, tables: for an `ans_shared` chunk, one shared table (bytes) or None per plane]). Stops at the first failure: code 0
  * checksum, 1 damaged (message), 2 truncated file, 3 OS error (errno), 4 bad planes for the codec. */
 PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
     PyObject *source, *scratch_obj, *tasks;
@@ -862,8 +901,19 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
             size_t pos = 0;
             for (int i = 0; i < t->np_; i++) { ptr[i] = base + pos; pos += t->lens[i]; }
             int bad_args;
-            msg = decode_chunk(ptr, t->lens, t->np_, t->flags & 1, (t->flags >> 1) & 1, (uint8_t *)t->out.buf, (size_t)t->out.len,
-                               !(t->flags & 4), &bad_args);
+            if (t->shared) {
+                const uint8_t *tp[MAX_PLANES];
+                size_t tl[MAX_PLANES];
+                for (int i = 0; i < t->np_; i++) {
+                    tp[i] = t->has_tab[i] ? (const uint8_t *)t->tabs[i].buf : NULL;
+                    tl[i] = t->has_tab[i] ? (size_t)t->tabs[i].len : 0;
+                }
+                msg = decode_shared(ptr, t->lens, t->np_, t->flags & 1, tp, tl, (uint8_t *)t->out.buf, (size_t)t->out.len,
+                                    !(t->flags & 4), &bad_args);
+            } else {
+                msg = decode_chunk(ptr, t->lens, t->np_, t->flags & 1, (t->flags >> 1) & 1, (uint8_t *)t->out.buf,
+                                   (size_t)t->out.len, !(t->flags & 4), &bad_args);
+            }
             if (bad_args) code = FAIL_ARGS;
             else if (msg) code = FAIL_DAMAGED;
         }
@@ -878,7 +928,8 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
         result = Py_BuildValue("(nis)", failed, code, text);
     }
 done:
-    for (Py_ssize_t k = 0; k < parsed; k++) if (ts[k].out.obj) PyBuffer_Release(&ts[k].out);
+    for (Py_ssize_t k = 0; k < parsed; k++) release_task(&ts[k]);
+    if (parsed < count && ts) release_task(&ts[parsed]); /* a task that failed to parse half-way */
     free(ts);
     if (fd < 0) PyBuffer_Release(&src);
     else PyBuffer_Release(&scratch);

@@ -4,7 +4,7 @@ and PackedFile, the file layer under them (raw payloads, whole files, ranges).
 Every entry point takes the .onnxz path or the packed bytes already in memory. Chunks are the
 unit of work: each is read (one pread into a per-thread buffer, or a slice of the caller's
 buffer), its XXH3-64 checked, and decoded straight into its place in the destination: `ans`
-chunks (nearly all the bytes) in batches by one C call each (_planes.ans_decode_batch: read,
+and `ans_shared` chunks (nearly all the bytes) in batches by one C call each (_planes.ans_decode_batch: read,
 checked and decoded with the GIL released; one batch per call at 1 thread, ~1 MiB batches with
 a pool), other codecs one by one through codecs.decode_chunk. A call hands all its chunks to
 `threads` threads at once (the calling thread included), largest first. Restoring a file runs as a pipeline (threads > 1): while the pool decodes
@@ -276,18 +276,27 @@ class PackedFile:
             group.wait()
 
     def _spec(self, stream: Stream, chunk):
-        """(offset, stored, plane sizes, xxh3, flags) of an `ans` chunk for the batch decoder, or
-        None (other codecs, or planes that do not fit the codec: the per-chunk path reports it)."""
-        if stream.codec != "ans":
+        """(offset, stored, plane sizes, xxh3, flags, shared tables or None) of an `ans` or
+        `ans_shared` chunk for the batch decoder, or None (other codecs, or planes that do not
+        fit the codec: the per-chunk path reports it)."""
+        codec = stream.codec
+        if codec not in ("ans", "ans_shared"):
             return None
+        params = stream.params
+        tables = None
         try:
-            expected = codecs.plane_sizes("ans", stream.params, chunk.raw_length)
+            expected = codecs.plane_sizes(codec, params, chunk.raw_length)
+            if codec == "ans_shared":
+                data = params.get("table_data")
+                if data is None or len(data) != params["width"]:
+                    return None
+                tables = tuple(None if t is None else codecs._table_bytes(t) for t in data)
         except Exception:
             return None
         if len(expected) != len(chunk.planes):
             return None
-        flags = (1 if stream.params["sign"] else 0) | (2 if stream.params.get("pairs") else 0)
-        return (chunk.offset, sum(chunk.planes), tuple(chunk.planes), chunk.xxh3, flags)
+        flags = (1 if params["sign"] else 0) | (2 if params.get("pairs") else 0)
+        return (chunk.offset, sum(chunk.planes), tuple(chunk.planes), chunk.xxh3, flags, tables)
 
     def _decode_batch(self, specs) -> None:
         """Many ans chunks read, checked and decoded in one C call (GIL released)."""
@@ -313,7 +322,8 @@ class PackedFile:
         """Tasks (fn, *args) for chunk jobs (stream, chunk, out slice). With a pool, largest
         first (the last task to start is a small one: the threads finish together) and small
         `ans` chunks grouped into batches of ~BATCH_BYTES; on one thread, every `ans` chunk in
-        one batch. Other codecs: one task per chunk. `cached`: the output is read again right away
+        one batch (`ans_shared` chunks, H2's codec for small tensors sharing a table, too). Other
+        codecs: one task per chunk. `cached`: the output is read again right away
         (a restore window, hashed and written): large chunks then skip the non-temporal stores
         that keep a decoded tensor from evicting the cache."""
         parallel = self._pool is not None
@@ -326,7 +336,7 @@ class PackedFile:
             if spec is None:
                 tasks.append((self._decode_chunk, stream, chunk, out))
                 continue
-            batch.append((spec[:4] + (spec[4] | 4,) if cached else spec) + (out,))
+            batch.append(spec[:4] + (spec[4] | 4 if cached else spec[4], out) + ((spec[5],) if spec[5] is not None else ()))
             size += chunk.raw_length
             if parallel and size >= BATCH_BYTES:
                 tasks.append((self._decode_batch, batch))

@@ -3,6 +3,7 @@ XXH3-64 and decoded in one C call) against the per-chunk path: same bytes, same 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,10 +41,10 @@ def _model_file(tmp_path):
     return src, dst
 
 
-def _all_payloads(source, threads):
+def _all_payloads(source, threads, codec="ans"):
     with reader.PackedFile(source, threads=threads) as pf:
         entries = [t for t in pf.index.tensors if t.stream is not None]
-        assert sum(t.stream.codec == "ans" for t in entries) >= 3
+        assert sum(t.stream.codec == codec for t in entries) >= 1
         return [bytes(b) for b in pf.tensors_bytes(entries)], bytes(pf.restore_file(0))
 
 
@@ -97,7 +98,7 @@ def test_batch_call_reports_each_failure(tmp_path):
     with reader.PackedFile(data) as pf:
         stream = next(t.stream for t in pf.index.tensors if t.stream is not None and t.stream.codec == "ans")
         chunk = stream.chunks[0]
-        spec = pf._spec(stream, chunk)
+        spec = pf._spec(stream, chunk)[:5]  # no shared tables: codec ans
     out = np.empty(chunk.raw_length, np.uint8)
     assert _planes.ans_decode_batch(data, None, [spec + (out,)]) is None
     wrong = spec[:3] + (spec[3] ^ 1,) + spec[4:]
@@ -190,3 +191,30 @@ def test_ans_decode_shared_matches_the_numpy_path(n, kind):
             assert (c_err is None) == py_ok, (i, pos, c_err)
             if py_ok:
                 assert c_out.reshape(n, w)[:, w - 1 - i].tobytes() == ref.tobytes()
+
+
+GOLDEN_SHARED = sorted((Path(__file__).resolve().parents[1] / "golden" / "v1.2").glob("ans-shared-*.onnxz"))
+
+
+@pytest.mark.skipif(not GOLDEN_SHARED, reason="no v1.2 golden files")
+@pytest.mark.parametrize("path", GOLDEN_SHARED, ids=lambda p: p.stem)
+def test_ans_shared_chunks_batch_like_one_by_one(path, monkeypatch):
+    """`ans_shared` chunks (blobs whose table is shared in the index) go through the batch decoder
+    too: the same payloads and file as the per-chunk path (codecs.decode_chunk), and a flipped
+    stored byte is refused by both."""
+    data = path.read_bytes()
+    results = {}
+    for batch in (True, False):
+        monkeypatch.setattr(reader, "_decode_batch_c", reader._batch_decoder() if batch else None)
+        results[batch] = [_all_payloads(data, threads, "ans_shared") for threads in (1, 2)]
+    assert results[True] == results[False]
+    with reader.PackedFile(data) as pf:
+        stream = next(t.stream for t in pf.index.tensors if t.stream is not None and t.stream.codec == "ans_shared")
+        assert pf._spec(stream, stream.chunks[0])[5] is not None
+        c = stream.chunks[0]
+    bad = bytearray(data)
+    bad[c.offset + sum(c.planes) - 1] ^= 0x10
+    for batch in (True, False):
+        monkeypatch.setattr(reader, "_decode_batch_c", reader._batch_decoder() if batch else None)
+        with pytest.raises(CorruptFileError, match="checksum"):
+            _all_payloads(bytes(bad), 1, "ans_shared")
