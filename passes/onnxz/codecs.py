@@ -828,9 +828,9 @@ def _block_entropy(plane: np.ndarray, huffman: bool) -> float:
 
 def _zstd_floor(data: np.ndarray, codec: str, width: int, split: int, chunk_bytes: int,
                 huffman: bool = False) -> Optional[float]:
-    """A floor under the stored size of a zstd-coded spec (matches aside), from histograms only:
-    a few ms where a trial encode with zstd's optimal parser costs ~30 MB/s. None: no floor known
-    (the fpairs "split" layout), encode it."""
+    """A floor under the stored size of a zstd-coded spec, from histograms: a few ms where a
+    trial encode with zstd's optimal parser costs ~30 MB/s. None: no floor known (the fpairs
+    "split" layout, or a plane where matches pay, which a histogram cannot see): encode it."""
     if codec == "fpairs" and split:
         return None
     step = max(width, chunk_bytes // width * width)
@@ -845,8 +845,19 @@ def _zstd_floor(data: np.ndarray, codec: str, width: int, split: int, chunk_byte
             planes = list(split_planes(part, width, codec != "planes"))
             if codec == "fpairs":
                 planes[0] = rank_planes(planes[0])[1]
-        total += sum(_block_entropy(p, huffman) for p in planes)
+        for p in planes:
+            floor = _block_entropy(p, huffman)
+            if floor < 0.99 * p.size and _matches_pay(p, floor):
+                return None
+            total += floor
     return total
+
+
+def _matches_pay(plane: np.ndarray, floor: float) -> bool:
+    """A repetition probe (zstd level 1, ~250 MB/s): do matches take this plane below its
+    Huffman floor? Then the floor says nothing (piper_joe's conv exponents: fplanes 2% below the
+    floor of their ans size)."""
+    return len(_compressor("fast").compress(plane)) < floor
 
 
 FLOOR_MIN_BYTES = 32 << 10  # below this a trial encode costs less than the floors
