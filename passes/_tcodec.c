@@ -292,7 +292,7 @@ static int run_scalar(Job *jb, Lane *ln, int k) {
  * same refusals as the scalar lanes (the tests and the fuzz compare them); the scalar lanes finish
  * the last few chunks of a thread, and run alone on CPUs without AVX-512 and on tensors whose
  * offsets do not fit 31 bits. */
-#if defined(__GNUC__) && defined(__x86_64__)
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(TC_NO_SIMD) /* (-DTC_NO_SIMD: the portable build) */
 #define TC_SIMD 1
 #include <immintrin.h>
 #define SL 16
