@@ -60,6 +60,7 @@ TOP1_SNR_DB = 40.0  # centred-logit SNR (see probe_outputs) the search also asks
 COSINE_MARGIN = 0.15  # the search asks 1 - cosine to be this fraction of what the target allows
 TIGHTEN_TRIES = 24  # greedy one-width steps tried after the search (each one run of the feeds; open_nsfw
 # still gained 3% in the 7 of 12 steps it kept, rapidocr_cls 0.6 points more with 40 tries)
+CONFIRM_STEPS_BACK = 4  # kept tightening steps undone, latest first, when the built model misses the check
 TIGHTEN_MISSES = 6  # ... ending after this many rejected steps in a row
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
@@ -239,7 +240,7 @@ def _meets(result, reqs) -> bool:
     return all(r.check(result) for r in reqs)
 
 
-def _tighten(plan: dict, infos: dict, passes_check, tries: int, frozen=()) -> dict:
+def _tighten(plan: dict, infos: dict, passes_check, tries: int, frozen=(), kept=None) -> dict:
     """Greedy steps after the Lagrangian search: one weight one width narrower at a time, the
     best predicted bytes saved per unit of added error first, kept when the check on the feeds
     still passes (the search's plan is on a coarse grid of mu and its error model is linear)."""
@@ -267,6 +268,8 @@ def _tighten(plan: dict, infos: dict, passes_check, tries: int, frozen=()) -> di
         trial[name] = nb
         if passes_check(trial):
             plan, misses = trial, 0
+            if kept is not None:
+                kept.append(plan)
         else:
             rejected.add((name, nb))
             misses += 1
@@ -483,17 +486,26 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             if not trial_plan(uniform, f"uniform int{b}")[1]:
                 break
             plan, ok_hi = uniform, True
+        history = [plan]  # plans that passed on the trial session, in the order they were kept
         if ok_hi and tighten:
-            plan = _tighten(plan, infos, lambda p: trial_plan(p)[1], tighten, frozen=unexercised)
+            plan = _tighten(plan, infos, lambda p: trial_plan(p)[1], tighten, frozen=unexercised, kept=history)
         lap("search")
+        # confirm on the built model (numerics of the graph may differ: other kernels): when it
+        # misses, step back through the tightening steps (the last ones sit at the edge of the
+        # check), then grow mu
+        backs = [history[-2 - k] for k in range(min(CONFIRM_STEPS_BACK, len(history) - 1))]
         candidate = build(plan)
-        # confirm on the built model; grow mu while it misses (numerics of the graph may differ)
-        for _ in range(6):
+        for _ in range(len(backs) + 6):
             res, ok = check(ref, run_candidate(candidate), search_reqs)
             if ok:  # with the margin: the graph may run other kernels
                 break
-            hi *= 2
-            plan = sens.allocate(infos, hi)
+            notes.append("the built model missed the check that its plan passed on the trial session: "
+                         + ("one tightening step undone" if backs else "mu doubled"))
+            if backs:
+                plan = backs.pop(0)
+            else:
+                hi *= 2
+                plan = sens.allocate(infos, hi)
             candidate = build(plan)
         lap("confirm")
     else:
