@@ -850,8 +850,97 @@ done:
     return result;
 }
 
+/* ---- CRC-32 of a blob (zlib's: reflected 0xEDB88320, inverted in and out), carry-less multiply ----
+ * Why: decode_array checks the blob's CRC before it parses anything, alone on one core; zlib.crc32
+ * runs at ~2-5 GB/s here (~5-10% of a 2-thread decode of a large tensor). Folding 16-byte blocks
+ * with PCLMULQDQ runs at memory speed. A block is the polynomial whose first bit is the highest
+ * term; moving the 128 bits X = H x^64 + L forward by D bits is H (x^(64+D) mod P) + L (x^D mod P),
+ * two 64x32-bit carry-less products (in the reflected registers each product comes out one bit
+ * short: the constants are x^(63+D) and x^(D-1) mod P, bit-reversed into 64 bits). The last 128
+ * bits and the tail (< 16 bytes) go through a byte table. The constants are computed at import
+ * (from the polynomial, not typed in); the tests compare with zlib.crc32. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(TC_NO_SIMD)
+#define TC_CLMUL 1
+#define CLMUL __attribute__((target("pclmul,sse4.1")))
+
+static uint32_t crc_byte_tab[256];
+static uint64_t crc_k1h, crc_k1l, crc_k4h, crc_k4l; /* fold by 16 and by 64 bytes */
+
+static uint32_t xpow_mod(uint64_t n) { /* x^n mod P, normal order (bit d = x^d) */
+    uint32_t r = 1; /* x^0 */
+    for (uint64_t i = 0; i < n; i++) r = (r & 0x80000000u) ? (r << 1) ^ 0x04C11DB7u : r << 1;
+    return r;
+}
+
+static uint64_t rev64_of(uint32_t k) { /* x^d (bit d) -> bit 63 - d */
+    uint64_t r = 0;
+    for (int d = 0; d < 32; d++)
+        if ((k >> d) & 1) r |= 1ull << (63 - d);
+    return r;
+}
+
+static void clmul_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_byte_tab[n] = c;
+    }
+    crc_k1h = rev64_of(xpow_mod(63 + 128));
+    crc_k1l = rev64_of(xpow_mod(128 - 1));
+    crc_k4h = rev64_of(xpow_mod(63 + 512));
+    crc_k4l = rev64_of(xpow_mod(512 - 1));
+}
+
+static uint32_t crc_bytes(uint32_t crc, const uint8_t *p, size_t n) { /* no inversions */
+    for (; n; n--) crc = crc_byte_tab[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return crc;
+}
+
+CLMUL static inline __m128i fold(__m128i x, __m128i k) {
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+CLMUL static uint32_t crc32_clmul(const uint8_t *p, size_t len) {
+    if (len < 64) return ~crc_bytes(0xFFFFFFFFu, p, len);
+    const __m128i k4 = _mm_set_epi64x((long long)crc_k4l, (long long)crc_k4h);
+    const __m128i k1 = _mm_set_epi64x((long long)crc_k1l, (long long)crc_k1h);
+    __m128i x0 = _mm_loadu_si128((const __m128i *)p), x1 = _mm_loadu_si128((const __m128i *)(p + 16)),
+            x2 = _mm_loadu_si128((const __m128i *)(p + 32)), x3 = _mm_loadu_si128((const __m128i *)(p + 48));
+    x0 = _mm_xor_si128(x0, _mm_cvtsi32_si128((int)0xFFFFFFFF)); /* the initial inversion */
+    p += 64;
+    len -= 64;
+    for (; len >= 64; p += 64, len -= 64) {
+        x0 = _mm_xor_si128(fold(x0, k4), _mm_loadu_si128((const __m128i *)p));
+        x1 = _mm_xor_si128(fold(x1, k4), _mm_loadu_si128((const __m128i *)(p + 16)));
+        x2 = _mm_xor_si128(fold(x2, k4), _mm_loadu_si128((const __m128i *)(p + 32)));
+        x3 = _mm_xor_si128(fold(x3, k4), _mm_loadu_si128((const __m128i *)(p + 48)));
+    }
+    __m128i x = _mm_xor_si128(fold(x0, k1), x1);
+    x = _mm_xor_si128(fold(x, k1), x2);
+    x = _mm_xor_si128(fold(x, k1), x3);
+    for (; len >= 16; p += 16, len -= 16) x = _mm_xor_si128(fold(x, k1), _mm_loadu_si128((const __m128i *)p));
+    uint8_t last[16];
+    _mm_storeu_si128((__m128i *)last, x);
+    return ~crc_bytes(crc_bytes(0, last, 16), p, len);
+}
+
+static PyObject *py_crc32(PyObject *self, PyObject *args) {
+    Py_buffer b = {0};
+    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    crc = crc32_clmul((const uint8_t *)b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(crc);
+}
+#endif
+
 static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS, "Decode the chunks of a tensor-codec blob (see the module comment)."},
+#ifdef TC_CLMUL
+    {"crc32", py_crc32, METH_VARARGS, "crc32(buffer) -> zlib.crc32(buffer) (absent where the CPU lacks PCLMULQDQ)."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -863,7 +952,18 @@ PyMODINIT_FUNC PyInit__tcodec(void) {
         PyErr_SetString(PyExc_ImportError, "_tcodec: little-endian hosts only");
         return NULL;
     }
+#ifdef TC_CLMUL
+    __builtin_cpu_init();
+    int has_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+    if (has_clmul) clmul_init();
+#endif
     PyObject *mod = PyModule_Create(&module);
+#ifdef TC_CLMUL
+    if (mod && !has_clmul && PyObject_DelAttrString(mod, "crc32") < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+#endif
     if (mod && (PyModule_AddIntConstant(mod, "WORD_PAD", WORD_PAD) < 0
                 || PyModule_AddIntConstant(mod, "RAW_PAD_BYTES", RAW_PAD_BYTES) < 0)) {
         Py_DECREF(mod);

@@ -180,6 +180,19 @@ def test_c_decoder_equals_numba_decoder(shape, kwargs):
         tc.LANES, tc.SIMD = saved
 
 
+def test_c_crc32_equals_zlib():
+    import zlib
+
+    tc = _fast_or_skip()
+    if not hasattr(tc._FAST, "crc32"):
+        pytest.skip("no carry-less multiply on this CPU: decode_array uses zlib.crc32")
+    rng = np.random.default_rng(2)
+    for n in list(range(0, 140)) + [255, 4096, 65536 + 13, (1 << 20) + 5]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert tc._FAST.crc32(data) == zlib.crc32(data), n
+        assert tc._FAST.crc32(memoryview(data)[3:]) == zlib.crc32(data[3:]), n
+
+
 def test_vector_lanes_hand_over_to_scalar_lanes_mid_chunk():
     """5 chunks, the last shorter: the AVX-512 lanes decode all five until the short one ends, then
     the scalar lanes finish the other four from where the vector lanes stopped."""
