@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-limit-gib", type=float, default=4.0)
     ap.add_argument("--replay", help="one spec (a Python tuple literal): print its verdict")
     ap.add_argument("--samples", default="all", help="comma separated: small (the generated samples), real "
-                    "(models/*.onnx and an int8 one; larger, slower), all")
+                    "(models/*.onnx and an int8 one; larger, slower), all, or one builder of "
+                    "fuzz.samples.SAMPLE_BUILDERS (e.g. shared: the ans_shared samples of format 1.2)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
