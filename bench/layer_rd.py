@@ -21,7 +21,7 @@ Methods (per output channel scales unless said):
   gptq_ao_rdo act-order GPTQ at rdo's scales (rdo's levels replaced)
   gptq_ao_lam act-order GPTQ with rate-aware levels inside the loop (lam 0.1)
   gptq_ao_rdo_lam  both
-  blk32 / gptq_blk32  int4-style blocks of 32 along the inputs (scales per block: overhead counted)
+  blk<B> / gptq_blk<B>  blocks of B along the inputs (scales per block: overhead counted)
   _d<x>       GPTQ dampening x (relative to the mean diagonal of H; default 0.01)
 (method names are "_"-joined tokens: gptq, ao, imp, rdo, lam, blk32, d<x>, any combination)
 
@@ -137,8 +137,8 @@ def run_tensor(name, w, node, h_cal, h_held, bit_widths, methods):
                     cache[kind] = forms.quantize_linear(w, lv, axis, importance=imp_w)
                 elif kind == "imp_rdo":
                     cache[kind] = forms.quantize_linear(w, lv, axis, importance=imp_w, rounding=rd.options("rdo"))
-                elif kind == "blk":
-                    cache[kind] = forms.quantize_linear(mat_blk, lv, 1, 32)
+                elif kind[0] == "blk":
+                    cache[kind] = forms.quantize_linear(mat_blk, lv, 1, kind[1])
             return cache[kind]
 
         for m in methods:
@@ -155,15 +155,16 @@ def run_tensor(name, w, node, h_cal, h_held, bit_widths, methods):
             else:
                 fac = f_plain
             lam = LAM if "lam" in tok else None
-            if "blk32" in tok:
-                qz = base("blk")
+            blk = next((int(t[3:]) for t in tok if t.startswith("blk") and t[3:].isdigit()), 0)
+            if blk:
+                qz = base(("blk", blk))
                 s_blk = qz.scale.astype(np.float64).T  # (nb, N)
                 if "gptq" in tok:
                     lv_mat = gptq.gptq_levels(mat, h_cal, s_blk, -qmax, qmax, factor=fac, order=order if ao else None,
-                                              lam=lam, block_size=32)
+                                              lam=lam, block_size=blk)
                 else:
                     lv_mat = qz.q.T.astype(np.int32)
-                deq = lv_mat * gptq.row_scales(s_blk, k, 32)
+                deq = lv_mat * gptq.row_scales(s_blk, k, blk)
             else:
                 kind = "_".join(t for t in ("imp", "rdo") if t in tok) or "near"
                 qz = base(kind)
