@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "quantize_weights": "quantize",
     "fold_dequantize": "fold",
+    "quantize_with_feedback": "gptq",
     "load_feeds": "fidelity",
     "evaluate": "fidelity",
     "parse_requirement": "fidelity",

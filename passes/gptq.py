@@ -30,6 +30,7 @@ import onnx
 from onnx import helper
 
 from . import graph
+from .errors import InvalidArgumentError
 
 MAX_ROWS_PER_FEED = 2048  # activation rows (tokens or conv output positions) sampled per feed
 DAMP = 0.01  # relative diagonal damping of H
@@ -283,8 +284,11 @@ def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: 
     (name, act_order, damp) when those are not the defaults).
     damp: diagonal loading of H relative to its mean diagonal. The default 0.01 fits the
     calibration activations closely; on the corpus, held-out activations are matched better
-    with 0.3 (bench/layer_rd.py). act_order: round inputs in order of falling activation
-    energy. lam: rate-aware levels inside the loop (gptq_levels)."""
+    with 0.3-1.0 (bench/layer_rd.py). act_order: round inputs in order of falling activation
+    energy: True for every weight, "conv" for Conv weights only (where it measured a gain; it
+    lost on MatMul weights). lam: rate-aware levels inside the loop (gptq_levels)."""
+    if act_order not in (True, False, "conv"):
+        raise InvalidArgumentError(f"act_order must be True, False or 'conv', got {act_order!r}")
     if not hessians:
         return {}
     q_inits = graph.unique_initializers(qmodel)
@@ -313,8 +317,9 @@ def refine(qmodel: onnx.ModelProto, src: onnx.ModelProto, hessians: dict, bits: 
         if h.shape != (mat.shape[0], mat.shape[0]):
             continue
         s32 = scale.astype(np.float32)
-        order = activation_order(h) if act_order else None
-        key = name if (not act_order and damp == DAMP) else (name, bool(act_order), float(damp))
+        ao = act_order is True or (act_order == "conv" and op == "Conv")
+        order = activation_order(h) if ao else None
+        key = name if (not ao and damp == DAMP) else (name, ao, float(damp))
         factor = None
         if factors is not None:
             if key not in factors:
@@ -371,3 +376,37 @@ def input_importance(model: onnx.ModelProto, hessians: dict) -> dict[str, np.nda
         elif len(dims) == 2 and d.size == dims[0]:
             out[name] = d.reshape(-1, 1)
     return out
+
+
+def quantize_with_feedback(model, feeds, *, bits: int = 4, rounding: str = "rdo", damp: float = 1.0,
+                           act_order="conv", importance: bool = False, report=None, **quantize_options):
+    """quantize_weights(model, bits=bits, rounding=rounding, **quantize_options), then error-feedback
+    levels (refine) for every weight with a supported consumer, from Hessians of the model run on
+    `feeds` (a list of feed dicts or an .npz path). The defaults are the combination that measured
+    best on held-out activations of the corpus (bench/layer_rd.py): rdo steps, damp 1.0, act-order
+    on Conv weights only. importance=True also weights the clip search by the inputs' activation
+    energy (input_importance). Only symmetric per-channel weights are refined; others keep the
+    quantize pass's levels. The report's per-tensor SNR is that of the levels before feedback."""
+    from ._fileio import load_model
+    from .quantize import quantize_weights
+
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 2 <= bits <= 8:
+        raise InvalidArgumentError(f"bits must be an integer from 2 to 8, got {bits!r}")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp > 0 or not np.isfinite(damp):
+        raise InvalidArgumentError(f"damp must be a finite number > 0, got {damp!r}")
+    src = load_model(model)
+    if isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
+        from .fidelity import load_feeds
+
+        feeds = load_feeds(feeds, src)
+    feeds = list(feeds or [])
+    if not feeds:
+        raise InvalidArgumentError("feeds: at least one feed is needed for error feedback")
+    hess = collect_hessians(src, feeds, [t.name for t in src.graph.initializer])
+    imp = input_importance(src, hess) if importance else None
+    q = quantize_weights(src, bits=bits, rounding=rounding, importance=imp, report=report, **quantize_options)
+    refined = refine(q, src, hess, int(bits), damp=float(damp), act_order=act_order)
+    if report is not None:
+        report.note(f"error feedback (GPTQ, damp {damp:g}, act_order {act_order}) replaced the levels of "
+                    f"{len(refined)} weights; their SNR in this report is before it")
+    return write_levels(q, {n: lv for n, (lv, _) in refined.items()})

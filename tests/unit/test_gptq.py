@@ -181,3 +181,30 @@ def test_conv1d_hessian_and_levels():
     q = passes.quantize_weights(model, bits=4, include=["w"])
     refined = gptq.refine(q, model, hess, 4, damp=0.3)
     assert refined["w"][0].shape == (6, 4, 3)
+
+
+def test_quantize_with_feedback_recipe():
+    m = mg.dense_model()
+    f = mg.feeds(m, n=60)  # 4 rows each: 30 feeds = 120 activation rows for 48 inputs
+    cal, held = f[:30], f[30:]
+    rep = passes.Report()
+    out = gptq.quantize_with_feedback(m, cal, bits=4, report=rep)
+    onnx.checker.check_model(out, full_check=True)
+    assert any("error feedback" in n for n in rep.notes)
+    plain = passes.quantize_weights(m, bits=4, rounding="rdo")
+    # same graph form and scales as the quantize pass made; only levels differ
+    scales = lambda mm: {t.name: onnx.numpy_helper.to_array(t) for t in mm.graph.initializer if t.name.endswith("_scale")}  # noqa: E731
+    assert all(np.array_equal(a, scales(plain)[k]) for k, a in scales(out).items())
+    ref = mg.run(m, held)
+    err = lambda mm: sum(np.sum((a - b) ** 2) for a, b in zip(ref, mg.run(mm, held, matmulnbits_accuracy=0)))  # noqa: E731
+    assert err(out) < err(plain)
+    folded = passes.fold_dequantize(out)
+    # (MatMulNBits at accuracy level 0: float compute, as the folded model does)
+    for a, b in zip(mg.run(out, held, matmulnbits_accuracy=0), mg.run(folded, held)):
+        assert np.allclose(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(passes.InvalidArgumentError, match="feeds"):
+        gptq.quantize_with_feedback(m, [], bits=4)
+    with pytest.raises(passes.InvalidArgumentError, match="act_order"):
+        gptq.quantize_with_feedback(m, f[:1], bits=4, act_order="yes")
+    with pytest.raises(passes.InvalidArgumentError, match="damp"):
+        gptq.quantize_with_feedback(m, f[:1], bits=4, damp=0)
