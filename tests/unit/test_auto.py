@@ -171,3 +171,29 @@ def test_error_feedback_with_far_larger_weight_noise_is_refused(monkeypatch):
     assert rep["met_on_feeds"]
     assert not forms["W2"].endswith("/gptq") and forms["W3"].endswith("/gptq"), forms
     assert auto.GPTQ_MAX_NOISE_GAIN < 30.0 ** 2
+
+
+def test_built_model_worse_than_its_trial_still_meets_the_check(monkeypatch):
+    """The built graph may run other kernels than the trial session (onnxruntime's MatMulNBits
+    with int8 activations): when the built model misses the check, the gap is measured and an
+    earlier kept plan that clears it is taken (else mu grows) until the built model passes."""
+    from passes import fidelity
+
+    real = fidelity.run_outputs
+    rng = np.random.default_rng(0)
+
+    def run_outputs(model, feeds_, **kw):
+        outs = real(model, feeds_, **kw)
+        if any(n.op_type == "DequantizeLinear" for n in getattr(model, "graph", onnx.GraphProto()).node):
+            # the built model: a fixed extra error of ~1e-4 relative energy on every output
+            outs = [[o + 0.01 * np.sqrt(np.mean(o ** 2)) * rng.standard_normal(o.shape).astype(o.dtype)
+                     for o in f] for f in outs]
+        return outs
+
+    monkeypatch.setattr(fidelity, "run_outputs", run_outputs)
+    m = dense_model()
+    f = feeds(m, n=6)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f)
+    assert rep["met_on_feeds"] and rep["fidelity"]["cosine"] >= 0.999
+    assert any("missed the check" in n for n in rep["notes"])
+    assert _quantized_bits(out), "an earlier quantized plan, not everything float"
