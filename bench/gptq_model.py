@@ -8,8 +8,10 @@ fidelity of uniform per-channel forms built with
   gptq_ao_d0.3  + refine(damp=0.3, act_order=True)
   rdo_gptq_ao_d0.3  rounding="rdo" scales, then refine(damp=0.3, act_order=True)
   imp_rdo_gptq_ao_d0.3  the same with importance-weighted clip search (gptq.input_importance)
+  qwf           gptq.quantize_with_feedback(model, calibration feeds, bits) with its defaults
 Hessians come from the first half of the corpus feeds, fidelity is measured on the second half
-(as bench/lossy.py part b). Every weight the quantize pass touches gets the same width.
+(as bench/lossy.py part b): the metric, and the SNR of the outputs the auto mode measures
+(auto.probe_outputs: the logits behind a Softmax, centred; other outputs as they are). Every weight the quantize pass touches gets the same width.
 
     python bench/gptq_model.py [--only open_nsfw minilm_fp32] [--bits 4,5] [--methods a,b]
 
@@ -31,6 +33,8 @@ OUT = REPO / "bench" / "out"
 
 import passes  # noqa: E402
 from passes import gptq  # noqa: E402
+from passes.auto import probe_outputs, proxy_outputs, strip_outputs  # noqa: E402
+from passes.fidelity import output_snr_db, run_outputs  # noqa: E402
 from passes.fold import fold_dequantize  # noqa: E402
 
 CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/work/shared/corpus"))
@@ -38,7 +42,9 @@ MODELS = {"open_nsfw": ("top1", "onnxruntime"), "minilm_fp32": ("cosine", "fold"
 METHODS = ("near", "rdo", "gptq", "gptq_d0.3", "gptq_ao_d0.3", "rdo_gptq_ao_d0.3", "imp_rdo_gptq_ao_d0.3")
 
 
-def build(model, bits, method, hess, imp):
+def build(model, bits, method, hess, imp, cal=None):
+    if method == "qwf":  # the packaged recipe, Hessians computed inside
+        return gptq.quantize_with_feedback(model, cal, bits=bits)
     tok = set(method.split("_"))
     kw = dict(bits=bits)
     if "rdo" in tok:
@@ -73,11 +79,16 @@ def main(argv=None):
             hess = gptq.collect_hessians(model, cal, names)
             imp = gptq.input_importance(model, hess)
             float_bytes = os.path.getsize(path)
+            probe, n_out, plan = probe_outputs(model)
+            ref = proxy_outputs(run_outputs(probe, held), plan)
             for bits in [int(b) for b in args.bits.split(",")]:
                 for method in args.methods.split(","):
                     c0 = time.process_time()
-                    q = build(model, bits, method, hess, imp)
+                    qp = build(probe, bits, method, hess, imp, cal)
                     cpu = time.process_time() - c0
+                    cand_p = fold_dequantize(qp) if run_as == "fold" else qp
+                    psnr = output_snr_db(ref, proxy_outputs(run_outputs(cand_p, held), plan))
+                    q = strip_outputs(qp, n_out)
                     dst = Path(tmp) / "m.onnxz"
                     passes.pack(q, dst, force=True)
                     size = os.path.getsize(dst)
@@ -85,11 +96,12 @@ def main(argv=None):
                     res = passes.evaluate(model, cand, feeds=held, metric=metric)
                     m = res.metrics
                     row = {"model": name, "bits": bits, "method": method, "packed_bytes": size,
-                           "percent": 100 * size / float_bytes, "metrics": m, "cpu_s": round(cpu, 1)}
+                           "percent": 100 * size / float_bytes, "metrics": m, "proxy_snr": psnr,
+                           "cpu_s": round(cpu, 1)}
                     rows.append(row)
                     extra = f" min {m['cosine_min']:.5f}" if metric == "cosine" else ""
                     print(f"| {name} | {bits} | {method:<22} | {100 * size / float_bytes:6.2f}% | {metric} "
-                          f"{m[metric]:.5f}{extra} | out SNR {m.get('snr', float('nan')):6.2f} | {cpu:6.1f} |",
+                          f"{m[metric]:.5f}{extra} | logit SNR {psnr:6.2f} | {cpu:6.1f} |",
                           flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gptq_model.json").write_text(json.dumps(rows, indent=1, default=float))

@@ -208,3 +208,18 @@ def test_quantize_with_feedback_recipe():
         gptq.quantize_with_feedback(m, f[:1], bits=4, act_order="yes")
     with pytest.raises(passes.InvalidArgumentError, match="damp"):
         gptq.quantize_with_feedback(m, f[:1], bits=4, damp=0)
+
+
+def test_quantize_with_feedback_conv_damp():
+    m = mg.conv_model()
+    f = mg.feeds(m, n=4)
+    rep = passes.Report()
+    out = gptq.quantize_with_feedback(m, f, bits=4, conv_damp=0.3, report=rep)
+    onnx.checker.check_model(out, full_check=True)
+    note = next(n for n in rep.notes if "error feedback" in n)
+    assert "Conv damp 0.3" in note and "of 0 weights" not in note
+    plain = passes.quantize_weights(m, bits=4, rounding="rdo")
+    lv = lambda mm: {t.name: onnx.numpy_helper.to_array(t) for t in mm.graph.initializer if t.name.endswith("_quantized")}  # noqa: E731
+    assert any(not np.array_equal(a, lv(plain)[k]) for k, a in lv(out).items())
+    for a, b in zip(mg.run(m, f), mg.run(passes.fold_dequantize(out), f)):
+        assert mg.cosine(a, b) > 0.95
