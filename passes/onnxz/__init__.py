@@ -9,7 +9,7 @@
     model = load(downloaded_bytes)                # the pack already in memory: bytes, mmap, ndarray
     with PackedFile("model.onnxz") as pf:         # the file layer: raw payloads, whole files
         payload = pf.tensor_bytes("conv1.weight")  # uint8, exactly as in the original file
-        onnx_bytes = pf.restore_file(0)            # the model file (sha256 checked)
+        onnx_bytes = pf.restore_file(0)            # the model file (whole-file digest checked)
 
 The file format is FORMAT.md at the top of the repository. Damaged, truncated or foreign files
 raise CorruptFileError (NewerFormatError for newer formats), declared sizes beyond the limits

@@ -142,6 +142,7 @@ class FileEntry:
     sha256: str
     skeleton: Stream
     cuts: List[tuple]  # (offset, length, tensor index)
+    xxh3_128: Optional[str] = None  # 1.2: the restore digest (FORMAT.md 4); None in 1.0 / 1.1 files
 
 
 @dataclass
@@ -319,6 +320,9 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         sha = f.get("sha256")
         if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
             raise _bad(f"file {i} sha256")
+        fast = f.get("xxh3_128")
+        if fast is not None and not (isinstance(fast, str) and re.fullmatch(r"[0-9a-f]{32}", fast)):
+            raise _bad(f"file {i} xxh3_128")
         skeleton = _stream(f.get("skeleton"), extents, f"file {i} skeleton")
         cuts_in = f.get("cuts")
         if not isinstance(cuts_in, list):
@@ -338,7 +342,7 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
             cuts.append((off, ln, ti))
         if skeleton.raw_length != size - sum(c[1] for c in cuts):
             raise _bad(f"file {i} skeleton length")
-        files.append(FileEntry(name, size, sha, skeleton, cuts))
+        files.append(FileEntry(name, size, sha, skeleton, cuts, fast))
     for t in tensors:
         if t.offset + t.length > files[t.file].size:
             raise _bad(f"tensor {t.key!r} lies outside its file")

@@ -8,7 +8,8 @@ and `ans_shared` chunks (nearly all the bytes) in batches by one C call each (_p
 checked and decoded with the GIL released; one batch per call at 1 thread, ~1 MiB batches with
 a pool), other codecs one by one through codecs.decode_chunk. A call hands all its chunks to
 `threads` threads at once (the calling thread included), largest first. Restoring a file runs as a pipeline (threads > 1): while the pool decodes
-window k+1, a hashing thread runs the sha256 over window k and the caller writes it.
+window k+1, a hashing thread runs the whole-file digest (XXH3-128, or sha256 in 1.0 / 1.1 files or
+when asked) over window k and the caller writes it.
 """
 from __future__ import annotations
 
@@ -64,6 +65,35 @@ BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several thread
 WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
 # small enough that hashing and writing find it still in cache (measured: 8 -> 4 MiB saves ~8% of unpack CPU)
 _BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+DIGESTS = ("fast", "sha256", "none")
+
+
+def digest_mode(digest="fast", check_sha256=None) -> str:
+    """The whole-file digest a restore checks: "fast" (the file's XXH3-128, format 1.2; its sha256
+    when it has none, i.e. a 1.0 / 1.1 file), "sha256" (always the sha256: identity with the
+    original), "none" (only every chunk's XXH3-64). `check_sha256` is the older keyword (True ->
+    "sha256", False -> "none")."""
+    if check_sha256 is not None:
+        wanted = "sha256" if check_sha256 else "none"
+        if digest not in ("fast", wanted):
+            raise InvalidArgumentError(f"digest={digest!r} contradicts check_sha256={check_sha256!r}")
+        digest = wanted
+    if digest not in DIGESTS:
+        raise InvalidArgumentError(f"digest must be one of {', '.join(map(repr, DIGESTS))}, got {digest!r}")
+    return digest
+
+
+def _hashers(fe, mode: str) -> list:
+    """[(label, hasher, expected hex)] for restoring file entry `fe` under `mode` (digest_mode's,
+    or "both": the sha256 and, when stored, the XXH3-128 -- what `verify` checks)."""
+    out = []
+    if mode in ("sha256", "both") or (mode == "fast" and fe.xxh3_128 is None):
+        out.append(("sha256", hashlib.sha256(), fe.sha256))
+    if mode in ("fast", "both") and fe.xxh3_128 is not None:
+        out.append(("xxh3_128", xxhash.xxh3_128(), fe.xxh3_128))
+    return out
 
 
 def _threads(threads) -> int:
@@ -138,8 +168,9 @@ class PackedFile:
     - `tensors_bytes(entries, outs=None)` -> list of payloads, all chunks scheduled together;
     - `restore_file(fi, out=None, *, skip=())` -> the whole file `fi` (0: the model, then its
       external data files) as uint8; `skip`: tensor entries whose payload is not decoded (`out`
-      keeps what it held there; the sha256 is then not checked);
-    - `restore_windows(fi)` -> the file in consecutive windows (memory-bounded), sha256 checked;
+      keeps what it held there; the whole-file digest is then not checked);
+    - `restore_windows(fi, digest="fast")` -> the file in consecutive windows (memory-bounded), its
+      whole-file digest checked (XXH3-128; sha256 when the file has none or digest="sha256");
       with threads > 1 the next window decodes and this one is hashed while the caller writes it;
     - `read_range(fi, offset, length)` -> bytes of the restored file in that range;
     - `skeleton(fi)` -> the decoded skeleton stream of file `fi`;
@@ -464,19 +495,24 @@ class PackedFile:
                 jobs.append((src[1], src[2], window[woff:woff + ln]))
         return self._tasks(jobs, cached=True)
 
-    def _restore(self, fi: int, target, check: bool = True):
+    def _restore(self, fi: int, target, digest: str = "fast"):
         """Decode file `fi` window by window and yield each window. With a pool, three things
-        overlap: window k+1 decodes on the pool, window k is hashed (sha256, in order) on a
+        overlap: window k+1 decodes on the pool, window k is hashed (its digest, in order) on a
         hashing thread, and the caller consumes (writes) window k. `target(start, length, k)`
         gives the array window k decodes into (it may reuse window k-2's array: both decoding
-        into it and hashing it are finished by then). The sha256 is checked before the last
-        window is yielded."""
+        into it and hashing it are finished by then). The whole-file digest(s) of `digest` (see
+        _hashers) are checked before the last window is yielded."""
         fe = self.index.files[fi]
         skel = self.skeleton(fi)
-        sha = hashlib.sha256()
+        hashers = _hashers(fe, digest)
+        check = bool(hashers)
+
+        def update(arr):  # hashlib and xxhash both release the GIL on large buffers
+            for _, h, _ in hashers:
+                h.update(arr)
         windows = self._windows(fi, WINDOW_BYTES)
         pending = None  # (window array, group) decoding on the pool
-        hashing = None  # the sha256 update of the previous window, on the hashing thread
+        hashing = None  # the digest update of the previous window, on the hashing thread
         parallel = self._pool is not None
 
         def start(k, spec):
@@ -505,9 +541,9 @@ class PackedFile:
                 if not check:
                     pass
                 elif parallel:
-                    hashing = self._hasher().submit(sha.update, arr)
+                    hashing = self._hasher().submit(update, arr)
                 else:
-                    sha.update(arr)
+                    update(arr)
                 yield arr
             arr, group = pending
             pending = None
@@ -517,9 +553,10 @@ class PackedFile:
                 hashing, h = None, hashing
                 h.result()
             if check:
-                sha.update(arr)
-            if check and sha.hexdigest() != fe.sha256:
-                raise CorruptFileError(f"damaged .onnxz file: {fe.name} does not match its sha256")
+                update(arr)
+            for label, h, want in hashers:
+                if h.hexdigest() != want:
+                    raise CorruptFileError(f"damaged .onnxz file: {fe.name} does not match its {label}")
             yield arr
         finally:  # abandoned or failed: let the workers finish with the arrays before they go
             for waiter in ((pending[1].wait if pending is not None and pending[1] is not None else None),
@@ -531,18 +568,21 @@ class PackedFile:
                         pass
 
     def _hasher(self) -> ThreadPoolExecutor:
-        """One thread for sha256 updates: in order, beside the decoding (hashlib releases the GIL)."""
+        """One thread for digest updates: in order, beside the decoding (hashlib and xxhash release the GIL)."""
         with self._lock:
             if self._hash_pool is None:
                 self._hash_pool = ThreadPoolExecutor(max_workers=1)
             return self._hash_pool
 
-    def restore_windows(self, fi: int, *, check_sha256: bool = True):
+    def restore_windows(self, fi: int, *, digest: str = "fast", check_sha256: Optional[bool] = None):
         """Yield the file `fi` in consecutive windows (memory-bounded: two windows of about
-        WINDOW_BYTES); the sha256 is checked before the last window is yielded (check_sha256=False:
-        not computed; every chunk's XXH3 still is). A window's array is reused once the next one
-        is asked for: consume (write) it first."""
+        WINDOW_BYTES); the whole-file digest is checked before the last window is yielded:
+        digest="fast" (default) the file's XXH3-128 (its sha256 in 1.0 / 1.1 files), "sha256",
+        or "none" (every chunk's XXH3-64 still is checked); check_sha256=True/False is the older
+        spelling of "sha256"/"none". A window's array is reused once the next one is asked for:
+        consume (write) it first."""
         self._check_open()
+        mode = digest if digest == "both" else digest_mode(digest, check_sha256)
         buffers = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
 
         def target(s, n, k):
@@ -550,14 +590,16 @@ class PackedFile:
                 buffers[k % 2] = np.empty(max(n, min(self.index.files[fi].size, WINDOW_BYTES)), np.uint8)
             return buffers[k % 2][:n]
 
-        yield from self._restore(fi, target, check_sha256)
+        yield from self._restore(fi, target, mode)
 
-    def restore_file(self, fi: int, out: Optional[np.ndarray] = None, *, skip=()) -> np.ndarray:
+    def restore_file(self, fi: int, out: Optional[np.ndarray] = None, *, skip=(), digest: str = "fast") -> np.ndarray:
         """The whole file `fi` (0: the model) as uint8, decoded into `out` when given (a writable
-        uint8 array of the file's size); sha256 checked. Tensors in `skip` (entries or keys) are
-        not decoded: `out` keeps what it held in their payload ranges, and the sha256 cannot be
-        checked (every chunk's own checksum still is)."""
+        uint8 array of the file's size); its whole-file digest checked (`digest` as in
+        restore_windows). Tensors in `skip` (entries or keys) are not decoded: `out` keeps what
+        it held in their payload ranges, and no whole-file digest can be checked (every chunk's
+        own checksum still is)."""
         self._check_open()
+        mode = digest_mode(digest)
         fe = self.index.files[fi]
         out = self._out(out, fe.size, f"file {fe.name!r}")
         skipped = {id(self._entry(e).stream) for e in skip if self._entry(e).stream is not None}
@@ -566,7 +608,7 @@ class PackedFile:
             items = [(off, ln, src) for off, ln, src in self._pieces(fi) if src[0] == "skel" or id(src[1]) not in skipped]
             self._run(self._fill(out, items, skel))
             return out
-        for _ in self._restore(fi, lambda s, n, k: out[s:s + n]):
+        for _ in self._restore(fi, lambda s, n, k: out[s:s + n], mode):
             pass
         return out
 
@@ -726,7 +768,8 @@ class PackedModel:
             "format_version": "%d.%d" % idx.version, "writer": idx.writer, "path": self._pf.label,
             "packed_bytes": self._pf.size,
             "original_bytes": sum(f.size for f in idx.files),
-            "files": [{"name": f.name, "size": f.size, "sha256": f.sha256, "skeleton_stored": f.skeleton.stored,
+            "files": [{"name": f.name, "size": f.size, "sha256": f.sha256, "xxh3_128": f.xxh3_128,
+                       "skeleton_stored": f.skeleton.stored,
                        "cuts": len(f.cuts)} for f in idx.files],
             "tensors": tensors,
         }
@@ -761,14 +804,18 @@ def _default_dst(src: Path) -> Path:
     return src.with_name(src.name + ".onnx")
 
 
-def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, check_sha256: bool = True) -> Path:
+def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, digest: str = "fast",
+           check_sha256: Optional[bool] = None) -> Path:
     """Restore the .onnx (and its external data files beside it) byte for byte; returns the .onnx
     path. `src` is the .onnxz path, or its bytes in memory (then `dst` is required). Each file is
     decoded in windows: with threads > 1 the next window decodes while this one is hashed and
-    written; written atomically (temporary file, fsync, rename). The sha256 of every restored
-    file is checked by default (FORMAT.md's promise; about half of unpack's CPU time on float
-    models); check_sha256=False skips only that whole-file hash (every stored chunk's XXH3-64 is
-    still checked, so damaged data is still refused; a reader bug would go unnoticed)."""
+    written; written atomically (temporary file, fsync, rename). Every restored file's whole-file
+    digest is checked: digest="fast" (default) its XXH3-128 (format 1.2; ~15 GB/s) or, in a
+    1.0 / 1.1 file that has none, its sha256 (~1-2 GB/s: 30-50% of unpack's CPU on float models);
+    "sha256" always the sha256; "none" skips the whole-file digest (every stored chunk's XXH3-64
+    is still checked, so damaged data is still refused; a reader bug would go unnoticed).
+    check_sha256=True/False is the older spelling of "sha256"/"none"."""
+    mode = digest_mode(digest, check_sha256)
     in_memory = _as_buffer(src) is not None
     if in_memory:
         if dst is None:
@@ -786,7 +833,7 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
         # data files first: the model file never appears pointing at missing data
         for fi in list(range(1, len(files))) + [0]:
             with atomic_output(targets[fi], force) as f:
-                for window in pf.restore_windows(fi, check_sha256=check_sha256):
+                for window in pf.restore_windows(fi, digest=mode):
                     f.write(window)
     return dst
 
@@ -830,9 +877,11 @@ def _is_packed(path: Path) -> bool:
         raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def load(path, *, threads=None, max_bytes=None) -> onnx.ModelProto:
+def load(path, *, threads=None, max_bytes=None, digest: str = "fast") -> onnx.ModelProto:
     """The ModelProto of an .onnxz (restored in memory, no temporary files) or of an .onnx path;
-    `path` may also be the packed bytes in memory."""
+    `path` may also be the packed bytes in memory. `digest`: the whole-file check of each
+    restored file, as in unpack ("fast" by default)."""
+    mode = digest_mode(digest)
     if _as_buffer(path) is not None:
         p = path
     else:
@@ -843,11 +892,11 @@ def load(path, *, threads=None, max_bytes=None) -> onnx.ModelProto:
         load_external_data(model, p.parent)
         return model
     with PackedFile(p, threads=threads, max_bytes=max_bytes) as pf:
-        data = pf.restore_file(0)
+        data = pf.restore_file(0, digest=mode)
         model = parse_model_bytes(memoryview(data), pf.label)  # protobuf parses a buffer: no copy of the file
         del data
         if len(pf.index.files) > 1:
-            restored = {pf.index.files[fi].name: pf.restore_file(fi) for fi in range(1, len(pf.index.files))}
+            restored = {pf.index.files[fi].name: pf.restore_file(fi, digest=mode) for fi in range(1, len(pf.index.files))}
             from .._fileio import external_tensors
 
             for t in external_tensors(model):
@@ -876,8 +925,8 @@ class VerifyResult:
 
 
 def verify(path, against=None, *, threads=None, max_bytes=None) -> VerifyResult:
-    """Decode everything and check every checksum and the sha256 of each restored file
-    (CorruptFileError on damage). With `against` (the original .onnx), also compare the restored
+    """Decode everything and check every checksum, the sha256 of each restored file and, in a 1.2
+    file, its XXH3-128 too (CorruptFileError on damage). With `against` (the original .onnx), also compare the restored
     bytes with it and its external data files: a difference makes the result not ok."""
     with PackedFile(path, threads=threads, max_bytes=max_bytes) as pf:
         files = pf.index.files
@@ -897,7 +946,7 @@ def verify(path, against=None, *, threads=None, max_bytes=None) -> VerifyResult:
                     result.checks.append({"check": f"compare {fe.name}", "ok": False, "detail": f"cannot read {originals[fi]}: {exc.strerror or exc}"})
             same = handle is not None
             try:
-                for window in pf.restore_windows(fi):
+                for window in pf.restore_windows(fi, digest="both"):
                     if handle is not None and same:
                         if handle.read(window.size) != window.tobytes():
                             same = False
@@ -907,6 +956,8 @@ def verify(path, against=None, *, threads=None, max_bytes=None) -> VerifyResult:
                 if handle is not None:
                     handle.close()
             result.checks.append({"check": f"sha256 {fe.name}", "ok": True, "detail": f"{fe.size} bytes"})
+            if fe.xxh3_128 is not None:
+                result.checks.append({"check": f"xxh3_128 {fe.name}", "ok": True, "detail": f"{fe.size} bytes"})
             if handle is not None:
                 result.checks.append({"check": f"compare {fe.name}", "ok": same, "detail": "identical" if same else f"differs from {originals[fi]}"})
                 result.ok = result.ok and same

@@ -843,7 +843,10 @@ def test_small_tensors_share_tables_and_round_trip(tmp_path, monkeypatch, whole_
     alone = passes.pack(src, tmp_path / "a.onnxz", threads=2)
     assert alone.packed_bytes > stats.packed_bytes == again.packed_bytes
     with passes.open_packed(tmp_path / "a.onnxz") as pm:
-        assert pm.metadata()["format_version"] == "1.1"  # no shared table: still a 1.1 file
+        meta = pm.metadata()
+        # no shared table, but 1.2 all the same: every file carries its XXH3-128 restore digest
+        assert meta["format_version"] == "1.2" and "ans_tables" not in pm.packed_file.index.raw
+        assert all(len(f["xxh3_128"]) == 32 for f in meta["files"])
 
 
 def _first_shared(index):
@@ -876,3 +879,133 @@ def base64_of(b: bytes) -> str:
     import base64
 
     return base64.b64encode(b).decode()
+
+
+# ---------------------------------------------------------------- restore digests (format 1.2)
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+def test_writer_stores_both_digests(small_packed):
+    import xxhash
+
+    src, packed = small_packed
+    data = src.read_bytes()
+    with passes.open_packed(packed) as pm:
+        meta = pm.metadata()
+    assert meta["format_version"] == "1.2"
+    (f,) = meta["files"]
+    assert f["sha256"] == hashlib.sha256(data).hexdigest()
+    assert f["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()
+
+
+@pytest.fixture
+def damaging_decoder(monkeypatch):
+    """A reader bug that the chunk checksums cannot see: one restored byte flipped after decoding
+    (the first byte of every window: skeleton bytes)."""
+    from passes.onnxz.reader import PackedFile
+
+    fill = PackedFile._fill
+
+    def bad_fill(self, window, items, skel):
+        tasks = fill(self, window, items, skel)
+        if window.size:
+            window[0] ^= 0x40
+        return tasks
+
+    monkeypatch.setattr(PackedFile, "_fill", bad_fill)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("digest,label", [("fast", "xxh3_128"), ("sha256", "sha256")])
+def test_damaged_restore_refused_by_each_digest(tmp_path, small_packed, damaging_decoder, threads, digest, label):
+    _, packed = small_packed
+    with pytest.raises(CorruptFileError, match=f"does not match its {label}"):
+        passes.unpack(packed, tmp_path / "r.onnx", threads=threads, digest=digest)
+    assert not (tmp_path / "r.onnx").exists()
+    with pytest.raises(CorruptFileError, match=f"does not match its {label}"):
+        passes.load(packed, threads=threads, digest=digest)
+    with passes.open_packed(packed, threads=threads) as pm:
+        with pytest.raises(CorruptFileError, match=f"does not match its {label}"):
+            list(pm.packed_file.restore_windows(0, digest=digest))
+    with pytest.raises(CorruptFileError, match="does not match its"):
+        passes.verify(packed, threads=threads)
+    # digest="none" (and the older check_sha256=False) restores the damage: only chunk checksums
+    passes.unpack(packed, tmp_path / "n.onnx", threads=threads, digest="none")
+    passes.unpack(packed, tmp_path / "o.onnx", threads=threads, check_sha256=False)
+
+
+def test_each_digest_checks_its_own_field(tmp_path, small_packed):
+    """A wrong stored xxh3_128 fails the default restore and verify, not a sha256 restore; a wrong
+    sha256 fails a sha256 restore and verify, not the default one."""
+    src, packed = small_packed
+    data = packed.read_bytes()
+
+    def with_field(key, value):
+        def mutate(obj):
+            obj["files"][0][key] = value
+        path = tmp_path / f"{key}.onnxz"
+        path.write_bytes(_rewrite_index(data, mutate))
+        return path
+
+    bad_fast = with_field("xxh3_128", "0" * 32)
+    with pytest.raises(CorruptFileError, match="xxh3_128"):
+        passes.unpack(bad_fast, tmp_path / "a.onnx")
+    assert passes.unpack(bad_fast, tmp_path / "b.onnx", digest="sha256").read_bytes() == src.read_bytes()
+    assert passes.unpack(bad_fast, tmp_path / "c.onnx", check_sha256=True).read_bytes() == src.read_bytes()
+    with pytest.raises(CorruptFileError, match="xxh3_128"):
+        passes.verify(bad_fast)
+    bad_sha = with_field("sha256", "0" * 64)
+    assert passes.unpack(bad_sha, tmp_path / "d.onnx").read_bytes() == src.read_bytes()
+    with pytest.raises(CorruptFileError, match="sha256"):
+        passes.unpack(bad_sha, tmp_path / "e.onnx", digest="sha256")
+    with pytest.raises(CorruptFileError, match="sha256"):
+        passes.verify(bad_sha)
+    for bad in ("XYZ", 5, "0" * 31):
+        with pytest.raises(CorruptFileError, match="xxh3_128"):
+            passes.open_packed(with_field("xxh3_128", bad))
+
+
+def test_digest_keyword_errors(tmp_path, small_packed):
+    _, packed = small_packed
+    with pytest.raises(InvalidArgumentError, match="digest must be one of"):
+        passes.unpack(packed, tmp_path / "a.onnx", digest="md5")
+    with pytest.raises(InvalidArgumentError, match="contradicts"):
+        passes.unpack(packed, tmp_path / "a.onnx", digest="sha256", check_sha256=False)
+    with pytest.raises(InvalidArgumentError, match="digest must be one of"):
+        passes.load(packed, digest="both")
+    assert not (tmp_path / "a.onnx").exists()
+
+
+@pytest.mark.parametrize("folder", ["v1.0", "v1.1"])
+def test_old_files_still_checked_by_sha256(tmp_path, folder, damaging_decoder):
+    """1.0 / 1.1 files have no xxh3_128: the default restore falls back to their sha256."""
+    path = sorted((GOLDEN / folder).glob("[a-m]*.onnxz"))[0]
+    with passes.open_packed(path) as pm:
+        assert all(f["xxh3_128"] is None for f in pm.metadata()["files"])
+    with pytest.raises(CorruptFileError, match="does not match its sha256"):
+        passes.unpack(path, tmp_path / "r.onnx")
+    with pytest.raises(CorruptFileError, match="does not match its sha256"):
+        passes.load(path)
+
+
+def test_cli_unpack_sha256_flag(tmp_path, small_packed, capsys):
+    import json
+
+    from tools.surgeon_compress import main
+
+    src, packed = small_packed
+    assert main(["unpack", str(packed), "-o", str(tmp_path / "a.onnx"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["digest"] == "fast"
+    assert main(["unpack", str(packed), "-o", str(tmp_path / "b.onnx"), "--sha256", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["digest"] == "sha256"
+    assert (tmp_path / "b.onnx").read_bytes() == src.read_bytes() == (tmp_path / "a.onnx").read_bytes()
+    bad = tmp_path / "bad.onnxz"
+    bad.write_bytes(_rewrite_index(packed.read_bytes(), lambda o: o["files"][0].__setitem__("sha256", "0" * 64)))
+    assert main(["unpack", str(bad), "-o", str(tmp_path / "c.onnx")]) == 0  # the fast digest is right
+    capsys.readouterr()
+    assert main(["unpack", str(bad), "-o", str(tmp_path / "d.onnx"), "--sha256"]) == 4
+    assert "sha256" in capsys.readouterr().err
+    assert main(["info", str(packed)]) == 0
+    out = capsys.readouterr().out
+    assert hashlib.sha256(src.read_bytes()).hexdigest() in out and "xxh3_128" in out
