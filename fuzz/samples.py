@@ -319,7 +319,7 @@ SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
 }
 
 
-REQUIRED_FAMILIES = {"bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "skeleton", "ans"}
+REQUIRED_FAMILIES = {"bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "skeleton", "ans", "ans_shared"}
 
 
 def check_families(samples: List[Sample]) -> set:

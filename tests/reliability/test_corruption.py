@@ -20,7 +20,8 @@ from fuzz.samples import REQUIRED_FAMILIES, check_families
 CHEAP = ("open_packed",)                 # every mutant: get_tensor hashes no whole file, the riskiest path
 ALL = ("load", "open_packed", "unpack", "verify", "session")  # every FULL_STRIDE-th mutant, and the truncations
 FULL_STRIDE = 8
-SWEPT = ["all_families", "ans_families", "external_data", "fpairs_forced"]  # every codec family between them
+SWEPT = ["all_families", "ans_families", "external_data", "fpairs_forced",  # every codec family between them
+         "shared_tables", "shared_long_blobs"]  # format 1.2: shared tables, short blobs longer than their plane
 
 
 def _sweep(oracle, specs, packed, apis_for):
@@ -57,7 +58,7 @@ def test_every_byte_flip(samples, oracle_for, name):
     verdicts, bad = _sweep(oracle_for(name), specs, packed,
                            lambda spec: ALL if spec[2] % FULL_STRIDE == 0 else CHEAP)
     assert not bad, f"{len(bad)} of {n} flips misbehaved:\n" + "\n".join(bad[:20])
-    # Every byte is under a check (header CRC, chunk CRCs, index CRC, sha256 of restored files):
+    # Every byte is under a check (header CRC, chunk CRCs, index CRC, digest of restored files):
     # a reader that restores the whole file must refuse every flip. (get_tensor alone may give
     # identical tensors for a flip in a part it does not read, e.g. the skeleton.)
     assert verdicts["identical"] == 0, verdicts
