@@ -1009,3 +1009,39 @@ def test_cli_unpack_sha256_flag(tmp_path, small_packed, capsys):
     assert main(["info", str(packed)]) == 0
     out = capsys.readouterr().out
     assert hashlib.sha256(src.read_bytes()).hexdigest() in out and "xxh3_128" in out
+
+
+GOLDEN_DIGEST = sorted((GOLDEN / "v1.2-digest").glob("*.onnxz"))
+
+
+@pytest.mark.skipif(not GOLDEN_DIGEST, reason="no v1.2-digest golden files")
+def test_golden_digest_files_check_their_xxh3(tmp_path, monkeypatch):
+    """The stored XXH3-128 of each golden 1.2 file is that of the bytes whose sha256 the manifest
+    recorded before packing; a damaged restoration of them is refused by it."""
+    import json
+
+    import xxhash
+
+    from passes.onnxz.reader import PackedFile
+
+    manifest = json.loads((GOLDEN / "v1.2-digest" / "MANIFEST.json").read_text())
+    for path in GOLDEN_DIGEST:
+        want = manifest["files"][path.name]["restored_files"]
+        out = tmp_path / path.stem
+        out.mkdir()
+        passes.unpack(path, out / manifest["files"][path.name]["model_file"], threads=1)
+        with passes.open_packed(path) as pm:
+            for f in pm.metadata()["files"]:
+                data = (out / f["name"]).read_bytes() if f["name"] in want else (out / Path(f["name"]).name).read_bytes()
+                assert hashlib.sha256(data).hexdigest() == f["sha256"] in want.values()
+                assert xxhash.xxh3_128(data).hexdigest() == f["xxh3_128"]
+    fill = PackedFile._fill
+
+    def bad_fill(self, window, items, skel):
+        tasks = fill(self, window, items, skel)
+        window[-1:] ^= 1
+        return tasks
+
+    monkeypatch.setattr(PackedFile, "_fill", bad_fill)
+    with pytest.raises(CorruptFileError, match="does not match its xxh3_128"):
+        passes.load(GOLDEN_DIGEST[0])
