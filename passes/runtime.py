@@ -10,9 +10,7 @@
 No temporary model file is written: the model is split into a small skeleton and numpy arrays
 (see `runtime_feed`), each weight is decoded or folded once into the array handed to onnxruntime
 (shared as its own buffer where its kernels allow, else inside the model streamed to it through a
-pipe, then dropped), and models over 2 GB load like small ones. A pack with nothing to rewrite
-(a lossless float model in fold mode) skips the split: its model file is restored straight into
-the pipe while onnxruntime parses it (`runtime_source.WholePack`).
+pipe, then dropped), and models over 2 GB load like small ones.
 
 Modes
 - "fold": every constant DequantizeLinear becomes a float tensor (dtype: the model's own, or
@@ -99,13 +97,12 @@ def _check_providers(providers) -> list | None:
     return list(providers)
 
 
-def _read_split(path, threads, max_bytes=None, packed=None) -> SplitModel:
-    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file (`packed`:
-    that file already open)."""
+def _read_split(path, threads, max_bytes=None) -> SplitModel:
+    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file."""
     from .runtime_source import read_split
 
     try:
-        return read_split(path, threads=threads, max_bytes=max_bytes, packed=packed)
+        return read_split(path, threads=threads, max_bytes=max_bytes)
     except SurgeonError:
         raise
     except Exception as exc:  # a damaged file that got past the structural checks
@@ -175,75 +172,38 @@ def parse_pieces(options, pieces: list, read_config: bool):
     from onnxruntime.capi import _pybind_state as C
 
     if not _streaming_supported():
-        data = b"".join(_flat(pieces))
+        data = b"".join(pieces)
         pieces.clear()
         return C.InferenceSession(options, data, False, read_config)
     read_end, write_end = os.pipe()
-    failures = []
 
     def write_all():
         try:
-            views = []
-            for piece in pieces:
-                if hasattr(piece, "__next__"):  # produced while written: each one out before the next
-                    _write_views(write_end, views)
-                    try:
-                        for produced in piece:
-                            _write_views(write_end, [memoryview(produced).cast("B")])
-                    finally:
-                        piece.close()  # (its clean-up runs here, also when onnxruntime stopped reading)
-                else:
-                    views.append(memoryview(piece).cast("B"))
-            _write_views(write_end, views)
+            views = [memoryview(p).cast("B") for p in pieces]
+            while views:
+                written = os.writev(write_end, views[:WRITEV_MAX_BUFFERS])
+                while written and views:  # drop what was written (a signal may cut a write short)
+                    if written >= views[0].nbytes:
+                        written -= views[0].nbytes
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][written:]
+                        written = 0
         except OSError:  # onnxruntime stopped reading (a model it refused): nothing more to do
             pass
-        except BaseException as exc:  # a producer failed (a damaged pack): reported to the caller
-            failures.append(exc)
         finally:
             os.close(write_end)
 
     writer = threading.Thread(target=write_all, name="passes-model-writer", daemon=True)
     writer.start()
     try:
-        session = C.InferenceSession(options, f"/proc/self/fd/{read_end}", True, read_config)
-    except Exception:
-        session = None
-        if not failures:
-            raise
+        return C.InferenceSession(options, f"/proc/self/fd/{read_end}", True, read_config)
     finally:
         os.close(read_end)  # a writer still blocked gets EPIPE and ends
         # (onnxruntime reads to the end or closes its descriptor: the writer is done at once; the
         # bound only keeps a pathological reader from hanging the caller, the thread is a daemon)
         writer.join(timeout=60)
         pieces.clear()
-    if failures:  # (even when onnxruntime accepted the stream: it may have ended at a field boundary)
-        exc = failures[0]
-        if isinstance(exc, SurgeonError):
-            raise exc
-        raise CorruptFileError(f"damaged .onnxz file: {type(exc).__name__}: {exc}") from None
-    return session
-
-
-def _flat(pieces):
-    """The buffers of `pieces`: buffers, or iterators of buffers (produced while being written)."""
-    for piece in pieces:
-        if hasattr(piece, "__next__"):
-            yield from piece
-        else:
-            yield piece
-
-
-def _write_views(fd: int, views: list) -> None:
-    """Write every view (emptying the list), however the kernel splits the writes."""
-    while views:
-        written = os.writev(fd, views[:WRITEV_MAX_BUFFERS])
-        while written and views:  # drop what was written (a signal may cut a write short)
-            if written >= views[0].nbytes:
-                written -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][written:]
-                written = 0
 
 
 class InferenceSession(ort.InferenceSession):
@@ -306,10 +266,7 @@ class InferenceSession(ort.InferenceSession):
         """Read, rewrite for the mode and dtype; returns (options, disabled optimisers, skeleton bytes)."""
         s = self._settings
         mode, target = s["mode"], s["target"]
-        whole, packed = self._whole_pack() if mode == "fold" and not self.on_gpu and share else (None, None)
-        if whole is not None:
-            return self._prepare_whole(sess_options, whole)
-        split = _read_split(self.source, s["threads"], s["max_bytes"], packed=packed)
+        split = _read_split(self.source, s["threads"], s["max_bytes"])
         own_dtype = model_float_dtype(split)
         self.mode_reason = f"requested mode={mode}"
         if mode == "auto":
@@ -381,57 +338,6 @@ class InferenceSession(ort.InferenceSession):
         else:
             model_bytes = split.skeleton.SerializeToString()
         return options, disabled, model_bytes
-
-    def _whole_pack(self):
-        """(a packed model onnxruntime can take as it is (runtime_source.WholePack), None) or
-        (None, the pack opened for the split path, or None)."""
-        from .runtime_source import read_whole_packed
-
-        s = self._settings
-        if not _streaming_supported():
-            return None, None  # (joined bytes would hold the model twice: the split path shares instead)
-        try:
-            whole, packed = read_whole_packed(self.source, s["threads"], s["max_bytes"], max_size=EMBED_MAX_BYTES)
-        except SurgeonError:
-            raise
-        except Exception as exc:
-            raise CorruptFileError(f"{self.source}: cannot read model ({type(exc).__name__}: {exc})") from None
-        if whole is not None and s["target"] is not None and s["target"] != whole.float_dtype:
-            return None, whole.detach()  # a dtype conversion rewrites the graph: the split path
-        return whole, packed
-
-    def _prepare_whole(self, sess_options, whole):
-        """fold mode for a pack with nothing to fold: the model file itself is streamed to
-        onnxruntime (restored while it parses); nothing is shared or rewritten."""
-        s = self._settings
-        self.mode, self.mode_reason = "fold", "requested mode=fold"
-        self.dtype = whole.float_dtype
-        options = copy_session_options(sess_options)
-        if s["threads"]:
-            options.intra_op_num_threads = s["threads"]
-        self.prepack = s["prepack"] if s["prepack"] is not None else True
-        if not self.prepack:
-            options.add_session_config_entry("session.disable_prepacking", "1")
-        self.weight_arrays, self.shared_names, self._device_values = {}, set(), {}
-        self._op_counts = None  # counted from the skeleton when asked (not needed to load)
-        self.skeleton_bytes = whole.size
-        self.embedded_names = set(whole.tensor_names)
-        return options, set(), [whole.pieces()]
-
-    @property
-    def op_counts(self) -> dict:
-        """Main-graph operators handed to onnxruntime (before its own optimisations)."""
-        if self._op_counts is None:
-            split = _read_split(self.source, self._settings["threads"], self._settings["max_bytes"])
-            counts = {}
-            for node in split.skeleton.graph.node:
-                counts[node.op_type] = counts.get(node.op_type, 0) + 1
-            self._op_counts = counts
-        return self._op_counts
-
-    @op_counts.setter
-    def op_counts(self, counts: dict) -> None:
-        self._op_counts = counts
 
     # onnxruntime's loader, with the weights attached to our private options: shared ones kept
     # alive with the session, copied ones dropped as soon as onnxruntime holds its copy

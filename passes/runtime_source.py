@@ -34,12 +34,9 @@ def is_packed(path: Path) -> bool:
         raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def read_split(path, threads=None, max_bytes=None, packed=None) -> SplitModel:
+def read_split(path, threads=None, max_bytes=None) -> SplitModel:
     """`max_bytes` caps what a packed file may restore to (the pack reader's limit; None: its
-    default); a plain .onnx is read where it lies, nothing to cap. `packed`: the file already
-    opened with open_packed (read and closed here)."""
-    if packed is not None:
-        return read_packed(path, packed=packed)
+    default); a plain .onnx is read where it lies, nothing to cap."""
     p = check_readable(path)
     if is_packed(p):
         return read_packed(p, threads=threads, max_bytes=max_bytes)
@@ -150,12 +147,10 @@ def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
 
 # ---------------------------------------------------------------------- packed files
 
-def read_packed(path: Path, threads=None, max_bytes=None, packed=None) -> SplitModel:
+def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
     from .onnxz import open_packed
 
-    if packed is None:
-        packed = open_packed(path, threads=threads, max_bytes=max_bytes)
-    with packed:
+    with open_packed(path, threads=threads, max_bytes=max_bytes) as packed:
         pf = packed.packed_file  # the pack reader's public file layer (whole files, tensor bytes)
         model, stripped, buf = _packed_skeleton(pf, str(path))
         entries = _entries(pf)
@@ -282,152 +277,3 @@ def _placeholder_for(name: str, data_type: int, shape: list, length: int) -> Ten
         entry = t.external_data.add()
         entry.key, entry.value = key, value
     return t
-
-
-# ---------------------------------------------------------------------- packed files handed over whole
-
-# op types whose presence means the graph needs our rewrite in fold mode (passes.fold's folders
-# and palettes need integer tensors; DequantizeLinear is named in the graph bytes)
-_REWRITE_MARKERS = (b"DequantizeLinear",)
-_INTEGER_WEIGHT_TYPES = {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4}
-# raw bytes decoded per step while streaming a whole model (the decoder runs this far ahead)
-STREAM_BATCH_BYTES = 4 << 20
-
-
-class WholePack:
-    """A packed model file handed to onnxruntime as it is: nothing to fold, rewrite or share.
-
-    Why: for a lossless pack in fold mode the skeleton walk, its protobuf, the fold planning and
-    the re-serialisation only rebuild the bytes the pack restores anyway (open_nsfw: ~20 ms CPU of
-    a ~190 ms load). Here the model file is restored straight into the pipe onnxruntime parses:
-    its graph bytes first (without the big payloads, `restore_file(skip=)`), then the payloads,
-    decoded in batches by a decoder thread that runs one batch ahead of the writer (the decode
-    overlaps onnxruntime's parsing), each range released (madvise) once written. Integrity: every
-    chunk's checksum, as for the split path (the whole-file sha256 is not computed: it would cost
-    more than the decode)."""
-
-    def __init__(self, packed, pf, size: int, big: list, float_dtype, names: set):
-        self._packed, self._pf = packed, pf
-        self.size, self.float_dtype, self.tensor_names = size, np.dtype(float_dtype), names
-        self._big = sorted(big, key=lambda e: e.offset)
-
-    def detach(self):
-        """The open PackedModel, handed over (to read_split(packed=...)); this object is spent."""
-        packed, self._packed, self._pf = self._packed, None, None
-        return packed
-
-    def close(self) -> None:
-        if self._packed is not None:
-            self._packed.close()
-            self._packed = self._pf = None
-
-    def pieces(self):
-        """The model's bytes as consecutive buffers (a generator: run it in the writer thread)."""
-        import queue
-        import threading
-
-        pf, size = self._pf, self.size
-        area = mmap.mmap(-1, size) if size else None
-        if area is not None and hasattr(mmap, "MADV_NOHUGEPAGE"):
-            try:
-                area.madvise(mmap.MADV_NOHUGEPAGE)
-            except OSError:
-                pass
-        buf = np.frombuffer(area, np.uint8) if area is not None else np.zeros(0, np.uint8)
-        batches, current, length = [], [], 0
-        for e in self._big:
-            current.append(e)
-            length += e.length
-            if length >= STREAM_BATCH_BYTES:
-                batches.append(current)
-                current, length = [], 0
-        if current:
-            batches.append(current)
-        done: queue.Queue = queue.Queue()
-        ahead = threading.Semaphore(2)  # at most two batches decoded and not yet written
-        stop = threading.Event()
-
-        def decode():
-            try:
-                for batch in batches:
-                    ahead.acquire()
-                    if stop.is_set():
-                        return
-                    pf.tensors_bytes(batch, [buf[e.offset:e.offset + e.length] for e in batch])
-                    done.put(batch[-1].offset + batch[-1].length)
-            except BaseException as exc:  # reported by the writer
-                done.put(exc)
-
-        decoder = threading.Thread(target=decode, name="passes-pack-decoder", daemon=True)
-        try:
-            pf.restore_file(0, buf, skip=self._big)  # graph bytes and small tensors
-            decoder.start()
-            position = 0
-            for batch in batches:
-                end = batch[0].offset  # everything before this batch's first payload is ready
-                if end > position:
-                    yield buf[position:end]
-                    _release(area, position, end)
-                    position = end
-                item = done.get()
-                ahead.release()
-                if isinstance(item, BaseException):
-                    raise item
-                yield buf[position:item]
-                _release(area, position, item)
-                position = item
-            if position < size:
-                yield buf[position:size]
-        finally:  # (also when the writer gives up: the decoder stops before the pack closes)
-            stop.set()
-            ahead.release()
-            ahead.release()
-            if decoder.is_alive():
-                decoder.join()
-            del buf
-            self.close()
-
-
-def _release(area, start: int, end: int) -> None:
-    """Give back the whole pages of [start, end) of the anonymous mapping (already written)."""
-    if area is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, end // page * page
-    if last > first:
-        try:
-            area.madvise(mmap.MADV_DONTNEED, first, last - first)
-        except (OSError, ValueError):
-            pass
-
-
-def read_whole_packed(path, threads=None, max_bytes=None, max_size=None):
-    """(WholePack, None) when `path` is a packed model onnxruntime can take as it is in fold mode
-    (one file, no DequantizeLinear named in its graph bytes, no integer tensors a palette could
-    index with); else (None, the open PackedModel for read_split(packed=...), or None for a
-    plain .onnx). The test is conservative: a false "needs rewriting" only means the split path."""
-    from .onnxz import open_packed
-
-    p = check_readable(path)
-    if not is_packed(p):
-        return None, None
-    packed = open_packed(p, threads=threads, max_bytes=max_bytes)
-    try:
-        pf = packed.packed_file
-        files = pf.index.files
-        if len(files) != 1 or (max_size is not None and files[0].size > max_size):
-            return None, packed
-        tensors = [t for t in pf.index.tensors if t.file == 0]
-        skeleton = pf.skeleton(0).tobytes()
-        if any(marker in skeleton for marker in _REWRITE_MARKERS) or any(t.dtype in _INTEGER_WEIGHT_TYPES for t in tensors):
-            return None, packed
-        weights = {TensorProto.FLOAT: 0, TensorProto.FLOAT16: 0}
-        for t in tensors:
-            if t.dtype in weights:
-                weights[t.dtype] += t.length
-        dtype = np.float16 if weights[TensorProto.FLOAT16] > weights[TensorProto.FLOAT] else np.float32
-        big = [t for t in tensors if t.stream is not None and t.length > INLINE_MAX_BYTES]
-        return WholePack(packed, pf, files[0].size, big, dtype, {t.name or t.key for t in big}), None
-    except BaseException:
-        packed.close()
-        raise
