@@ -517,7 +517,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         candidate = build(plan)
         gap = {"snr": 0.0, "cos": 1.0}
         tried = set()
-        for _ in range(8):
+        retightened = False
+        for _ in range(12):
             res, ok = check(ref, run_candidate(candidate), search_reqs)
             if ok:
                 break
@@ -532,8 +533,27 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                 plan = back
                 notes.append(f"the built model missed the check its plan passed on the trial session "
                              f"(gap {gap['snr']:.2f} dB): took an earlier kept plan")
+            elif not retightened:
+                # search again on the trial session, asking each plan to clear the check by the gap:
+                # mu grows until one does, then the greedy steps run again from there
+                retightened = True
+
+                def clears(q):
+                    return trial_plan(q)[1] and _clears(seen[tuple(sorted(q.items()))][1], gap, search_reqs, floor)
+
+                start = None
+                for _k in range(10):
+                    hi *= 1.2  # about the bisection's resolution
+                    q = sens.allocate(infos, hi)
+                    if clears(q):
+                        start = q
+                        break
+                plan = sens.allocate(infos, hi) if start is None else _tighten(
+                    start, infos, clears, tighten, frozen=unexercised)
+                notes.append(f"the built model missed the check its plan passed on the trial session "
+                             f"(gap {gap['snr']:.2f} dB): searched again with the gap added")
             else:
-                hi *= 1.5
+                hi *= 1.2
                 plan = sens.allocate(infos, hi)
                 notes.append("the built model missed the check its plan passed on the trial session: mu grown")
             candidate = build(plan)
