@@ -31,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-CORPUS = Path(os.environ.get("CORPUS", ROOT.parent / "shared" / "corpus"))
+CORPUS = Path(os.environ.get("SURGEON_CORPUS") or os.environ.get("CORPUS") or ROOT.parent / "shared" / "corpus")
 if not CORPUS.is_dir():
     CORPUS = Path("/work/shared/corpus")
 OUT = ROOT / "bench" / "out"
