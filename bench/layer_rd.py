@@ -45,12 +45,14 @@ import onnx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 OUT = REPO / "bench" / "out"
 
 import passes  # noqa: E402
 from passes import forms, graph, gptq  # noqa: E402
 from passes import rounding as rd  # noqa: E402
 from passes.onnxz import codecs  # noqa: E402
+import rounding as bench_rounding  # noqa: E402  (bench/rounding.py: packed bits per weight)
 
 CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/work/shared/corpus"))
 MODELS = ("open_nsfw", "minilm_fp32", "piper_joe")
@@ -60,16 +62,8 @@ LAM = 0.1
 
 
 def packed_bits(q: np.ndarray, bits: int) -> float:
-    """Bytes*8 of the stored integers after the pack's tensor coder."""
-    flat = np.ascontiguousarray(q).reshape(-1).astype(np.int8)
-    if bits <= 4:
-        if flat.size % 2:
-            flat = np.append(flat, np.int8(0))
-        u = flat.view(np.uint8) & 0x0F
-        data, dtype = (u[0::2] | (u[1::2] << 4)).astype(np.uint8), onnx.TensorProto.INT4
-    else:
-        data, dtype = flat.view(np.uint8), onnx.TensorProto.INT8
-    return codecs.encode_tensor(data, dtype, "raw_data").stored * 8
+    """Bits of the stored integers after the pack's tensor coder (bench/rounding.py's measure, per tensor)."""
+    return bench_rounding.packed_bits(q, bits) * q.size
 
 
 def scale_bits(scale: np.ndarray) -> float:
