@@ -26,6 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 import threading
 
 from .errors import UnsupportedFormError
+from .graph import node_subgraphs
 from .runtime_feed import SplitModel, is_placeholder
 
 # Reductions and normalisations whose float16 results drift (sums over many terms, exp, variance):
@@ -254,11 +255,7 @@ def _graphs(graph):
         g = stack.pop()
         yield g
         for node in g.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
+            stack.extend(node_subgraphs(node))
 
 
 def _rename_uses(graph, old: str, new: str) -> None:

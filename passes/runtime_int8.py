@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from .graph import node_subgraphs
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel
 
 MS_DOMAIN = "com.microsoft"
@@ -280,11 +281,7 @@ def _rename_all(graph, renames: dict) -> None:
             for i, inp in enumerate(node.input):
                 if inp in renames:
                     node.input[i] = resolve(inp)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
+            stack.extend(node_subgraphs(node))
 
 
 def _set_axis(node, axis: int) -> None:
