@@ -239,6 +239,11 @@ def _meets(result, reqs) -> bool:
     return all(r.check(result) for r in reqs)
 
 
+def _plan_key(plan: dict) -> tuple:
+    """A plan (weight -> width) as a hashable key, the same for equal plans."""
+    return tuple(sorted(plan.items()))
+
+
 def _widen_gap(gap: dict, trial: dict, built: dict) -> None:
     """How much worse the built model measured than its plan on the trial session (kept at the
     largest seen): centred-logit SNR in dB, 1 - cosine as a ratio."""
@@ -460,7 +465,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         seen = {}  # plan -> (verdict, metrics): neighbouring mu often give the same plan; run it once
 
         def trial_plan(plan, mu=None):
-            key = tuple(sorted(plan.items()))
+            key = _plan_key(plan)
             if key in seen:
                 return plan, seen[key][0]
             repl = {n: infos[n].options[b].dequantized.astype(infos[n].options[sens.FLOAT].dequantized.dtype)
@@ -522,13 +527,13 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             res, ok = check(ref, run_candidate(candidate), search_reqs)
             if ok:
                 break
-            tried.add(tuple(sorted(plan.items())))
-            seen_ok = seen.get(tuple(sorted(plan.items())))
+            tried.add(_plan_key(plan))
+            seen_ok = seen.get(_plan_key(plan))
             if seen_ok is not None:
                 _widen_gap(gap, seen_ok[1], res.metrics)
-            back = next((h for h in reversed(history) if tuple(sorted(h.items())) not in tried
-                         and tuple(sorted(h.items())) in seen
-                         and _clears(seen[tuple(sorted(h.items()))][1], gap, search_reqs, floor)), None)
+            back = next((h for h in reversed(history) if _plan_key(h) not in tried
+                         and _plan_key(h) in seen
+                         and _clears(seen[_plan_key(h)][1], gap, search_reqs, floor)), None)
             if back is not None:
                 plan = back
                 notes.append(f"the built model missed the check its plan passed on the trial session "
@@ -539,7 +544,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                 retightened = True
 
                 def clears(q):
-                    return trial_plan(q)[1] and _clears(seen[tuple(sorted(q.items()))][1], gap, search_reqs, floor)
+                    return trial_plan(q)[1] and _clears(seen[_plan_key(q)][1], gap, search_reqs, floor)
 
                 start = None
                 for _k in range(10):
