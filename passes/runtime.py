@@ -97,15 +97,26 @@ def _check_providers(providers) -> list | None:
     return list(providers)
 
 
-def _read_split(path, threads, max_bytes=None) -> SplitModel:
-    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file."""
+def _read_split(path, threads, max_bytes=None, background=False) -> SplitModel:
+    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file
+    (`background`: see runtime_source.read_split; then call _wait_weights before reading values)."""
     from .runtime_source import read_split
 
     try:
-        return read_split(path, threads=threads, max_bytes=max_bytes)
+        return read_split(path, threads=threads, max_bytes=max_bytes, background=background)
     except SurgeonError:
         raise
     except Exception as exc:  # a damaged file that got past the structural checks
+        raise CorruptFileError(f"{path}: cannot read model ({type(exc).__name__}: {exc})") from None
+
+
+def _wait_weights(split: SplitModel, path) -> None:
+    """Every weight of `split` holds its values (a packed file's background decode joined)."""
+    try:
+        split.wait_weights()
+    except SurgeonError:
+        raise
+    except Exception as exc:
         raise CorruptFileError(f"{path}: cannot read model ({type(exc).__name__}: {exc})") from None
 
 
@@ -263,10 +274,26 @@ class InferenceSession(ort.InferenceSession):
                 raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc2).splitlines()[0]}") from None
 
     def _prepare(self, sess_options, share=True):
-        """Read, rewrite for the mode and dtype; returns (options, disabled optimisers, skeleton bytes)."""
+        """Read, rewrite for the mode and dtype; returns (options, disabled optimisers, skeleton bytes).
+
+        A packed file's big weights decode on a worker thread meanwhile (C, the GIL released):
+        whatever reads their values first waits for them (`_wait_weights`); a lossless model
+        folded as it is reads none, and waits only when onnxruntime is about to read them."""
+        s = self._settings
+        split = _read_split(self.source, s["threads"], s["max_bytes"], background=True)
+        self._split = split
+        try:
+            return self._rewrite(split, sess_options, share)
+        except BaseException:
+            try:
+                split.wait_weights()  # (the decode thread must not outlive a failed load)
+            except Exception:
+                pass
+            raise
+
+    def _rewrite(self, split, sess_options, share):
         s = self._settings
         mode, target = s["mode"], s["target"]
-        split = _read_split(self.source, s["threads"], s["max_bytes"])
         own_dtype = model_float_dtype(split)
         self.mode_reason = f"requested mode={mode}"
         if mode == "auto":
@@ -282,10 +309,12 @@ class InferenceSession(ort.InferenceSession):
             if self.on_gpu and s["gpu_fold"] == "device" and (target is None or target == own_dtype):
                 from .runtime_gpu import fold_on_device
 
+                _wait_weights(split, self.source)
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
             from .runtime_fold import constants_to_initializers, fold_into, has_foldable, plan_fold
 
             if has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
+                _wait_weights(split, self.source)
                 constants_to_initializers(split)
                 converting = target is not None and target != own_dtype  # the converter must see float weights
                 # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
@@ -295,11 +324,13 @@ class InferenceSession(ort.InferenceSession):
         else:
             from .runtime_int8 import prepare_quantized
 
+            _wait_weights(split, self.source)
             disabled |= prepare_quantized(split, bits=4 if mode == "int4" else 8, options=options)
         self.dtype = np.dtype(target or own_dtype)
         if target is not None and target != own_dtype:
             from .precision import convert_split
 
+            _wait_weights(split, self.source)
             convert_split(split, target, keep_io_types=s["keep_io_types"])
         split.refresh_placeholders()
         self.weight_arrays = split.weights
@@ -345,6 +376,9 @@ class InferenceSession(ort.InferenceSession):
         from onnxruntime.capi import _pybind_state as C
         from onnxruntime.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
 
+        split, self._split = self.__dict__.get("_split"), None
+        if split is not None:  # onnxruntime reads the weights from here on
+            _wait_weights(split, self.source)
         options = self._sess_options
         copied = {n: a for n, a in self.weight_arrays.items() if n not in self.shared_names and n not in self._device_values}
         keep_values = []

@@ -84,6 +84,14 @@ class SplitModel:
 
     skeleton: onnx.ModelProto
     weights: dict  # name -> np.ndarray
+    # a decode still filling some of `weights` (runtime_source.BackgroundDecode), or None
+    pending: object = None
+
+    def wait_weights(self) -> None:
+        """Return once every weight holds its values (raises a background decode's error)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
     def _inline(self) -> dict:
         """name -> initializer TensorProto, rebuilt when the initializer list changed (rewrites

@@ -34,12 +34,14 @@ def is_packed(path: Path) -> bool:
         raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def read_split(path, threads=None, max_bytes=None) -> SplitModel:
+def read_split(path, threads=None, max_bytes=None, background=False) -> SplitModel:
     """`max_bytes` caps what a packed file may restore to (the pack reader's limit; None: its
-    default); a plain .onnx is read where it lies, nothing to cap."""
+    default); a plain .onnx is read where it lies, nothing to cap. `background`: a packed file's
+    big tensors may still be decoding on a worker thread when this returns (their arrays exist,
+    their values do not): the caller must call `split.wait_weights()` before reading any value."""
     p = check_readable(path)
     if is_packed(p):
-        return read_packed(p, threads=threads, max_bytes=max_bytes)
+        return read_packed(p, threads=threads, max_bytes=max_bytes, background=background)
     return read_onnx(p)
 
 
@@ -147,12 +149,19 @@ def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
 
 # ---------------------------------------------------------------------- packed files
 
-def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
+def read_packed(path: Path, threads=None, max_bytes=None, background=False) -> SplitModel:
     from .onnxz import open_packed
 
-    with open_packed(path, threads=threads, max_bytes=max_bytes) as packed:
+    packed = open_packed(path, threads=threads, max_bytes=max_bytes)
+    early = None
+    try:
         pf = packed.packed_file  # the pack reader's public file layer (whole files, tensor bytes)
-        model, stripped, buf = _packed_skeleton(pf, str(path))
+        big = _big_entries(pf)
+        if background and big:
+            # the big payloads decode (C, GIL released) while this thread restores and walks
+            # the graph and the runtime plans the session; only the index is needed to start
+            early = BackgroundDecode(pf, [t for ts in big.values() for t in ts], packed)
+        model, stripped, buf = _packed_skeleton(pf, str(path), big.get(0, []))
         entries = _entries(pf)
         arrays, coded = {}, []
         for s in stripped:
@@ -163,8 +172,77 @@ def read_packed(path: Path, threads=None, max_bytes=None) -> SplitModel:
                 arrays[s.name] = s.view(buf).copy()
         del buf
         _packed_external(model, pf, packed, entries, arrays, coded)
+        if early is not None:
+            coded = early.take(coded, arrays)
         _decode_together(pf, coded, arrays)
-        return _assemble(model, stripped, arrays)
+        split = _assemble(model, stripped, arrays)
+    except BaseException:
+        if early is not None:
+            early.abandon()
+        else:
+            packed.close()
+        raise
+    if early is None:
+        packed.close()
+    else:
+        split.pending = early
+    return split
+
+
+class BackgroundDecode:
+    """Tensors of a pack decoded on a worker thread into arrays made up front; `wait()` joins it,
+    closes the pack and raises the decode's error, if any."""
+
+    def __init__(self, pf, entries, packed):
+        import threading
+
+        self._packed = packed
+        self._outs = {(t.file, t.offset): (t, np.empty(t.length, np.uint8)) for t in entries}
+        self._error = None
+
+        def run():
+            try:
+                pf.tensors_bytes([t for t, _ in self._outs.values()], [o for _, o in self._outs.values()])
+            except BaseException as exc:  # reported by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="passes-weight-decode", daemon=True)
+        self._thread.start()
+
+    def take(self, coded, arrays) -> list:
+        """Put the arrays being decoded here for the `coded` tensors they cover into `arrays`;
+        returns the others (to decode now)."""
+        rest = []
+        for name, entry, dtype, shape in coded:
+            hit = self._outs.get((entry.file, entry.offset))
+            if hit is not None and hit[0] is entry:
+                arrays[name] = hit[1].view(dtype).reshape(shape)
+            else:
+                rest.append((name, entry, dtype, shape))
+        return rest
+
+    def wait(self) -> None:
+        self._thread.join()
+        self._packed.close()
+        self._outs = {}
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def abandon(self) -> None:
+        try:
+            self.wait()
+        except BaseException:
+            pass
+
+
+def _big_entries(pf) -> dict:
+    """file -> the coded tensors of that file too big to stay inline in the skeleton."""
+    out = {}
+    for t in pf.index.tensors:
+        if t.stream is not None and t.length > INLINE_MAX_BYTES:
+            out.setdefault(t.file, []).append(t)
+    return out
 
 
 def _entries(pf) -> dict:
@@ -182,7 +260,7 @@ def _decode_together(pf, coded, arrays) -> None:
         arrays[name] = out.view(dtype).reshape(shape)
 
 
-def _packed_skeleton(pf, name: str):
+def _packed_skeleton(pf, name: str, big):
     """(skeleton ModelProto, stripped tensors, restored buffer) of the pack's model file.
 
     File 0 is restored into fresh zero pages without the payloads of its big tensors
@@ -195,7 +273,6 @@ def _packed_skeleton(pf, name: str):
 
     size = pf.index.files[0].size
     buf = _sparse_zeros(size)
-    big = [t for t in pf.index.tensors if t.file == 0 and t.stream is not None and t.length > INLINE_MAX_BYTES]
     pf.restore_file(0, buf, skip=big)
     for attempt in range(2):
         try:

@@ -1,0 +1,104 @@
+"""A packed file's big weights decoded on a worker thread while the graph is walked and planned
+(runtime_source.read_split(background=True), SplitModel.wait_weights)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import pytest
+
+import passes
+from passes.errors import CorruptFileError
+from passes.runtime_source import read_split
+
+from test_runtime import conv_model, dense_model, feeds_for, run
+
+DECODE_THREAD = "passes-weight-decode"
+
+
+def _decode_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == DECODE_THREAD and t.is_alive()]
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("background")
+    out = {}
+    for name, build in (("dense", dense_model), ("conv", conv_model)):
+        m = build()
+        q8 = passes.quantize_weights(m, bits=8, min_elements=256)
+        onnx.save(m, str(root / f"{name}.onnx"))
+        onnx.save(q8, str(root / f"{name}.q8.onnx"))
+        out[name] = {"model": m, "folded": passes.fold_dequantize(q8)}
+        for key, src in (("floatz", f"{name}.onnx"), ("q8z", f"{name}.q8.onnx")):
+            out[name][key] = root / f"{name}.{key}"
+            passes.pack(str(root / src), str(out[name][key]))
+    return out
+
+
+@pytest.mark.parametrize("key", ["floatz", "q8z"])
+def test_background_decode_gives_the_same_weights(packs, key):
+    path = packs["dense"][key]
+    want = read_split(path)
+    got = read_split(path, background=True)
+    assert got.pending is not None  # (the dense model's weights are big enough to be decoded aside)
+    got.wait_weights()
+    assert got.pending is None and not _decode_threads()
+    assert sorted(got.weights) == sorted(want.weights) and want.weights
+    for name, array in want.weights.items():
+        assert got.weights[name].dtype == array.dtype
+        np.testing.assert_array_equal(got.weights[name], array)
+    assert got.skeleton.SerializeToString() == want.skeleton.SerializeToString()
+
+
+@pytest.mark.parametrize("name,key,mode", [("dense", "floatz", "fold"), ("conv", "floatz", "fold"),
+                                           ("dense", "q8z", "fold"), ("conv", "q8z", "fold"),
+                                           ("dense", "q8z", "int8"), ("dense", "floatz", "fold:float16")])
+def test_sessions_from_packs_match_the_sync_path(packs, name, key, mode):
+    """Each path that reads the weights (fold, int8, a dtype conversion, or onnxruntime itself)
+    sees them decoded: outputs equal to the folded / float model's."""
+    mode, _, dtype = mode.partition(":")
+    m = packs[name]
+    feeds = feeds_for(m["model"])
+    session = passes.InferenceSession(m[key], mode=mode, dtype=dtype or None)
+    assert not _decode_threads()
+    reference = m["folded"] if key == "q8z" else m["model"]
+    plain = onnx.load_from_string(reference.SerializeToString())
+    if dtype or mode == "int8":  # converted or kept quantized: close, not equal
+        from test_runtime import run_plain
+
+        for a, b in zip(run(session, feeds), run_plain(plain, feeds)):
+            np.testing.assert_allclose(a[0], b[0], rtol=0.05, atol=0.05)
+        return
+    from test_runtime import run_plain
+
+    for a, b in zip(run(session, feeds), run_plain(plain, feeds)):
+        np.testing.assert_array_equal(a[0], b[0])
+
+
+def _damage_biggest_weight(src, dst):
+    from passes.onnxz import open_packed
+
+    with open_packed(src) as packed:
+        entry = max(packed.packed_file.index.tensors, key=lambda t: t.length)
+        chunk = entry.stream.chunks[-1]
+        offset = chunk.offset + sum(chunk.planes) // 2
+    data = bytearray(src.read_bytes())
+    data[offset] ^= 0xFF
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("key,mode", [("floatz", "fold"), ("q8z", "fold"), ("q8z", "int8")])
+def test_damaged_weight_decoded_aside_is_refused(packs, tmp_path, key, mode):
+    """The worker thread's checksum failure reaches the caller as CorruptFileError, whichever
+    step waits for the weights; no decode thread is left behind."""
+    bad = _damage_biggest_weight(packs["dense"][key], tmp_path / f"bad.{key}")
+    with pytest.raises(CorruptFileError):
+        passes.InferenceSession(bad, mode=mode)
+    assert not _decode_threads()
+    split = read_split(bad, background=True)
+    with pytest.raises(CorruptFileError):
+        split.wait_weights()
+    split.wait_weights()  # (the error is reported once; waiting again returns)
