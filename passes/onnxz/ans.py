@@ -21,6 +21,10 @@ try:
     from . import _planes as _fast
 except ImportError:  # not built: numpy does it
     _fast = None
+try:  # the writer's coders (same blobs; branch-free renormalisation, no divide: 1.1-2x _planes')
+    from . import _encode as _enc
+except ImportError:
+    _enc = None
 
 
 def lanes_log2_for(n: int) -> int:
@@ -76,6 +80,8 @@ def encode(sym: np.ndarray, lanes_log2: Optional[int] = None) -> bytes:
     n = sym.size
     if lanes_log2 is None:
         lanes_log2 = lanes_log2_for(n)
+    if _enc is not None:
+        return _enc.ans_encode(sym, lanes_log2)
     if _fast is not None:
         return _fast.ans_encode(sym, lanes_log2)
     return encode_numpy(sym, lanes_log2)
@@ -158,7 +164,30 @@ def encode_shared(sym: np.ndarray, freq: np.ndarray, lanes_log2: int) -> bytes:
     stored once in the index): byte 0 (lanes), the initial states, the words. The coding is that
     of encode_numpy with the given table (every symbol of sym must have a frequency)."""
     sym = np.ascontiguousarray(sym, np.uint8).ravel()
+    if _enc is not None:
+        return _enc.ans_encode_shared(sym, np.ascontiguousarray(freq, np.int64), lanes_log2)
+    return encode_shared_numpy(sym, freq, lanes_log2)
+
+
+def encode_shared_numpy(sym: np.ndarray, freq: np.ndarray, lanes_log2: int) -> bytes:
+    """encode_shared without the extension (tests compare the two)."""
+    sym = np.ascontiguousarray(sym, np.uint8).ravel()
     return bytes([lanes_log2 + 1]) + _states_and_words(sym, freq, lanes_log2)
+
+
+def table_size(freq: np.ndarray) -> int:
+    """len(write_table(freq)) without writing it (the writer's size estimates ask for it often):
+    the symbol list or bitmap, then per frequency but the last z + 1 + k bits (see write_table)."""
+    syms = np.flatnonzero(freq)
+    f = freq[syms[:-1]]
+    k = np.zeros(f.size, np.int64)
+    if f.size:
+        k = np.frexp(f.astype(np.float64))[1].astype(np.int64) - 1  # floor(log2 f), exact for ints < 2^53
+    prev = np.concatenate([[4], k[:-1]]) if k.size else k
+    d = k - prev
+    z = np.where(d >= 0, 2 * d, -2 * d - 1)
+    bits = int((z + 1 + k).sum())
+    return 1 + (syms.size if syms.size < 32 else 32) + (bits + 7) // 8
 
 
 def with_table(blob, table: bytes) -> bytes:

@@ -79,6 +79,27 @@ try:
     from . import _planes as _fast
 except ImportError:  # not built: numpy does it
     _fast = None
+try:  # the writer's helpers (_encode.c): histograms, Huffman costs; numpy gives the same figures
+    from . import _encode as _enc
+except ImportError:
+    _enc = None
+
+
+def byte_counts(data: np.ndarray, block: Optional[int] = None) -> np.ndarray:
+    """Histograms (int64, 256 per row) of each `block`-byte slice of a uint8 array, or (block
+    None) of the whole array as one row of 256. np.bincount widens every byte to an intp first
+    (~0.3 GB/s); the C loop counts at ~3 GB/s."""
+    n = data.size
+    if block is None:
+        block = max(n, 1)
+    rows = max(1, -(-n // block))
+    if _enc is not None:
+        out = np.empty((rows, 256), np.int64)
+        _enc.hist(np.ascontiguousarray(data), block, out)
+        return out if block < n else out[0] if n else np.zeros(256, np.int64)
+    if block >= n:
+        return np.bincount(data, minlength=256).astype(np.int64)
+    return np.stack([np.bincount(data[i:i + block], minlength=256) for i in range(0, n, block)]).astype(np.int64)
 
 
 def split_planes(data: np.ndarray, width: int, sign_move: bool) -> np.ndarray:
@@ -203,7 +224,7 @@ def split_plane(b: np.ndarray, ranks: np.ndarray, classes: int) -> List[np.ndarr
 
 def rank_planes(t: np.ndarray):
     """(table, ranks, escapes) of an exponent plane: inverse of expand_ranks."""
-    counts = np.bincount(t, minlength=256)
+    counts = byte_counts(t)
     order = np.argsort(-counts, kind="stable")[:PAIR_TABLE]
     table = order.astype(np.uint8)
     lut = np.full(256, PAIR_TABLE, np.uint8)
@@ -665,38 +686,68 @@ def _narrowed(data: np.ndarray, dtype: int):
     return None
 
 
-def _ans_blob_or_raw(p: np.ndarray):
+RAW_SURE_MIN = 4096  # from this size a plane's histogram may spare its trial encode (below: cheap anyway)
+
+
+def _ans_blob_or_raw(p: np.ndarray, counts: Optional[np.ndarray] = None):
+    """The plane as an ans blob, or itself (raw) when the blob would not save ANS_MIN_GAIN of it.
+    Noise planes (float mantissas, ~3/4 of float bytes) are known raw from their histogram
+    without encoding them: the blob is at most the estimate (order-0 cost under the normalised
+    table + table + 4 bytes a lane) and never more than 2 bytes a lane below it (measured over
+    2149 corpus planes: -2.01..0 bytes a lane), so an estimate 3 bytes a lane (+8) above the
+    limit is raw for sure; closer ones are encoded as before (same bytes either way)."""
+    limit = p.size * (1 - ANS_MIN_GAIN)
+    if p.size >= RAW_SURE_MIN:
+        if counts is None:
+            counts = byte_counts(p)
+        if np.count_nonzero(counts) >= 2:
+            lanes = 1 << _ans.lanes_log2_for(p.size)
+            freq = _ans.normalise(counts)
+            estimate = _ans.coded_bits(counts, freq) / 8 + _ans.table_size(freq) + 1 + 4 * lanes
+            if estimate - 3 * lanes - 8 >= limit:
+                return p
     blob = _ans.encode(p)
-    return blob if len(blob) < p.size * (1 - ANS_MIN_GAIN) else p
+    return blob if len(blob) < limit else p
 
 
-def _ans_planes(part: np.ndarray, width: int, sign: bool, pairs: bool = False) -> list:
+def _ans_planes(part: np.ndarray, width: int, sign: bool, pairs: bool = False, planes=None, counts=None) -> list:
     """The stored planes of one `ans` chunk: each an ans blob, or raw when coding saves less than
     ANS_MIN_GAIN of the plane (a float32 sign/mantissa plane saves ~0.4% for ~35% more decode
-    time: one coded plane costs about as much as merging four raw ones)."""
-    planes = [part] if width == 1 else list(split_planes(part, width, sign))
+    time: one coded plane costs about as much as merging four raw ones). `planes`, `counts`: the
+    chunk's split planes and their histograms (None per plane) when already known."""
+    if planes is None:
+        planes = [part] if width == 1 else list(split_planes(part, width, sign))
+    if counts is None:
+        counts = [None] * len(planes)
     if pairs:
         table, ranks, escapes = rank_planes(planes[0])
-        return [table, _ans_blob_or_raw(ranks), escapes] + [_ans_blob_or_raw(p) for p in planes[1:]]
-    return [_ans_blob_or_raw(p) for p in planes]
+        return [table, _ans_blob_or_raw(ranks), escapes] + [_ans_blob_or_raw(p, c) for p, c in zip(planes[1:], counts[1:])]
+    return [_ans_blob_or_raw(p, c) for p, c in zip(planes, counts)]
 
 
-def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, split: int = 0) -> EncodedStream:
+def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, split: int = 0,
+                   memo: Optional["_Memo"] = None) -> EncodedStream:
     """One codec over all chunks of data. `split`: the fpairs split, or for `ans` ANS_INT (no sign
-    move), ANS_FLOAT (sign move) or ANS_PAIRS (sign move, exponents as pairs of 4-bit ranks)."""
+    move), ANS_FLOAT (sign move) or ANS_PAIRS (sign move, exponents as pairs of 4-bit ranks).
+    `memo`: planes and histograms the codec choice already computed for this data."""
+    step = max(width, chunk_bytes // width * width)
     if codec == "ans":
         stream = EncodedStream(codec, {"width": width, "sign": split != ANS_INT})
         if split == ANS_PAIRS:
             stream.params["pairs"] = True
-        step = max(width, chunk_bytes // width * width)
+        memo = memo or _Memo()
+        base_codec_ = "bytes" if width == 1 else "planes" if split == ANS_INT else "fplanes"
         for start in range(0, data.size, step):
             part = data[start:start + step]
-            stream.chunks.append(EncodedChunk(part.size, _ans_planes(part, width, split != ANS_INT, split == ANS_PAIRS)))
+            items = _plane_items(data, base_codec_, width, start, step, memo, store=False)
+            planes = [p for _, p in items]
+            counts = [None if (c := memo.d.get(k + ("hist",))) is None else c.sum(axis=0) for k, _ in items]
+            stream.chunks.append(EncodedChunk(part.size, _ans_planes(part, width, split != ANS_INT, split == ANS_PAIRS,
+                                                                     planes, counts)))
         return stream
     stream = EncodedStream(codec, {"width": width} if codec not in ("bytes", "bpairs") else {})
     if split:
         stream.params["split"] = split
-    step = max(width, chunk_bytes // width * width)
     for start in range(0, data.size, step):
         part = data[start:start + step]
         if codec == "bytes":
@@ -722,7 +773,7 @@ def _low_entropy(data: np.ndarray) -> bool:
     if data.size < 4096:
         return False
     sample = data[:: max(1, data.size // (1 << 18))]
-    counts = np.sort(np.bincount(sample, minlength=256))[::-1]
+    counts = np.sort(byte_counts(sample))[::-1]
     return counts[:PAIR_TABLE].sum() >= 0.9 * sample.size
 
 
@@ -731,7 +782,7 @@ def _plane_kind(plane: np.ndarray) -> str:
     enough to pay for its table, and zstd stores them as raw blocks quickly), else 'entropy'."""
     if plane.size < 4096:
         return "entropy"
-    counts = np.bincount(plane, minlength=256)
+    counts = byte_counts(plane)
     p = counts[counts > 0] / plane.size
     return "fast" if -(p * np.log2(p)).sum() > 7.97 else "entropy"
 
@@ -807,69 +858,122 @@ def _huffman_bits(counts: np.ndarray) -> int:
     return total
 
 
-def _block_entropy(plane: np.ndarray, huffman: bool) -> float:
+def _huffman_bits_rows(counts: np.ndarray) -> List[int]:
+    """_huffman_bits of each row of (k, 256) int64 counts (in C: heapq cost ~0.6 ms a row)."""
+    if _enc is not None:
+        out = np.empty(counts.shape[0], np.int64)
+        _enc.huffman_bits(np.ascontiguousarray(counts, np.int64), out)
+        return out.tolist()
+    return [_huffman_bits(c) for c in counts]
+
+
+class _Memo:
+    """What the codec choice of one payload computes more than once, computed once: the byte
+    planes of each chunk (the zstd floors of fplanes and fpairs, and the ans estimate, split the
+    same planes), each plane's per-block histograms (the entropy floor, then the Huffman floor),
+    its floors and its repetition probe. Keys name the array by id(): one _Memo lives for one
+    _best() call, while the arrays it saw are alive."""
+
+    def __init__(self):
+        self.d: Dict[tuple, object] = {}
+
+    def get(self, key, make, store: bool = True):
+        v = self.d.get(key)
+        if v is None:
+            v = make()
+            if store:
+                self.d[key] = v
+        return v
+
+
+def _plane_items(data: np.ndarray, codec: str, width: int, start: int, step: int, memo: _Memo, store: bool = True):
+    """[(plane key, plane)] of the chunk at `start` as the zstd spec `codec` (no split) stores
+    its fixed-size planes (fpairs: the ranks, then planes 1..w-1); keys equal for equal planes.
+    store=False: planes not already in the memo are not kept there (a final encode of a large
+    payload: the memo would hold a copy of all of it)."""
+    part = data[start:start + step]
+    base = (id(data), start, step)
+    if codec == "bytes":
+        return [(base + ("raw",), part)]
+    if codec == "bpairs":
+        return [(base + ("branks",), memo.get(base + ("branks",), lambda: rank_planes(part)[1]))]
+    sign = codec != "planes"
+    planes = memo.get(base + ("split", width, sign), lambda: split_planes(part, width, sign), store)
+    items = [(base + ("plane", width, sign, i), p) for i, p in enumerate(planes)]
+    if codec == "fpairs":
+        items[0] = (base + ("ranks", width), memo.get(base + ("ranks", width), lambda: rank_planes(planes[0])[1]))
+    return items
+
+
+def _block_counts(plane: np.ndarray) -> np.ndarray:
+    """Histograms of the plane's 128 KiB blocks, (k, 256) (one row of zeros for an empty plane)."""
+    if plane.size <= ZSTD_BLOCK:
+        return byte_counts(plane)[None, :]
+    return byte_counts(plane, ZSTD_BLOCK)
+
+
+def _block_entropy(plane: np.ndarray, huffman: bool, counts: Optional[np.ndarray] = None) -> float:
     """A floor under zstd's stored size of one plane coded without matches, from each 128 KiB
-    block's histogram: its order-0 entropy, or (huffman=True, tighter, ~0.3 ms a block) its
-    optimal Huffman code (zstd's literals are Huffman-coded per block, with a new or the previous
-    table: neither beats the block's optimal code); table bytes not counted; at most the plane's
-    size (zstd stores it raw when nothing is gained)."""
+    block's histogram: its order-0 entropy, or (huffman=True, tighter) its optimal Huffman code
+    (zstd's literals are Huffman-coded per block, with a new or the previous table: neither beats
+    the block's optimal code); table bytes not counted; at most the plane's size (zstd stores it
+    raw when nothing is gained). `counts`: the plane's _block_counts when known."""
     n = plane.size
+    if counts is None:
+        counts = _block_counts(plane)
     bits = 0.0
-    for start in range(0, n, ZSTD_BLOCK):
-        c = np.bincount(plane[start:start + ZSTD_BLOCK], minlength=256)
-        if huffman:
-            bits += _huffman_bits(c)
-        else:
+    if huffman:
+        for b in _huffman_bits_rows(counts):
+            bits += b
+    else:
+        for c in counts:
             c = c[c > 0]
             m = int(c.sum())
-            bits += float(m * np.log2(m) - (c * np.log2(c)).sum())
+            if m:
+                bits += float(m * np.log2(m) - (c * np.log2(c)).sum())
     return min(float(n), bits / 8)
 
 
 def _zstd_floor(data: np.ndarray, codec: str, width: int, split: int, chunk_bytes: int,
-                huffman: bool = False) -> Optional[float]:
+                huffman: bool = False, memo: Optional[_Memo] = None) -> Optional[float]:
     """A floor under the stored size of a zstd-coded spec, from histograms: a few ms where a
     trial encode with zstd's optimal parser costs ~30 MB/s. None: no floor known (the fpairs
     "split" layout, or a plane where matches pay, which a histogram cannot see): encode it."""
     if codec == "fpairs" and split:
         return None
+    memo = memo or _Memo()
     step = max(width, chunk_bytes // width * width)
     total = 0.0
     for start in range(0, data.size, step):
-        part = data[start:start + step]
-        if codec == "bytes":
-            planes = [part]
-        elif codec == "bpairs":
-            planes = [rank_planes(part)[1]]
-        else:
-            planes = list(split_planes(part, width, codec != "planes"))
-            if codec == "fpairs":
-                planes[0] = rank_planes(planes[0])[1]
-        for p in planes:
-            floor = _block_entropy(p, huffman)
-            if floor < 0.99 * p.size and _matches_pay(p, floor):
+        for key, p in _plane_items(data, codec, width, start, step, memo):
+            counts = memo.get(key + ("hist",), lambda: _block_counts(p))
+            floor = memo.get(key + ("floor", huffman), lambda: _block_entropy(p, huffman, counts))
+            if floor < 0.99 * p.size and _matches_pay(p, floor, memo, key):
                 return None
             total += floor
     return total
 
 
-def _matches_pay(plane: np.ndarray, floor: float) -> bool:
+def _matches_pay(plane: np.ndarray, floor: float, memo: Optional[_Memo] = None, key=None) -> bool:
     """A repetition probe (zstd level 1, ~250 MB/s): do matches take this plane below its
     Huffman floor? Then the floor says nothing (piper_joe's conv exponents: fplanes 2% below the
-    floor of their ans size)."""
-    return len(_compressor("fast").compress(plane)) < floor
+    floor of their ans size). The probe's size is kept in `memo` under `key`."""
+    if memo is None:
+        return len(_compressor("fast").compress(plane)) < floor
+    return memo.get(key + ("probe",), lambda: len(_compressor("fast").compress(plane))) < floor
 
 
 FLOOR_MIN_BYTES = 32 << 10  # below this a trial encode costs less than the floors
 
 
-def _hopeless(data: np.ndarray, spec, chunk_bytes: int, to_beat: float) -> bool:
+def _hopeless(data: np.ndarray, spec, chunk_bytes: int, to_beat: float, memo: Optional[_Memo] = None) -> bool:
     """True when the zstd spec cannot come out below `to_beat` (matches aside): its entropy
     floor, then its Huffman floor, already reach it."""
     if data.size < FLOOR_MIN_BYTES:
         return False
+    memo = memo or _Memo()
     for huffman in (False, True):
-        floor = _zstd_floor(data, *spec, chunk_bytes, huffman=huffman)
+        floor = _zstd_floor(data, *spec, chunk_bytes, huffman=huffman, memo=memo)
         if floor is None:
             return False
         if floor >= to_beat:
@@ -877,17 +981,18 @@ def _hopeless(data: np.ndarray, spec, chunk_bytes: int, to_beat: float) -> bool:
     return False
 
 
-def _choose(data: np.ndarray, specs, chunk_bytes: int):
+def _choose(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = None):
     """The smallest encoding among `specs` (see _rank; the first of equals). `ans` specs are
     encoded (fast, and their size is what the zstd specs must beat); a zstd spec is trial-encoded
     only when its floor (_zstd_floor) leaves it a chance: on float planes it almost never does,
     and those trials were ~2/3 of pack time."""
     best = won = None
+    memo = memo or _Memo()
     for spec in specs:
         c, w, sp = spec
-        if best is not None and c != "ans" and _hopeless(data, spec, chunk_bytes, _rank(best)):
+        if best is not None and c != "ans" and _hopeless(data, spec, chunk_bytes, _rank(best), memo):
             continue
-        enc = _encode_planes(data, c, w, chunk_bytes, sp)
+        enc = _encode_planes(data, c, w, chunk_bytes, sp, memo)
         if best is None or _rank(enc) < _rank(best):
             best, won = enc, spec
     return best, won
@@ -899,6 +1004,7 @@ def _best(data: np.ndarray, specs, chunk_bytes: int) -> EncodedStream:
     if not _write_ans:
         specs = [sp for sp in specs if sp[0] != "ans"]
     specs = sorted(specs, key=lambda sp: sp[0] != "ans")  # ans first: its size bounds the trials
+    memo = _Memo()
     if len(specs) > 1 and data.size > 2 * SAMPLE_BYTES:
         # four slices of SAMPLE_BYTES / 4, each coded as a chunk of its own (one table for slices
         # from distant parts of a tensor favoured zstd's per-block tables: ddddocr_old): zstd's
@@ -910,23 +1016,23 @@ def _best(data: np.ndarray, specs, chunk_bytes: int) -> EncodedStream:
         if len(ans_specs) == 1 and ans_specs[0][2] != ANS_PAIRS:
             # the ans size is known from the histograms: when no other spec can beat it on the
             # sample, the sample need not be encoded at all
-            estimate = _ans_estimate(sample, ans_specs[0][1], ans_specs[0][2] != ANS_INT, piece) * ANS_PREFERENCE
-            if all(_hopeless(sample, sp, piece, estimate) for sp in specs if sp[0] != "ans"):
+            estimate = _ans_estimate(sample, ans_specs[0][1], ans_specs[0][2] != ANS_INT, piece, memo) * ANS_PREFERENCE
+            if all(_hopeless(sample, sp, piece, estimate, memo) for sp in specs if sp[0] != "ans"):
                 return _encode_planes(data, *ans_specs[0][:2], chunk_bytes, ans_specs[0][2])
-        specs = [_choose(sample, specs, piece)[1]]
-    return _choose(data, specs, chunk_bytes)[0]
+        specs = [_choose(sample, specs, piece, memo)[1]]
+    return _choose(data, specs, chunk_bytes, memo)[0]
 
 
-def _ans_estimate(data: np.ndarray, width: int, sign: bool, chunk_bytes: int) -> float:
+def _ans_estimate(data: np.ndarray, width: int, sign: bool, chunk_bytes: int, memo: Optional[_Memo] = None) -> float:
     """The stored size of `ans` (no pairs) from histograms, a little above what the coder writes
     (rANS codes within a word per lane of the order-0 cost under its normalised table)."""
+    memo = memo or _Memo()
     step = max(width, chunk_bytes // width * width)
     total = 0.0
     for start in range(0, data.size, step):
-        part = data[start:start + step]
-        planes = [part] if width == 1 else split_planes(part, width, sign)
-        for p in planes:
-            counts = np.bincount(p, minlength=256)
+        items = _plane_items(data, "bytes" if width == 1 else "fplanes" if sign else "planes", width, start, step, memo)
+        for key, p in items:
+            counts = memo.get(key + ("hist",), lambda: _block_counts(p)).sum(axis=0)
             cost = _own_cost(counts, p.size)
             total += cost + 2 * (1 << _ans.lanes_log2_for(p.size)) if cost < p.size else cost
     return total
@@ -963,7 +1069,7 @@ def _own_cost(counts: np.ndarray, n: int) -> float:
     if np.count_nonzero(counts) < 2:
         return 2.0
     freq = _ans.normalise(counts)
-    blob = _ans.coded_bits(counts, freq) / 8 + len(_ans.write_table(freq)) + 1 + 4 * (1 << _ans.lanes_log2_for(n))
+    blob = _ans.coded_bits(counts, freq) / 8 + _ans.table_size(freq) + 1 + 4 * (1 << _ans.lanes_log2_for(n))
     return blob if blob < n * (1 - ANS_MIN_GAIN) else float(n)
 
 

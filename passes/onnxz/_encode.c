@@ -1,0 +1,326 @@
+/* Encode-side helpers of the .onnxz writer (module passes.onnxz._encode), all GIL-free.
+ *
+ * Why: pack spent most of its time in Python around the coders, not in them: Huffman code costs
+ * by heapq (the zstd floors of codecs._block_entropy), np.bincount (which widens every byte to an
+ * intp first) and the rANS coder of `ans_shared` blobs as a Python loop (~0.3 us a symbol). Each
+ * function here gives exactly what its numpy mirror in codecs.py / ans.py gives (tests compare).
+ *
+ *   hist(data, block, out)             byte histograms of each `block`-byte slice: out int64 (k, 256)
+ *   huffman_bits(counts, out)          bits of an optimal Huffman code per row of counts (k, 256)
+ *   ans_encode_shared(sym, freq, lg)   ans blob without its table (FORMAT.md 3.2), table `freq`
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PROB_BITS 12
+#define RANS_L (1u << 16)
+#define MAX_LANES 128
+
+/* ---------------------------------------------------------------- histograms */
+
+/* four interleaved sub-histograms: consecutive equal bytes do not serialise on one counter */
+static void hist_one(const uint8_t *p, size_t n, int64_t *out) {
+    uint32_t h[4][256];
+    memset(h, 0, sizeof h);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, 8);
+        h[0][v & 255]++; h[1][(v >> 8) & 255]++; h[2][(v >> 16) & 255]++; h[3][(v >> 24) & 255]++;
+        h[0][(v >> 32) & 255]++; h[1][(v >> 40) & 255]++; h[2][(v >> 48) & 255]++; h[3][v >> 56]++;
+        if ((i & ((1u << 28) - 8)) == ((1u << 28) - 8)) { /* 2^28 bytes: flush before uint32 wraps */
+            for (int s = 0; s < 256; s++) { out[s] += (int64_t)h[0][s] + h[1][s] + h[2][s] + h[3][s]; h[0][s] = h[1][s] = h[2][s] = h[3][s] = 0; }
+        }
+    }
+    for (; i < n; i++) h[0][p[i]]++;
+    for (int s = 0; s < 256; s++) out[s] += (int64_t)h[0][s] + h[1][s] + h[2][s] + h[3][s];
+}
+
+static PyObject *py_hist(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "y*nw*", &src, &block, &out)) return NULL;
+    Py_ssize_t n = src.len, k = block > 0 ? (n + block - 1) / block : 0;
+    if (block <= 0 || out.len != (k ? k : 1) * 256 * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "hist: out must hold ceil(len/block) (at least 1) rows of 256 int64");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memset(out.buf, 0, (size_t)out.len);
+    for (Py_ssize_t b = 0; b < k; b++) {
+        Py_ssize_t lo = b * block, len = n - lo < block ? n - lo : block;
+        hist_one((const uint8_t *)src.buf + lo, (size_t)len, (int64_t *)out.buf + b * 256);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- Huffman cost */
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* sum of the merged weights of Huffman's construction = bits of the optimal code (the total is
+ * the same whatever order equal weights merge in); two queues over the sorted leaves */
+static int64_t huffman_bits_row(const int64_t *counts) {
+    uint64_t leaf[256], node[256];
+    int m = 0;
+    for (int s = 0; s < 256; s++) if (counts[s] > 0) leaf[m++] = (uint64_t)counts[s];
+    if (m < 2) return 0;
+    qsort(leaf, (size_t)m, sizeof leaf[0], cmp_u64);
+    int li = 0, ni = 0, nn = 0;
+    uint64_t total = 0;
+    for (int merges = 0; merges < m - 1; merges++) {
+        uint64_t pick[2];
+        for (int t = 0; t < 2; t++) {
+            if (li < m && (ni >= nn || leaf[li] <= node[ni])) pick[t] = leaf[li++];
+            else pick[t] = node[ni++];
+        }
+        node[nn++] = pick[0] + pick[1];
+        total += pick[0] + pick[1];
+    }
+    return (int64_t)total;
+}
+
+static PyObject *py_huffman_bits(PyObject *self, PyObject *args) {
+    Py_buffer counts, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &counts, &out)) return NULL;
+    Py_ssize_t k = counts.len / (256 * (Py_ssize_t)sizeof(int64_t));
+    if (counts.len != k * 256 * (Py_ssize_t)sizeof(int64_t) || out.len != k * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&counts);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "huffman_bits: counts int64 (k, 256), out int64 (k,)");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < k; r++)
+        ((int64_t *)out.buf)[r] = huffman_bits_row((const int64_t *)counts.buf + r * 256);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&counts);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- rANS with a given table */
+
+/* the final lane states, then the words in decode order (the blob after byte 0 and any table): the coding of _ans.c's
+ * onnxz_ans_encode (and ans.py's _states_and_words) under the table freq. Returns the size, or 0
+ * when a symbol has no frequency. The division by f goes through a 64-bit reciprocal
+ * (q = (v * rcp) >> (32 + shift), exact for v < 2^32 and f <= 2^12: Granlund-Montgomery) so the per-symbol cost is a multiply, not a divide. */
+static size_t encode_with(const uint8_t *src, size_t n, const uint32_t *freq, int lanes_log2,
+                          uint8_t *dst, uint16_t *words) {
+    uint32_t cum[256];
+    uint64_t rcp[256];
+    uint32_t shift[256];
+    uint32_t c = 0;
+    for (int s = 0; s < 256; s++) {
+        cum[s] = c;
+        c += freq[s];
+        uint32_t f = freq[s];
+        if (f < 2) { rcp[s] = 0; shift[s] = 0; continue; } /* f == 1: q = v (handled below) */
+        uint32_t sh = 0;
+        while (f > (1u << sh)) sh++;
+        /* rcp = floor(2^(32+sh) / f) + 1: rcp * f - 2^(32+sh) lies in 1..f <= 2^sh, which makes the
+         * quotient exact for every v < 2^32 (the product needs 65 bits: 128-bit multiply) */
+        rcp[s] = ((uint64_t)1 << (sh + 32)) / f + 1;
+        shift[s] = sh;
+    }
+    int lanes = 1 << lanes_log2;
+    size_t wp = n + 1;
+    uint32_t x[MAX_LANES];
+    for (int j = 0; j < lanes; j++) x[j] = RANS_L;
+    for (size_t i = n; i-- > 0;) {
+        int j = (int)(i & (size_t)(lanes - 1));
+        uint32_t s = src[i], f = freq[s];
+        if (!f) return 0;
+        uint32_t v = x[j];
+        /* branch-free renormalisation: whether a word goes out is data-dependent (unpredictable) */
+        uint32_t emit = (uint64_t)v >= ((uint64_t)f << 20);
+        words[wp - 1] = (uint16_t)v;
+        wp -= emit;
+        v >>= emit << 4;
+        uint32_t q = f < 2 ? v : (uint32_t)(((unsigned __int128)v * rcp[s]) >> (32 + shift[s]));
+        x[j] = (q << PROB_BITS) + (v - q * f) + cum[s];
+    }
+    size_t pos = 0;
+    for (int j = 0; j < lanes; j++) { memcpy(dst + pos, &x[j], 4); pos += 4; }
+    memcpy(dst + pos, words + wp, (n + 1 - wp) * 2);
+    return pos + (n + 1 - wp) * 2;
+}
+
+/* counts -> frequencies summing to 4096, each present symbol >= 1: _ans.c's normalise (static
+ * there; the blobs must be identical, tests compare with _planes.ans_encode) */
+static void normalise(const int64_t *counts, uint64_t total, uint32_t *freq) {
+    int64_t sum = 0;
+    for (int s = 0; s < 256; s++) {
+        freq[s] = 0;
+        if (counts[s]) {
+            uint64_t f = ((uint64_t)counts[s] * (1u << PROB_BITS) + total / 2) / total;
+            freq[s] = f ? (uint32_t)f : 1;
+            sum += freq[s];
+        }
+    }
+    int64_t diff = (int64_t)(1u << PROB_BITS) - sum;
+    int best = 0;
+    for (int s = 1; s < 256; s++) if (freq[s] > freq[best]) best = s;
+    if (diff > 0) freq[best] += (uint32_t)diff;
+    while (diff < 0) {
+        best = 0;
+        for (int s = 1; s < 256; s++) if (freq[s] > freq[best]) best = s;
+        freq[best]--;
+        diff++;
+    }
+}
+
+/* _ans.c's write_table (FORMAT.md 3.1): symbols, then each frequency's exponent against the
+ * previous one (zigzag, unary) and its low bits */
+static size_t write_table(const uint32_t *freq, uint8_t *dst) {
+    int nsym = 0;
+    uint8_t syms[256];
+    for (int s = 0; s < 256; s++) if (freq[s]) syms[nsym++] = (uint8_t)s;
+    size_t pos = 0;
+    dst[pos++] = (uint8_t)(nsym - 1);
+    if (nsym < 32) {
+        memcpy(dst + pos, syms, (size_t)nsym);
+        pos += (size_t)nsym;
+    } else {
+        memset(dst + pos, 0, 32);
+        for (int i = 0; i < nsym; i++) dst[pos + (syms[i] >> 3)] |= (uint8_t)(1u << (syms[i] & 7));
+        pos += 32;
+    }
+    uint64_t acc = 0;
+    int bits = 0, prev = 4;
+#define PUT(v, nb) do { acc |= (uint64_t)(v) << bits; bits += (nb); \
+        while (bits >= 8) { dst[pos++] = (uint8_t)acc; acc >>= 8; bits -= 8; } } while (0)
+    for (int i = 0; i < nsym - 1; i++) {
+        uint32_t f = freq[syms[i]];
+        int k = 31 - __builtin_clz(f), d = k - prev;
+        int z = d >= 0 ? 2 * d : -2 * d - 1;
+        for (; z >= 8; z -= 8) PUT(0, 8);
+        PUT(1u << z, z + 1);
+        if (k) PUT(f & ((1u << k) - 1), k);
+        prev = k;
+    }
+#undef PUT
+    if (bits) dst[pos++] = (uint8_t)acc;
+    return pos;
+}
+
+/* ans_encode(sym, lanes_log2) -> bytes: a whole blob with its own table, the bytes of
+ * _planes.ans_encode (a constant plane: 0, symbol) */
+static PyObject *py_ans_encode(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    int lanes_log2;
+    if (!PyArg_ParseTuple(args, "y*i", &src, &lanes_log2)) return NULL;
+    if (lanes_log2 < 0 || lanes_log2 > 7 || src.len < 1) {
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "ans_encode: lanes_log2 in 0..7 and at least one symbol");
+        return NULL;
+    }
+    size_t n = (size_t)src.len;
+    uint8_t *dst = (uint8_t *)malloc(2 + 1 + 32 + 256 * 2 + 4 * MAX_LANES + 2 * n + 16);
+    uint16_t *words = (uint16_t *)malloc((n + 1) * sizeof(uint16_t));
+    if (!dst || !words) {
+        free(dst);
+        free(words);
+        PyBuffer_Release(&src);
+        return PyErr_NoMemory();
+    }
+    size_t len;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t counts[256] = {0};
+    hist_one((const uint8_t *)src.buf, n, counts);
+    int nsym = 0, only = 0;
+    for (int s = 0; s < 256; s++) if (counts[s]) { nsym++; only = s; }
+    if (nsym == 1) {
+        dst[0] = 0;
+        dst[1] = (uint8_t)only;
+        len = 2;
+    } else {
+        uint32_t freq[256];
+        normalise(counts, n, freq);
+        dst[0] = (uint8_t)(lanes_log2 + 1);
+        size_t tl = 1 + write_table(freq, dst + 1);
+        len = tl + encode_with((const uint8_t *)src.buf, n, freq, lanes_log2, dst + tl, words);
+    }
+    Py_END_ALLOW_THREADS
+    free(words);
+    PyBuffer_Release(&src);
+    PyObject *r = PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)len);
+    free(dst);
+    return r;
+}
+
+static PyObject *py_ans_encode_shared(PyObject *self, PyObject *args) {
+    Py_buffer src, fb;
+    int lanes_log2;
+    if (!PyArg_ParseTuple(args, "y*y*i", &src, &fb, &lanes_log2)) return NULL;
+    const char *bad = NULL;
+    uint32_t freq[256];
+    if (lanes_log2 < 0 || lanes_log2 > 7 || src.len < 1) bad = "ans_encode_shared: lanes_log2 in 0..7 and at least one symbol";
+    else if (fb.len != 256 * (Py_ssize_t)sizeof(int64_t)) bad = "ans_encode_shared: freq must be 256 int64";
+    else {
+        int64_t sum = 0;
+        for (int s = 0; s < 256; s++) {
+            int64_t f = ((const int64_t *)fb.buf)[s];
+            if (f < 0 || f > (1 << PROB_BITS)) { bad = "ans_encode_shared: frequency out of range"; break; }
+            freq[s] = (uint32_t)f;
+            sum += f;
+        }
+        if (!bad && sum != (1 << PROB_BITS)) bad = "ans_encode_shared: frequencies must sum to 4096";
+    }
+    if (bad) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&fb);
+        PyErr_SetString(PyExc_ValueError, bad);
+        return NULL;
+    }
+    size_t n = (size_t)src.len;
+    uint8_t *dst = (uint8_t *)malloc(1 + 4 * MAX_LANES + 2 * n + 16);
+    uint16_t *words = (uint16_t *)malloc((n + 1) * sizeof(uint16_t));
+    if (!dst || !words) {
+        free(dst);
+        free(words);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&fb);
+        return PyErr_NoMemory();
+    }
+    size_t len;
+    Py_BEGIN_ALLOW_THREADS
+    dst[0] = (uint8_t)(lanes_log2 + 1);
+    len = encode_with((const uint8_t *)src.buf, n, freq, lanes_log2, dst + 1, words);
+    if (len) len += 1;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&fb);
+    free(words);
+    PyObject *r;
+    if (!len) {
+        PyErr_SetString(PyExc_ValueError, "ans_encode_shared: a symbol of the plane has no frequency in the table");
+        r = NULL;
+    } else {
+        r = PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)len);
+    }
+    free(dst);
+    return r;
+}
+
+static PyMethodDef methods[] = {
+    {"hist", py_hist, METH_VARARGS, "hist(data, block, out): byte histograms of each block-byte slice into out (int64, rows of 256)"},
+    {"huffman_bits", py_huffman_bits, METH_VARARGS, "huffman_bits(counts, out): bits of an optimal Huffman code per row of counts (int64 (k, 256)) into out (int64 (k,))"},
+    {"ans_encode", py_ans_encode, METH_VARARGS, "ans_encode(sym, lanes_log2) -> bytes: one plane as an ans blob with its own table (FORMAT.md 3.1)"},
+    {"ans_encode_shared", py_ans_encode_shared, METH_VARARGS, "ans_encode_shared(sym, freq, lanes_log2) -> bytes: an ans blob without its table (FORMAT.md 3.2)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_encode", "Encode-side helpers of the .onnxz writer (GIL released).", -1, methods};
+
+PyMODINIT_FUNC PyInit__encode(void) { return PyModule_Create(&module); }
