@@ -833,9 +833,153 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
         # data files first: the model file never appears pointing at missing data
         for fi in list(range(1, len(files))) + [0]:
             with atomic_output(targets[fi], force) as f:
-                for window in pf.restore_windows(fi, digest=mode):
-                    f.write(window)
+                _write_restored(pf, fi, f, mode)
     return dst
+
+
+ALIGN = 4096  # what O_DIRECT asks of a write's memory, file offset and length on the filesystems we meet
+
+
+class _Buffers:
+    """Page-aligned window buffers kept between restores (fresh memory is page-fault bound:
+    ~1 ms per 4 MiB window on these machines, a tenth of a small model's unpack), at most
+    `keep` of them; a restore takes two and gives them back."""
+
+    def __init__(self, keep: int = 4):
+        self._free: List[np.ndarray] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.size >= n:
+                    return self._free.pop(i)
+        import mmap
+
+        m = mmap.mmap(-1, -(-n // ALIGN) * ALIGN)  # anonymous: page-aligned
+        if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE") and n >= 2 << 20:
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)  # fewer faults and TLB misses on windows of MiBs
+            except OSError:
+                pass
+        return np.frombuffer(m, np.uint8)
+
+    def give(self, b: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(b)
+
+
+_buffers = _Buffers()
+
+
+class _WindowWriter:
+    """Writes the windows of one restored file to `f` (the temporary file of atomic_output) with
+    O_DIRECT where the filesystem takes it: the kernel reads the window buffer itself instead of
+    copying it into the page cache first (measured, 24 MB: 2 ms CPU against 7-10 ms for write()
+    + fsync, and less wall time), so the final fsync has only the tail and the metadata left.
+
+    O_DIRECT wants each write's memory, file offset and length in whole blocks: window k is
+    decoded into a page-aligned buffer at offset (its file offset mod ALIGN), the file bytes
+    of the last partial block before it (`carry`, < ALIGN) are copied in front of it, and the
+    window's own partial last block is carried to the next. The file's last partial block is
+    written through the page cache (O_DIRECT cleared). Where O_DIRECT is refused (tmpfs, some
+    network filesystems) or a direct write fails, plain writes of the same bytes take over."""
+
+    def __init__(self, f, size: int):
+        import fcntl
+
+        self.f, self.fd, self.size = f, f.fileno(), size
+        self.slots = [None, None]  # (buffer, pad) of the windows in flight, by window number
+        self.taken: List[np.ndarray] = []
+        self.written = 0  # file bytes handed to the kernel
+        self.carry = b""
+        self.k = 0
+        self.flags = None
+        direct = getattr(os, "O_DIRECT", 0)
+        if direct and size >= 2 * ALIGN and not os.environ.get("ONNXZ_NO_DIRECT"):
+            try:
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | direct)
+                self.flags = flags
+            except OSError:
+                pass
+
+    def target(self, start: int, n: int, k: int) -> np.ndarray:
+        pad = start % ALIGN
+        buf, _ = self.slots[k % 2] or (None, 0)
+        if buf is None or buf.size < pad + n:
+            if buf is not None:
+                _buffers.give(buf)
+            buf = _buffers.take(max(pad + n, min(self.size, WINDOW_BYTES) + ALIGN))
+            self.taken.append(buf)
+        self.slots[k % 2] = (buf, pad)
+        return buf[pad:pad + n]
+
+    def write(self, window: np.ndarray) -> None:
+        buf, pad = self.slots[self.k % 2]
+        self.k += 1
+        if self.flags is None:  # plain writes (O_DIRECT refused, or given up)
+            if self.carry:
+                self._pwrite(memoryview(self.carry), self.written - len(self.carry))
+                self.carry = b""
+            self._pwrite(memoryview(window), self.written)
+            self.written += window.size
+            return
+        if len(self.carry) != pad or window.ctypes.data != buf.ctypes.data + pad:
+            raise AssertionError("window order broken")  # never: _restore yields the windows it asked targets for
+        end = pad + window.size
+        buf[:pad] = np.frombuffer(self.carry, np.uint8)
+        whole = end - end % ALIGN
+        if whole:
+            try:
+                self._pwrite(memoryview(buf)[:whole], self.written - pad)
+            except OSError:  # e.g. EINVAL: this filesystem wants another alignment; plain writes
+                self._plain()
+                self._pwrite(memoryview(buf)[:whole], self.written - pad)
+        self.carry = bytes(buf[whole:end])
+        self.written += window.size
+
+    def _pwrite(self, data: memoryview, offset: int) -> None:
+        while data.nbytes:
+            got = os.pwrite(self.fd, data, offset)
+            data, offset = data[got:], offset + got
+
+    def _plain(self) -> None:
+        if self.flags is not None:
+            import fcntl
+
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, self.flags)
+            self.flags = None
+
+    def finish(self) -> None:
+        self._plain()
+        if self.carry:
+            self._pwrite(memoryview(self.carry), self.written - len(self.carry))
+            self.carry = b""
+        os.lseek(self.fd, self.written, os.SEEK_SET)  # where the file object believes it is
+        self.release()
+
+    def release(self) -> None:
+        for b in self.taken:
+            _buffers.give(b)
+        self.taken = []
+        self.slots = [None, None]
+
+
+def _write_restored(pf: "PackedFile", fi: int, f, mode: str) -> None:
+    """File `fi` of `pf` restored into the open file `f`, window by window (see _WindowWriter)."""
+    pf._check_open()
+    writer = _WindowWriter(f, pf.index.files[fi].size)
+    windows = pf._restore(fi, writer.target, mode)
+    try:
+        for window in windows:
+            writer.write(window)
+        writer.finish()
+    finally:
+        windows.close()  # its workers are done with the buffers before they go back to the pool
+        writer.release()
 
 
 def _prepare_data_path(folder: Path, target: Path, src: Optional[Path], dst: Path, force: bool) -> None:
