@@ -127,18 +127,21 @@ def strip_main_graph_payloads(buf, min_bytes: int) -> tuple[bytes, list]:
 
 def _strip_graph(mv, start, end, min_bytes, stripped) -> bytes:
     out = bytearray()
+    kept = start  # fields from here up to the current one are copied unchanged, in one slice
     for number, wire, fstart, a, b in _fields(mv, start, end):
+        if b - a <= min_bytes:  # (a message this small holds no payload worth stripping)
+            continue
         if number == 5 and wire == LEN:  # initializer
-            tensor = _strip_tensor(mv, a, b, min_bytes, stripped, None)
-            if tensor is not None:
-                out += write_varint(5 << 3 | LEN) + write_varint(len(tensor)) + tensor
-                continue
+            new, tag = _strip_tensor(mv, a, b, min_bytes, stripped, None), 5
         elif number == 1 and wire == LEN and _may_be_constant(mv, a, b):  # only a Constant's value is stripped
-            node = _strip_constant_node(mv, a, b, min_bytes, stripped)
-            if node is not None:
-                out += write_varint(1 << 3 | LEN) + write_varint(len(node)) + node
-                continue
-        out += mv[fstart:b]
+            new, tag = _strip_constant_node(mv, a, b, min_bytes, stripped), 1
+        else:
+            continue
+        if new is not None:
+            out += mv[kept:fstart]
+            out += write_varint(tag << 3 | LEN) + write_varint(len(new)) + new
+            kept = b
+    out += mv[kept:end]
     return bytes(out)
 
 
