@@ -19,6 +19,8 @@ values 80 ms (32 -> 16) and 52 ms (16 -> 32) against 11 and 13 ms in onnxruntime
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -53,7 +55,7 @@ def dominant_float_dtype(split: SplitModel) -> np.dtype:
             quantized = split.weights.get(scale_names[t.name])
             counts[dtype] += (quantized.size if quantized is not None else 1) * dtype.itemsize
         elif not is_placeholder(t):
-            counts[dtype] += int(np.prod(t.dims, dtype=np.int64)) * dtype.itemsize
+            counts[dtype] += math.prod(t.dims) * dtype.itemsize  # (np.prod per tensor: 10x slower)
     if counts[np.dtype(np.float16)] > counts[np.dtype(np.float32)]:
         return np.dtype(np.float16)
     return np.dtype(np.float32)

@@ -67,6 +67,10 @@ def _local_dq(node, arrays, types):
                       out_dtype=scale.dtype), types[1]
 
 
+# default-domain operators with graph attributes (other domains' nodes are always looked into)
+_GRAPH_OPS = {"If", "Loop", "Scan", "SequenceMap"}
+
+
 def has_foldable(split: SplitModel) -> bool:
     """Whether any node of the model (subgraphs included) is one fold_into may replace: a
     DequantizeLinear, an operator with a registered folder, or a Gather with a Cast (palettes)."""
@@ -76,12 +80,16 @@ def has_foldable(split: SplitModel) -> bool:
     while stack:
         graph = stack.pop()
         for node in graph.node:
-            ops.add((node.domain or "", node.op_type))
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
+            op = (node.domain or "", node.op_type)
+            ops.add(op)
+            # (reading every node's attributes costs more than the rest of this walk: only
+            # operators that can hold a graph are looked into)
+            if op[1] in _GRAPH_OPS or op[0] not in ("", "ai.onnx"):
+                for attr in node.attribute:
+                    if attr.type == onnx.AttributeProto.GRAPH:
+                        stack.append(attr.g)
+                    elif attr.type == onnx.AttributeProto.GRAPHS:
+                        stack.extend(attr.graphs)
     if any(op in folders for op in ops) or any(op_type == "DequantizeLinear" for _, op_type in ops):
         return True
     if ("", "Gather") not in ops:
