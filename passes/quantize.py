@@ -432,8 +432,7 @@ class _Job:
                 axis = _best_axis(arr.astype(np.float32), self.levels)
             blk = 0
         else:
-            axis = self.choice.reduce if self.choice.reduce is not None else arr.ndim - 1
-            blk = self.block
+            axis, blk = self._block_axis(arr)
         imp = self.importance
         if imp is not None:
             try:
@@ -442,6 +441,35 @@ class _Job:
                 raise InvalidArgumentError(f"importance of {self.tensor.name}: shape {np.shape(self.importance)} "
                                            f"does not broadcast to the weight's {arr.shape}") from None
         return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk, rounding=self.rounding, importance=imp)
+
+
+    def _block_axis(self, arr: np.ndarray) -> tuple[int, int]:
+        """(axis, block size) for granularity="block".
+
+        Blocks run along the dot-product axis. When that axis is shorter than a block (a Conv
+        with one input channel, such as an STFT kernel [257, 1, 512], or a depthwise kernel),
+        blocks along it would hold a handful of weights each, one scale per few weights, and
+        the "compressed" tensor would outgrow the float one. Then blocks run along the longest
+        other axis that holds a whole block and is not the channel axis (a Conv's kernel taps
+        are summed over too), else one scale per channel.
+        """
+        reduce = self.choice.reduce if self.choice.reduce is not None else arr.ndim - 1
+        if arr.shape[reduce] >= self.block:
+            return reduce, self.block
+        others = [a for a in range(arr.ndim) if a not in (reduce, self.choice.channel) and arr.shape[a] >= self.block]
+        if others:
+            return max(others, key=lambda a: (arr.shape[a], -a)), self.block
+        if arr.shape[reduce] >= _MIN_SHORT_BLOCK:
+            return reduce, self.block  # a short block (the whole axis) is still worth its scale
+        channel = self.choice.channel
+        if channel is None:
+            channel = _best_axis(arr.astype(np.float32), self.levels)
+        return channel, 0
+
+
+# shortest dot-product axis still blocked when no axis holds a whole block: below it a float32
+# scale per block costs as much as the 4-bit weights it serves
+_MIN_SHORT_BLOCK = 8
 
 
 def _threads() -> int:
