@@ -185,8 +185,8 @@ def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | 
 def _required_opset(dtype: int, bits: int, granularity: str) -> int:
     if granularity == "block" or bits <= 4:
         return 21  # block_size attribute, int4 / uint4
-    if dtype != TensorProto.FLOAT:
-        return 19  # float16 / bfloat16 scales
+    if dtype == TensorProto.FLOAT16:
+        return 19  # float16 scales (bfloat16 weights get float32 scales and a Cast)
     return 13  # axis attribute (per channel)
 
 
@@ -357,20 +357,28 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
             attrs["axis"] = int(axis)
         if blk:
             attrs["block_size"] = int(blk)
-        dq = helper.make_node("DequantizeLinear", [p[1] for p in parts], [w.name],
+        dq_out, tail = w.name, []
+        if w.tensor.data_type == TensorProto.BFLOAT16:
+            # onnxruntime (1.2x) has no bfloat16 DequantizeLinear on the CPU: the scale is stored as
+            # float32 (exact, bfloat16 values are float32 values) and a Cast gives the bfloat16 weight
+            parts[1] = (qz.scale.astype(np.float32), s_name, TensorProto.FLOAT)
+            dq_out = names.take(w.name + "_dequantized")
+            tail = [helper.make_node("Cast", [dq_out], [w.name], name=names.take(w.name + "_Cast"),
+                                     to=TensorProto.BFLOAT16)]
+        dq = helper.make_node("DequantizeLinear", [p[1] for p in parts], [dq_out],
                               name=names.take(w.name + "_DequantizeLinear"), **attrs)
         after = sum(graph.array_nbytes(a, t) for a, _, t in parts)
         if w.node is None and w.graph_key == 0 and w.name in early:
             for arr, name, elem_type in parts:
                 graph.fill_tensor(out.graph.initializer.add(), arr, name, elem_type)
-            new_first_nodes.setdefault(0, []).append(dq)
+            new_first_nodes.setdefault(0, []).extend([dq, *tail])
         elif w.node is None:
             new_inits.setdefault(w.graph_key, {})[w.name] = parts
-            new_first_nodes.setdefault(w.graph_key, []).append(dq)
+            new_first_nodes.setdefault(w.graph_key, []).extend([dq, *tail])
         else:
             repl = [helper.make_node("Constant", [], [n], name=names.take(n + "_Constant"),
                                      value=graph.array_to_tensor(a, n, t)) for a, n, t in parts]
-            const_nodes.setdefault(w.graph_key, {})[w.name] = repl + [dq]
+            const_nodes.setdefault(w.graph_key, {})[w.name] = repl + [dq, *tail]
         if report is not None:
             report.add(_rounding.QuantizedChange(
                 w.name, w.shape, graph.type_name(w.tensor.data_type), _scheme(levels, bits, axis, blk)
