@@ -150,6 +150,21 @@ def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
     return False
 
 
+def _unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
+    """IR 3 made every initializer a graph input as well; IR 4 made that mean "overridable by the
+    caller", which a weight being replaced by DequantizeLinear cannot be. The inputs that only
+    list an initializer of an IR 3 model leave the graph's inputs (in place), the IR becomes 4.
+    True when any was removed."""
+    inits = {t.name for t in model.graph.initializer}
+    keep = [v for v in model.graph.input if v.name not in inits]
+    removed = len(keep) != len(model.graph.input)
+    if removed:
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+        model.ir_version = 4
+    return removed
+
+
 def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | None:
     """Why `w` stays as it is, or None when it is to be quantized."""
     t = w.tensor
@@ -277,6 +292,9 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                 if w.graph_key == 0 and w.node is None and w.name in unique
                 and _keep_reason(w, include_p, exclude_p, ops, min_elements) is None}
     out = graph.copy_model(source, set(payloads))
+    if out.ir_version < 4 and _unlist_ir3_initializers(out) and report is not None:
+        report.note(f"IR version raised from {source.ir_version} to 4: initializers are no longer listed as graph "
+                    "inputs (IR 3 required it; from IR 4 it would make them overridable and keep them float)")
     if graph.toposort(out) and report is not None:
         report.note("nodes sorted topologically (the input graph was not)")
 
