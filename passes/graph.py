@@ -632,9 +632,12 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
             e.key, e.value = "location", f"{_STASH}-{len(stash) - 1}"
     stubs = set(index)
     before = _typed_inputs_view(skeleton, stubs, stash)
+    sparse = _stub_sparse_constants(skeleton)
     how = f"opset raised from {old} to {target} (onnx.version_converter)"
     try:
         converted = onnx.version_converter.convert_version(skeleton, target)
+        _restore_sparse_constants(converted, sparse)
+        _keep_functions(model, converted, target)
     except Exception as exc:  # the converter raises plain RuntimeError/ValueError with C++ text
         if not _unchanged_between(model, old, target):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -643,6 +646,7 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
                 f"onnx.version_converter cannot convert it ({first})"
             ) from None
         converted = skeleton
+        _restore_sparse_constants(converted, sparse)
         for op in converted.opset_import:
             if op.domain in ("", "ai.onnx"):
                 op.version = target
@@ -664,6 +668,71 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
     return converted, how
+
+
+def _stub_sparse_constants(skeleton: onnx.ModelProto) -> dict[tuple[int, str], onnx.AttributeProto]:
+    """Swap each `Constant(sparse_value=...)` of `skeleton` for a dense stub of its type and
+    shape (in place) and return the originals by (graph index, output name): onnx.version_converter
+    refuses any model holding a sparse tensor ("Sparse tensors not supported"), though a Constant
+    is the same op at every opset it adapts."""
+    originals = {}
+    for info in iter_graphs(skeleton):
+        for node in info.graph.node:
+            if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+                continue
+            for i, attr in enumerate(node.attribute):
+                if attr.name == "sparse_value":
+                    originals[(info.key, node.output[0])] = onnx.AttributeProto.FromString(attr.SerializeToString())
+                    stub = TensorProto(name=attr.sparse_tensor.values.name, data_type=attr.sparse_tensor.values.data_type,
+                                       dims=list(attr.sparse_tensor.dims), data_location=TensorProto.EXTERNAL)
+                    e = stub.external_data.add()
+                    e.key, e.value = "location", f"{_STASH}-sparse"
+                    del node.attribute[i]
+                    node.attribute.append(onnx.helper.make_attribute("value", stub))
+                    break
+    return originals
+
+
+def _restore_sparse_constants(model: onnx.ModelProto, originals: dict) -> None:
+    """Put back the sparse attributes `_stub_sparse_constants` took out (the converter keeps the
+    graphs, their order and the Constant nodes' outputs)."""
+    if not originals:
+        return
+    for info in iter_graphs(model):
+        for node in info.graph.node:
+            attr = originals.get((info.key, node.output[0] if node.output else ""))
+            if attr is not None and node.op_type == "Constant":
+                del node.attribute[:]
+                node.attribute.append(attr)
+
+
+def _keep_functions(model: onnx.ModelProto, converted: onnx.ModelProto, target: int) -> None:
+    """onnx.version_converter drops the model-local functions (onnx 1.17-1.19), and onnxruntime
+    and the checker want a function to import the model's opset: each function body goes through
+    the converter on its own (as the graph of a model of its own) and comes back."""
+    if not model.functions or converted.functions:
+        return
+    for fn in model.functions:
+        new = converted.functions.add()
+        new.CopyFrom(fn)
+        old = next((int(o.version) for o in fn.opset_import if o.domain in ("", "ai.onnx")), None)
+        if old is None or old == target:
+            continue
+        body = onnx.helper.make_graph(list(fn.node), fn.name, [onnx.ValueInfoProto(name=i) for i in fn.input],
+                                      [onnx.ValueInfoProto(name=o) for o in fn.output])
+        wrapper = onnx.helper.make_model(body, opset_imports=list(fn.opset_import))
+        wrapper.ir_version = model.ir_version
+        try:
+            body = onnx.version_converter.convert_version(wrapper, target).graph
+        except Exception as exc:  # noqa: BLE001 - the converter raises plain C++-bound errors
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UnsupportedFormError(f"model-local function {fn.domain}:{fn.name} cannot be converted from opset "
+                                       f"{old} to {target} ({first})") from None
+        del new.node[:]
+        new.node.extend(body.node)
+        for o in new.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = target
 
 
 def _typed_inputs_view(skeleton: onnx.ModelProto, stubs: set[str], stash: list[bytes]) -> onnx.ModelProto:
