@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""Every public path on ONNX models the project was never tuned on (not a test).
+
+The models come from PyPI wheels that ship .onnx files (nudenet's YOLOv8 detector, magika's
+file-type classifier, rapidocr's PP-OCRv4 detector and recogniser, openwakeword 0.4.0's
+melspectrogram / embedding / wake-word / silero VAD models). They are fetched once with
+`pip download --no-deps` into $SURGEON_UNSEEN (default /tmp/surgeon_unseen) and unpacked there.
+
+For each model and each path (the command's compress at int8 / 4-bit blocks / 6 bits / packed /
+auto with and without feeds, palettize, fold_dequantize to the stored / float16 / float32 dtype,
+pack / unpack / verify / info, passes.load, open_packed, InferenceSession fold / int8 / auto) it
+checks that the result passes onnx.checker (full_check), runs in onnxruntime, and measures the
+SNR (dB, worst output) against the float model on the same feeds. Prints a table model x path ->
+"ok SNR/size" or the error, writes bench/out/unseen.json.
+
+    python bench/unseen.py [--only NAME ...] [--paths p1,p2] [--no-auto]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+OUT = REPO / "bench" / "out"
+
+import passes  # noqa: E402
+
+CACHE = Path(os.environ.get("SURGEON_UNSEEN", "/tmp/surgeon_unseen"))
+
+# wheel requirement -> {model name: path inside the wheel}
+WHEELS = {
+    "nudenet==3.4.2": {"nudenet_320n": "nudenet/320n.onnx"},
+    "magika==1.0.3": {"magika": "magika/models/standard_v3_3/model.onnx"},
+    "rapidocr-onnxruntime==1.4.4": {
+        "ppocr4_det": "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+        "ppocr4_rec": "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+    },
+    "openwakeword==0.4.0": {
+        f"oww_{n}": f"openwakeword/resources/models/{n}.onnx"
+        for n in ("melspectrogram", "embedding_model", "hey_jarvis_v0.1", "timer_v0.1", "silero_vad")
+    },
+}
+
+
+def feeds_for(name: str, n: int = 4) -> list[dict]:
+    """Inputs of the shapes and ranges each model expects (seeded)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        if name == "nudenet_320n":
+            f = {"images": rng.random((1, 3, 320, 320), dtype=np.float32)}
+        elif name == "magika":
+            f = {"bytes": rng.integers(0, 257, (1, 2048)).astype(np.int32)}
+        elif name == "ppocr4_det":
+            f = {"x": rng.standard_normal((1, 3, 160, 160)).astype(np.float32)}
+        elif name == "ppocr4_rec":
+            f = {"x": rng.standard_normal((1, 3, 48, 160)).astype(np.float32)}
+        elif name == "oww_melspectrogram":
+            f = {"input": (rng.standard_normal((1, 4000)) * 3000).astype(np.float32)}
+        elif name == "oww_embedding_model":
+            f = {"input_1": (rng.standard_normal((1, 76, 32, 1)) * 2).astype(np.float32)}
+        elif name == "oww_hey_jarvis_v0.1":
+            f = {"x.1": rng.standard_normal((1, 16, 96)).astype(np.float32)}
+        elif name == "oww_timer_v0.1":
+            f = {"onnx::Flatten_0": rng.standard_normal((1, 34, 96)).astype(np.float32)}
+        elif name == "oww_silero_vad":
+            f = {"input": (rng.standard_normal((1, 512)) * 0.1).astype(np.float32),
+                 "sr": np.array(16000, dtype=np.int64),
+                 "h": np.zeros((2, 1, 64), np.float32), "c": np.zeros((2, 1, 64), np.float32)}
+        else:
+            raise KeyError(name)
+        out.append(f)
+    return out
+
+
+def fetch() -> dict[str, Path]:
+    """Model name -> path of the unpacked .onnx (downloading the wheels on first use)."""
+    models = {}
+    wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    for req, members in WHEELS.items():
+        dist = req.split("==")[0].replace("-", "_")
+        found = glob.glob(str(wheels / f"{dist}-{req.split('==')[1]}-*.whl"))
+        if not found:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), req],
+                           check=True)
+            found = glob.glob(str(wheels / f"{dist}-{req.split('==')[1]}-*.whl"))
+        with zipfile.ZipFile(found[0]) as z:
+            for name, member in members.items():
+                dst = CACHE / f"{name}.onnx"
+                if not dst.exists():
+                    dst.write_bytes(z.read(member))
+                models[name] = dst
+    return models
+
+
+def run(model_or_path, feeds, **session):
+    if isinstance(model_or_path, passes.InferenceSession):
+        s = model_or_path
+    else:
+        src = model_or_path if isinstance(model_or_path, (str, Path)) else model_or_path.SerializeToString()
+        s = ort.InferenceSession(str(src) if isinstance(src, Path) else src, providers=["CPUExecutionProvider"])
+    return [s.run(None, f) for f in feeds]
+
+
+def snr_db(ref, cand) -> float:
+    """Worst output's SNR (dB) over all feeds; inf when identical."""
+    worst = np.inf
+    for outs_r, outs_c in zip(ref, cand):
+        for r, c in zip(outs_r, outs_c):
+            r = np.asarray(r, np.float64)
+            c = np.asarray(c, np.float64)
+            if r.shape != c.shape:
+                raise AssertionError(f"output shape {c.shape} != {r.shape}")
+            if not np.isfinite(c).all():
+                raise AssertionError("non-finite output")
+            noise = float(np.sum((r - c) ** 2))
+            sig = float(np.sum(r ** 2))
+            if noise == 0:
+                continue
+            worst = min(worst, 10 * np.log10(max(sig, 1e-30) / noise))
+    return worst
+
+
+def check(model_or_path):
+    if isinstance(model_or_path, (str, Path)):
+        onnx.checker.check_model(str(model_or_path), full_check=True)
+    else:
+        onnx.checker.check_model(model_or_path, full_check=True)
+
+
+def cli(*args) -> dict:
+    r = subprocess.run([sys.executable, "-m", "tools.surgeon_compress", *map(str, args), "--json"],
+                       cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"exit {r.returncode}: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return json.loads(r.stdout)
+
+
+def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_auto: bool):
+    """Yield (path name, callable returning a cell string)."""
+    q8 = work / "q8.onnx"
+
+    def compressed(out, *opts):
+        def go():
+            cli("compress", src, "-o", out, "--force", *opts)
+            if out.suffix == ".onnxz":
+                passes.verify(out)
+                m = passes.load(out)
+            else:
+                check(out)
+                m = out
+            return f"{snr_db(ref, run(m, feeds)):.1f}dB {out.stat().st_size / src.stat().st_size:.2f}x"
+        return go
+
+    yield "q8", compressed(q8)
+    yield "q4b32", compressed(work / "q4.onnx", "--bits", "4", "--block-size", "32")
+    yield "q6", compressed(work / "q6.onnx", "--bits", "6")
+    yield "q8pack", compressed(work / "q8.onnxz")
+
+    def palette():
+        m = passes.palettize(str(src), bits=4)
+        check(m)
+        f = passes.fold_dequantize(m)
+        check(f)
+        a, b = run(m, feeds), run(f, feeds)
+        same = all(np.array_equal(x, y) for o, p in zip(a, b) for x, y in zip(o, p))
+        return f"{snr_db(ref, a):.1f}dB fold{'=' if same else '~'}"
+    yield "pal4", palette
+
+    if do_auto:
+        yield "auto-synth", compressed(work / "auto_s.onnx", "--target", "snr>=25")
+        yield "auto-feeds", compressed(work / "auto_f.onnx", "--target", "snr>=25", "--feeds", feeds_npz)
+
+    def fold(dtype):
+        def go():
+            f = passes.fold_dequantize(str(q8), dtype=dtype)
+            check(f)
+            return f"{snr_db(ref, run(f, feeds)):.1f}dB"
+        return go
+    yield "fold", fold(None)
+    yield "fold16", fold("float16")
+    yield "fold32", fold("float32")
+
+    pk = work / "orig.onnxz"
+
+    def lossless():
+        cli("pack", src, "-o", pk, "--force", "--verify")
+        cli("verify", pk, "--against", src)
+        cli("info", pk)
+        back = work / "back.onnx"
+        cli("unpack", pk, "-o", back, "--force", "--verify")
+        if hashlib.sha256(back.read_bytes()).digest() != hashlib.sha256(src.read_bytes()).digest():
+            raise AssertionError("unpacked file differs")
+        m = passes.load(pk)
+        if m.SerializeToString() != onnx.load(str(src)).SerializeToString():
+            raise AssertionError("passes.load differs")
+        return f"sha= {pk.stat().st_size / src.stat().st_size:.2f}x"
+    yield "pack", lossless
+
+    def opened():
+        init = {}
+        model = onnx.load(str(src))
+        from passes import graph
+        for gi in graph.iter_graphs(model):
+            for t in gi.graph.initializer:
+                init[t.name] = graph.tensor_to_array(t)
+        n = 0
+        with passes.open_packed(pk) as p:
+            for k in p.keys():
+                a = p.get_tensor(k)
+                if k in init and not np.array_equal(a, init[k]):
+                    raise AssertionError(f"tensor {k} differs")
+                n += 1
+        return f"{n} tensors"
+    yield "open_packed", opened
+
+    q8z = work / "q8.onnxz"
+    for mode in ("fold", "int8", "auto"):
+        def sess(mode=mode):
+            s = passes.InferenceSession(str(q8z), mode=mode)
+            return f"{snr_db(ref, run(s, feeds)):.1f}dB"
+        yield f"IS-{mode}", sess
+
+    def info_q8():
+        cli("info", q8)
+        passes.describe_model(str(q8))
+        return "ok"
+    yield "info", info_q8
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--paths")
+    ap.add_argument("--no-auto", action="store_true")
+    args = ap.parse_args(argv)
+    models = fetch()
+    wanted_paths = set(args.paths.split(",")) if args.paths else None
+    table: dict[str, dict[str, str]] = {}
+    for name, src in models.items():
+        if args.only and name not in args.only:
+            continue
+        feeds = feeds_for(name)
+        ref = run(src, feeds)
+        row = table.setdefault(name, {})
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            npz = work / "feeds.npz"
+            np.savez(npz, **{f"{i}/{k}": v for i, f in enumerate(feeds) for k, v in f.items()})
+            for path, go in paths_for(name, src, work, feeds, ref, npz, not args.no_auto):
+                if wanted_paths and path not in wanted_paths:
+                    continue
+                t0 = time.process_time()
+                try:
+                    cell = go()
+                except Exception as exc:  # noqa: BLE001 - the table shows what broke
+                    cell = f"FAIL {type(exc).__name__}: {str(exc)[:160]}"
+                    if os.environ.get("SURGEON_DEBUG"):
+                        traceback.print_exc()
+                row[path] = cell
+                print(f"{name:22s} {path:12s} {cell}  ({time.process_time() - t0:.1f}s cpu)", flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "unseen.json").write_text(json.dumps(table, indent=1))
+    cols = sorted({p for r in table.values() for p in r}, key=lambda p: list(next(iter(table.values()))).index(p) if p in next(iter(table.values())) else 99)
+    print("\n| model | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, row in table.items():
+        print(f"| {name} | " + " | ".join(row.get(c, "-") for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
