@@ -159,6 +159,24 @@ class SplitModel:
                 del self.weights[name]
 
 
+# default-domain operators with graph attributes; nodes of other domains may hold graphs too
+GRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def subgraphs(node: onnx.NodeProto) -> list:
+    """The graphs a node holds in its attributes. Only operators that can hold one are looked into:
+    reading every node's attributes cost more than the rest of the walks that need this."""
+    if node.op_type not in GRAPH_OPS and node.domain in ("", "ai.onnx"):
+        return []
+    out = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            out.append(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            out.extend(attr.graphs)
+    return out
+
+
 def _used_names(graph: onnx.GraphProto) -> set:
     """Names read by the graph's nodes (subgraphs included, for outer-scope references) or outputs."""
     used = {o.name for o in graph.output}
@@ -167,11 +185,7 @@ def _used_names(graph: onnx.GraphProto) -> set:
         g = stack.pop()
         for node in g.node:
             used.update(node.input)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
+            stack.extend(subgraphs(node))
     return used
 
 
@@ -261,12 +275,8 @@ def shareable_names(split: SplitModel, extra=None) -> set:
     # names read inside subgraphs (outer-scope references) or returned as outputs stay copied
     outputs = {o.name for o in split.skeleton.graph.output}
     for node in split.skeleton.graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                outputs |= _used_names(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    outputs |= _used_names(g)
+        for g in subgraphs(node):
+            outputs |= _used_names(g)
     shared = set()
     for name, uses in consumers.items():
         if name in outputs:

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .runtime_feed import SplitModel
+from .runtime_feed import SplitModel, subgraphs
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -67,10 +67,6 @@ def _local_dq(node, arrays, types):
                       out_dtype=scale.dtype), types[1]
 
 
-# default-domain operators with graph attributes (other domains' nodes are always looked into)
-_GRAPH_OPS = {"If", "Loop", "Scan", "SequenceMap"}
-
-
 def has_foldable(split: SplitModel) -> bool:
     """Whether any node of the model (subgraphs included) is one fold_into may replace: a
     DequantizeLinear, an operator with a registered folder, or a Gather with a Cast (palettes)."""
@@ -80,16 +76,8 @@ def has_foldable(split: SplitModel) -> bool:
     while stack:
         graph = stack.pop()
         for node in graph.node:
-            op = (node.domain or "", node.op_type)
-            ops.add(op)
-            # (reading every node's attributes costs more than the rest of this walk: only
-            # operators that can hold a graph are looked into)
-            if op[1] in _GRAPH_OPS or op[0] not in ("", "ai.onnx"):
-                for attr in node.attribute:
-                    if attr.type == onnx.AttributeProto.GRAPH:
-                        stack.append(attr.g)
-                    elif attr.type == onnx.AttributeProto.GRAPHS:
-                        stack.extend(attr.graphs)
+            ops.add((node.domain or "", node.op_type))
+            stack.extend(subgraphs(node))
     if any(op in folders for op in ops) or any(op_type == "DequantizeLinear" for _, op_type in ops):
         return True
     if ("", "Gather") not in ops:
@@ -249,11 +237,9 @@ def fold_subgraphs(graph, folders) -> int:
     subgraph with the constants of its own scope, as fold_dequantize does."""
     count = 0
     for node in graph.node:
-        for attr in node.attribute:
-            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-            for g in subs:
-                count += _fold_one_graph(g, folders)
-                count += fold_subgraphs(g, folders)
+        for g in subgraphs(node):
+            count += _fold_one_graph(g, folders)
+            count += fold_subgraphs(g, folders)
     return count
 
 
@@ -309,9 +295,8 @@ def _names_read(g) -> set:
     used = {o.name for o in g.output}
     for node in g.node:
         used.update(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                used |= _names_read(sub)
+        for sub in subgraphs(node):
+            used |= _names_read(sub)
     return used
 
 
@@ -320,10 +305,9 @@ def _consumer_counts(graph) -> dict:
     for node in graph.node:
         for name in node.input:
             counts[name] = counts.get(name, 0) + 1
-        for attr in node.attribute:  # names a subgraph reads from the outer scope count as uses
-            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                for inner in _consumer_counts(g):
-                    counts[inner] = counts.get(inner, 0) + 1
+        for g in subgraphs(node):  # names a subgraph reads from the outer scope count as uses
+            for inner in _consumer_counts(g):
+                counts[inner] = counts.get(inner, 0) + 1
     for o in graph.output:
         counts[o.name] = counts.get(o.name, 0) + 1
     return counts
