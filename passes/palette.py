@@ -99,10 +99,17 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     g = out.graph
     if report is not None:
         report.pass_name = report.pass_name or "palettize"
-    consumers = {}
-    for node in g.node:
-        for i, name in enumerate(node.input):
-            consumers.setdefault(name, []).append((node.op_type, i))
+    hoisted = _hoist_constants(g, min_elements)
+    if hoisted and report is not None:
+        report.note(f"{hoisted} Constant node weight(s) of the main graph became initializers to be palettized")
+    nested = _nested_weights(out, min_elements)
+    if nested and report is not None:
+        report.note(f"{nested} float weight(s) inside If/Loop/Scan subgraphs or model-local functions stay float "
+                    "(palettize covers the main graph)")
+    # uses resolved by scope, subgraphs included (a main-graph weight may be read only inside an
+    # If branch: silero VAD's are)
+    consumers = {w.name: [(u.node.op_type, u.index) for u in w.uses]
+                 for w in graph.find_weights(out)[0] if w.graph_key == 0 and w.node is None}
     graph_inputs = {i.name for i in g.input}
     names = graph.NameAllocator(graph.all_names(out))
     new_nodes, keep_inits = [], []
@@ -147,6 +154,52 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
         del g.node[:]
         g.node.extend(new_nodes + old)
     return out
+
+
+def _dense_float_constant(node: onnx.NodeProto, min_elements: int) -> onnx.TensorProto | None:
+    """The `value` tensor of a Constant node when it is a float weight palettize would consider."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+        return None
+    a = node.attribute[0]
+    if a.name != "value" or a.t.data_type not in graph.FLOAT_TYPES or len(a.t.dims) < 2:
+        return None
+    return a.t if int(np.prod(a.t.dims)) >= min_elements else None
+
+
+def _hoist_constants(g: onnx.GraphProto, min_elements: int) -> int:
+    """Move the main graph's large float Constant-node weights into initializers named like the
+    node's output (the same values, visible to the same nodes: initializers are in scope
+    everywhere in the graph). Exporters such as paddle2onnx keep every weight in a Constant."""
+    taken = {t.name for t in g.initializer} | {i.name for i in g.input}
+    keep, moved = [], []
+    for node in g.node:
+        t = _dense_float_constant(node, min_elements)
+        if t is None or not node.output or node.output[0] in taken:
+            keep.append(node)
+            continue
+        init = onnx.TensorProto()
+        init.CopyFrom(t)
+        init.name = node.output[0]
+        moved.append(init)
+    if moved:
+        del g.node[:]
+        g.node.extend(keep)
+        g.initializer.extend(moved)
+    return len(moved)
+
+
+def _nested_weights(model: onnx.ModelProto, min_elements: int) -> int:
+    """Float weights (>= 2-D, >= min_elements) that palettize leaves: in subgraphs and functions."""
+    def big(t):
+        return t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and int(np.prod(t.dims)) >= min_elements
+
+    n = 0
+    for info in graph.iter_graphs(model)[1:]:
+        n += sum(big(t) for t in info.graph.initializer)
+        n += sum(_dense_float_constant(node, min_elements) is not None for node in info.graph.node)
+    for fn in model.functions:
+        n += sum(_dense_float_constant(node, min_elements) is not None for node in fn.node)
+    return n
 
 
 def has_palettes(model: onnx.ModelProto) -> bool:

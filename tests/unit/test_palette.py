@@ -88,3 +88,36 @@ def test_fold_dequantize_folds_palettes_and_dequantize_together():
     f = mg.feeds(m)
     for a, b in zip(mg.run(q, f), mg.run(folded, f)):
         assert np.array_equal(a, b)
+
+
+def test_constant_node_weights_are_palettized():
+    """Exporters such as paddle2onnx keep every weight in a Constant node: those of the main
+    graph become initializers and are palettized (a note says so); fold gives the same outputs."""
+    import modelgen as mg
+
+    m = mg.conv_model("float32", 13, in_constant=True)
+    rep = Report()
+    p = palettize(m, bits=4, min_elements=256, report=rep)
+    onnx.checker.check_model(p, full_check=True)
+    assert {t.name for t in rep.tensors} == {"W", "W2"}
+    assert any("Constant node weight(s)" in n for n in rep.notes)
+    assert not any(n.op_type == "Constant" and n.output[0] in ("W", "W2") for n in p.graph.node)
+    feeds = mg.feeds(m)
+    out = mg.run(p, feeds)
+    assert all(mg.cosine(a, b) > 0.98 for a, b in zip(mg.run(m, feeds), out))  # 4 bits per tensor
+    assert all(np.array_equal(a, b) for a, b in zip(out, mg.run(fold_palettes(p), feeds)))
+
+
+def test_weights_read_only_in_subgraphs():
+    """A main-graph weight read only inside an If branch is palettized (uses are resolved by
+    scope); weights defined inside subgraphs stay float, with a note."""
+    import modelgen as mg
+
+    m = mg.subgraph_model("float32", 13)
+    rep = Report()
+    p = palettize(m, bits=4, min_elements=256, report=rep)
+    onnx.checker.check_model(p, full_check=True)
+    assert {t.name for t in rep.tensors} == {"W_OUT"}
+    assert any("3 float weight(s) inside If/Loop/Scan subgraphs" in n for n in rep.notes)
+    feeds = mg.feeds(m)
+    assert all(mg.cosine(a, b) > 0.98 for a, b in zip(mg.run(m, feeds), mg.run(p, feeds)))
