@@ -17,6 +17,11 @@ from typing import List, Optional
 
 import zstandard as zstd
 
+try:  # parses the index ~2.5x faster than json (0.3-0.5 ms of a small model's unpack); same objects
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - optional
+    _orjson = None
+
 from ..errors import CorruptFileError, LimitExceededError, NewerFormatError
 from .codecs import MAX_CHUNK_BYTES, check_params, plane_sizes
 
@@ -101,7 +106,8 @@ def decode_index(frame: bytes, header: Header) -> dict:
         if zstd.frame_content_size(frame) != header.index_raw_length:
             raise CorruptFileError("damaged .onnxz file (index size)")
         text = zstd.ZstdDecompressor().decompress(frame, max_output_size=header.index_raw_length, allow_extra_data=False)
-        obj = json.loads(text.decode("utf-8"))
+        # orjson reads integers past 64 bits as floats, which parse_index refuses as json's big ints
+        obj = _orjson.loads(text) if _orjson is not None else json.loads(text.decode("utf-8"))
     except (zstd.ZstdError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"damaged .onnxz file (index unreadable: {exc})") from None
     if not isinstance(obj, dict):
@@ -169,6 +175,10 @@ class Index:
 
 def _bad(what: str):
     return CorruptFileError(f"damaged .onnxz index ({what})")
+
+
+_INT_MAX = 1 << 62
+_U64_MAX = (1 << 64) - 1
 
 
 def _int(v, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -247,19 +257,35 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
     total = 0
     inner = params.get("inner") if codec == "narrow" else None
     empty_ok = codec == "ans" or (isinstance(inner, dict) and inner.get("codec") == "ans")
+    # an `ans` escapes plane may be empty (1.1, also inside `narrow`); every other plane holds
+    # at least one byte
+    plane_lo, plane_hi = (0 if empty_ok else 1), MAX_CHUNK_BYTES + (1 << 16)
+    counts = {}  # planes per raw length (plane_sizes raises on lengths the codec cannot hold)
+    lo, hi, spans = extents.lo, extents.hi, extents.spans
     for c in chunks_in:
-        if not isinstance(c, list) or len(c) != 4 or not isinstance(c[2], list):
+        if type(c) is not list or len(c) != 4 or type(c[2]) is not list:
             raise _bad(f"{what}: chunk entry")
-        off = _int(c[0], "chunk offset")
-        digest = _int(c[3], "chunk xxh3", 0, (1 << 64) - 1)
-        raw = _int(c[1], "chunk length", 0, MAX_CHUNK_BYTES)
-        # an `ans` escapes plane may be empty (1.1, also inside `narrow`); every other plane holds
-        # at least one byte
-        planes = [_int(p, "plane length", 0 if empty_ok else 1, MAX_CHUNK_BYTES + (1 << 16)) for p in c[2]]
-        if len(planes) != len(plane_sizes(codec, params, raw)):
+        off, raw, planes, digest = c
+        if type(off) is not int or not 0 <= off <= _INT_MAX:
+            raise _bad(f"chunk offset = {off!r}")
+        if type(digest) is not int or not 0 <= digest <= _U64_MAX:
+            raise _bad(f"chunk xxh3 = {digest!r}")
+        if type(raw) is not int or not 0 <= raw <= MAX_CHUNK_BYTES:
+            raise _bad(f"chunk length = {raw!r}")
+        stored = 0
+        for p in planes:
+            if type(p) is not int or not plane_lo <= p <= plane_hi:
+                raise _bad(f"plane length = {p!r}")
+            stored += p
+        n = counts.get(raw)
+        if n is None:
+            n = counts[raw] = len(plane_sizes(codec, params, raw))
+        if len(planes) != n:
             raise _bad(f"{what}: {codec} chunk with {len(planes)} planes")
-        extents.add(off, sum(planes))
-        chunks.append(Chunk(off, raw, planes, digest))
+        if off < lo or off + stored > hi:  # _Extents.add, inline: the hot loop of opening a file
+            raise _bad(f"chunk at {off} (+{stored}) outside the data area")
+        spans.append((off, stored))
+        chunks.append(Chunk(off, raw, list(planes), digest))
         total += raw
     return Stream(codec, params, chunks, total)
 
@@ -287,7 +313,10 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         if key in keys:
             raise _bad(f"tensor key {key!r} repeated")
         keys.add(key)
-        shape = [_int(d, "dim", -(1 << 62)) for d in shape]
+        for d in shape:
+            if type(d) is not int or not -_INT_MAX <= d <= _INT_MAX:
+                raise _bad(f"dim = {d!r}")
+        shape = list(shape)
         field = t.get("field")
         if not isinstance(field, str) or field not in _PAYLOAD_FIELDS:
             raise _bad(f"tensor {i} field {field!r}")
