@@ -165,6 +165,25 @@ def _unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
     return removed
 
 
+def _unreached_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, int]:
+    """Float tensors of >= min_elements that find_weights does not list, by where they are:
+    Constant nodes inside model-local function bodies, and sparse Constants."""
+    def big_constant(node, attr_name):
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            return False
+        for a in node.attribute:
+            if a.name == attr_name == "value":
+                return a.t.data_type in graph.FLOAT_TYPES and int(np.prod(a.t.dims)) >= max(min_elements, 2)
+            if a.name == attr_name == "sparse_value":
+                return (a.sparse_tensor.values.data_type in graph.FLOAT_TYPES
+                        and int(np.prod(a.sparse_tensor.dims)) >= max(min_elements, 2))
+        return False
+
+    in_functions = sum(big_constant(n, "value") for fn in model.functions for n in fn.node)
+    sparse = sum(big_constant(n, "sparse_value") for gi in graph.iter_graphs(model) for n in gi.graph.node)
+    return {"inside model-local functions": in_functions, "in sparse Constant nodes": sparse}
+
+
 def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | None:
     """Why `w` stays as it is, or None when it is to be quantized."""
     t = w.tensor
@@ -307,6 +326,10 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         out, how = graph.raise_opset(out, need, payloads)
         if report is not None:
             report.note(how)
+    if report is not None:
+        for what, count in _unreached_weights(out, min_elements).items():
+            if count:
+                report.note(f"{count} float weight(s) {what} stay float (not quantized)")
     if chosen:
         need_ir = 10 if (bits <= 4 or granularity == "block") else 0
         out.ir_version = max(out.ir_version, need_ir,

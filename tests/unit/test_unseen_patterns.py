@@ -478,7 +478,9 @@ def test_functions_survive_the_opset_raise():
     """Model-local functions come through a 4-bit pass (opset 21) converted with the model;
     the weight inside a function body stays float."""
     m, feeds = local_function()
-    q = passes.quantize_weights(m, bits=4, granularity="block", block_size=32)
+    rep = passes.Report()
+    q = passes.quantize_weights(m, bits=4, granularity="block", block_size=32, report=rep)
+    assert "1 float weight(s) inside model-local functions stay float (not quantized)" in rep.notes
     assert [f.name for f in q.functions] == ["Dense"]
     assert {o.domain: o.version for o in q.functions[0].opset_import}[""] == 21
     assert any(n.op_type == "Constant" and n.attribute[0].t.data_type == TensorProto.FLOAT for n in q.functions[0].node)
@@ -486,7 +488,9 @@ def test_functions_survive_the_opset_raise():
 
 def test_sparse_constant_survives_the_opset_raise():
     m, feeds = constant_spellings()
-    q = passes.quantize_weights(m, bits=4, granularity="block", block_size=32)
+    rep = passes.Report()
+    q = passes.quantize_weights(m, bits=4, granularity="block", block_size=32, report=rep)
+    assert "1 float weight(s) in sparse Constant nodes stay float (not quantized)" in rep.notes
     sparse = [n for n in q.graph.node if n.op_type == "Constant" and n.attribute[0].name == "sparse_value"]
     assert len(sparse) == 1
     assert sparse[0].attribute[0].SerializeToString() == next(
