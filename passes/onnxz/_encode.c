@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #define PROB_BITS 12
 #define RANS_L (1u << 16)
@@ -314,9 +315,90 @@ static PyObject *py_ans_encode_shared(PyObject *self, PyObject *args) {
     return r;
 }
 
+/* ---------------------------------------------------------------- size estimates
+ * The writer estimates blob sizes from histograms many times per payload (ans.py's normalise,
+ * coded_bits, table_size: numpy calls of a few us each, ~100 ms of a 24 MB pack). */
+
+static int get_256(Py_buffer *b, const char *what) {
+    if (b->len != 256 * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "%s must be 256 int64", what);
+        return 0;
+    }
+    return 1;
+}
+
+/* normalise(counts, out): ans.normalise into out (int64[256]); counts must hold a symbol */
+static PyObject *py_normalise(PyObject *self, PyObject *args) {
+    Py_buffer cb, ob;
+    if (!PyArg_ParseTuple(args, "y*w*", &cb, &ob)) return NULL;
+    PyObject *r = NULL;
+    if (get_256(&cb, "counts") && get_256(&ob, "out")) {
+        const int64_t *c = (const int64_t *)cb.buf;
+        uint64_t total = 0;
+        int neg = 0;
+        for (int s = 0; s < 256; s++) { if (c[s] < 0) neg = 1; total += (uint64_t)c[s]; }
+        if (neg || !total) PyErr_SetString(PyExc_ValueError, "normalise: counts must be >= 0 with a symbol");
+        else {
+            uint32_t f[256];
+            normalise(c, total, f);
+            for (int s = 0; s < 256; s++) ((int64_t *)ob.buf)[s] = f[s];
+            r = Py_None;
+            Py_INCREF(r);
+        }
+    }
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&ob);
+    return r;
+}
+
+/* coded_bits(counts, freq) -> float: sum of counts * (12 - log2 freq), inf when a present symbol
+ * has no frequency (ans.coded_bits) */
+static PyObject *py_coded_bits(PyObject *self, PyObject *args) {
+    Py_buffer cb, fb;
+    if (!PyArg_ParseTuple(args, "y*y*", &cb, &fb)) return NULL;
+    PyObject *r = NULL;
+    if (get_256(&cb, "counts") && get_256(&fb, "freq")) {
+        const int64_t *c = (const int64_t *)cb.buf, *f = (const int64_t *)fb.buf;
+        double bits = 0.0;
+        int missing = 0;
+        for (int s = 0; s < 256; s++) {
+            if (c[s] <= 0) continue;
+            if (f[s] <= 0) { missing = 1; break; }
+            bits += (double)c[s] * (PROB_BITS - log2((double)f[s]));
+        }
+        r = PyFloat_FromDouble(missing ? Py_HUGE_VAL : bits);
+    }
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&fb);
+    return r;
+}
+
+/* table_size(freq) -> int: len(write_table(freq)) */
+static PyObject *py_table_size(PyObject *self, PyObject *args) {
+    Py_buffer fb;
+    if (!PyArg_ParseTuple(args, "y*", &fb)) return NULL;
+    PyObject *r = NULL;
+    if (get_256(&fb, "freq")) {
+        const int64_t *f64 = (const int64_t *)fb.buf;
+        uint32_t f[256];
+        int bad = 0;
+        for (int s = 0; s < 256; s++) { if (f64[s] < 0 || f64[s] > (1 << PROB_BITS)) bad = 1; f[s] = (uint32_t)f64[s]; }
+        if (bad) PyErr_SetString(PyExc_ValueError, "table_size: frequency out of range");
+        else {
+            uint8_t tmp[2048]; /* a table is at most ~600 bytes (frequencies sum to 4096) */
+            r = PyLong_FromSize_t(write_table(f, tmp));
+        }
+    }
+    PyBuffer_Release(&fb);
+    return r;
+}
+
 static PyMethodDef methods[] = {
     {"hist", py_hist, METH_VARARGS, "hist(data, block, out): byte histograms of each block-byte slice into out (int64, rows of 256)"},
     {"huffman_bits", py_huffman_bits, METH_VARARGS, "huffman_bits(counts, out): bits of an optimal Huffman code per row of counts (int64 (k, 256)) into out (int64 (k,))"},
+    {"normalise", py_normalise, METH_VARARGS, "normalise(counts, out): symbol counts -> frequencies summing to 4096 (ans.normalise)"},
+    {"coded_bits", py_coded_bits, METH_VARARGS, "coded_bits(counts, freq) -> float: rANS word bits of these counts under freq (ans.coded_bits)"},
+    {"table_size", py_table_size, METH_VARARGS, "table_size(freq) -> int: bytes of the frequency table (len(ans.write_table(freq)))"},
     {"ans_encode", py_ans_encode, METH_VARARGS, "ans_encode(sym, lanes_log2) -> bytes: one plane as an ans blob with its own table (FORMAT.md 3.1)"},
     {"ans_encode_shared", py_ans_encode_shared, METH_VARARGS, "ans_encode_shared(sym, freq, lanes_log2) -> bytes: an ans blob without its table (FORMAT.md 3.2)"},
     {NULL, NULL, 0, NULL}};

@@ -39,6 +39,14 @@ def lanes_log2_for(n: int) -> int:
 
 def normalise(counts: np.ndarray) -> np.ndarray:
     """Symbol counts -> frequencies summing to 4096, each present symbol >= 1 (as _ans.c)."""
+    if _enc is not None and counts.shape == (256,):
+        out = np.empty(256, np.int64)
+        _enc.normalise(np.ascontiguousarray(counts, np.int64), out)
+        return out
+    return normalise_numpy(counts)
+
+
+def normalise_numpy(counts: np.ndarray) -> np.ndarray:
     counts = counts.astype(np.uint64)
     total = int(counts.sum())
     f = (counts * np.uint64(PROB_SCALE) + np.uint64(total // 2)) // np.uint64(total)
@@ -152,6 +160,12 @@ def cum_freq(freq: np.ndarray) -> np.ndarray:
 def coded_bits(counts: np.ndarray, freq: np.ndarray) -> float:
     """Bits of the rANS words for symbols with these counts under the table freq (inf when a
     present symbol has no frequency): what a blob's words cost, within a word per lane."""
+    if _enc is not None and counts.shape == freq.shape == (256,):
+        return _enc.coded_bits(np.ascontiguousarray(counts, np.int64), np.ascontiguousarray(freq, np.int64))
+    return coded_bits_numpy(counts, freq)
+
+
+def coded_bits_numpy(counts: np.ndarray, freq: np.ndarray) -> float:
     present = counts > 0
     if np.any(freq[present] == 0):
         return float("inf")
@@ -178,6 +192,8 @@ def encode_shared_numpy(sym: np.ndarray, freq: np.ndarray, lanes_log2: int) -> b
 def table_size(freq: np.ndarray) -> int:
     """len(write_table(freq)) without writing it (the writer's size estimates ask for it often):
     the symbol list or bitmap, then per frequency but the last z + 1 + k bits (see write_table)."""
+    if _enc is not None and freq.shape == (256,):
+        return _enc.table_size(np.ascontiguousarray(freq, np.int64))
     syms = np.flatnonzero(freq)
     f = freq[syms[:-1]]
     k = np.zeros(f.size, np.int64)

@@ -254,6 +254,10 @@ def _compressor(kind: str) -> zstd.ZstdCompressor:
             c = zstd.ZstdCompressor(compression_params=_ENTROPY_PARAMS)
         elif kind == "lz":
             c = zstd.ZstdCompressor(level=19, write_checksum=False, write_content_size=True)
+        elif kind == "probe3":  # _lz_promising's probe
+            c = zstd.ZstdCompressor(level=3)
+        elif kind == "probe1":  # its quick pre-probe
+            c = zstd.ZstdCompressor(level=1)
         else:  # "fast": planes that are noise; zstd stores them as raw blocks
             c = zstd.ZstdCompressor(level=1, write_checksum=False, write_content_size=True)
         setattr(_local, kind, c)
@@ -1226,5 +1230,15 @@ def _lz_promising(data: np.ndarray, ratio: float) -> bool:
         sample = np.concatenate([data[i * step:i * step + (1 << 17)] for i in range(8)])
     else:
         sample = data
-    probe = len(zstd.ZstdCompressor(level=3).compress(sample)) / max(1, sample.size)
+    # zstd level 1 runs at twice the speed of level 3; where it leaves the sample at 85% or more,
+    # level 3 came within 0.75% of it on every corpus payload (1673: float, int8, LZ-friendly),
+    # so level 1 with 3% to spare already says "no" (the probe was ~20% of the encode time)
+    quick = len(_compressor("probe1").compress(sample))
+    if quick >= LZ_QUICK_FLOOR * sample.size and quick * (1 - LZ_QUICK_SLACK) >= ratio * 0.99 * sample.size:
+        return False
+    probe = len(_compressor("probe3").compress(sample)) / max(1, sample.size)
     return probe < ratio * 0.99
+
+
+LZ_QUICK_FLOOR = 0.85
+LZ_QUICK_SLACK = 0.03
