@@ -469,7 +469,10 @@ def _ensure_ms_opset(model) -> None:
 # ---------------------------------------------------------------------- MatMulNBits
 
 def _kn_params(qw: QWeight, transposed: bool):
-    """Levels as [N, K] and scale / zero point as [N, blocks] with the block size along K."""
+    """Levels as [N, K] and scale / zero point as [N, blocks] with the block size along K; None
+    where MatMulNBits cannot take the weight (its B is 2-D: a batched weight stays DequantizeLinear)."""
+    if qw.q.ndim != 2:
+        return None
     q = qw.q.T if not transposed else qw.q  # MatMul weight is [K, N]; Gemm transB weight is [N, K]
     n, k = q.shape
     k_axis = 1 if transposed else 0          # the axis of K in the stored weight

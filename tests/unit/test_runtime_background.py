@@ -102,3 +102,23 @@ def test_damaged_weight_decoded_aside_is_refused(packs, tmp_path, key, mode):
     with pytest.raises(CorruptFileError):
         split.wait_weights()
     split.wait_weights()  # (the error is reported once; waiting again returns)
+
+
+def test_int8_leaves_a_batched_matmul_weight_dequantized(tmp_path):
+    """MatMulNBits takes a 2-D B only: a 3-D (batched) MatMul weight is left to the other int8
+    forms (it raised ValueError in _kn_params before)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((3, 64, 48)) / 8).astype(np.float32)
+    m = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5, 48])], [numpy_helper.from_array(w, "W")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    q8 = tmp_path / "b.q8.onnx"
+    onnx.save(passes.quantize_weights(m, bits=8, min_elements=256), str(q8))
+    session = passes.InferenceSession(q8, mode="int8")
+    assert "MatMulNBits" not in session.op_counts and session.op_counts.get("MatMul") == 1
+    x = rng.standard_normal((3, 5, 64)).astype(np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w, rtol=0.05, atol=0.05)
