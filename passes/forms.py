@@ -197,8 +197,16 @@ class _Rows:
         lv = self.levels
         if lv.symmetric:
             return _stored(self.span * ratio / lv.qmax, self.dtype, lv.qmax), None
-        s = _stored(self.span * ratio / self.top, self.dtype, self.top)
-        z = np.clip(np.rint(-self.lo * ratio / s), lv.qmin, lv.qmax).astype(np.float32)
+        # (q - z) * s must stay finite for every level: with a span near twice the dtype's
+        # largest value (float16 weights at +-65504) the rounded zero point could put the far
+        # end one step past it (-128 * 513.5 = -65728 -> -inf). Capping the step at
+        # largest / ceil(top / 2) leaves a zero point range within reach of both ends.
+        largest = _limits(self.dtype)[1]
+        half = (self.top + 1) // 2
+        s = _stored(np.minimum(self.span * ratio / self.top, np.float32(largest / half)), self.dtype, self.top)
+        z = np.clip(np.rint(-self.lo * ratio / s), lv.qmin, lv.qmax)
+        reach = np.floor(largest / s.astype(np.float64))
+        z = np.clip(z, lv.qmax - reach, lv.qmin + reach).astype(np.float32)
         return s, z
 
     def levels_of(self, s: np.ndarray, z, inverse: np.ndarray | None = None) -> np.ndarray:

@@ -387,3 +387,27 @@ def test_importance_option_of_quantize_weights():
         quantize_weights(m, bits=4, importance={"W2": -np.ones((1, 1), np.float32)})
     with pytest.raises(InvalidArgumentError, match="dict"):
         quantize_weights(m, bits=4, importance=[1.0])
+
+
+@pytest.mark.parametrize("kw", [{}, {"rounding": "rdo"}, {"granularity": "tensor"},
+                                {"bits": 4, "granularity": "block", "block_size": 16}])
+def test_asymmetric_float16_at_the_range_ends_stays_finite(kw):
+    """float16 weights spanning -65504..65504, asymmetric: the rounded zero point used to put the
+    far level one step past the float16 range ((0 - 128) * 513.5 = -65728 -> -inf in onnxruntime)."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    w = np.clip(rng.standard_normal((64, 48)) * 30000, -65504, 65504).astype(np.float16)
+    w[0, :] = 65504
+    w[1, :] = -65504
+    g = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["W"], ["y"])], "g", [],
+                               [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, [64, 48])],
+                               [onnx.numpy_helper.from_array(w, "W")])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 19)])
+    m.ir_version = 9
+    q = quantize_weights(m, min_elements=1, symmetric=False, **kw)
+    out = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
+    assert np.isfinite(out).all()
+    bits = kw.get("bits", 8)
+    # a step capped at 65504 / 128 (8 bits) clips the far end by at most about half a step more
+    assert np.abs(out.astype(np.float64) - w).max() <= 1.5 * 65504 * 2.0 / (2 ** bits - 1)
