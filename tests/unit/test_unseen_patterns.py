@@ -397,8 +397,6 @@ def test_pack_round_trip_and_sessions(case, tmp_path):
                 assert np.array_equal(p.get_tensor(k), inits[k])
     qout = _run(q, feeds)
     for mode in ("fold", "int8", "auto"):
-        if mode == "int8" and name == "batched_matmul":
-            continue  # test_int8_session_batched_matmul_weights
         s = passes.InferenceSession(str(dst), mode=mode)
         assert _snr(ref, _run(s, feeds)) >= (INT8_MIN_SNR - 6 if mode == "int8" else INT8_MIN_SNR), mode
     assert _snr(ref, qout) >= INT8_MIN_SNR
@@ -428,9 +426,8 @@ def test_external_data(tmp_path):
     assert _snr(ref, _run(s, feeds)) >= INT8_MIN_SNR - 6
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="runtime_int8._kn_params assumes 2-D MatMul weights (H1; .notes/H5_to_HX.md)")
 def test_int8_session_batched_matmul_weights(tmp_path):
+    """A 3-D MatMul weight cannot become MatMulNBits (2-D B only): the int8 mode keeps another form."""
     m, feeds = batched_matmul()
     ref = _run(m, feeds)
     src = tmp_path / "q.onnx"
