@@ -113,49 +113,66 @@ static PyObject *py_huffman_bits(PyObject *self, PyObject *args) {
 
 /* ---------------------------------------------------------------- rANS with a given table */
 
-/* the final lane states, then the words in decode order (the blob after byte 0 and any table): the coding of _ans.c's
- * onnxz_ans_encode (and ans.py's _states_and_words) under the table freq. Returns the size, or 0
- * when a symbol has no frequency. The division by f goes through a 64-bit reciprocal
- * (q = (v * rcp) >> (32 + shift), exact for v < 2^32 and f <= 2^12: Granlund-Montgomery) so the per-symbol cost is a multiply, not a divide. */
-static size_t encode_with(const uint8_t *src, size_t n, const uint32_t *freq, int lanes_log2,
-                          uint8_t *dst, uint16_t *words) {
-    uint32_t cum[256];
-    uint64_t rcp[256];
-    uint32_t shift[256];
+/* the final lane states, then the words in decode order (the blob after byte 0 and any table):
+ * the coding of _ans.c's onnxz_ans_encode (and ans.py's _states_and_words) under the table freq.
+ * Returns the size, or 0 when a symbol has no frequency.
+ * Per symbol: x' = (v / f) * 4096 + v % f + cum = v + q * (4096 - f) + cum with q = v / f taken as
+ * the high half of v * m, m = floor(2^64 / f) + 1 (m * f - 2^64 lies in 1..f, so the quotient is
+ * exact for every v < 2^32); f = 1: m = 2^64 - 1 gives q = v - 1, and cum + 4095 makes up for it.
+ * One table entry per symbol, rows of `lanes` symbols walked backwards lane by lane, and the
+ * renormalisation branch-free (whether a word goes out is data-dependent: unpredictable). */
+typedef struct { uint64_t m, lim; uint32_t cmpl, bias; } EncSym;
+
+/* bytes of the buffer encode_into writes a blob of n symbols into, after `head` bytes */
+#define ENC_CAP(head, n) ((head) + 4 * MAX_LANES + 2 * (size_t)(n) + 2)
+
+static size_t encode_into(const uint8_t *src, size_t n, const uint32_t *freq, int lanes_log2,
+                          uint8_t *blob, size_t head) {
+    EncSym tab[256];
     uint32_t c = 0;
     for (int s = 0; s < 256; s++) {
-        cum[s] = c;
-        c += freq[s];
         uint32_t f = freq[s];
-        if (f < 2) { rcp[s] = 0; shift[s] = 0; continue; } /* f == 1: q = v (handled below) */
-        uint32_t sh = 0;
-        while (f > (1u << sh)) sh++;
-        /* rcp = floor(2^(32+sh) / f) + 1: rcp * f - 2^(32+sh) lies in 1..f <= 2^sh, which makes the
-         * quotient exact for every v < 2^32 (the product needs 65 bits: 128-bit multiply) */
-        rcp[s] = ((uint64_t)1 << (sh + 32)) / f + 1;
-        shift[s] = sh;
+        tab[s].lim = (uint64_t)f << 20;
+        tab[s].cmpl = (1u << PROB_BITS) - f;
+        tab[s].bias = c;
+        if (f == 1) { tab[s].m = ~(uint64_t)0; tab[s].bias = c + (1u << PROB_BITS) - 1; }
+        /* floor(2^64 / f) + 1: (2^64 - 1) / f gives floor(2^64 / f) unless f is a power of two */
+        else if (f) tab[s].m = (f & (f - 1)) ? UINT64_MAX / f + 1 : ((uint64_t)1 << (64 - __builtin_ctz(f))) + 1;
+        else tab[s].m = 0;
+        c += f;
     }
     int lanes = 1 << lanes_log2;
-    size_t wp = n + 1;
+    /* the words go backwards from the end of blob (ENC_CAP: room for 2 bytes a symbol), then move
+     * down behind the states: no scratch buffer, no copy into a new bytes object */
+    size_t cap = ENC_CAP(head, n), wp = cap;
     uint32_t x[MAX_LANES];
     for (int j = 0; j < lanes; j++) x[j] = RANS_L;
-    for (size_t i = n; i-- > 0;) {
-        int j = (int)(i & (size_t)(lanes - 1));
-        uint32_t s = src[i], f = freq[s];
-        if (!f) return 0;
-        uint32_t v = x[j];
-        /* branch-free renormalisation: whether a word goes out is data-dependent (unpredictable) */
-        uint32_t emit = (uint64_t)v >= ((uint64_t)f << 20);
-        words[wp - 1] = (uint16_t)v;
-        wp -= emit;
-        v >>= emit << 4;
-        uint32_t q = f < 2 ? v : (uint32_t)(((unsigned __int128)v * rcp[s]) >> (32 + shift[s]));
-        x[j] = (q << PROB_BITS) + (v - q * f) + cum[s];
+    uint32_t missing = 0;
+#define STEP(j, sym) do { \
+        const EncSym *e = &tab[sym]; \
+        uint32_t v = x[j]; \
+        uint32_t emit = (uint64_t)v >= e->lim; \
+        missing |= e->lim == 0; \
+        uint16_t w16 = (uint16_t)v; \
+        memcpy(blob + wp - 2, &w16, 2); \
+        wp -= emit << 1; \
+        v >>= emit << 4; \
+        uint32_t q = (uint32_t)(((unsigned __int128)v * e->m) >> 64); \
+        x[j] = v + q * e->cmpl + e->bias; \
+    } while (0)
+    size_t full = n & ~(size_t)(lanes - 1);
+    for (size_t i = n; i > full;) { i--; STEP((int)(i - full), src[i]); }
+    for (size_t row = full; row > 0;) {
+        row -= (size_t)lanes;
+        const uint8_t *p = src + row;
+        for (int j = lanes - 1; j >= 0; j--) STEP(j, p[j]);
     }
-    size_t pos = 0;
-    for (int j = 0; j < lanes; j++) { memcpy(dst + pos, &x[j], 4); pos += 4; }
-    memcpy(dst + pos, words + wp, (n + 1 - wp) * 2);
-    return pos + (n + 1 - wp) * 2;
+#undef STEP
+    if (missing) return 0;
+    size_t pos = head;
+    memmove(blob + pos + 4 * (size_t)lanes, blob + wp, cap - wp);
+    for (int j = 0; j < lanes; j++) { memcpy(blob + pos, &x[j], 4); pos += 4; }
+    return pos + (cap - wp);
 }
 
 /* counts -> frequencies summing to 4096, each present symbol >= 1: _ans.c's normalise (static
@@ -228,36 +245,38 @@ static PyObject *py_ans_encode(PyObject *self, PyObject *args) {
         return NULL;
     }
     size_t n = (size_t)src.len;
-    uint8_t *dst = (uint8_t *)malloc(2 + 1 + 32 + 256 * 2 + 4 * MAX_LANES + 2 * n + 16);
-    uint16_t *words = (uint16_t *)malloc((n + 1) * sizeof(uint16_t));
-    if (!dst || !words) {
-        free(dst);
-        free(words);
-        PyBuffer_Release(&src);
-        return PyErr_NoMemory();
-    }
-    size_t len;
-    Py_BEGIN_ALLOW_THREADS
     int64_t counts[256] = {0};
-    hist_one((const uint8_t *)src.buf, n, counts);
+    uint32_t freq[256];
+    uint8_t head[2048]; /* byte 0 and the table (at most ~600 bytes) */
+    size_t hl;
     int nsym = 0, only = 0;
+    Py_BEGIN_ALLOW_THREADS
+    hist_one((const uint8_t *)src.buf, n, counts);
     for (int s = 0; s < 256; s++) if (counts[s]) { nsym++; only = s; }
     if (nsym == 1) {
-        dst[0] = 0;
-        dst[1] = (uint8_t)only;
-        len = 2;
+        head[0] = 0;
+        head[1] = (uint8_t)only;
+        hl = 2;
     } else {
-        uint32_t freq[256];
         normalise(counts, n, freq);
-        dst[0] = (uint8_t)(lanes_log2 + 1);
-        size_t tl = 1 + write_table(freq, dst + 1);
-        len = tl + encode_with((const uint8_t *)src.buf, n, freq, lanes_log2, dst + tl, words);
+        head[0] = (uint8_t)(lanes_log2 + 1);
+        hl = 1 + write_table(freq, head + 1);
     }
     Py_END_ALLOW_THREADS
-    free(words);
+    if (nsym == 1) {
+        PyBuffer_Release(&src);
+        return PyBytes_FromStringAndSize((const char *)head, 2);
+    }
+    PyObject *r = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)ENC_CAP(hl, n));
+    if (!r) { PyBuffer_Release(&src); return NULL; }
+    uint8_t *blob = (uint8_t *)PyBytes_AS_STRING(r);
+    memcpy(blob, head, hl);
+    size_t len;
+    Py_BEGIN_ALLOW_THREADS
+    len = encode_into((const uint8_t *)src.buf, n, freq, lanes_log2, blob, hl);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
-    PyObject *r = PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)len);
-    free(dst);
+    if (_PyBytes_Resize(&r, (Py_ssize_t)len) < 0) return NULL;
     return r;
 }
 
@@ -286,32 +305,22 @@ static PyObject *py_ans_encode_shared(PyObject *self, PyObject *args) {
         return NULL;
     }
     size_t n = (size_t)src.len;
-    uint8_t *dst = (uint8_t *)malloc(1 + 4 * MAX_LANES + 2 * n + 16);
-    uint16_t *words = (uint16_t *)malloc((n + 1) * sizeof(uint16_t));
-    if (!dst || !words) {
-        free(dst);
-        free(words);
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&fb);
-        return PyErr_NoMemory();
-    }
+    PyObject *r = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)ENC_CAP(1, n));
+    if (!r) { PyBuffer_Release(&src); PyBuffer_Release(&fb); return NULL; }
+    uint8_t *blob = (uint8_t *)PyBytes_AS_STRING(r);
+    blob[0] = (uint8_t)(lanes_log2 + 1);
     size_t len;
     Py_BEGIN_ALLOW_THREADS
-    dst[0] = (uint8_t)(lanes_log2 + 1);
-    len = encode_with((const uint8_t *)src.buf, n, freq, lanes_log2, dst + 1, words);
-    if (len) len += 1;
+    len = encode_into((const uint8_t *)src.buf, n, freq, lanes_log2, blob, 1);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyBuffer_Release(&fb);
-    free(words);
-    PyObject *r;
     if (!len) {
+        Py_DECREF(r);
         PyErr_SetString(PyExc_ValueError, "ans_encode_shared: a symbol of the plane has no frequency in the table");
-        r = NULL;
-    } else {
-        r = PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)len);
+        return NULL;
     }
-    free(dst);
+    if (_PyBytes_Resize(&r, (Py_ssize_t)len) < 0) return NULL;
     return r;
 }
 
