@@ -171,9 +171,11 @@ def _streaming_supported() -> bool:
     return signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
 
 
-def parse_pieces(options, pieces: list, read_config: bool):
+def parse_pieces(options, pieces: list, read_config: bool, ready=None):
     """onnxruntime's session object for the model made of `pieces` (buffers, concatenated), which
-    the list gives up (it is emptied).
+    the list gives up (it is emptied). `ready(piece, block=True) -> bool`, when given, is asked
+    before each numpy piece is used (a weight still being decoded): onnxruntime parses what
+    precedes it meanwhile.
 
     Given as bytes, a model is held three times while onnxruntime parses it (our bytes, the
     std::string pybind makes of them, the parsed protobuf). Streamed through a pipe that
@@ -183,25 +185,39 @@ def parse_pieces(options, pieces: list, read_config: bool):
     from onnxruntime.capi import _pybind_state as C
 
     if not _streaming_supported():
+        if ready is not None:
+            for p in pieces:
+                if isinstance(p, np.ndarray):
+                    ready(p)
         data = b"".join(pieces)
         pieces.clear()
         return C.InferenceSession(options, data, False, read_config)
     read_end, write_end = os.pipe()
 
+    def write_views(views):
+        while views:
+            written = os.writev(write_end, views[:WRITEV_MAX_BUFFERS])
+            while written and views:  # drop what was written (a signal may cut a write short)
+                if written >= views[0].nbytes:
+                    written -= views[0].nbytes
+                    views.pop(0)
+                else:
+                    views[0] = views[0][written:]
+                    written = 0
+
     def write_all():
         try:
-            views = [memoryview(p).cast("B") for p in pieces]
-            while views:
-                written = os.writev(write_end, views[:WRITEV_MAX_BUFFERS])
-                while written and views:  # drop what was written (a signal may cut a write short)
-                    if written >= views[0].nbytes:
-                        written -= views[0].nbytes
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][written:]
-                        written = 0
+            views = []
+            for p in pieces:
+                if ready is not None and isinstance(p, np.ndarray) and not ready(p, block=False):
+                    write_views(views)  # onnxruntime parses what it has while this piece decodes
+                    ready(p)
+                views.append(memoryview(p).cast("B"))
+            write_views(views)
         except OSError:  # onnxruntime stopped reading (a model it refused): nothing more to do
             pass
+        except Exception:  # a weight failed to decode: the truncated model is refused, the caller
+            pass           # then reports the decode error
         finally:
             os.close(write_end)
 
@@ -361,6 +377,8 @@ class InferenceSession(ort.InferenceSession):
         if copied and not self.on_gpu and self.skeleton_bytes + copied_bytes + 64 * len(copied) <= EMBED_MAX_BYTES:
             # the weights onnxruntime copies travel inside the model bytes: its parsed copy is the
             # only one during optimisation (see serialise_with_weights)
+            if split.pending is not None:  # in the order they finish decoding (see parse_pieces)
+                copied.sort(key=lambda n: split.pending.order(self.weight_arrays[n]))
             model_bytes = serialise_with_weights(split.skeleton, self.weight_arrays, copied)
             self.skeleton_bytes = split.skeleton.ByteSize()
             self.embedded_names = set(copied)
@@ -377,10 +395,17 @@ class InferenceSession(ort.InferenceSession):
         from onnxruntime.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
 
         split, self._split = self.__dict__.get("_split"), None
-        if split is not None:  # onnxruntime reads the weights from here on
-            _wait_weights(split, self.source)
         options = self._sess_options
         copied = {n: a for n, a in self.weight_arrays.items() if n not in self.shared_names and n not in self._device_values}
+        model = self.__dict__.pop("_pending_model", None)
+        # a packed file's weights may still be decoding: the model's embedded weights are streamed
+        # to onnxruntime as each is decoded (parse_pieces waits for each), the shared ones are read
+        # by onnxruntime only in initialize_session (after the full wait below); weights handed
+        # over with add_external_initializers are waited for first
+        pending = split.pending if split is not None else None
+        ready = pending.ready if pending is not None and isinstance(model, list) and not copied else None
+        if ready is None and split is not None:
+            _wait_weights(split, self.source)
         keep_values = []
         for name in sorted(self.shared_names):
             if name in self._device_values:
@@ -395,13 +420,19 @@ class InferenceSession(ort.InferenceSession):
         providers, provider_options = check_and_normalize_provider_args(
             providers, provider_options, C.get_available_providers()
         )
-        model = self.__dict__.pop("_pending_model", None)
-        if isinstance(model, list):
-            sess = parse_pieces(options, model, self._read_config_from_model)
-        else:
-            sess = C.InferenceSession(options, model if model is not None else self._model_bytes, False,
-                                      self._read_config_from_model)
+        try:
+            if isinstance(model, list):
+                sess = parse_pieces(options, model, self._read_config_from_model, ready=ready)
+            else:
+                sess = C.InferenceSession(options, model if model is not None else self._model_bytes, False,
+                                          self._read_config_from_model)
+        except Exception:
+            if split is not None:  # a weight that failed to decode is why the stream was refused
+                _wait_weights(split, self.source)
+            raise
         del model  # onnxruntime holds the parsed model: the bytes must not outlive this point
+        if split is not None:  # every weight decoded before onnxruntime initialises
+            _wait_weights(split, self.source)
         self._kept_values = keep_values  # shared OrtValues must outlive the session
         sess.initialize_session(providers, provider_options, set(disabled_optimizers or ()))
         # onnxruntime holds its own copies of the external initializers once initialised (it still

@@ -190,21 +190,43 @@ def read_packed(path: Path, threads=None, max_bytes=None, background=False) -> S
 
 
 class BackgroundDecode:
-    """Tensors of a pack decoded on a worker thread into arrays made up front; `wait()` joins it,
-    closes the pack and raises the decode's error, if any."""
+    """Tensors of a pack decoded on a worker thread into arrays made up front, in file order and
+    in batches of about BATCH_BYTES, so that a consumer can use the first ones while the rest
+    decode (`ready(array)`); `wait()` joins it, closes the pack and raises the decode's error, if any."""
+
+    # bytes per batch: each batch is one tensors_bytes call (all its chunks on the reader's pool)
+    BATCH_BYTES = 4 << 20
 
     def __init__(self, pf, entries, packed):
         import threading
 
         self._packed = packed
+        entries = sorted(entries, key=lambda t: (t.file, t.offset))
         self._outs = {(t.file, t.offset): (t, np.empty(t.length, np.uint8)) for t in entries}
+        batches, size = [[]], 0
+        for t in entries:
+            if batches[-1] and size >= self.BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(t)
+            size += t.length
+        self._position = {}  # id(output array) -> (batch, order in the file)
+        for k, batch in enumerate(batches):
+            for t in batch:
+                self._position[id(self._outs[(t.file, t.offset)][1])] = (k, len(self._position))
+        self._done = [threading.Event() for _ in batches]
         self._error = None
 
         def run():
             try:
-                pf.tensors_bytes([t for t, _ in self._outs.values()], [o for _, o in self._outs.values()])
-            except BaseException as exc:  # reported by wait()
+                for batch, done in zip(batches, self._done):
+                    pf.tensors_bytes(batch, [self._outs[(t.file, t.offset)][1] for t in batch])
+                    done.set()
+            except BaseException as exc:  # reported by ready() and wait()
                 self._error = exc
+            finally:
+                for done in self._done:  # (nobody waits forever on a batch after an error)
+                    done.set()
 
         self._thread = threading.Thread(target=run, name="passes-weight-decode", daemon=True)
         self._thread.start()
@@ -221,10 +243,38 @@ class BackgroundDecode:
                 rest.append((name, entry, dtype, shape))
         return rest
 
+    def _where(self, array):
+        """(batch, order) of the decode output `array` is a view of, or None."""
+        base = array
+        while base is not None:
+            hit = self._position.get(id(base))
+            if hit is not None:
+                return hit
+            base = getattr(base, "base", None)
+        return None
+
+    def order(self, array) -> int:
+        """Rank of `array` in decode order (arrays not decoded here: -1, they are ready)."""
+        hit = self._where(array)
+        return -1 if hit is None else hit[1]
+
+    def ready(self, array, block: bool = True) -> bool:
+        """Whether `array` (a view of a decode output, or anything else: always ready) holds its
+        values; with `block`, waits until it does. Raises the decode's error."""
+        hit = self._where(array)
+        if hit is not None:
+            done = self._done[hit[0]]
+            if not block and not done.is_set():
+                return False
+            done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
     def wait(self) -> None:
         self._thread.join()
         self._packed.close()
-        self._outs = {}
+        self._outs, self._position = {}, {}
         if self._error is not None:
             error, self._error = self._error, None
             raise error

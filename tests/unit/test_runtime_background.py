@@ -90,11 +90,13 @@ def _damage_biggest_weight(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("key,mode", [("floatz", "fold"), ("q8z", "fold"), ("q8z", "int8")])
-def test_damaged_weight_decoded_aside_is_refused(packs, tmp_path, key, mode):
+@pytest.mark.parametrize("name,key,mode", [("dense", "floatz", "fold"), ("conv", "floatz", "fold"),
+                                           ("dense", "q8z", "fold"), ("dense", "q8z", "int8")])
+def test_damaged_weight_decoded_aside_is_refused(packs, tmp_path, name, key, mode):
     """The worker thread's checksum failure reaches the caller as CorruptFileError, whichever
-    step waits for the weights; no decode thread is left behind."""
-    bad = _damage_biggest_weight(packs["dense"][key], tmp_path / f"bad.{key}")
+    step waits for the weights (conv float: while its weights stream to onnxruntime); no decode
+    thread is left behind."""
+    bad = _damage_biggest_weight(packs[name][key], tmp_path / f"bad.{key}")
     with pytest.raises(CorruptFileError):
         passes.InferenceSession(bad, mode=mode)
     assert not _decode_threads()
@@ -122,3 +124,56 @@ def test_int8_leaves_a_batched_matmul_weight_dequantized(tmp_path):
     assert "MatMulNBits" not in session.op_counts and session.op_counts.get("MatMul") == 1
     x = rng.standard_normal((3, 5, 64)).astype(np.float32)
     np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w, rtol=0.05, atol=0.05)
+
+
+def _two_conv_model():
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    w1 = (rng.standard_normal((32, 16, 3, 3)) / 12).astype(np.float32)
+    w2 = (rng.standard_normal((24, 32, 3, 3)) / 17).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Conv", ["r", "W2"], ["y"], pads=[1, 1, 1, 1])]
+    return helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24, 8, 8])],
+        [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_weights_stream_to_onnxruntime_as_they_decode(tmp_path, monkeypatch):
+    """A slow decode, one tensor per batch: the writer hands onnxruntime each embedded weight as
+    its batch finishes (it finds a later one not ready yet and waits for it), in decode order;
+    the outputs are the float model's."""
+    import time
+
+    from passes.onnxz.reader import PackedFile
+    from passes.runtime_source import BackgroundDecode
+
+    model = _two_conv_model()
+    onnx.save(model, str(tmp_path / "c.onnx"))
+    passes.pack(str(tmp_path / "c.onnx"), str(tmp_path / "c.onnxz"))
+    monkeypatch.setattr(BackgroundDecode, "BATCH_BYTES", 1)
+    original_decode, original_ready = PackedFile.tensors_bytes, BackgroundDecode.ready
+    not_ready = []
+
+    def slow(self, entries, outs=None):
+        time.sleep(0.05)
+        return original_decode(self, entries, outs)
+
+    def ready(self, array, block=True):
+        answer = original_ready(self, array, block)
+        if not answer:
+            not_ready.append(array.nbytes)
+        return answer
+
+    monkeypatch.setattr(PackedFile, "tensors_bytes", slow)
+    monkeypatch.setattr(BackgroundDecode, "ready", ready)
+    session = passes.InferenceSession(tmp_path / "c.onnxz", mode="fold")
+    assert session.embedded_names == {"W1", "W2"} and not_ready
+    assert not _decode_threads()
+    x = np.random.default_rng(0).standard_normal((1, 16, 8, 8)).astype(np.float32)
+    plain = onnx.load_from_string(model.SerializeToString())
+    from test_runtime import run_plain
+
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], run_plain(plain, [{"x": x}])[0][0])
