@@ -245,13 +245,16 @@ def maxabs(a, b) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="minilm_fp32,open_nsfw,minilm_fp16")
+    ap.add_argument("--models", default="minilm_fp32,open_nsfw,minilm_fp16,open_nsfw_fp16")
     ap.add_argument("--big-gb", type=float, default=3.0, help="size of the generated model (0: none)")
     ap.add_argument("--feeds", type=int, default=16, help="corpus feeds used per model")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes over the feeds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="each measurement repeated; the best round is kept")
     ap.add_argument("--provider", choices=sorted(PROVIDERS), default="cpu")
+    ap.add_argument("--variants", default="all",
+                    help="all, or 'fold' (the plain files and the fold rows only: more rounds in the same time), "
+                         "or a comma list of file:mode (e.g. float.onnxz:fold,q8.onnx:int8); float.onnx:plain always runs")
     ap.add_argument("--out", default=str(OUT / "load.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--prepare", help=argparse.SUPPRESS)
@@ -270,6 +273,9 @@ def main(argv=None) -> int:
     rows = []
     try:
         for name in [m for m in args.models.split(",") if m]:
+            if name not in manifest or not (CORPUS / name / f"{name}.onnx").is_file():
+                print(f"[{name}] not in the corpus at {CORPUS}: skipped", file=sys.stderr, flush=True)
+                continue
             entry = manifest[name]
             print(f"[{name}] compressing and packing ...", file=sys.stderr, flush=True)
             files = prepare_in_subprocess(name, tmp)
@@ -280,6 +286,7 @@ def main(argv=None) -> int:
                         ("q8.onnx", "int8"), ("q8.onnxz", "int8"), ("float.onnx", "int8"), ("q8.onnxz", "auto")]
             # precision at load: a float16 model as float32 (CPU), a float32 model as float16
             variants += [("float.onnxz", "fold:float32" if "fp16" in name else "fold:float16")]
+            variants = _select(variants, args.variants)
             results, specs, keys = {}, [], []
             for key, how in variants:
                 how, _, dtype = how.partition(":")
@@ -303,6 +310,18 @@ def main(argv=None) -> int:
                                          indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _select(variants: list, spec: str) -> list:
+    """The variants `spec` names (see --variants); the plain float .onnx always (the reference)."""
+    if spec == "all":
+        return variants
+    if spec == "fold":
+        keep = [v for v in variants if v[1] in ("plain", "fold") and v != ("q8.onnx", "plain")]
+    else:
+        wanted = {tuple(item.split(":", 1)) for item in spec.split(",") if item}
+        keep = [v for v in variants if v in wanted]
+    return [("float.onnx", "plain")] + [v for v in keep if v != ("float.onnx", "plain")]
 
 
 def _summarise(name, metric, results, rows):
