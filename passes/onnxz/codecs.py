@@ -1098,7 +1098,7 @@ class SharedTables:
             key, width, sign = kind
             planes = [data] if width == 1 else split_planes(data, width, sign)
             for i, p in enumerate(planes):
-                counts.setdefault(key + (width, i), []).append(np.bincount(p, minlength=256))
+                counts.setdefault(key + (width, i), []).append(byte_counts(p))
         self = cls()
         for key in sorted(counts, key=repr):
             members = counts[key]
@@ -1146,7 +1146,7 @@ def _encode_shared(data: np.ndarray, width: int, sign: bool, per_plane, chunk_by
         best, best_id = own, -1
         if shared is not None and len(own) > 2:
             tid, freq, table_len = shared
-            counts = np.bincount(p, minlength=256)
+            counts = byte_counts(p)
             n = p.size
             lanes_log2 = _shared_lanes_log2(n)
             # what the blob must stay under: its own ans plane and the gain asked of any coded

@@ -176,6 +176,14 @@ def _digests(data) -> tuple:
     return hashlib.sha256(data).hexdigest(), xxhash.xxh3_128(data).hexdigest()
 
 
+def _chunk_digest(planes) -> int:
+    """XXH3-64 of a chunk's stored planes back to back (FORMAT.md 2)."""
+    digest = xxhash.xxh3_64()
+    for p in planes:
+        digest.update(p)
+    return digest.intdigest()
+
+
 def _in_order(pool: ThreadPoolExecutor, fn, jobs):
     """Yield (job, fn(job)) in the order of `jobs`, computed on the pool. Jobs are submitted ahead
     while the raw bytes submitted beyond the oldest unwritten job stay under a budget, so encoded
@@ -269,39 +277,42 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         jobs.append(("skeleton", fi, len(sources[fi].data) - sum(r.length for r in cuts)))
     total = sum(len(s.data) for s in sources)
     done = 0
-    # the tables the small payloads share (1.2), from all of them before any is encoded
-    shared = codecs.SharedTables.build(
-        (_payload(sources, ref_file, all_refs, i), all_refs[i].dtype, all_refs[i].field)
-        for kind, i, _ in jobs if kind == "tensor" and all_refs[i].length <= codecs.SHARED_MAX_BYTES) \
-        if codecs._write_ans else codecs.SharedTables()
+    shared = codecs.SharedTables()
 
     def encode(job):
+        """(stream, XXH3-64 of each chunk's stored planes): the digests on the pool too, not on
+        the thread that writes (at 2 threads that thread was the bottleneck of large packs)."""
         kind, i, _ = job
         if kind == "skeleton":
-            return _encode_skeleton(_skeleton(sources[i].data, plans[i]))
-        r = all_refs[i]
-        data = _payload(sources, ref_file, all_refs, i)
-        # effort and shared passed only when needed: test tools patch encode_tensor without them
-        extra = {"effort": effort} if effort != "default" else {}
-        if shared:
-            extra["shared"] = shared
-        return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
+            enc = _encode_skeleton(_skeleton(sources[i].data, plans[i]))
+        else:
+            r = all_refs[i]
+            data = _payload(sources, ref_file, all_refs, i)
+            # effort and shared passed only when needed: test tools patch encode_tensor without them
+            extra = {"effort": effort} if effort != "default" else {}
+            if shared:
+                extra["shared"] = shared
+            enc = codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
+        return enc, [_chunk_digest(c.planes) for c in enc.chunks]
 
     tensor_streams: Dict[int, dict] = {}
     skeletons: Dict[int, dict] = {}
     by_codec: Dict[str, Dict[str, int]] = {}
     with atomic_output(dst, force) as f, ThreadPoolExecutor(max_workers=threads) as pool:
-        # the sources' sha256 (sequential, ~1.5 GB/s; XXH3-128 ~15 GB/s) runs beside the encoding, not after it
+        # the sources' sha256 (sequential, ~1.5 GB/s; XXH3-128 ~15 GB/s) runs beside the encoding
+        # (and beside the shared tables), not after it
         shas = [pool.submit(_digests, src.data) for src in sources]
+        # the tables the small payloads share (1.2), from all of them before any is encoded
+        if codecs._write_ans:
+            shared = codecs.SharedTables.build(
+                (_payload(sources, ref_file, all_refs, i), all_refs[i].dtype, all_refs[i].field)
+                for kind, i, _ in jobs if kind == "tensor" and all_refs[i].length <= codecs.SHARED_MAX_BYTES)
         f.write(b"\0" * HEADER_SIZE)
         pos = HEADER_SIZE
-        for job, enc in _in_order(pool, encode, jobs):
+        for job, (enc, digests) in _in_order(pool, encode, jobs):
             chunks = []
-            for c in enc.chunks:
-                digest = xxhash.xxh3_64()
-                for p in c.planes:
-                    digest.update(p)
-                chunks.append([pos, c.raw_length, [len(p) for p in c.planes], digest.intdigest()])
+            for c, digest in zip(enc.chunks, digests):
+                chunks.append([pos, c.raw_length, [len(p) for p in c.planes], digest])
                 for p in c.planes:
                     f.write(p)
                     pos += len(p)
@@ -315,7 +326,7 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
                 b["tensors"] += 1
                 b["raw_bytes"] += raw
                 b["stored_bytes"] += enc.stored
-            del enc  # the stored planes are written: free them before the next result
+            del enc, digests  # the stored planes are written: free them before the next result
             done += raw
             if progress is not None:
                 progress(done, total)
