@@ -63,6 +63,57 @@ static PyObject *py_hist(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- byte planes */
+
+/* FORMAT.md 3's byte planes (plane i = byte w-1-i of each little-endian element; sign_move: the
+ * float sign moved from plane 0 to the top of plane 1) into dst, plane after plane: one pass
+ * reading each element once, ~5x _planes.split (which reads the source once per plane). Counting
+ * the bytes in the same pass measured slower than this plus hist() per plane (1.7 against 2.5 GB/s:
+ * the increments, not the memory, bound it). */
+static inline __attribute__((always_inline)) void split_w(const uint8_t *restrict src, Py_ssize_t n, const int w,
+                                                          int sign_move, uint8_t *restrict dst) {
+    for (Py_ssize_t e = 0; e < n; e++) {
+        const uint8_t *p = src + e * w;
+        uint8_t v[8];
+        for (int i = 0; i < w; i++) v[i] = p[w - 1 - i];
+        if (sign_move) {
+            uint8_t t = v[0], m = v[1];
+            v[0] = (uint8_t)((t << 1) | (m >> 7));
+            v[1] = (uint8_t)((t & 0x80) | (m & 0x7F));
+        }
+        for (int i = 0; i < w; i++) dst[(Py_ssize_t)i * n + e] = v[i];
+    }
+}
+
+/* split(data, width, sign_move, out): the planes of data into out (same size) */
+static PyObject *py_split(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    int w, sign_move;
+    if (!PyArg_ParseTuple(args, "y*ipw*", &src, &w, &sign_move, &out)) return NULL;
+    const char *bad = NULL;
+    if (w != 2 && w != 4 && w != 8) bad = "split: width must be 2, 4 or 8";
+    else if (src.len % w || out.len != src.len) bad = "split: out must have the size of data, a multiple of width";
+    if (bad) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, bad);
+        return NULL;
+    }
+    Py_ssize_t n = src.len / w;
+    const uint8_t *s = (const uint8_t *)src.buf;
+    uint8_t *d = (uint8_t *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    switch (w) {
+    case 2: split_w(s, n, 2, sign_move, d); break;
+    case 4: split_w(s, n, 4, sign_move, d); break;
+    default: split_w(s, n, 8, sign_move, d); break;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- Huffman cost */
 
 static int cmp_u64(const void *a, const void *b) {
@@ -403,6 +454,7 @@ static PyObject *py_table_size(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"split", py_split, METH_VARARGS, "split(data, width, sign_move, out): byte planes of data into out (as _planes.split)"},
     {"hist", py_hist, METH_VARARGS, "hist(data, block, out): byte histograms of each block-byte slice into out (int64, rows of 256)"},
     {"huffman_bits", py_huffman_bits, METH_VARARGS, "huffman_bits(counts, out): bits of an optimal Huffman code per row of counts (int64 (k, 256)) into out (int64 (k,))"},
     {"normalise", py_normalise, METH_VARARGS, "normalise(counts, out): symbol counts -> frequencies summing to 4096 (ans.normalise)"},

@@ -141,3 +141,24 @@ def test_raw_shortcut_decides_as_the_trial_encode(monkeypatch):
         blob = ans.encode(p)
         trial = blob if len(blob) < p.size * (1 - codecs.ANS_MIN_GAIN) else p
         assert bytes(shortcut) == bytes(trial)
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_split_gives_the_planes_of_the_other_splits(width):
+    rng = np.random.default_rng(width)
+    for n in (0, 1, 5, 1000, 65537):
+        data = rng.integers(0, 256, n * width).astype(np.uint8)
+        for sign in (False, True):
+            got = np.empty((width, n), np.uint8)
+            _enc.split(data, width, sign, got)
+            want = np.empty((width, n), np.uint8)
+            if codecs._fast is not None:
+                codecs._fast.split(data, width, sign, want)
+                assert np.array_equal(got, want)
+            x = data.reshape(-1, width)
+            want = np.stack([x[:, width - 1 - i] for i in range(width)]) if n else want
+            if sign and n:
+                t, m = want[0].copy(), want[1].copy()
+                want[0] = (t << 1) | (m >> 7)
+                want[1] = (t & 0x80) | (m & 0x7F)
+            assert np.array_equal(got, want)
