@@ -164,6 +164,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
         for u in w.uses:
             const_of_use[(id(u.node), u.index)] = _Const(w.tensor, w.graph_key, w.node)
 
+    casts_after = _sole_float_casts(graphs)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
     added_inits: dict[int, list[str]] = {}  # graph key -> folded initializers appended
     consumed: list[_Const] = []
@@ -199,6 +200,13 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
         if not node.output or not node.output[0]:  # a damaged node: nothing to name the weight
             raise InvalidModelError(f"{node.op_type} node {node.name!r} has no output")
         out_name = node.output[0]
+        cast = casts_after.get(out_name) if node.op_type == "DequantizeLinear" else None
+        if cast is not None:
+            # DequantizeLinear -> Cast (quantize_weights' layout for bfloat16 weights): the weight
+            # is the Cast's output; numpy/ml_dtypes round to nearest even, as onnxruntime's Cast
+            to = next(a.i for a in cast.attribute if a.name == "to")
+            value, elem_type, out_name = value.astype(graph.NUMPY_TYPES[to]), to, cast.output[0]
+            replaced[id(cast)] = []
         store_type = _DTYPES[dtype] if dtype else elem_type
         if store_type != elem_type:
             stored = value.astype(graph.NUMPY_TYPES[store_type])
@@ -283,6 +291,27 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
             del g.node[:]
             g.node.extend(nodes)
     _put_back(out, payloads)
+    return out
+
+
+def _sole_float_casts(graphs: list[graph.GraphInfo]) -> dict[str, onnx.NodeProto]:
+    """Cast nodes to a float type whose input nothing else reads (no other node in any graph,
+    no graph output), by input name: the second half of a DequantizeLinear -> Cast pair."""
+    reads: dict[str, int] = {}
+    for info in graphs:
+        for node in info.graph.node:
+            for name in node.input:
+                reads[name] = reads.get(name, 0) + 1
+        for v in info.graph.output:
+            reads[v.name] = reads.get(v.name, 0) + 1
+    out = {}
+    for info in graphs:
+        for node in info.graph.node:
+            if (node.op_type == "Cast" and node.domain in ("", "ai.onnx") and len(node.input) == 1
+                    and reads.get(node.input[0]) == 1 and node.output and node.output[0]):
+                to = next((a.i for a in node.attribute if a.name == "to"), None)
+                if to in graph.FLOAT_TYPES:
+                    out[node.input[0]] = node
     return out
 
 

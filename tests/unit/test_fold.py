@@ -213,3 +213,39 @@ def test_levels_still_read_elsewhere_keep_their_payload():
     other = [t for t in q.graph.initializer if t.name.endswith("_quantized") and t.name != levels]
     assert other and not any(t.name in after for t in other)  # dead levels removed
     assert {t.name: t.raw_data for t in q.graph.initializer} == before  # input untouched
+
+
+def test_bfloat16_weight_folds_through_its_cast():
+    """quantize_weights stores a bfloat16 weight as DequantizeLinear (float32 scale) -> Cast; fold
+    gives the bfloat16 initializer under the weight's name, bit for bit what onnxruntime's
+    DequantizeLinear + Cast compute (read back through an exact Cast to float32)."""
+    import ml_dtypes
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from passes import graph
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((64, 48)) * 37.0).astype(ml_dtypes.bfloat16)
+    t = TensorProto(name="W", data_type=TensorProto.BFLOAT16, dims=w.shape, raw_data=w.tobytes())
+    g = helper.make_graph([helper.make_node("Cast", ["W"], ["Wc"], to=TensorProto.FLOAT),
+                           helper.make_node("MatMul", ["x", "Wc"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 48])], [t])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    q = quantize_weights(m)
+    f = fold_dequantize(q)
+    onnx.checker.check_model(f, full_check=True)
+    assert [n.op_type for n in f.graph.node] == ["Cast", "MatMul"]
+    folded = {t.name: t for t in f.graph.initializer}
+    assert set(folded) == {"W"} and folded["W"].data_type == TensorProto.BFLOAT16
+    probe = onnx.ModelProto()
+    probe.CopyFrom(q)
+    probe.graph.node.append(helper.make_node("Cast", ["W"], ["W32"], to=TensorProto.FLOAT))
+    probe.graph.output.append(helper.make_tensor_value_info("W32", TensorProto.FLOAT, [64, 48]))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    w_ort = ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        ["W32"], {"x": np.zeros((4, 64), np.float32)})[0]
+    assert np.array_equal(w_ort, graph.tensor_to_array(folded["W"]).astype(np.float32))
