@@ -237,6 +237,18 @@ def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_
             return f"{snr_db(ref, run(s, feeds)):.1f}dB"
         yield f"IS-{mode}", sess
 
+    def float_pack_int8():
+        s = passes.InferenceSession(str(pk), mode="int8")  # a float pack, quantized as it loads
+        return f"{snr_db(ref, run(s, feeds)):.1f}dB"
+    yield "IS-int8(float)", float_pack_int8
+
+    def fold_cli():
+        out = work / "fold16.onnx"
+        cli("fold", q8, "-o", out, "--dtype", "float16", "--force")
+        check(out)
+        return f"{snr_db(ref, run(out, feeds)):.1f}dB"
+    yield "fold-cli16", fold_cli
+
     def info_q8():
         cli("info", q8)
         passes.describe_model(str(q8))
@@ -251,7 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-auto", action="store_true")
     args = ap.parse_args(argv)
     models = fetch()
-    wanted_paths = set(args.paths.split(",")) if args.paths else None
+    # q8, q8pack and pack write the files later paths read: always run
+    wanted_paths = set(args.paths.split(",")) | {"q8", "q8pack", "pack"} if args.paths else None
     table: dict[str, dict[str, str]] = {}
     for name, src in models.items():
         if args.only and name not in args.only:
