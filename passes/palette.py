@@ -108,8 +108,11 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
                     "(palettize covers the main graph)")
     # uses resolved by scope, subgraphs included (a main-graph weight may be read only inside an
     # If branch: silero VAD's are)
-    consumers = {w.name: [(u.node.op_type, u.index) for u in w.uses]
-                 for w in graph.find_weights(out)[0] if w.graph_key == 0 and w.node is None}
+    from .quantize import _exact_use
+
+    main_weights = [w for w in graph.find_weights(out)[0] if w.graph_key == 0 and w.node is None]
+    consumers = {w.name: [(u.node.op_type, u.index) for u in w.uses] for w in main_weights}
+    exact = {w.name for w in main_weights if _exact_use(w)}  # indices, masks: no weights
     graph_inputs = {i.name for i in g.input}
     names = graph.NameAllocator(graph.all_names(out))
     new_nodes, keep_inits = [], []
@@ -118,7 +121,7 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
         n = int(np.prod(t.dims)) if t.dims else 1
         bias = uses and all(i == 2 and op in ("Conv", "Gemm", "ConvTranspose") for op, i in uses)
         chosen = (t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and n >= min_elements and uses
-                  and not bias and t.name not in graph_inputs
+                  and not bias and t.name not in graph_inputs and t.name not in exact
                   and (not inc or any(fnmatch.fnmatchcase(t.name, p) for p in inc))
                   and not any(fnmatch.fnmatchcase(t.name, p) for p in exc))
         if not chosen:

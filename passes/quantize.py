@@ -184,6 +184,29 @@ def _unreached_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, i
     return {"inside model-local functions": in_functions, "in sparse Constant nodes": sparse}
 
 
+# ops whose result changes when a value moves by a rounding step, however small: a float tensor
+# they read holds indices, thresholds or counts, not a weight (an exporter's float index table
+# Cast to int64 for a Gather, a float mask compared with Equal)
+_EXACT_OPS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Floor", "Ceil", "Round", "Sign",
+              "Mod", "Range", "IsInf", "IsNaN"}
+
+
+def _exact_use(w: graph.Weight) -> str | None:
+    """The consumer (op name) that reads `w` as exact values, if any: one of _EXACT_OPS, or a Cast
+    to a non-float type (integers, bool)."""
+    for u in w.uses:
+        op = u.node.op_type
+        if u.node.domain not in ("", "ai.onnx"):
+            continue
+        if op in _EXACT_OPS:
+            return op
+        if op == "Cast":
+            to = next((a.i for a in u.node.attribute if a.name == "to"), None)
+            if to not in graph.FLOAT_TYPES and to != TensorProto.DOUBLE:
+                return f"Cast to {graph.type_name(to) if to is not None else '?'}"
+    return None
+
+
 def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | None:
     """Why `w` stays as it is, or None when it is to be quantized."""
     t = w.tensor
@@ -197,6 +220,9 @@ def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | 
         return f"input of {quantized_ops[0]}"
     if w.graph_input:
         return "also a graph input (overridable)"
+    exact = _exact_use(w)
+    if exact:
+        return f"read as exact values ({exact})"
     if not w.uses and not w.graph_output:
         return "unused"
     included = bool(include) and _matches(w, include, ops)

@@ -254,6 +254,28 @@ def one_input_channel_conv():
     return m, _feeds({"x": (1, 1, 1024)})
 
 
+def float_indices():
+    """A float tensor that holds indices (Cast to int64 for a Gather) and a float mask compared
+    with Equal: rounding any of their values changes the result, so they are no weights."""
+    idx = np.tile(np.arange(64, dtype=np.float32), (32, 1)) % 48
+    mask = (np.random.default_rng(4).random((32, 48)) > 0.5).astype(np.float32)
+    inits = [_t("IDX", idx), _t("MASK", mask), _t("E", _w((48, 16), 1, 1.0)),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one")]
+    nodes = [helper.make_node("Cast", ["IDX"], ["idx_i"], to=TensorProto.INT64),
+             helper.make_node("Gather", ["E", "idx_i"], ["g"]),  # [32, 64, 16]
+             helper.make_node("Equal", ["MASK", "one"], ["m"]),
+             helper.make_node("Where", ["m", "x", "zero"], ["xm"]),
+             helper.make_node("ReduceSum", ["g", "ax"], ["gs"], keepdims=0),  # [32, 16]
+             helper.make_node("MatMul", ["xm", "gs"], ["y"])]  # [4?] x: [32, 48]? -> see shapes
+    inits += [numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+              numpy_helper.from_array(np.array([1], np.int64), "ax")]
+    # x [32, 48] masked, then [32, 48] @ ... needs [48, k]: use the transposed gather sum
+    nodes[-1] = helper.make_node("MatMul", ["gs_t", "xm"], ["y"])
+    nodes.insert(-1, helper.make_node("Transpose", ["gs"], ["gs_t"], perm=[1, 0]))  # [16, 32] @ [32, 48]
+    m = _model(nodes, [_vi("x", [32, 48])], [_vi("y", [16, 48])], inits)
+    return m, _feeds({"x": (32, 48)})
+
+
 def _feeds(shapes, n=2, ints=None):
     rng = np.random.default_rng(42)
     out = []
@@ -271,7 +293,7 @@ PATTERNS = {
     "float64": wide_dtype(np.float64, TensorProto.DOUBLE),
     "bfloat16": wide_dtype(ml_dtypes.bfloat16, TensorProto.BFLOAT16),
     **{f"opset{o}": conv_at(o) for o in (11, 13, 17, 19, 21)},
-    "shape_only": shape_only, "one_input_channel_conv": one_input_channel_conv,
+    "shape_only": shape_only, "one_input_channel_conv": one_input_channel_conv, "float_indices": float_indices,
 }
 
 
@@ -493,3 +515,14 @@ def test_sparse_constant_survives_the_opset_raise():
     assert sparse[0].attribute[0].SerializeToString() == next(
         n.attribute[0] for n in m.graph.node if n.op_type == "Constant" and n.attribute[0].name == "sparse_value"
     ).SerializeToString()
+
+
+def test_float_indices_and_masks_stay_exact():
+    m, feeds = float_indices()
+    rep = passes.Report()
+    q = passes.quantize_weights(m, min_elements=16, report=rep)
+    schemes = {t.name: t.scheme for t in rep.tensors}
+    assert schemes["IDX"] == "kept: read as exact values (Cast to int64)"
+    assert schemes["MASK"] == "kept: read as exact values (Equal)"
+    assert schemes["E"].startswith("int8/")
+    assert _snr(_run(m, feeds), _run(q, feeds)) >= INT8_MIN_SNR
