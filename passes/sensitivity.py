@@ -40,6 +40,9 @@ class TensorOption:
     levels_entropy_bytes: float = 0.0  # part of rate_bytes spent on the levels
     rounding: str = "nearest"  # or "gptq"
     plain_noise: float | None = None  # gptq: the noise energy of nearest rounding at the same width
+    # cross-validated error feedback: per fold of the feeds, the weight fitted on the other folds'
+    # activations (what a trial feeds for that fold's feeds: never levels fitted on the feed judged)
+    cv_dequantized: tuple | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -151,8 +154,30 @@ class TrialRunner:
         allowed = {i.name for i in self.session.get_inputs()}
         self.feeds = [{k: v for k, v in f.items() if k in allowed} for f in feeds]
 
-    def run(self, replaced: dict[str, np.ndarray]) -> list[list[np.ndarray]]:
-        return [self.session.run(None, {**f, **replaced}) for f in self.feeds]
+    def run(self, replaced: dict[str, np.ndarray], per_fold: list[dict] | None = None) -> list[list[np.ndarray]]:
+        """per_fold: one more replacement dict per fold; feed i (of the feeds given, in order)
+        belongs to fold i % len(per_fold) (interleaved folds, as auto.py splits them)."""
+        if not per_fold:
+            return [self.session.run(None, {**f, **replaced}) for f in self.feeds]
+        k = len(per_fold)
+        return [self.session.run(None, {**f, **replaced, **per_fold[i % k]}) for i, f in enumerate(self.feeds)]
+
+
+def replacements(infos: dict[str, "TensorInfo"], choice: dict[str, int], n_folds: int = 1):
+    """(replaced, per_fold) for TrialRunner.run of a plan (weight -> width): cross-validated
+    options feed each fold the weight fitted without it."""
+    repl, per_fold = {}, [{} for _ in range(n_folds)]
+    for n, b in choice.items():
+        if b == FLOAT:
+            continue
+        opt = infos[n].options[b]
+        dtype = infos[n].options[FLOAT].dequantized.dtype
+        if opt.cv_dequantized is not None and len(opt.cv_dequantized) == n_folds:
+            for f in range(n_folds):
+                per_fold[f][n] = opt.cv_dequantized[f].astype(dtype)
+        else:
+            repl[n] = opt.dequantized.astype(dtype)
+    return repl, (per_fold if any(per_fold) else None)
 
 
 def relative_error(ref, cand) -> float:
@@ -172,13 +197,14 @@ def relative_error(ref, cand) -> float:
 
 
 def measure(infos: dict[str, TensorInfo], runner: TrialRunner, ref, ref_bits: int, progress=None,
-            transform=None, plain: dict | None = None) -> None:
+            transform=None, plain: dict | None = None, n_folds: int = 1) -> None:
     """Output error of each tensor alone at `ref_bits`; sets out_error and sensitivity.
     transform: maps a run's outputs to those in which the error is measured (auto.proxy_outputs).
     plain: name -> nearest-rounding dequantized weight at ref_bits, for tensors whose ref_bits
     option is error-feedback rounded: both are measured, the sensitivity comes from the nearest
     one (whose noise is unshaped, like the other widths' without error feedback) and gptq_gain
-    from their ratio."""
+    from their ratio. n_folds: cross-validated options (cv_dequantized) are measured out of fold.
+    """
     transform = transform or (lambda outs: outs)
     ref = transform(ref)
     plain = plain or {}
@@ -191,7 +217,7 @@ def measure(infos: dict[str, TensorInfo], runner: TrialRunner, ref, ref_bits: in
     for i, name in enumerate(names):
         info = infos[name]
         opt = info.options[ref_bits]
-        e = error_of(name, opt.dequantized)
+        e = relative_error(ref, transform(runner.run(*replacements(infos, {name: ref_bits}, n_folds))))
         info.out_error[ref_bits] = e
         info.out_error[FLOAT] = 0.0
         if opt.rounding == "gptq" and name in plain and opt.plain_noise:

@@ -197,3 +197,37 @@ def test_built_model_worse_than_its_trial_still_meets_the_check(monkeypatch):
     assert rep["met_on_feeds"] and rep["fidelity"]["cosine"] >= 0.999
     assert any("missed the check" in n for n in rep["notes"])
     assert _quantized_bits(out), "an earlier quantized plan, not everything float"
+
+
+def test_cross_validated_error_feedback_never_judges_levels_on_their_own_feeds(monkeypatch):
+    """With CV_FOLDS folds, Hessians are collected per interleaved fold; the trial session feeds
+    each fold's feeds the error-feedback weights fitted without that fold (sens.replacements),
+    and the built model's levels are fitted on all the feeds."""
+    from passes import auto, gptq
+    from passes import sensitivity as sens
+
+    monkeypatch.setattr(auto, "CV_FOLDS", 2)
+    seen = []
+    real = gptq.collect_hessians
+
+    def collect(model, fds, names, **kw):
+        seen.append([id(f) for f in fds])
+        return real(model, fds, names, **kw)
+
+    monkeypatch.setattr(gptq, "collect_hessians", collect)
+    m = dense_model()
+    f = feeds(m, n=6)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f)
+    assert rep["met_on_feeds"]
+    assert seen[:2] == [[id(x) for x in f[0::2]], [id(x) for x in f[1::2]]]
+    assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.999
+    # replacements: a cross-validated option goes per fold, a plain one to every feed
+    a, b = np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32)
+    infos = {"W": sens.TensorInfo("W", (2, 2), 1.0, {
+        sens.FLOAT: sens.TensorOption(sens.FLOAT, 16, 0.0, None, a),
+        4: sens.TensorOption(4, 2, 0.1, 20.0, a, 1.0, "gptq", 0.1, (a, b)),
+        8: sens.TensorOption(8, 4, 0.01, 40.0, b)})}
+    repl, per_fold = sens.replacements(infos, {"W": 4}, 2)
+    assert repl == {} and per_fold[0]["W"] is not None and np.array_equal(per_fold[1]["W"], b)
+    repl, per_fold = sens.replacements(infos, {"W": 8}, 2)
+    assert per_fold is None and np.array_equal(repl["W"], b)
