@@ -303,12 +303,15 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
     tables = _shared_tables(obj)
     tensors = []
     keys = set()
+    last_file = len(files_in) - 1
+    # the hot loop of opening a model of many small tensors: exact types (the JSON decoders make
+    # nothing else), _int's checks written out, same order and messages as _int's
     for i, t in enumerate(tensors_in):
-        if not isinstance(t, dict):
+        if type(t) is not dict:
             raise _bad(f"tensor {i}")
-        key, name = t.get("key"), t.get("name", "")
-        shape = t.get("shape")
-        if not isinstance(key, str) or not isinstance(name, str) or not isinstance(shape, list):
+        get = t.get
+        key, name, shape = get("key"), get("name", ""), get("shape")
+        if type(key) is not str or type(name) is not str or type(shape) is not list:
             raise _bad(f"tensor {i} key/name/shape")
         if key in keys:
             raise _bad(f"tensor key {key!r} repeated")
@@ -316,17 +319,24 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         for d in shape:
             if type(d) is not int or not -_INT_MAX <= d <= _INT_MAX:
                 raise _bad(f"dim = {d!r}")
-        shape = list(shape)
-        field = t.get("field")
-        if not isinstance(field, str) or field not in _PAYLOAD_FIELDS:
+        field = get("field")
+        if type(field) is not str or field not in _PAYLOAD_FIELDS:
             raise _bad(f"tensor {i} field {field!r}")
-        stream = None if t.get("stream") is None else _stream(t["stream"], extents, f"tensor {key!r}", tables)
-        length = _int(t.get("length"), "tensor length")
+        s_in = get("stream")
+        stream = None if s_in is None else _stream(s_in, extents, f"tensor {key!r}", tables)
+        length = get("length")
+        if type(length) is not int or not 0 <= length <= _INT_MAX:
+            raise _bad(f"tensor length = {length!r}")
         if stream is not None and stream.raw_length != length:
             raise _bad(f"tensor {key!r} stream decodes to {stream.raw_length} bytes, payload is {length}")
-        tensors.append(TensorEntry(key, name, _int(t.get("dtype"), "dtype", 0, 1 << 16), shape, field,
-                                   _int(t.get("file"), "tensor file", 0, len(files_in) - 1),
-                                   _int(t.get("offset"), "tensor offset"), length, stream))
+        dtype, file, offset = get("dtype"), get("file"), get("offset")
+        if type(dtype) is not int or not 0 <= dtype <= 1 << 16:
+            raise _bad(f"dtype = {dtype!r}")
+        if type(file) is not int or not 0 <= file <= last_file:
+            raise _bad(f"tensor file = {file!r}")
+        if type(offset) is not int or not 0 <= offset <= _INT_MAX:
+            raise _bad(f"tensor offset = {offset!r}")
+        tensors.append(TensorEntry(key, name, dtype, list(shape), field, file, offset, length, stream))
     files = []
     total = 0
     used = set()

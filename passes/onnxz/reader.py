@@ -9,7 +9,9 @@ checked and decoded with the GIL released; one batch per call at 1 thread, ~1 Mi
 a pool), other codecs one by one through codecs.decode_chunk. A call hands all its chunks to
 `threads` threads at once (the calling thread included), largest first. Restoring a file runs as a pipeline (threads > 1): while the pool decodes
 window k+1, a hashing thread runs the whole-file digest (XXH3-128, or sha256 in 1.0 / 1.1 files or
-when asked) over window k and the caller writes it.
+when asked) over window k and the caller writes it. `unpack` decodes the windows into reused
+page-aligned buffers and writes them with O_DIRECT where the filesystem takes it (_WindowWriter:
+no copy into the page cache; the restored file is then not cached for a reader that follows).
 """
 from __future__ import annotations
 
@@ -830,7 +832,8 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
     """Restore the .onnx (and its external data files beside it) byte for byte; returns the .onnx
     path. `src` is the .onnxz path, or its bytes in memory (then `dst` is required). Each file is
     decoded in windows: with threads > 1 the next window decodes while this one is hashed and
-    written; written atomically (temporary file, fsync, rename). Every restored file's whole-file
+    written; written atomically (temporary file, fsync, rename), with O_DIRECT where the filesystem
+    takes it (ONNXZ_NO_DIRECT=1: through the page cache). Every restored file's whole-file
     digest is checked: digest="fast" (default) its XXH3-128 (format 1.2; ~15 GB/s) or, in a
     1.0 / 1.1 file that has none, its sha256 (~1-2 GB/s: 30-50% of unpack's CPU on float models);
     "sha256" always the sha256; "none" skips the whole-file digest (every stored chunk's XXH3-64
@@ -864,9 +867,9 @@ ALIGN = 4096  # what O_DIRECT asks of a write's memory, file offset and length o
 class _Buffers:
     """Page-aligned window buffers kept between restores (fresh memory is page-fault bound:
     ~1 ms per 4 MiB window on these machines, a tenth of a small model's unpack), at most
-    `keep` of them; a restore takes two and gives them back."""
+    `keep` of them (8+ MiB held after an unpack); a restore takes two and gives them back."""
 
-    def __init__(self, keep: int = 4):
+    def __init__(self, keep: int = 2):
         self._free: List[np.ndarray] = []
         self._keep = keep
         self._lock = threading.Lock()
@@ -909,8 +912,6 @@ class _WindowWriter:
     network filesystems) or a direct write fails, plain writes of the same bytes take over."""
 
     def __init__(self, f, size: int):
-        import fcntl
-
         self.f, self.fd, self.size = f, f.fileno(), size
         self.slots = [None, None]  # (buffer, pad) of the windows in flight, by window number
         self.taken: List[np.ndarray] = []
@@ -921,6 +922,8 @@ class _WindowWriter:
         direct = getattr(os, "O_DIRECT", 0)
         if direct and size >= 2 * ALIGN and not os.environ.get("ONNXZ_NO_DIRECT"):
             try:
+                import fcntl  # POSIX only, like O_DIRECT
+
                 flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | direct)
                 self.flags = flags
