@@ -24,8 +24,18 @@ last axis.
 Forms: bits 5..8 are stored in int8 (uint8 when asymmetric) containers, bits 2..4 in int4 / uint4
 (opset 21); symmetric levels are -(2**(b-1)-1)..2**(b-1)-1 without a zero point, asymmetric
 0..2**b-1 with a zero point. granularity="block" defaults to block_size 128 (32 at <= 4 bits).
-Scales are stored in the weight's own float type (float16 / bfloat16 need opset 19, blocks and
-int4 opset 21; the opset is raised with onnx.version_converter and the result checked).
+Scales are stored in the weight's own float type (float16 needs opset 19, blocks and int4 opset
+21; the opset is raised with onnx.version_converter and the result checked), except bfloat16:
+onnxruntime has no bfloat16 DequantizeLinear on the CPU, so its scales are float32 (exact) and
+DequantizeLinear(...) -> W_dequantized -> Cast(bfloat16) -> W (fold folds the pair).
+Blocks run along the dot-product axis; when it is shorter than a block (a Conv with one input
+channel) along the longest other non-channel axis holding a block, else one scale per channel.
+
+Left as they are, with the reason in the report: biases, 1-D and small tensors, initializers
+listed as graph inputs from IR 4 on (overridable; an IR 3 model lists every initializer as an
+input because it must: those entries are removed and the IR raised to 4), float tensors read as
+exact values (Cast to an integer type, Equal/Less/..., Floor/Round/...: indices and masks), and
+(a note counts them) weights inside model-local functions and sparse Constants.
 
 Rounding: to nearest by default; rounding="rdo" chooses, per row (channel / block), the step
 factor that minimises squared error + lambda * (bits the pack's order-0 coder spends on the
