@@ -59,6 +59,7 @@ GPTQ_DAMP = 1.0  # error feedback's diagonal loading (relative to H's mean diago
 GPTQ_CONV_DAMP = 0.3  # ... for Conv weights, with act-order there: at equal held-out layer SNR 0.3-0.5 bits/weight
 GPTQ_ACT_ORDER = "conv"  # fewer than nearest rounding (damp 0.01 fitted the calibration activations 7-9 dB
 # better than held-out ones; bench/layer_rd.py); the same as passes.quantize_with_feedback's defaults
+AUTO_ROUNDING = "nearest"  # the steps of every candidate form (quantize_weights' rounding; "rdo": rate-aware steps)
 CV_FOLDS = 1  # > 1: error-feedback levels judged on a feed are fitted on the other folds' activations only
 # (interleaved folds; the built model's levels on all feeds). Measured with 2 folds (held-out half of the
 # corpus feeds): honest but pessimistic, levels fitted on half the feeds look worse than the final ones
@@ -387,7 +388,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         res.metrics["proxy_snr"] = psnr
         return res, _meets(res, reqs_) and (floor is None or psnr >= floor)
 
-    infos, models = sens.dequantized_forms(probe, bits, granularity=granularity, min_elements=min_elements)
+    infos, models = sens.dequantized_forms(probe, bits, granularity=granularity, min_elements=min_elements,
+                                           rounding=AUTO_ROUNDING)
     lap("forms")
     gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
     plain_ref = {n: i.options[ref_bits].dequantized for n, i in infos.items() if ref_bits in i.options}
@@ -468,7 +470,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             names = [n for n, nb in plan.items() if nb == b]
             if names:
                 out = quantize_weights(out, bits=b, granularity=granularity, min_elements=min_elements,
-                                       include=[sens.pattern_for(n) for n in names])
+                                       include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING)
         refined = final_levels(plan)
         if refined:
             from . import gptq as gq

@@ -81,7 +81,7 @@ def float_pack_bytes(arr: np.ndarray) -> float:
 
 
 def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel", block_size=None,
-                      exclude=None, min_elements=1024, progress=None) -> tuple[dict[str, TensorInfo], dict[int, onnx.ModelProto]]:
+                      exclude=None, min_elements=1024, progress=None, rounding: str = "nearest") -> tuple[dict[str, TensorInfo], dict[int, onnx.ModelProto]]:
     """Quantize the whole model once per bit width and collect, per weight, each form's rate,
     noise and dequantized array. Returns (infos by weight name, quantized model by bits)."""
     from .fold import fold_dequantize
@@ -93,7 +93,7 @@ def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel
     for done, bits in enumerate(bits_list):
         rep = Report()
         q = quantize_weights(model, bits=bits, granularity=granularity, block_size=block_size,
-                             exclude=exclude, min_elements=min_elements, report=rep)
+                             exclude=exclude, min_elements=min_elements, report=rep, rounding=rounding)
         models[bits] = q
         folded = graph.unique_initializers(fold_dequantize(q))
         q_inits = graph.unique_initializers(q)
