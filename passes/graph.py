@@ -422,8 +422,23 @@ class AxisChoice:
     why: str  # consumer description for the report
 
 
+# onnxruntime's contrib ops (graphs its transformer optimiser wrote) that read weights like a
+# standard op: their weight axes follow that op's rules
+_CONTRIB = {("com.microsoft", "FusedConv"): "Conv", ("com.microsoft", "FusedGemm"): "Gemm",
+            ("com.microsoft", "FusedMatMul"): "FusedMatMul", ("com.microsoft", "Attention"): "Attention"}
+
+
 def _axis_for_use(op: str, index: int, node: onnx.NodeProto, ndim: int) -> AxisChoice | None:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if op == "FusedMatMul" and ndim >= 2 and index in (0, 1):
+        # MatMul(transA? A^T : A, transB? B^T : B) * alpha: a transposed operand swaps its last two axes
+        flip = attrs.get("transB" if index == 1 else "transA", 0)
+        last, second = ndim - 1, ndim - 2
+        if index == 1:
+            return AxisChoice(second, last, "FusedMatMul(transB=1)") if flip else AxisChoice(last, second, "FusedMatMul")
+        return AxisChoice(last, second, "FusedMatMul(A, transA=1)") if flip else AxisChoice(second, last, "FusedMatMul(A)")
+    if op == "Attention" and index == 1 and ndim == 2:
+        return AxisChoice(1, 0, "Attention")  # input [.., hidden] @ weights [hidden, 3 * hidden]
     if op == "Conv" and index == 1:
         return AxisChoice(0, 1 if ndim > 1 else None, "Conv")
     if op == "ConvTranspose" and index == 1:
@@ -459,7 +474,8 @@ def choose_axis(weight: Weight, consumers_of) -> AxisChoice:
 
     def follow(uses: list[Use], perm: list[int], depth: int) -> None:
         for use in uses:
-            op = use.node.op_type if use.node.domain in ("", "ai.onnx") else None
+            op = (use.node.op_type if use.node.domain in ("", "ai.onnx")
+                  else _CONTRIB.get((use.node.domain, use.node.op_type)))
             if op in _PASS_THROUGH and use.index == 0 and depth < 4:
                 follow(consumers_of(use.node.output[0], use.graph_key), perm, depth + 1)
                 continue

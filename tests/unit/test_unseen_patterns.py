@@ -276,6 +276,24 @@ def float_indices():
     return m, _feeds({"x": (32, 48)})
 
 
+def contrib_ops():
+    """onnxruntime contrib ops reading weights (what its transformer optimiser writes):
+    FusedMatMul with transB, FusedConv, Attention."""
+    h = 64
+    inits = [_t("W", _w((48, 64), 1)), _t("Wc", _w((16, 8, 3, 3), 2)), _t("Bc", _w((16,), 3, 0.1)),
+             _t("Wqkv", _w((h, 3 * h), 4)), _t("Bqkv", _w((3 * h,), 5, 0.1))]
+    nodes = [helper.make_node("FusedMatMul", ["x", "W"], ["fm"], domain="com.microsoft", alpha=0.5, transB=1),
+             helper.make_node("FusedConv", ["img", "Wc", "Bc"], ["fc"], domain="com.microsoft", activation="Relu",
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("Attention", ["seq", "Wqkv", "Bqkv"], ["att"], domain="com.microsoft", num_heads=4)]
+    g = helper.make_graph(nodes, "g", [_vi("x", [4, 64]), _vi("img", [1, 8, 8, 8]), _vi("seq", [1, 10, h])],
+                          [_vi("fm", [4, 48]), _vi("fc", [1, 16, 8, 8]), _vi("att", [1, 10, h])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m, _feeds({"x": (4, 64), "img": (1, 8, 8, 8), "seq": (1, 10, h)})
+
+
 def _feeds(shapes, n=2, ints=None):
     rng = np.random.default_rng(42)
     out = []
@@ -294,6 +312,7 @@ PATTERNS = {
     "bfloat16": wide_dtype(ml_dtypes.bfloat16, TensorProto.BFLOAT16),
     **{f"opset{o}": conv_at(o) for o in (11, 13, 17, 19, 21)},
     "shape_only": shape_only, "one_input_channel_conv": one_input_channel_conv, "float_indices": float_indices,
+    "contrib_ops": contrib_ops,
 }
 
 
@@ -526,3 +545,18 @@ def test_float_indices_and_masks_stay_exact():
     assert schemes["MASK"] == "kept: read as exact values (Equal)"
     assert schemes["E"].startswith("int8/")
     assert _snr(_run(m, feeds), _run(q, feeds)) >= INT8_MIN_SNR
+
+
+def test_contrib_op_weights_take_the_standard_op_axes():
+    m, feeds = contrib_ops()
+    rep = passes.Report()
+    passes.quantize_weights(m, report=rep)
+    schemes = {t.name: t.scheme for t in rep.tensors}
+    assert schemes["W"] == "int8/channel(axis=0)/sym"  # FusedMatMul transB=1: rows are outputs
+    assert schemes["Wc"] == "int8/channel(axis=0)/sym"
+    assert schemes["Wqkv"] == "int8/channel(axis=1)/sym"
+    rep4 = passes.Report()
+    passes.quantize_weights(m, bits=4, granularity="block", block_size=32, report=rep4)
+    schemes = {t.name: t.scheme for t in rep4.tensors}
+    assert schemes["W"] == "int4/block(axis=1,size=32)/sym"  # along the dot product
+    assert schemes["Wqkv"] == "int4/block(axis=0,size=32)/sym"
