@@ -12,7 +12,7 @@ bench/out/int8/):
   baseline packs in the same rounds, order alternating, and the table shows both, the packed sizes
   and whether the bytes are identical.
 
-  SURGEON_CORPUS=/tmp/h2/corpus OPENBLAS_NUM_THREADS=1 nice -n 5 python bench/pack_speed.py [--baseline DIR]
+  SURGEON_CORPUS=/tmp/h2/corpus OPENBLAS_NUM_THREADS=1 nice -n 5 python bench/pack_speed.py [--baseline DIR] [--extra BIG.onnx]
 
 Writes bench/out/pack_speed.json. Needs `pip install zipnn` for the ZipNN column (else blank).
 """
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", type=Path, help="tree of the baseline (its passes/ and built extensions)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--extra", nargs="*", type=Path, default=[], help="more .onnx files to measure (e.g. a large generated model)")
     ap.add_argument("--json", default="pack_speed.json")
     args = ap.parse_args(argv)
     from passes.onnxz import codecs
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     trees = {"new": REPO}
     if args.baseline:
         trees["base"] = args.baseline.resolve()
-    for name, path in models():
+    for name, path in models() + [(p.stem, p) for p in args.extra]:
         if args.only and name not in args.only:
             continue
         original = path.stat().st_size  # external data files: none in this corpus

@@ -7,6 +7,10 @@ LZ pass where a probe says it wins); decoding fills a caller-provided buffer chu
 zstandard does the entropy coding (Huffman literals, FSE for sequences) in compiled code that
 releases the GIL, so chunks decode in parallel threads; the byte shuffles run in the small C
 extension _planes.c (GIL released too) or, when it was not built, in numpy (same bytes).
+The writer's own loops (byte histograms, Huffman costs, size estimates, the plane split, the rANS
+coders) run in _encode.c when it was built, else in numpy: same choices, same bytes. One payload's
+codec choice computes each plane, histogram, floor and probe once (_Memo), however many candidate
+codecs ask for it.
 """
 from __future__ import annotations
 
