@@ -428,6 +428,25 @@ _CONTRIB = {("com.microsoft", "FusedConv"): "Conv", ("com.microsoft", "FusedGemm
             ("com.microsoft", "FusedMatMul"): "FusedMatMul", ("com.microsoft", "Attention"): "Attention"}
 
 
+def _einsum_axes(equation: str, index: int, ndim: int) -> AxisChoice | None:
+    """Axes of operand `index` of an explicit Einsum ("bij,jk->bik"): the one letter summed away
+    is the dot-product axis, the last letter kept in the output the channel. None when the
+    equation is implicit, has an ellipsis, or sums over no or several letters of the operand."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    inputs, output = eq.split("->")
+    operands = inputs.split(",")
+    if index >= len(operands) or len(operands[index]) != ndim or len(set(operands[index])) != ndim:
+        return None
+    letters = operands[index]
+    summed = [i for i, c in enumerate(letters) if c not in output]
+    kept = [i for i, c in enumerate(letters) if c in output]
+    if len(summed) != 1 or not kept:
+        return None
+    return AxisChoice(kept[-1], summed[0], "Einsum")
+
+
 def _axis_for_use(op: str, index: int, node: onnx.NodeProto, ndim: int) -> AxisChoice | None:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     if op == "FusedMatMul" and ndim >= 2 and index in (0, 1):
@@ -437,6 +456,9 @@ def _axis_for_use(op: str, index: int, node: onnx.NodeProto, ndim: int) -> AxisC
         if index == 1:
             return AxisChoice(second, last, "FusedMatMul(transB=1)") if flip else AxisChoice(last, second, "FusedMatMul")
         return AxisChoice(last, second, "FusedMatMul(A, transA=1)") if flip else AxisChoice(second, last, "FusedMatMul(A)")
+    if op == "Einsum" and ndim >= 2:
+        return _einsum_axes(str(attrs.get("equation", b"").decode() if isinstance(attrs.get("equation"), bytes)
+                                else attrs.get("equation", "")), index, ndim)
     if op == "Attention" and index == 1 and ndim == 2:
         return AxisChoice(1, 0, "Attention")  # input [.., hidden] @ weights [hidden, 3 * hidden]
     if op == "Conv" and index == 1:

@@ -560,3 +560,14 @@ def test_contrib_op_weights_take_the_standard_op_axes():
     schemes = {t.name: t.scheme for t in rep4.tensors}
     assert schemes["W"] == "int4/block(axis=1,size=32)/sym"  # along the dot product
     assert schemes["Wqkv"] == "int4/block(axis=0,size=32)/sym"
+
+
+def test_einsum_weight_axes_follow_the_equation():
+    m, feeds = einsum()  # x "bij,jk->bik" W[j, k];  h "bik,hkl->bhil" V[h, k, l]
+    rep = passes.Report()
+    passes.quantize_weights(m, report=rep)
+    assert {t.name: t.scheme for t in rep.tensors} == {"W": "int8/channel(axis=1)/sym", "V": "int8/channel(axis=2)/sym"}
+    rep4 = passes.Report()
+    passes.quantize_weights(m, bits=4, granularity="block", block_size=16, report=rep4)
+    assert {t.name: t.scheme for t in rep4.tensors} == {"W": "int4/block(axis=0,size=16)/sym",
+                                                        "V": "int4/block(axis=1,size=16)/sym"}
