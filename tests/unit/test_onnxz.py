@@ -802,8 +802,8 @@ def _direct_io_works(folder) -> bool:
 def test_unpack_writes_whole_blocks_directly(tmp_path, monkeypatch, window):
     """unpack writes each window with O_DIRECT in whole blocks (the partial last block carried to
     the next window, the file's tail written through the page cache): same bytes at 1 and 2
-    threads; same bytes when a direct write is refused half-way (plain writes take over) and
-    with ONNXZ_NO_DIRECT."""
+    threads; same bytes when a direct write is refused half-way (plain writes take over), with
+    direct_io=False and with ONNXZ_NO_DIRECT."""
     import errno
     import fcntl
 
@@ -841,10 +841,13 @@ def test_unpack_writes_whole_blocks_directly(tmp_path, monkeypatch, window):
         fail.append(1)
         assert reader.unpack(packed, tmp_path / f"refused{threads}.onnx", threads=threads).read_bytes() == raw
         assert not fail or not _direct_io_works(tmp_path)
+    writes.clear()
+    assert reader.unpack(packed, tmp_path / "kw.onnx", threads=2, direct_io=False).read_bytes() == raw
+    assert writes and not any(w[0] for w in writes)
     monkeypatch.setenv("ONNXZ_NO_DIRECT", "1")
     writes.clear()
     assert reader.unpack(packed, tmp_path / "plain.onnx", threads=1).read_bytes() == raw
-    assert not any(w[0] for w in writes)
+    assert writes and not any(w[0] for w in writes)
 
 
 # ---------------------------------------------------------------- ans_shared (format 1.2)
