@@ -1009,13 +1009,13 @@ def _choose(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = N
     return best, won
 
 
-def _best(data: np.ndarray, specs, chunk_bytes: int) -> EncodedStream:
+def _best(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = None) -> EncodedStream:
     """The smallest encoding among `specs` ((codec, width, split) tuples; see _rank). A large
     payload is encoded in full only with the spec that wins on a sample of it (pack time / 2.5)."""
     if not _write_ans:
         specs = [sp for sp in specs if sp[0] != "ans"]
     specs = sorted(specs, key=lambda sp: sp[0] != "ans")  # ans first: its size bounds the trials
-    memo = _Memo()
+    memo = _Memo() if memo is None else memo
     if len(specs) > 1 and data.size > 2 * SAMPLE_BYTES:
         # four slices of SAMPLE_BYTES / 4, each coded as a chunk of its own (one table for slices
         # from distant parts of a tensor favoured zstd's per-block tables: ddddocr_old): zstd's
@@ -1198,14 +1198,16 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
             specs = [("ans", width, ANS_INT), (codec, width, 0)]
         if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
             specs.append(("bytes", 1, 0))
-        best = _best(data, specs, chunk_bytes)
+        memo = _Memo()  # also lends _lz_promising the level-1 probe of the raw bytes, where taken
+        best = _best(data, specs, chunk_bytes, memo)
         plan = shared.for_planes(data, dtype, field) if shared and _write_ans else None
         if plan is not None:
             candidate = _encode_shared(data, *plan, chunk_bytes)
             if candidate is not None and _rank(candidate) < _rank(best):
                 best = candidate
     if try_lz is None:
-        try_lz = data.size >= 1024 and _lz_promising(data, best.stored / max(1, data.size))
+        try_lz = data.size >= 1024 and _lz_promising(data, best.stored / max(1, data.size),
+                                                      memo if narrowed is None else None, chunk_bytes)
     if try_lz:
         lz = _encode_lz(data, chunk_bytes)
         if lz.stored < best.stored:
@@ -1230,7 +1232,7 @@ def _float_specs(width: int, value_type: int, size: int, effort: str = "default"
     return specs
 
 
-def _lz_promising(data: np.ndarray, ratio: float) -> bool:
+def _lz_promising(data: np.ndarray, ratio: float, memo: Optional[_Memo] = None, chunk_bytes: int = 0) -> bool:
     """A cheap probe: does a fast LZ pass on a sample already beat the plane coding?"""
     if data.size > 1 << 20:  # 8 slices across the tensor: its start alone can mislead (padding rows)
         step = data.size // 8
@@ -1240,7 +1242,11 @@ def _lz_promising(data: np.ndarray, ratio: float) -> bool:
     # zstd level 1 runs at twice the speed of level 3; where it leaves the sample at 85% or more,
     # level 3 came within 0.75% of it on every corpus payload (1673: float, int8, LZ-friendly),
     # so level 1 with 3% to spare already says "no" (the probe was ~20% of the encode time)
-    quick = len(_compressor("probe1").compress(sample))
+    # (the zstd floor of the "bytes" spec may have taken this very probe of the whole payload
+    # already: same level, same frame parameters, same bytes)
+    known = memo.d.get((id(data), 0, chunk_bytes, "raw", "probe")) if memo is not None and data.size <= chunk_bytes \
+        and sample is data else None
+    quick = known if known is not None else len(_compressor("probe1").compress(sample))
     if quick >= LZ_QUICK_FLOOR * sample.size and quick * (1 - LZ_QUICK_SLACK) >= ratio * 0.99 * sample.size:
         return False
     probe = len(_compressor("probe3").compress(sample)) / max(1, sample.size)
