@@ -44,6 +44,7 @@ _LAZY = {
     "FidelityResult": "fidelity",
     "Requirement": "fidelity",
     "synthesize_feeds": "fidelity",
+    "runnable_feeds": "fidelity",
     "describe_model": "inspect",
     "pack": "onnxz",
     "unpack": "onnxz",

@@ -130,10 +130,10 @@ DEFAULT_DIM = 64
 INT_TOKEN_RANGE = 100  # token ids and other integer inputs: values in [0, 100), valid for any vocabulary >= 100
 
 
-def synthesize_feeds(model, n: int = 4, seed: int = 0) -> list[Feed]:
+def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM) -> list[Feed]:
     """`n` random feeds built from the model's input specs, the same for the same seed.
 
-    Dynamic dimensions: the first one 1 (batch), others 64; a named dimension keeps one size
+    Dynamic dimensions: the first one 1 (batch), others `dim` (64); a named dimension keeps one size
     across inputs. Floats ~ N(0, 1); integer inputs in [0, 100) (valid token ids), except names
     containing "mask" (ones) and "length" (the sequence size); bool inputs random.
     """
@@ -156,13 +156,13 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0) -> list[Feed]:
                 f"cannot synthesise input {vi.name!r} of type {onnx.TensorProto.DataType.Name(elem)} (pass --feeds)"
             )
         shape = []
-        for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
-            if dim.HasField("dim_value") and dim.dim_value > 0:
-                shape.append(int(dim.dim_value))
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                shape.append(int(d.dim_value))
                 continue
-            size = DEFAULT_BATCH if axis == 0 else DEFAULT_DIM
-            if dim.HasField("dim_param") and dim.dim_param:
-                size = named_dims.setdefault(dim.dim_param, size)
+            size = DEFAULT_BATCH if axis == 0 else dim
+            if d.HasField("dim_param") and d.dim_param:
+                size = named_dims.setdefault(d.dim_param, size)
             shape.append(size)
         specs.append((vi.name, np.dtype(dtype), tuple(shape)))
 
@@ -178,13 +178,45 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0) -> list[Feed]:
             elif "mask" in lname:
                 value = np.ones(shape, dtype=dtype)
             elif "length" in lname or "len" == lname:
-                value = np.full(shape, DEFAULT_DIM, dtype=dtype)
+                value = np.full(shape, dim, dtype=dtype)
             else:
                 high = min(INT_TOKEN_RANGE, int(np.iinfo(dtype).max) + 1)
                 value = rng.integers(0, high, size=shape).astype(dtype)
             feed[name] = value
         feeds.append(feed)
     return feeds
+
+
+# sizes tried for the dynamic dimensions, in order, when the model does not run at the smaller
+# ones (audio models need more than 64 samples: a 512-tap STFT Conv, a reflect Pad of 96), and
+# the most values one synthesised input may hold (two dynamic image axes at 4096 would not fit)
+_RUNNABLE_DIMS = (DEFAULT_DIM, 256, 1024, 4096, 16000)
+_MAX_SYNTH_VALUES = 1 << 24
+
+
+def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[Feed]:
+    """synthesize_feeds with the smallest size of the dynamic dimensions (64, 256, 1024, 4096,
+    16000) at which the model runs its first feed in onnxruntime; the 64 ones when none does
+    (the caller's run then reports why). A model without dynamic dimensions is run once."""
+    model = load_model(model)
+    first = synthesize_feeds(model, n=n, seed=seed)
+    if not any(not (d.HasField("dim_value") and d.dim_value > 0)
+               for vi in model_inputs(model) for d in vi.type.tensor_type.shape.dim):
+        return first
+    try:
+        session = _session(model, providers, None)
+    except Exception:  # noqa: BLE001 - the caller's own run says what is wrong with the model
+        return first
+    for dim in _RUNNABLE_DIMS:
+        feeds = first if dim == DEFAULT_DIM else synthesize_feeds(model, n=n, seed=seed, dim=dim)
+        if any(v.size > _MAX_SYNTH_VALUES for v in feeds[0].values()):
+            break
+        try:
+            session.run(None, _conform(feeds[0], session, 0))
+            return feeds
+        except Exception:  # noqa: BLE001 - try the next size
+            continue
+    return first
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,7 +554,7 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
         candidate = fold_dequantize(candidate)
         notes.append("candidate measured with its weights folded to float (as fold / InferenceSession(mode='fold') run it)")
     if feeds is None:
-        feeds = synthesize_feeds(original_model, n=n_synthesized, seed=seed)
+        feeds = runnable_feeds(original_model, n=n_synthesized, seed=seed, providers=providers)
         notes.append(f"inputs synthesised from the model's input specs ({n_synthesized} random feeds, seed {seed}); pass feeds for real data")
     elif isinstance(feeds, (str, os.PathLike)):
         feeds = load_feeds(feeds, original_model)

@@ -571,3 +571,20 @@ def test_einsum_weight_axes_follow_the_equation():
     passes.quantize_weights(m, bits=4, granularity="block", block_size=16, report=rep4)
     assert {t.name: t.scheme for t in rep4.tensors} == {"W": "int4/block(axis=0,size=16)/sym",
                                                         "V": "int4/block(axis=1,size=16)/sym"}
+
+
+def test_synthesised_feeds_grow_until_the_model_runs():
+    """An audio model of dynamic length whose first Conv has 256 taps does not run on 64 samples:
+    runnable_feeds takes the next size (256), and the fidelity check without feeds works."""
+    from passes.fidelity import DEFAULT_DIM, runnable_feeds, synthesize_feeds
+
+    m, _ = one_input_channel_conv()
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    m.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "samples"
+    del m.graph.output[0].type.tensor_type.shape.dim[:]
+    assert synthesize_feeds(m, n=2)[0]["x"].shape == (1, 1, DEFAULT_DIM)
+    feeds = runnable_feeds(m, n=2)
+    assert feeds[0]["x"].shape == (1, 1, 256)
+    assert np.array_equal(feeds[1]["x"], synthesize_feeds(m, n=2, dim=256)[1]["x"])  # same seed, same values
+    result = passes.evaluate(m, passes.quantize_weights(m))
+    assert result.synthesized and result.metrics["snr"] >= INT8_MIN_SNR
