@@ -165,6 +165,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
             const_of_use[(id(u.node), u.index)] = _Const(w.tensor, w.graph_key, w.node)
 
     casts_after = _sole_float_casts(graphs)
+    overflowed: list[str] = []  # weights kept in their own type: out of the requested dtype's range
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
     added_inits: dict[int, list[str]] = {}  # graph key -> folded initializers appended
     consumed: list[_Const] = []
@@ -209,7 +210,14 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
             replaced[id(cast)] = []
         store_type = _DTYPES[dtype] if dtype else elem_type
         if store_type != elem_type:
-            stored = value.astype(graph.NUMPY_TYPES[store_type])
+            with np.errstate(over="ignore"):
+                stored = value.astype(graph.NUMPY_TYPES[store_type])
+            if np.any(np.isinf(stored) & np.isfinite(value)):
+                # values beyond the requested type's range (float16 tops at 65504) would become
+                # inf: this weight stays in its own type
+                overflowed.append(out_name)
+                store_type = elem_type
+        if store_type != elem_type:
             stored_name = names.take(f"{out_name}_{graph.type_name(store_type)}")
         else:
             stored, stored_name = value, out_name
@@ -241,6 +249,9 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     if not replaced:
         _put_back(out, payloads)
         return out
+    if overflowed and report is not None:
+        report.note(f"{len(overflowed)} weight(s) kept in their own type, values beyond {dtype}'s range: "
+                    + ", ".join(overflowed[:5]) + (" ..." if len(overflowed) > 5 else ""))
     if dtype is not None and report is not None and any(len(v) > 1 or (v and v[-1].op_type == "Cast") for v in replaced.values()):
         report.note(f"folded weights stored as {dtype}; Cast nodes restore the types the graph expects")
 

@@ -249,3 +249,33 @@ def test_bfloat16_weight_folds_through_its_cast():
     w_ort = ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
         ["W32"], {"x": np.zeros((4, 64), np.float32)})[0]
     assert np.array_equal(w_ort, graph.tensor_to_array(folded["W"]).astype(np.float32))
+
+
+def test_fold_to_float16_keeps_weights_beyond_its_range():
+    """A weight with values past float16's 65504 stays float32 when folding to float16 (it would
+    become inf), with a note; the others are stored as float16."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    big = (rng.standard_normal((64, 48)) * 1e6).astype(np.float32)
+    small = (rng.standard_normal((48, 32)) * 0.1).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "BIG"], ["h"]),
+                           helper.make_node("Mul", ["h", "k"], ["hs"]),
+                           helper.make_node("MatMul", ["hs", "SMALL"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 32])],
+                          [onnx.numpy_helper.from_array(big, "BIG"), onnx.numpy_helper.from_array(small, "SMALL"),
+                           onnx.numpy_helper.from_array(np.array(1e-6, np.float32), "k")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    q = quantize_weights(m)
+    rep = Report()
+    f = fold_dequantize(q, dtype="float16", report=rep)
+    onnx.checker.check_model(f, full_check=True)
+    types = {t.name: t.data_type for t in f.graph.initializer}
+    assert types["BIG"] == TensorProto.FLOAT and types["SMALL_float16"] == TensorProto.FLOAT16
+    assert any("1 weight(s) kept in their own type, values beyond float16's range: BIG" in n for n in rep.notes)
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    out = ort.InferenceSession(f.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.isfinite(out).all() and np.allclose(out, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
