@@ -191,7 +191,11 @@ def _unreached_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, i
 
     in_functions = sum(big_constant(n, "value") for fn in model.functions for n in fn.node)
     sparse = sum(big_constant(n, "sparse_value") for gi in graph.iter_graphs(model) for n in gi.graph.node)
-    return {"inside model-local functions": in_functions, "in sparse Constant nodes": sparse}
+    weights, _ = graph.find_weights(model)
+    doubles = sum(w.tensor.data_type == TensorProto.DOUBLE and len(w.shape) >= 2
+                  and int(np.prod(w.shape, dtype=np.int64)) >= max(min_elements, 2) for w in weights)
+    return {"inside model-local functions": in_functions, "in sparse Constant nodes": sparse,
+            "of float64 (DequantizeLinear has no float64 output)": doubles}
 
 
 # ops whose result changes when a value moves by a rounding step, however small: a float tensor

@@ -588,3 +588,11 @@ def test_synthesised_feeds_grow_until_the_model_runs():
     assert np.array_equal(feeds[1]["x"], synthesize_feeds(m, n=2, dim=256)[1]["x"])  # same seed, same values
     result = passes.evaluate(m, passes.quantize_weights(m))
     assert result.synthesized and result.metrics["snr"] >= INT8_MIN_SNR
+
+
+def test_float64_weights_stay_with_a_note():
+    m, feeds = PATTERNS["float64"]()
+    rep = passes.Report()
+    q = passes.quantize_weights(m, report=rep)
+    assert "2 float weight(s) of float64 (DequantizeLinear has no float64 output) stay float (not quantized)" in rep.notes
+    assert not any(n.op_type == "DequantizeLinear" for n in q.graph.node)
