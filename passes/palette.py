@@ -81,11 +81,10 @@ def palette_array(w: np.ndarray, bits: int, group_rows: int | None):
 
 def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elements: int = 1024,
               include=None, exclude=None, report: Report | None = None) -> onnx.ModelProto:
-    """A new model whose float main-graph initializer weights (>= 2-D, >= min_elements, not
-    biases) are palettized (see the module docstring). include/exclude: fnmatch patterns on
-    weight names."""
-    import fnmatch
-
+    """A new model whose float weights (>= 2-D, >= min_elements, not biases nor tensors read as
+    exact values), initializers and Constant nodes of the main graph and of If/Loop/Scan bodies,
+    are palettized in their own graph (see the module docstring). include/exclude: fnmatch
+    patterns on weight names. Weights inside model-local functions stay float (a note)."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
         raise InvalidArgumentError(f"palette bits must be an integer from 1 to 8, got {bits!r}")
     if group_rows is not None and (isinstance(group_rows, bool) or not isinstance(group_rows, (int, np.integer))
@@ -99,29 +98,42 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     g = out.graph
     if report is not None:
         report.pass_name = report.pass_name or "palettize"
-    hoisted = _hoist_constants(g, min_elements)
+    # children before parents: rewriting a graph's node list copies the subgraphs inside it
+    infos = graph.iter_graphs(out)
+    hoisted = sum(_hoist_constants(info.graph, min_elements) for info in reversed(infos))
     if hoisted and report is not None:
-        report.note(f"{hoisted} Constant node weight(s) of the main graph became initializers to be palettized")
-    nested = _nested_weights(out, min_elements)
+        report.note(f"{hoisted} Constant node weight(s) became initializers of their graph to be palettized")
+    nested = _function_weights(out, min_elements)
     if nested and report is not None:
-        report.note(f"{nested} float weight(s) inside If/Loop/Scan subgraphs or model-local functions stay float "
-                    "(palettize covers the main graph)")
-    # uses resolved by scope, subgraphs included (a main-graph weight may be read only inside an
-    # If branch: silero VAD's are)
+        report.note(f"{nested} float weight(s) inside model-local functions stay float")
+    # uses resolved by scope (a main-graph weight may be read only inside an If branch: silero
+    # VAD's are), read as plain facts now: the graphs are rewritten below
     from .quantize import _exact_use
 
-    main_weights = [w for w in graph.find_weights(out)[0] if w.graph_key == 0 and w.node is None]
-    consumers = {w.name: [(u.node.op_type, u.index) for u in w.uses] for w in main_weights}
-    exact = {w.name for w in main_weights if _exact_use(w)}  # indices, masks: no weights
-    graph_inputs = {i.name for i in g.input}
+    infos = graph.iter_graphs(out)
+    weights = [w for w in graph.find_weights(out)[0] if w.node is None]
+    consumers = {(w.graph_key, w.name): [(u.node.op_type, u.index) for u in w.uses] for w in weights}
+    exact = {(w.graph_key, w.name) for w in weights if _exact_use(w)}  # indices, masks: no weights
     names = graph.NameAllocator(graph.all_names(out))
+    for info in reversed(infos):
+        _palettize_graph(info, consumers, exact, names, bits, group_rows, min_elements, inc, exc, report)
+    return out
+
+
+def _palettize_graph(info: graph.GraphInfo, consumers, exact, names, bits, group_rows, min_elements, inc, exc,
+                     report) -> None:
+    """Palettize the chosen initializers of one graph in place (its nodes go first)."""
+    import fnmatch
+
+    g = info.graph
+    graph_inputs = {i.name for i in g.input}
     new_nodes, keep_inits = [], []
     for t in g.initializer:
-        uses = consumers.get(t.name, [])
+        uses = consumers.get((info.key, t.name), [])
         n = int(np.prod(t.dims)) if t.dims else 1
         bias = uses and all(i == 2 and op in ("Conv", "Gemm", "ConvTranspose") for op, i in uses)
         chosen = (t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and n >= min_elements and uses
-                  and not bias and t.name not in graph_inputs and t.name not in exact
+                  and not bias and t.name not in graph_inputs and (info.key, t.name) not in exact
                   and (not inc or any(fnmatch.fnmatchcase(t.name, p) for p in inc))
                   and not any(fnmatch.fnmatchcase(t.name, p) for p in exc))
         if not chosen:
@@ -149,14 +161,15 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
             snr = 200.0 if err == 0 else (round(10 * np.log10(sig / err), 3) if sig > 0 else -200.0)
             report.add(TensorChange(t.name, tuple(w.shape), graph.type_name(t.data_type),
                                     f"palette{bits}" + (f"/group{group_rows}" if group_rows else "/tensor"),
-                                    w.nbytes, idx.nbytes + table_typed.nbytes, snr))
+                                    w.nbytes, idx.nbytes + table_typed.nbytes, snr,
+                                    info.location + (": " if info.location else "") + "initializer"))
+    if not new_nodes:
+        return
     del g.initializer[:]
     g.initializer.extend(keep_inits)
-    if new_nodes:
-        old = list(g.node)
-        del g.node[:]
-        g.node.extend(new_nodes + old)
-    return out
+    old = list(g.node)
+    del g.node[:]
+    g.node.extend(new_nodes + old)
 
 
 def _dense_float_constant(node: onnx.NodeProto, min_elements: int) -> onnx.TensorProto | None:
@@ -191,39 +204,47 @@ def _hoist_constants(g: onnx.GraphProto, min_elements: int) -> int:
     return len(moved)
 
 
-def _nested_weights(model: onnx.ModelProto, min_elements: int) -> int:
-    """Float weights (>= 2-D, >= min_elements) that palettize leaves: in subgraphs and functions."""
-    def big(t):
-        return t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and int(np.prod(t.dims)) >= min_elements
-
-    n = 0
-    for info in graph.iter_graphs(model)[1:]:
-        n += sum(big(t) for t in info.graph.initializer)
-        n += sum(_dense_float_constant(node, min_elements) is not None for node in info.graph.node)
-    for fn in model.functions:
-        n += sum(_dense_float_constant(node, min_elements) is not None for node in fn.node)
-    return n
+def _function_weights(model: onnx.ModelProto, min_elements: int) -> int:
+    """Float Constant-node weights inside model-local function bodies (palettize leaves them)."""
+    return sum(_dense_float_constant(node, min_elements) is not None for fn in model.functions for node in fn.node)
 
 
 def has_palettes(model: onnx.ModelProto) -> bool:
-    """Whether the main graph holds a Gather whose indices come from a Cast (cheap check)."""
-    casts = {n.output[0] for n in model.graph.node if n.op_type == "Cast" and n.output}
-    return any(n.op_type == "Gather" and len(n.input) == 2 and n.input[1] in casts for n in model.graph.node)
+    """Whether any graph holds a Gather whose indices come from a Cast (cheap check)."""
+    for info in graph.iter_graphs(model):
+        nodes = info.graph.node
+        casts = {n.output[0] for n in nodes if n.op_type == "Cast" and n.output}
+        if any(n.op_type == "Gather" and len(n.input) == 2 and n.input[1] in casts for n in nodes):
+            return True
+    return False
 
 
 def fold_palettes(model, *, report: Report | None = None) -> onnx.ModelProto:
     """Materialise every palette pattern (Cast of constant uint8 indices -> Gather on a constant
-    table) of the main graph as a float initializer named like the Gather's output; the values
-    are exactly table[indices], what onnxruntime computes."""
+    table, both initializers of the Gather's graph) as a float initializer of that graph named
+    like the Gather's output; the values are exactly table[indices], what onnxruntime computes."""
     src = load_model(model)
     if not has_palettes(src):
         return src
     out = onnx.ModelProto()
     out.CopyFrom(src)
-    g = out.graph
+    infos = graph.iter_graphs(out)
+    # a table or index tensor still read elsewhere (any graph) stays
+    read_anywhere: dict[str, int] = {}
+    for info in infos:
+        for n in info.graph.node:
+            for i in n.input:
+                read_anywhere[i] = read_anywhere.get(i, 0) + 1
+    for info in reversed(infos):  # children first: rewriting a graph copies its subgraphs
+        _fold_graph_palettes(info, read_anywhere, report)
+    return out
+
+
+def _fold_graph_palettes(info: graph.GraphInfo, read_anywhere: dict[str, int], report) -> None:
+    g = info.graph
     inits = {t.name: t for t in g.initializer}
     cast_of = {n.output[0]: n for n in g.node if n.op_type == "Cast" and n.input and n.input[0] in inits}
-    drop_nodes, drop_inits, added = set(), set(), []
+    drop_nodes, drop_inits, added = set(), {}, []
     for node in g.node:
         if node.op_type != "Gather" or len(node.input) != 2:
             continue
@@ -242,19 +263,17 @@ def fold_palettes(model, *, report: Report | None = None) -> onnx.ModelProto:
         value = table[idx]
         added.append(graph.array_to_tensor(value, node.output[0], table_t.data_type))
         drop_nodes |= {node.output[0], cast.output[0]}  # by output name: wrapper ids are not stable
-        drop_inits |= {table_name, cast.input[0]}
+        for name in (table_name, cast.input[0]):
+            drop_inits[name] = drop_inits.get(name, 0) + 1  # reads this fold removes
         if report is not None:
             report.add(TensorChange(node.output[0], tuple(value.shape), graph.type_name(table_t.data_type),
                                     "folded palette", graph.tensor_nbytes(idx_t) + graph.tensor_nbytes(table_t),
                                     value.nbytes, None))
     if not added:
-        return out
-    # a table or index tensor still read elsewhere stays
-    still_read = {i for n in g.node if not (n.output and n.output[0] in drop_nodes) for i in n.input}
-    keep = [t for t in g.initializer if t.name not in drop_inits or t.name in still_read]
+        return
+    keep = [t for t in g.initializer if t.name not in drop_inits or read_anywhere.get(t.name, 0) > drop_inits[t.name]]
     nodes = [n for n in g.node if not (n.output and n.output[0] in drop_nodes)]
     del g.initializer[:]
     g.initializer.extend(keep + added)
     del g.node[:]
     g.node.extend(nodes)
-    return out
