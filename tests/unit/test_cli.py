@@ -561,3 +561,30 @@ def test_compress_run_as_fold_is_reported(tmp_path, capsys):
                  "--run-as", "fold", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert "weights folded to float" in json.dumps(report)  # the report says how it was measured
+
+
+def test_compress_and_fold_unseen_patterns(capsys, tmp_path):
+    """The command on patterns real models use (test_unseen_patterns.py): an IR 3 model, bfloat16
+    weights, an LSTM, Scan/Loop bodies. compress --verify passes the checker, the fidelity check
+    without feeds runs, fold --dtype float16 gives a loadable model."""
+    import onnxruntime as ort
+
+    import test_unseen_patterns as up
+
+    for name in ("init_input_ir3", "bfloat16", "lstm", "scan_loop"):
+        m, feeds = up.PATTERNS[name]()
+        src = tmp_path / f"{name}.onnx"
+        src.write_bytes(m.SerializeToString())
+        out = tmp_path / f"{name}.q.onnx"
+        code, stdout, err = run(capsys, "compress", str(src), "-o", str(out), "--verify", "--require", "snr>=25",
+                                "--json")
+        assert code == 0, err
+        report = json.loads(stdout)
+        assert report["gate"]["passed"] and report["verified"]
+        if name == "init_input_ir3":
+            assert any("IR version raised from 3 to 4" in n for n in report["report"]["notes"])
+        folded = tmp_path / f"{name}.f.onnx"
+        code, _, err = run(capsys, "fold", str(out), "-o", str(folded), "--dtype", "float16")
+        assert code == 0, err
+        onnx.checker.check_model(str(folded), full_check=True)
+        ort.InferenceSession(str(folded), providers=["CPUExecutionProvider"]).run(None, feeds[0])
