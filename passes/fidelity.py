@@ -316,6 +316,41 @@ def _conform(feed: Feed, session, index: int) -> Feed:
     return out
 
 
+def _as_array(value) -> np.ndarray:
+    """An output as a numeric array the metrics can compare, at the same position.
+
+    Tensors come back as they are; sklearn-onnx classifiers' ZipMap output (a sequence of maps
+    class -> probability) becomes a [n, classes] array ordered by class; a sequence of tensors
+    is stacked; string tensors (class labels) become CRC-32 codes of their strings, so that any
+    changed label shows in maxabs (the codes carry no other meaning)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in "OUS":
+            import zlib
+
+            codes = [zlib.crc32(str(v).encode()) for v in value.ravel()]
+            return np.asarray(codes, dtype=np.float64).reshape(value.shape)
+        return value
+    if isinstance(value, list):
+        if value and all(isinstance(v, dict) for v in value):
+            keys = sorted(value[0], key=str)
+            return np.asarray([[float(v.get(k, np.nan)) for k in keys] for v in value], dtype=np.float64)
+        if not value:
+            return np.zeros((0,), dtype=np.float64)
+        try:
+            return _as_array(np.stack([np.asarray(v) for v in value]))
+        except ValueError:  # tensors of different shapes: compared as one flat vector
+            return np.concatenate([_as_array(np.asarray(v)).ravel() for v in value])
+    if isinstance(value, dict):
+        keys = sorted(value, key=str)
+        return np.asarray([float(value[k]) for k in keys], dtype=np.float64)
+    return np.asarray(value)
+
+
+def _comparable(runs):
+    """Every output of every run through _as_array (a no-op on numeric arrays)."""
+    return [[_as_array(o) for o in outs] for outs in runs]
+
+
 def run_outputs(model_or_path, feeds: Sequence[Feed], *, providers=None, sess_options=None,
                 progress: Callable[[int, int], None] | None = None) -> list[list[np.ndarray]]:
     """Every output of the model for each feed: `outputs[feed][output]`."""
@@ -341,7 +376,7 @@ def run_outputs(model_or_path, feeds: Sequence[Feed], *, providers=None, sess_op
             )
         feed = _conform(feed, session, index)
         try:
-            results.append(session.run(None, feed, run_options))
+            results.append([_as_array(o) for o in session.run(None, feed, run_options)])
         except Exception as exc:
             raise InvalidModelError(f"onnxruntime failed on feed {index}: {_first_line(exc)}") from None
         if progress is not None:
@@ -438,7 +473,7 @@ def output_snr_db(ref, cand) -> float:
         if len(r_outs) != len(c_outs):
             return -math.inf
         for a, b in zip(r_outs, c_outs):
-            a, b = np.asarray(a), np.asarray(b)
+            a, b = _as_array(a), _as_array(b)
             if a.shape != b.shape:
                 return -math.inf
             a64 = a.astype(np.float64)
@@ -457,6 +492,7 @@ def compute_metrics(ref, cand, *, metric: str | None = None, metric_args: dict |
     """Every metric that applies to these outputs; "ctc" only when asked for (it needs axes)."""
     if len(ref) != len(cand):
         raise InvalidArgumentError(f"cannot compare {len(ref)} reference runs with {len(cand)} candidate runs")
+    ref, cand = _comparable(ref), _comparable(cand)  # outputs straight from a session: maps, strings
     cos = cosine_per_feed(ref, cand)
     metrics: dict[str, float] = {
         "cosine": float(cos.mean()) if cos.size else 1.0,

@@ -596,3 +596,34 @@ def test_float64_weights_stay_with_a_note():
     q = passes.quantize_weights(m, report=rep)
     assert "2 float weight(s) of float64 (DequantizeLinear has no float64 output) stay float (not quantized)" in rep.notes
     assert not any(n.op_type == "DequantizeLinear" for n in q.graph.node)
+
+
+def _classifier_with_zipmap():
+    """An sklearn-onnx style classifier: int64 label, probabilities, and a ZipMap (sequence of
+    maps class -> probability), the last as its only non-tensor output."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["logits"]),
+             helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0),
+             helper.make_node("Softmax", ["logits"], ["prob"], axis=1),
+             helper.make_node("ZipMap", ["prob"], ["zm"], domain="ai.onnx.ml", classlabels_int64s=list(range(10)))]
+    outs = [_vi("label", [4], TensorProto.INT64), _vi("prob", [4, 10]),
+            helper.make_value_info("zm", helper.make_sequence_type_proto(
+                helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(F, [])))) ]
+    return _model(nodes, [_vi("x", [4, 256])], outs, [_t("W", _w((256, 10), 1))],
+                  extra_opsets=[helper.make_opsetid("ai.onnx.ml", 3)])
+
+
+def test_fidelity_compares_map_and_label_outputs():
+    """ZipMap outputs (list of dicts) and labels are compared instead of crashing the metrics
+    (the command exited 70, 'float() argument must be ... not dict')."""
+    from passes.fidelity import _as_array, compute_metrics
+
+    m = _classifier_with_zipmap()
+    q = passes.quantize_weights(m)
+    r = passes.evaluate(m, q, metric="top1")
+    assert r.metrics["snr"] >= INT8_MIN_SNR and r.metrics["top1"] >= 0.0
+    zm = [{0: 0.25, 1: 0.75}, {0: 1.0, 1: 0.0}]
+    assert np.array_equal(_as_array(zm), [[0.25, 0.75], [1.0, 0.0]])
+    labels = np.array(["cat", "dog"], dtype=object)
+    same = compute_metrics([[labels]], [[labels.copy()]])
+    other = compute_metrics([[labels]], [[np.array(["cat", "cow"], dtype=object)]])
+    assert same["maxabs"] == 0 and other["maxabs"] > 0
