@@ -128,8 +128,8 @@ def prepare_quantized(split: SplitModel, bits: int, options) -> set:
     from .runtime_fold import fold_into
 
     session_config(options)
+    _quantize_float_weights(split, bits)  # (may replace split.skeleton: an opset conversion)
     graph = split.skeleton.graph
-    _quantize_float_weights(split, bits)
     uses = _consumers(graph)
     inits = split.initializer_names()
     replaced = {}
@@ -403,6 +403,8 @@ def _quantize_float_weights(split: SplitModel, bits: int) -> None:
     """Float weights of MatMul/Gemm/Gather/Conv become DequantizeLinear(int) in the graph."""
     from . import forms
 
+    if not _opset_at_least(split, 13):
+        return
     graph = split.skeleton.graph
     uses = _consumers(graph)
     new_nodes = []
@@ -450,6 +452,22 @@ def _quantize_float_weights(split: SplitModel, bits: int) -> None:
 def _mark_int4(split: SplitModel, name: str) -> None:
     """A 4-bit level array held as int8 values: remembered so MatMulNBits packs 4 bits."""
     split.int4_names = getattr(split, "int4_names", set()) | {name}
+
+
+def _opset_at_least(split: SplitModel, version: int) -> bool:
+    """Raise the skeleton's default opset to `version` with onnx's converter (DequantizeLinear with
+    an axis needs 13; Squeeze/Split/Reduce* and others changed there, so the number alone cannot be
+    bumped); False, and the weights stay float, where the converter refuses the model."""
+    from .errors import UnsupportedFormError
+    from .graph import default_opset, raise_opset
+
+    if default_opset(split.skeleton) >= version:
+        return True
+    try:
+        split.skeleton, _ = raise_opset(split.skeleton, version)
+    except UnsupportedFormError:
+        return False
+    return True
 
 
 def _ensure_opset(model, version: int) -> None:

@@ -435,6 +435,25 @@ def test_int8_quantizes_a_lossless_model_at_load(files):
         assert cosine(got[0], want[0]) > 0.999
 
 
+def test_int8_quantizes_a_lossless_opset12_model_at_load(tmp_path):
+    """Below opset 13 the skeleton is converted (Squeeze's axes attribute becomes an input there),
+    not just renumbered: onnxruntime refused the renumbered graph."""
+    w = _w((256, 384), 7)
+    nodes = [helper.make_node("Unsqueeze", ["x"], ["u"], axes=[0]),
+             helper.make_node("Squeeze", ["u"], ["s"], axes=[0]),
+             helper.make_node("MatMul", ["s", "W"], ["y"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 384])],
+                   [numpy_helper.from_array(w, "W")], opset=12)
+    packed = tmp_path / "m.onnxz"
+    passes.pack(model, packed)
+    session = passes.InferenceSession(packed, mode="int8")
+    assert session.op_counts.get("MatMulNBits") == 1
+    x = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    got = session.run(None, {"x": x})[0]
+    assert cosine(got, x @ w) > 0.999
+
+
 def test_int4_blocked(files):
     f = files["dense"]
     feeds = feeds_for(f["model"])
