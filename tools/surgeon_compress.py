@@ -577,7 +577,7 @@ def cmd_unpack(args) -> int:
         _check_distinct(args.input, args.output)
         check_writable(args.output, args.force)
     out = passes.unpack(args.input, args.output, threads=args.threads, force=args.force, max_bytes=args.max_bytes,
-                        digest="sha256" if args.sha256 else "fast")
+                        digest="sha256" if args.sha256 else "fast", direct_io=not args.page_cache)
     if args.verify:
         _verify_unpacked(args.input, out, threads=args.threads)
     in_bytes, out_bytes = Path(args.input).stat().st_size, file_size(out)
@@ -774,6 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sha256", action="store_true",
                    help="check each restored file by its sha256 (identity with the original's published hash; "
                         "default: the stored XXH3-128, ~10x faster; 1.0/1.1 files always use the sha256)")
+    p.add_argument("--page-cache", action="store_true",
+                   help="write through the page cache, for a file read right after (default: O_DIRECT where "
+                        "the filesystem takes it: less CPU, and a large model does not evict the cache)")
     verify_option(p)
     max_bytes_option(p)
     p.set_defaults(func=cmd_unpack)

@@ -449,6 +449,10 @@ def test_pack_unpack_verify_round_trip(tmp_path, capsys, compressed):
     code, stdout, err = run(capsys, "info", packed, "--json")
     assert json.loads(stdout)["packed"] is not None
     assert run(capsys, "unpack", packed, "-o", restored)[0] == 1  # exists, no --force
+    cached = tmp_path / "cached.onnx"
+    code, _, err = run(capsys, "unpack", packed, "-o", cached, "--page-cache", "--sha256")
+    assert code == 0, err
+    assert cached.read_bytes() == compressed.read_bytes()
 
 
 def test_compress_pack_in_one_step(tmp_path, capsys):
