@@ -127,6 +127,10 @@ def overridable(model: onnx.ModelProto, names) -> onnx.ModelProto:
     session can be fed other values for them (no re-creation per trial)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    if m.ir_version < 4:
+        # IR 3 lists every initializer as a graph input, yet onnxruntime refuses a feed for one
+        # ("Invalid input name"); from IR 4 an initializer that is also an input is overridable
+        m.ir_version = 4
     present = {i.name for i in m.graph.input}
     inits = {t.name: t for t in m.graph.initializer}
     for name in names:

@@ -231,3 +231,24 @@ def test_cross_validated_error_feedback_never_judges_levels_on_their_own_feeds(m
     assert repl == {} and per_fold[0]["W"] is not None and np.array_equal(per_fold[1]["W"], b)
     repl, per_fold = sens.replacements(infos, {"W": 8}, 2)
     assert per_fold is None and np.array_equal(repl["W"], b)
+
+
+def _unseen(name):
+    import test_unseen_patterns as up
+
+    return up.PATTERNS[name]()
+
+
+def test_ir3_model_weights_are_overridable_in_trials():
+    """IR 3 lists initializers as graph inputs, and onnxruntime refuses a feed for one ("Invalid
+    input name: W"): the trial model is raised to IR 4, where such an initializer is overridable."""
+    from passes import sensitivity as sens
+
+    m, f = _unseen("init_input_ir3")
+    assert m.ir_version == 3
+    assert sens.overridable(m, ["W"]).ir_version == 4 and m.ir_version == 3  # the input is not touched
+    out, rep = passes.compress(m, target="cosine>=0.99", feeds=f)
+    assert rep["met_on_feeds"] and rep["per_tensor_allocation"]
+    assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.99
+    onnx.checker.check_model(out, full_check=True)
+
