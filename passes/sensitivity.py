@@ -161,10 +161,36 @@ class TrialRunner:
     def run(self, replaced: dict[str, np.ndarray], per_fold: list[dict] | None = None) -> list[list[np.ndarray]]:
         """per_fold: one more replacement dict per fold; feed i (of the feeds given, in order)
         belongs to fold i % len(per_fold) (interleaved folds, as auto.py splits them)."""
+        replaced = ort_feeds(replaced)
         if not per_fold:
             return [self.session.run(None, {**f, **replaced}) for f in self.feeds]
+        per_fold = [ort_feeds(p) for p in per_fold]
         k = len(per_fold)
         return [self.session.run(None, {**f, **replaced, **per_fold[i % k]}) for i, f in enumerate(self.feeds)]
+
+
+# numpy dtypes (ml_dtypes) that onnxruntime's Python binding cannot take as feeds ("Numpy_type 256
+# can't be converted to MLDataType"): passed as OrtValues of the onnx type over the same bytes
+_ORT_VIEW_TYPES = {"bfloat16": (np.uint16, onnx.TensorProto.BFLOAT16),
+                   "float8_e4m3fn": (np.uint8, onnx.TensorProto.FLOAT8E4M3FN),
+                   "float8_e4m3fnuz": (np.uint8, onnx.TensorProto.FLOAT8E4M3FNUZ),
+                   "float8_e5m2": (np.uint8, onnx.TensorProto.FLOAT8E5M2),
+                   "float8_e5m2fnuz": (np.uint8, onnx.TensorProto.FLOAT8E5M2FNUZ)}
+
+
+def ort_feeds(feeds: dict) -> dict:
+    """`feeds` with arrays of the dtypes above as OrtValues (each keeps its array alive: the
+    OrtValue does not copy)."""
+    out = dict(feeds)
+    for name, arr in feeds.items():
+        view = _ORT_VIEW_TYPES.get(getattr(getattr(arr, "dtype", None), "name", None))
+        if view is not None:
+            import onnxruntime as ort
+
+            raw = np.ascontiguousarray(arr).view(view[0])
+            out[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, view[1])
+            out[name]._surgeon_keepalive = raw
+    return out
 
 
 def replacements(infos: dict[str, "TensorInfo"], choice: dict[str, int], n_folds: int = 1):

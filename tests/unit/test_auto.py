@@ -252,3 +252,20 @@ def test_ir3_model_weights_are_overridable_in_trials():
     assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.99
     onnx.checker.check_model(out, full_check=True)
 
+
+def test_bfloat16_weights_are_fed_to_trials():
+    """onnxruntime's Python binding takes no ml_dtypes.bfloat16 feed: trials pass such weights as
+    OrtValues of onnx type BFLOAT16 over the same bytes."""
+    import ml_dtypes
+
+    from passes import sensitivity as sens
+
+    m, f = _unseen("bfloat16")
+    w = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
+    fed = sens.ort_feeds({"W": w, "X": np.ones(2, np.float32)})
+    assert fed["W"].data_type() == "tensor(bfloat16)" and fed["W"].shape() == [2, 3]
+    assert isinstance(fed["X"], np.ndarray)
+    out, rep = passes.compress(m, target="cosine>=0.99", feeds=f)
+    assert rep["met_on_feeds"] and rep["per_tensor_allocation"]
+    assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.99
+    onnx.checker.check_model(out, full_check=True)
