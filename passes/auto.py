@@ -43,7 +43,7 @@ import onnx.numpy_helper
 
 from . import sensitivity as sens
 from ._fileio import load_model
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidModelError
 from .report import Report, TensorChange
 
 DEFAULT_BITS = (3, 4, 5, 6, 7, 8)
@@ -331,7 +331,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     run_as: how candidates are measured, as in passes.fidelity.evaluate: "onnxruntime" (the file as
     onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it)."""
     from .fidelity import (RUN_AS, check_feeds, load_feeds, output_snr_db, parse_requirements, run_outputs,
-                           synthesize_feeds)
+                           runnable_feeds)
     from .fold import fold_dequantize
     from .quantize import quantize_weights
 
@@ -359,7 +359,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
 
     synthesized = feeds is None
     if feeds is None:
-        feeds = synthesize_feeds(src, n=n_synthesized)
+        # at the smallest dynamic size the model runs at (an audio model's reflect Pad or 512-tap
+        # Conv refuses 64 samples)
+        feeds = runnable_feeds(src, n=n_synthesized)
         notes.append(f"no feeds given: {n_synthesized} synthesised random inputs; fidelity on real data is unmeasured")
     elif isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
         feeds = load_feeds(feeds, src)
@@ -383,7 +385,13 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     src = _constants_to_initializers(src)
     probe, n_out, proxy_plan = probe_outputs(src)
 
-    ref = run_outputs(probe, feeds)
+    try:
+        ref = run_outputs(probe, feeds)
+    except InvalidModelError as exc:
+        if synthesized:
+            raise InvalidArgumentError(f"the original model does not run on synthesised inputs ({exc}); "
+                                       "pass real feeds (--feeds)") from None
+        raise
     lap("reference")
 
     def check(ref_outs, outs, reqs_):

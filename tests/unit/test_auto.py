@@ -269,3 +269,33 @@ def test_bfloat16_weights_are_fed_to_trials():
     assert rep["met_on_feeds"] and rep["per_tensor_allocation"]
     assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.99
     onnx.checker.check_model(out, full_check=True)
+
+
+def _long_audio_conv():
+    """The 256-tap audio Conv pattern at a dynamic length: it does not run on 64 samples."""
+    m, _ = _unseen("one_input_channel_conv")
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    m.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "samples"
+    m.graph.output[0].type.tensor_type.shape.dim[2].dim_param = "frames"
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_without_feeds_synthesises_a_length_the_model_runs_at():
+    """Without feeds the auto mode synthesises inputs at the smallest dynamic size the model runs
+    at (fidelity.runnable_feeds): 256 samples for a 256-tap Conv, not the 64 it refuses."""
+    m = _long_audio_conv()
+    out, rep = passes.compress(m, target="snr>=25")
+    assert rep["synthesized_feeds"] and rep["met_on_feeds"] and rep["fidelity"]["snr"] >= 25
+    onnx.checker.check_model(out, full_check=True)
+
+
+def test_without_feeds_a_model_no_size_runs_asks_for_real_feeds(monkeypatch):
+    """When the original does not run even on runnable_feeds' inputs, the error says to pass real
+    feeds, as fidelity.evaluate does."""
+    from passes import fidelity
+
+    m = _long_audio_conv()
+    monkeypatch.setattr(fidelity, "runnable_feeds", lambda model, n=4, seed=0, **kw: fidelity.synthesize_feeds(model, n=n))
+    with pytest.raises(InvalidArgumentError, match=r"synthesised inputs.*pass real feeds \(--feeds\)"):
+        passes.compress(m, target="snr>=25")
