@@ -18,8 +18,8 @@
  * 256 spill registers and are slower).
  * Every lane ends at state 2^16 and every word is consumed: the decoder checks both.
  *
- * All decoders (scalar, AVX2, AVX-512: chosen at run time) give identical output; the encoder has
- * one implementation, mirrored bit for bit by the numpy version in codecs.py.
+ * All decoders (scalar, AVX2, AVX-512: chosen at run time) give identical output. The encoder is
+ * in _encode.c (module passes.onnxz._encode), mirrored bit for bit by the numpy one in ans.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,72 +40,12 @@
 
 /* ---------------------------------------------------------------- frequency table */
 
-/* counts -> frequencies summing to 4096 (each present symbol >= 1). Mirrored in codecs.py. */
-static void normalise(const uint64_t *counts, uint64_t total, uint32_t *freq) {
-    int64_t sum = 0;
-    for (int s = 0; s < 256; s++) {
-        freq[s] = 0;
-        if (counts[s]) {
-            uint64_t f = (counts[s] * PROB_SCALE + total / 2) / total;
-            freq[s] = f ? (uint32_t)f : 1;
-            sum += freq[s];
-        }
-    }
-    int64_t diff = (int64_t)PROB_SCALE - sum;
-    int best = 0;
-    for (int s = 1; s < 256; s++) if (freq[s] > freq[best]) best = s;
-    if (diff > 0) freq[best] += (uint32_t)diff;
-    while (diff < 0) { /* take from the currently largest, one at a time */
-        best = 0;
-        for (int s = 1; s < 256; s++) if (freq[s] > freq[best]) best = s;
-        freq[best]--;
-        diff++;
-    }
-}
-
-typedef struct { uint8_t *buf; size_t pos, cap; uint32_t acc; int bits; } BitWriter;
-
-static void bw_put(BitWriter *w, uint32_t v, int nbits) {
-    w->acc |= v << w->bits;
-    w->bits += nbits;
-    while (w->bits >= 8) { w->buf[w->pos++] = (uint8_t)w->acc; w->acc >>= 8; w->bits -= 8; }
-}
-
-/* table: nsym-1; symbols (a list when nsym < 32, else a 32-byte bitmap); the frequencies of all
- * symbols but the last, each as k = floor(log2 f) coded against the previous symbol's k (zigzag
- * of the difference in unary: z zeros then a one; k before the first is 4), then the k bits of f
- * below its top bit. Neighbouring symbols have similar frequencies: ~2 bits per k instead of 4
- * (the table is most of the overhead on small tensors). */
-static size_t write_table(const uint32_t *freq, uint8_t *dst) {
-    int nsym = 0;
-    uint8_t syms[256];
-    for (int s = 0; s < 256; s++) if (freq[s]) syms[nsym++] = (uint8_t)s;
-    size_t pos = 0;
-    dst[pos++] = (uint8_t)(nsym - 1);
-    if (nsym < 32) {
-        memcpy(dst + pos, syms, nsym);
-        pos += nsym;
-    } else {
-        memset(dst + pos, 0, 32);
-        for (int i = 0; i < nsym; i++) dst[pos + (syms[i] >> 3)] |= (uint8_t)(1u << (syms[i] & 7));
-        pos += 32;
-    }
-    BitWriter w = {dst, pos, 0, 0, 0};
-    int prev = 4;
-    for (int i = 0; i < nsym - 1; i++) {
-        uint32_t f = freq[syms[i]];
-        int k = 31 - __builtin_clz(f), d = k - prev;
-        int z = d >= 0 ? 2 * d : -2 * d - 1;
-        for (; z >= 8; z -= 8) bw_put(&w, 0, 8);
-        bw_put(&w, 1u << z, z + 1);
-        if (k) bw_put(&w, f & ((1u << k) - 1), k);
-        prev = k;
-    }
-    if (w.bits) w.buf[w.pos++] = (uint8_t)w.acc;
-    return w.pos;
-}
-
-/* the inverse; NULL or an error message */
+/* Read a frequency table (FORMAT.md 3.1; written by _encode.c): nsym-1; symbols (a list when
+ * nsym < 32, else a 32-byte bitmap); the frequencies of all symbols but the last, each as
+ * k = floor(log2 f) coded against the previous symbol's k (zigzag of the difference in unary:
+ * z zeros then a one; k before the first is 4), then the k bits of f below its top bit.
+ * Neighbouring symbols have similar frequencies: ~2 bits per k instead of 4 (the table is most of
+ * the overhead on small tensors). NULL or an error message. */
 static const char *read_table(const uint8_t *b, size_t len, size_t *at, uint32_t *freq) {
     size_t pos = *at;
     memset(freq, 0, 256 * sizeof(uint32_t));
@@ -156,51 +96,6 @@ static const char *read_table(const uint8_t *b, size_t len, size_t *at, uint32_t
     freq[syms[nsym - 1]] = PROB_SCALE - sum;
     *at = pos;
     return NULL;
-}
-
-/* ---------------------------------------------------------------- encoder */
-
-size_t onnxz_ans_bound(size_t n) { return 2 + 1 + 32 + 256 * 2 + 4 * MAX_LANES + 2 * n + 16; }
-
-/* Encode n >= 1 symbols with 2^lanes_log2 lanes into dst (onnxz_ans_bound(n) bytes); returns the
- * blob size. */
-size_t onnxz_ans_encode(const uint8_t *src, size_t n, int lanes_log2, uint8_t *dst) {
-    uint64_t counts[256] = {0};
-    for (size_t i = 0; i < n; i++) counts[src[i]]++;
-    int nsym = 0, only = 0;
-    for (int s = 0; s < 256; s++) if (counts[s]) { nsym++; only = s; }
-    if (nsym == 1) {
-        dst[0] = 0;
-        dst[1] = (uint8_t)only;
-        return 2;
-    }
-    uint32_t freq[256], cum[256];
-    normalise(counts, n, freq);
-    uint32_t c = 0;
-    for (int s = 0; s < 256; s++) { cum[s] = c; c += freq[s]; }
-    int lanes = 1 << lanes_log2;
-    size_t pos = 0;
-    dst[pos++] = (uint8_t)(lanes_log2 + 1);
-    pos += write_table(freq, dst + pos);
-    /* words are produced last symbol first: written backwards from the end of a scratch area */
-    size_t cap = n + 1;
-    uint16_t *words = (uint16_t *)malloc(cap * sizeof(uint16_t));
-    if (!words) return 0;
-    size_t wp = cap;
-    uint32_t x[MAX_LANES];
-    for (int j = 0; j < lanes; j++) x[j] = RANS_L;
-    for (size_t i = n; i-- > 0;) {
-        int j = (int)(i & (size_t)(lanes - 1));
-        uint32_t s = src[i], f = freq[s];
-        uint32_t v = x[j];
-        if (v >= (f << 20)) { words[--wp] = (uint16_t)v; v >>= 16; }
-        x[j] = ((v / f) << PROB_BITS) + (v % f) + cum[s];
-    }
-    for (int j = 0; j < lanes; j++) { memcpy(dst + pos, &x[j], 4); pos += 4; }
-    memcpy(dst + pos, words + wp, (cap - wp) * 2);
-    pos += (cap - wp) * 2;
-    free(words);
-    return pos;
 }
 
 /* ---------------------------------------------------------------- decoder */
@@ -586,29 +481,6 @@ const char *onnxz_ans_decode_pairs(const uint8_t *table, const uint8_t *ranks, s
 }
 
 /* ---------------------------------------------------------------- Python wrappers */
-
-/* ans_encode(data, lanes_log2) -> bytes */
-PyObject *onnxz_py_ans_encode(PyObject *self, PyObject *args) {
-    Py_buffer src;
-    int lanes_log2;
-    if (!PyArg_ParseTuple(args, "y*i", &src, &lanes_log2)) return NULL;
-    if (lanes_log2 < 0 || lanes_log2 > 7 || src.len < 1) {
-        PyBuffer_Release(&src);
-        PyErr_SetString(PyExc_ValueError, "ans_encode: lanes_log2 in 0..7 and at least one symbol");
-        return NULL;
-    }
-    size_t n = (size_t)src.len;
-    uint8_t *dst = (uint8_t *)malloc(onnxz_ans_bound(n));
-    if (!dst) { PyBuffer_Release(&src); return PyErr_NoMemory(); }
-    size_t len;
-    Py_BEGIN_ALLOW_THREADS
-    len = onnxz_ans_encode((const uint8_t *)src.buf, n, lanes_log2, dst);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyObject *r = len ? PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)len) : PyErr_NoMemory();
-    free(dst);
-    return r;
-}
 
 /* One ans chunk given as np_ plane buffers (with pairs: table, ranks, escapes, planes 1..w-1) into
  * out (outlen bytes). NULL or what is damaged; *bad_args set (and NULL returned) when the planes do

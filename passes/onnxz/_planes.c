@@ -425,7 +425,6 @@ static PyMethodDef methods[] = {
     {"unsplit", py_unsplit, METH_VARARGS, "unsplit(ranks, classes, sub, sizes, out) -> bool: plane from class sub-planes"},
     {"merge_list", py_merge_list, METH_VARARGS, "merge_list(planes, sign_move, out): interleave separate planes into out"},
     {"pairs_merge", py_pairs_merge, METH_VARARGS, "pairs_merge(table, ranks, escapes, rest, out) -> bool: fpairs chunk into out"},
-    {"ans_encode", onnxz_py_ans_encode, METH_VARARGS, "ans_encode(data, lanes_log2) -> bytes: one plane as an ans blob (FORMAT.md 3.1)"},
     {"ans_decode", onnxz_py_ans_decode, METH_VARARGS, "ans_decode(planes, sign_move, pairs, out) -> None or str: an ans chunk into out; a str names the damage"},
     {"ans_decode_batch", onnxz_py_ans_decode_batch, METH_VARARGS, "ans_decode_batch(source, scratch, tasks) -> None or (i, code, message): many ans chunks read, checked (XXH3-64) and decoded, GIL released"},
     {"ans_decode_shared", onnxz_py_ans_decode_shared, METH_VARARGS, "ans_decode_shared(planes, tables, sign_move, out) -> None or str: an ans_shared chunk (blobs without their shared tables) into out"},

@@ -19,7 +19,6 @@ void onnxz_merge_ptrs_nt(const uint8_t *const *p, Py_ssize_t n, int w, int sign_
 
 void onnxz_ans_init(void);
 int onnxz_ans_simd_level(void); /* 0 scalar, 1 AVX2, 2 AVX-512 */
-PyObject *onnxz_py_ans_encode(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_simd(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args);

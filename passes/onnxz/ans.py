@@ -1,9 +1,8 @@
 """Static order-0 rANS planes of the `.onnxz` codec `ans` (FORMAT.md section 3.1).
 
-The compiled coder lives in _ans.c (module _planes): decode 1-2.5 GB/s per core with AVX2/AVX-512
-(chosen at run time; scalar otherwise, same bytes), encode ~200-400 MB/s; the writer encodes with
-_encode.c (module _encode: 1.6-2x faster, the same blobs, own and shared tables). This module is their
-numpy mirror, used when the extension was not built: the same blobs bit for bit (the encoder's
+The compiled decoder lives in _ans.c (module _planes): 1-2.5 GB/s per core with AVX2/AVX-512
+(chosen at run time; scalar otherwise, same bytes); the encoder in _encode.c (module _encode:
+own and shared tables). This module is their numpy mirror, used when the extension was not built: the same blobs bit for bit (the encoder's
 frequency normalisation, table layout and lane order are copied exactly), vectorised across the
 lanes, one Python step per 32 symbols: slow (~1-3 MB/s) but correct. Tests compare the two.
 """
@@ -18,13 +17,9 @@ PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 16
 MAX_LANES_LOG2 = 7
 
-try:
-    from . import _planes as _fast
-except ImportError:  # not built: numpy does it
-    _fast = None
-try:  # the writer's coders (same blobs; branch-free renormalisation, no divide: 1.1-2x _planes')
+try:  # the writer's coders in C (same blobs as the numpy ones below)
     from . import _encode as _enc
-except ImportError:
+except ImportError:  # not built: numpy does it
     _enc = None
 
 
@@ -91,8 +86,6 @@ def encode(sym: np.ndarray, lanes_log2: Optional[int] = None) -> bytes:
         lanes_log2 = lanes_log2_for(n)
     if _enc is not None:
         return _enc.ans_encode(sym, lanes_log2)
-    if _fast is not None:
-        return _fast.ans_encode(sym, lanes_log2)
     return encode_numpy(sym, lanes_log2)
 
 

@@ -21,13 +21,13 @@ needs_c = pytest.mark.skipif(C is None, reason="the C extension passes.onnxz._pl
 
 @contextlib.contextmanager
 def without_c():
-    """codecs and ans as they run when the extension was not built."""
-    saved = codecs._fast, ans._fast
-    codecs._fast = ans._fast = None
+    """codecs and ans as they run when the extensions were not built."""
+    saved = codecs._fast, codecs._enc, ans._enc
+    codecs._fast = codecs._enc = ans._enc = None
     try:
         yield
     finally:
-        codecs._fast, ans._fast = saved
+        codecs._fast, codecs._enc, ans._enc = saved
 
 
 @contextlib.contextmanager
@@ -63,13 +63,13 @@ def _levels():
 
 # ------------------------------------------------------------------ the coder itself
 
-@needs_c
+@pytest.mark.skipif(ans._enc is None, reason="the C extension passes.onnxz._encode is not built")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 1000, 4097, 70001, 140000])
 def test_c_and_numpy_encoders_write_the_same_blob(kind, n):
     sym = _symbols(kind, n)
     for lanes_log2 in sorted({0, 2, 5, 6, 7, ans.lanes_log2_for(n)}):
-        assert C.ans_encode(sym, lanes_log2) == ans.encode_numpy(sym, lanes_log2), lanes_log2
+        assert ans.encode(sym, lanes_log2) == ans.encode_numpy(sym, lanes_log2), lanes_log2
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,6 +1,5 @@
 """The writer's compiled helpers (passes.onnxz._encode) against their numpy mirrors: the same
 blobs, histograms and Huffman costs, so a pack is the same bytes with or without the extension."""
-import heapq
 
 import numpy as np
 import pytest
@@ -29,14 +28,12 @@ KINDS = ("uniform", "narrow", "sparse", "skewed")
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", [1, 2, 31, 1024, 5000, 70001])
-def test_ans_encode_gives_the_blobs_of_the_other_coders(kind, n):
+def test_ans_encode_gives_the_numpy_blob(kind, n):
     rng = np.random.default_rng(n)
     sym = _symbols(rng, kind, n)
     for lanes_log2 in (0, 2, 5, 7):
         blob = _enc.ans_encode(sym, lanes_log2)
         assert blob == ans.encode_numpy(sym, lanes_log2), lanes_log2
-        if ans._fast is not None:
-            assert blob == ans._fast.ans_encode(sym, lanes_log2), lanes_log2
     assert ans.encode(sym) == ans.encode_numpy(sym, ans.lanes_log2_for(n))
 
 
@@ -77,25 +74,15 @@ def test_hist_counts_each_block(block):
     assert np.array_equal(codecs.byte_counts(data), np.bincount(data, minlength=256))
 
 
-def _heap_huffman(counts) -> int:
-    heap = [int(c) for c in counts if c]
-    if len(heap) < 2:
-        return 0
-    heapq.heapify(heap)
-    total = 0
-    while len(heap) > 1:
-        merged = heapq.heappop(heap) + heapq.heappop(heap)
-        total += merged
-        heapq.heappush(heap, merged)
-    return total
-
-
 def test_huffman_bits_match_the_heap_construction():
     rng = np.random.default_rng(3)
     rows = [rng.integers(0, 1000, 256) * (rng.random(256) < p) for p in (0.01, 0.1, 0.5, 1.0)]
     rows += [np.zeros(256, np.int64), np.eye(256, dtype=np.int64)[5] * 9, rng.integers(0, 3, 256)]
     counts = np.stack(rows).astype(np.int64)
-    assert codecs._huffman_bits_rows(counts) == [_heap_huffman(c) for c in counts]
+    assert codecs._huffman_bits_rows(counts) == [codecs._huffman_bits(c) for c in counts]
+    # the heap construction itself: counts 1, 1, 2 merge to 2 then 4, 6 bits in all; 5, 5: 10
+    assert codecs._huffman_bits(np.array([1, 1, 2] + [0] * 253)) == 6
+    assert codecs._huffman_bits(np.array([5, 0, 5] + [0] * 253)) == 10
 
 
 def test_table_size_is_the_written_table_length():
