@@ -327,14 +327,22 @@ class InferenceSession(ort.InferenceSession):
 
                 _wait_weights(split, self.source)
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
-            from .runtime_fold import constants_to_initializers, fold_into, has_foldable, plan_fold
+            from .runtime_fold import (constants_to_initializers, fold_into, has_foldable, onnxruntime_folds_all,
+                                       plan_fold)
 
-            if has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
+            converting = target is not None and target != own_dtype  # the converter must see float weights
+            # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
+            share_planned = not (own_dtype == np.float16 and not self.on_gpu)
+            if not has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
+                pass
+            elif not (share_planned or converting or self.on_gpu) and onnxruntime_folds_all(split):
+                # ... the small ones too: the model goes to onnxruntime as it is, its weights streamed
+                # as they decode (session.disable_quant_qdq=1 makes its constant folding fold every
+                # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit)
+                options.add_session_config_entry("session.disable_quant_qdq", "1")
+            else:
                 _wait_weights(split, self.source)
                 constants_to_initializers(split)
-                converting = target is not None and target != own_dtype  # the converter must see float weights
-                # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
-                share_planned = not (own_dtype == np.float16 and not self.on_gpu)
                 deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
                 fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
         else:

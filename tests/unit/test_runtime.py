@@ -325,6 +325,88 @@ def test_float16_fold_on_cpu_lets_onnxruntime_fold(tmp_path):
         np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp_path):
+    """float16 on a CPU with only DequantizeLinear to fold: the model goes to onnxruntime as it is
+    (small weights and a Constant-node scale included); outputs identical to the folded model's."""
+    big = _w((256, 64), 31)
+    big_scale = (np.abs(big).max(axis=0) / 127).astype(np.float16)
+    big_q = np.clip(np.round(big / big_scale.astype(np.float32)), -127, 127).astype(np.int8)
+    small_q = np.random.default_rng(32).integers(-127, 128, (64,), dtype=np.int8)
+    inits = [numpy_helper.from_array(big_q, "Wq"), numpy_helper.from_array(big_scale, "Ws"),
+             numpy_helper.from_array(small_q, "Bq")]
+    nodes = [helper.make_node("Constant", [], ["Bs"], value=numpy_helper.from_array(np.array(0.01, np.float16))),
+             helper.make_node("DequantizeLinear", ["Wq", "Ws"], ["W"], axis=1),
+             helper.make_node("DequantizeLinear", ["Bq", "Bs"], ["B"]),
+             helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "B"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4, 256])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [4, 64])], inits, opset=19)
+    path = tmp_path / "fp16.q8.onnx"
+    onnx.save(m, str(path))
+    feeds = [{"x": np.random.default_rng(i).standard_normal((4, 256)).astype(np.float16)} for i in range(2)]
+    session = passes.InferenceSession(path, mode="fold")
+    assert session.dtype == np.float16
+    assert session.op_counts.get("DequantizeLinear") == 2 and session.op_counts.get("Constant") == 1
+    for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(m), feeds)):
+        np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_onnxruntime_folds_all_only_plain_dequantize_graphs():
+    """Activations quantized (QuantizeLinear), a palette or a subgraph: folded here, not left to
+    onnxruntime."""
+    from passes.runtime_feed import split_model
+    from passes.runtime_fold import onnxruntime_folds_all
+
+    q = numpy_helper.from_array(np.ones((64, 64), np.int8), "Wq")
+    s = numpy_helper.from_array(np.array(0.5, np.float16), "Ws")
+    dq = helper.make_node("DequantizeLinear", ["Wq", "Ws"], ["W"])
+    mm = helper.make_node("MatMul", ["x", "W"], ["y"])
+    io = ([helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 64])],
+          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 64])])
+    assert onnxruntime_folds_all(split_model(_model([dq, mm], *io, [q, s], opset=19)))
+    quant = [helper.make_node("QuantizeLinear", ["x", "Ws"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "Ws"], ["xd"]), dq,
+             helper.make_node("MatMul", ["xd", "W"], ["y"])]
+    assert not onnxruntime_folds_all(split_model(_model(quant, *io, [q, s], opset=19)))
+    table = numpy_helper.from_array(np.linspace(-1, 1, 16).astype(np.float16), "T")
+    idx = numpy_helper.from_array(np.zeros((64, 64), np.uint8), "I")
+    palette = [helper.make_node("Cast", ["I"], ["Ii"], to=TensorProto.INT32),
+               helper.make_node("Gather", ["T", "Ii"], ["W"]), mm]
+    assert not onnxruntime_folds_all(split_model(_model(palette, *io, [table, idx], opset=19)))
+    body = helper.make_graph([helper.make_node("Identity", ["W"], ["z"])], "b", [],
+                             [helper.make_tensor_value_info("z", TensorProto.FLOAT16, [64, 64])])
+    cond = numpy_helper.from_array(np.array(True), "c")
+    branch = [dq, helper.make_node("If", ["c"], ["W2"], then_branch=body, else_branch=body),
+              helper.make_node("MatMul", ["x", "W2"], ["y"])]
+    assert not onnxruntime_folds_all(split_model(_model(branch, *io, [q, s, cond], opset=19)))
+
+
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_float16_dequantize_bits_match_onnxruntime(zero_point):
+    """The arithmetic fold_dequantize uses (passes.forms) gives onnxruntime's DequantizeLinear bits
+    for float16 output, at the edges too: subnormal and zero results, overflow to infinity, ties."""
+    from passes import forms
+
+    rng = np.random.default_rng(7)
+    q = rng.integers(-128, 128, (12, 4096), dtype=np.int8)
+    q[:, :256] = np.arange(-128, 128, dtype=np.int8)  # every level in every row
+    # per-row scales: subnormal products, products around the smallest normal, ordinary ones,
+    # products rounding to ties, and products beyond 65504 (infinity)
+    scale = np.array([1e-7, 6e-8, 3e-6, 4.5e-7, 2.3e-4, 0.01, 0.37, 1.0, 255.0, 515.0, 600.0, 65504.0], np.float16)
+    zp = rng.integers(-20, 20, (12,), dtype=np.int8) if zero_point else None
+    inits = [numpy_helper.from_array(scale, "s")] + ([numpy_helper.from_array(zp, "z")] if zero_point else [])
+    node = helper.make_node("DequantizeLinear", ["q", "s"] + (["z"] if zero_point else []), ["y"], axis=0)
+    m = _model([node], [helper.make_tensor_value_info("q", TensorProto.INT8, list(q.shape))],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, list(q.shape))], inits, opset=19)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(m.SerializeToString(), options, providers=CPU).run(None, {"q": q})[0]
+    with np.errstate(over="ignore"):
+        got = forms.dequantize_linear(q, scale, zp, 0, 0)
+    assert got.dtype == np.float16
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert np.isinf(want).any() and (want == 0).any() and (np.abs(want[want != 0]) < 6.1e-5).any()
+
+
 # ---------------------------------------------------------------------- int8 / int4
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
