@@ -21,7 +21,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._fileio import _safe_external_path, check_readable, parse_model_bytes
 from .errors import CorruptFileError, FileAccessError, InvalidModelError
+from .onnxz.protowire import WireError
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel, is_placeholder, placeholder
+# (imported with this module, not in the first session's clock: every read goes through it)
+from .runtime_wire import strip_main_graph_payloads
 
 PACKED_MAGIC = b"ONNXZ"
 
@@ -56,8 +59,6 @@ def _map_file(path: Path):
 
 
 def _cut_skeleton(buf, name: str):
-    from .onnxz.protowire import WireError
-    from .runtime_wire import strip_main_graph_payloads
 
     try:
         skeleton_bytes, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)
@@ -318,8 +319,6 @@ def _packed_skeleton(pf, name: str, big):
     _sparse_zeros) cost nothing, so a big payload never decoded costs no memory. The tensors the walk then strips are decoded later, together. A big
     payload the walk keeps inline (in a subgraph, or a layout that cannot be viewed) is decoded
     into the buffer too and the walk repeated (rare)."""
-    from .onnxz.protowire import WireError
-    from .runtime_wire import strip_main_graph_payloads
 
     size = pf.index.files[0].size
     buf = _sparse_zeros(size)
