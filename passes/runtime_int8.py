@@ -403,7 +403,10 @@ def _quantize_float_weights(split: SplitModel, bits: int) -> None:
     """Float weights of MatMul/Gemm/Gather/Conv become DequantizeLinear(int) in the graph."""
     from . import forms
 
-    if not _opset_at_least(split, 13):
+    # DequantizeLinear takes float16/bfloat16 scales (the weight's own dtype) from opset 19 only
+    narrow = any(w.dtype.kind == "f" and w.dtype != np.float32 and w.size >= MIN_QUANTIZE_ELEMENTS
+                 for w in split.weights.values())
+    if not _opset_at_least(split, 19 if narrow else 13):
         return
     graph = split.skeleton.graph
     uses = _consumers(graph)

@@ -536,6 +536,23 @@ def test_int8_quantizes_a_lossless_opset12_model_at_load(tmp_path):
     assert cosine(got, x @ w) > 0.999
 
 
+def test_int8_quantizes_float16_conv_weights_at_load(tmp_path):
+    """float16 weights get float16 scales, which DequantizeLinear takes from opset 19: the opset-13
+    skeleton is converted (it was left at 13 and onnxruntime refused the float16 scale)."""
+    w = _w((64, 32, 3, 3), 8).astype(np.float16)
+    nodes = [helper.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 32, 8, 8])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 64, 8, 8])],
+                   [numpy_helper.from_array(w, "W")], opset=13)
+    packed = tmp_path / "m.onnxz"
+    passes.pack(model, packed)
+    session = passes.InferenceSession(packed, mode="int8")
+    assert session.op_counts.get("DequantizeLinear") == 1
+    feeds = [{"x": np.random.default_rng(2).standard_normal((1, 32, 8, 8)).astype(np.float16)}]
+    got, want = run(session, feeds)[0][0], run_plain(model, feeds)[0][0]
+    assert cosine(got.astype(np.float32), want.astype(np.float32)) > 0.999
+
+
 def test_int4_blocked(files):
     f = files["dense"]
     feeds = feeds_for(f["model"])
