@@ -214,19 +214,23 @@ def test_copied_weights_travel_inside_the_model(files, monkeypatch):
         np.testing.assert_allclose(a[0], w[0], rtol=1e-6, atol=1e-6)
 
 
-def test_damaged_payload_of_a_pack(files, tmp_path):
-    """A weight chunk that fails its checksum: CorruptFileError, not a session."""
+def damage_biggest_weight(src, dst):
+    """A copy of pack `src` at `dst` with one byte flipped in its biggest weight's last chunk."""
     from passes.onnxz import open_packed
 
-    src = files["dense"]["floatz"]
     with open_packed(src) as packed:
         entry = max(packed.packed_file.index.tensors, key=lambda t: t.length)
         chunk = entry.stream.chunks[-1]
         offset = chunk.offset + sum(chunk.planes) // 2
     data = bytearray(src.read_bytes())
     data[offset] ^= 0xFF
-    bad = tmp_path / "bad.onnxz"
-    bad.write_bytes(bytes(data))
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_damaged_payload_of_a_pack(files, tmp_path):
+    """A weight chunk that fails its checksum: CorruptFileError, not a session."""
+    bad = damage_biggest_weight(files["dense"]["floatz"], tmp_path / "bad.onnxz")
     with pytest.raises(CorruptFileError):
         passes.InferenceSession(bad, mode="fold")
 

@@ -12,7 +12,7 @@ import passes
 from passes.errors import CorruptFileError
 from passes.runtime_source import read_split
 
-from test_runtime import conv_model, dense_model, feeds_for, run
+from test_runtime import conv_model, damage_biggest_weight, dense_model, feeds_for, run
 
 DECODE_THREAD = "passes-weight-decode"
 
@@ -77,26 +77,13 @@ def test_sessions_from_packs_match_the_sync_path(packs, name, key, mode):
         np.testing.assert_array_equal(a[0], b[0])
 
 
-def _damage_biggest_weight(src, dst):
-    from passes.onnxz import open_packed
-
-    with open_packed(src) as packed:
-        entry = max(packed.packed_file.index.tensors, key=lambda t: t.length)
-        chunk = entry.stream.chunks[-1]
-        offset = chunk.offset + sum(chunk.planes) // 2
-    data = bytearray(src.read_bytes())
-    data[offset] ^= 0xFF
-    dst.write_bytes(bytes(data))
-    return dst
-
-
 @pytest.mark.parametrize("name,key,mode", [("dense", "floatz", "fold"), ("conv", "floatz", "fold"),
                                            ("dense", "q8z", "fold"), ("dense", "q8z", "int8")])
 def test_damaged_weight_decoded_aside_is_refused(packs, tmp_path, name, key, mode):
     """The worker thread's checksum failure reaches the caller as CorruptFileError, whichever
     step waits for the weights (conv float: while its weights stream to onnxruntime); no decode
     thread is left behind."""
-    bad = _damage_biggest_weight(packs[name][key], tmp_path / f"bad.{key}")
+    bad = damage_biggest_weight(packs[name][key], tmp_path / f"bad.{key}")
     with pytest.raises(CorruptFileError):
         passes.InferenceSession(bad, mode=mode)
     assert not _decode_threads()
