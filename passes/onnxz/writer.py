@@ -23,7 +23,7 @@ from .._fileio import _safe_external_path, atomic_output, check_readable, check_
 from ..errors import FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
 from .format import HEADER_SIZE, VERSION, check_data_name, encode_index, pack_header
-from .protowire import TensorRef, WireError, find_tensors
+from .protowire import LEN, TensorRef, WireError, _skip, find_tensors, read_varint, write_varint
 
 MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhead would eat the gain
 SKELETON_CHUNK = 4 << 20
@@ -81,13 +81,16 @@ def _load_sources(model_or_path):
         p = check_readable(model_or_path)
         data = _read(p)
         base, label, name = p.parent, str(p), p.name
-        parse_model_bytes(data, str(p))  # refuse what is not an ONNX model
     else:
         raise InvalidArgumentError(f"expected an onnx.ModelProto or a path, got {type(model_or_path).__name__}")
     try:
         refs = find_tensors(data)
     except WireError as exc:
+        if base is not None:
+            parse_model_bytes(data, label)  # protobuf's own refusal first, as before
         raise InvalidModelError(f"{label} is not an ONNX model ({exc})") from None
+    if base is not None:
+        _check_model(data, refs, label)  # refuse what is not an ONNX model
     model = _Source(name, data)
     externals: Dict[str, _Source] = {}
     for ref in refs:
@@ -113,6 +116,70 @@ def _load_sources(model_or_path):
             raise InvalidModelError(f"tensor {ref.name!r} declares external bytes outside {location!r}")
         src.refs.append(ref)
     return model, list(externals.values()), label
+
+
+STRIP_MIN = 4096  # raw_data payloads at least this long are left out of the validation parse
+
+
+def _strip_message(buf, start: int, end: int, cuts, ci: int):
+    """(parts, length, next cut) of the message buf[start:end] with the LEN values cuts[ci:] that
+    lie in it emptied and the lengths of the messages around them rewritten. Only the fields up to
+    the last cut are read: the rest is copied as it is."""
+    parts, size = [], 0
+    pos = copy_from = start
+    while ci < len(cuts) and cuts[ci][0] < end:
+        key_start = pos
+        key, pos = read_varint(buf, pos, end)
+        if key & 7 != LEN:
+            pos = _skip(buf, key & 7, pos, end)
+            continue
+        key_end = pos
+        n, vstart = read_varint(buf, pos, end)
+        vend = vstart + n
+        if vend > end:
+            raise WireError("length-delimited field runs past the end of its message")
+        if vend <= cuts[ci][0]:
+            pos = vend
+            continue
+        if cuts[ci][0] < vstart or cuts[ci][1] > vend:
+            raise WireError("payload not inside a field")  # not where the walk found it: parse it all
+        parts.append(buf[copy_from:key_start])
+        parts.append(buf[key_start:key_end])
+        if (vstart, vend) == cuts[ci]:
+            parts.append(b"\0")
+            size += key_start - copy_from + key_end - key_start + 1
+            ci += 1
+        else:
+            sub, sub_size, ci = _strip_message(buf, vstart, vend, cuts, ci)
+            head = write_varint(sub_size)
+            parts.append(head)
+            parts.extend(sub)
+            size += key_start - copy_from + key_end - key_start + len(head) + sub_size
+        pos = copy_from = vend
+    parts.append(buf[copy_from:end])
+    return parts, size + end - copy_from, ci
+
+
+def _check_model(data, refs: List[TensorRef], label: str) -> None:
+    """Refuse what is not an ONNX model, as parse_model_bytes(data) would, without protobuf copying
+    every weight: the copy parsed has its large raw_data payloads emptied (protobuf checks nothing
+    inside a bytes field, so the copy parses exactly when the file does). Any refusal is then
+    confirmed by parsing the whole file, so the error is the one parse_model_bytes gives."""
+    cuts = sorted((r.offset, r.offset + r.length) for r in refs if r.field == "raw_data" and r.length >= STRIP_MIN)
+    if not cuts:
+        parse_model_bytes(memoryview(data), label)
+        return
+    try:
+        parts, _, ci = _strip_message(memoryview(data), 0, len(data), cuts, 0)
+        if ci != len(cuts):
+            raise WireError("payloads left over")
+    except WireError:
+        parse_model_bytes(memoryview(data), label)
+        return
+    try:
+        parse_model_bytes(b"".join(parts), label)
+    except InvalidModelError:
+        parse_model_bytes(memoryview(data), label)
 
 
 def _keys(refs: List[TensorRef]) -> List[str]:
