@@ -122,18 +122,32 @@ def _as_buffer(data) -> Optional[memoryview]:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+_gc_lock = threading.Lock()
+_gc_holders = 0  # calls inside _gc_held now, over all threads
+_gc_was_enabled = False  # the collector's state when the first of them came in
+
+
 @contextmanager
 def _gc_held():
     """The cyclic garbage collector held off (restored after): opening and restoring make
     thousands of small acyclic objects (index records, window and task tuples), enough to start
-    a collection or two per call (~0.1-0.3 ms: 3-5% of unpacking a small model)."""
-    was = gc.isenabled()
-    gc.disable()
+    a collection or two per call (~0.1-0.3 ms: 3-5% of unpacking a small model). Counted over
+    threads: the state is read when the first holder comes in and put back when the last leaves
+    (a per-call isenabled()/disable() pair raced with another thread's enable() and could leave
+    the collector off for good)."""
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def _read_index(frame, header, limit: int) -> Index:
