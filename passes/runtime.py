@@ -301,10 +301,9 @@ class InferenceSession(ort.InferenceSession):
         try:
             return self._rewrite(split, sess_options, share)
         except BaseException:
-            try:
-                split.wait_weights()  # (the decode thread must not outlive a failed load)
-            except Exception:
-                pass
+            pending, split.pending = split.pending, None
+            if pending is not None:  # the decode thread must not outlive a failed load: it stops
+                pending.abandon()    # after its current batch (see BackgroundDecode.abandon)
             raise
 
     def _rewrite(self, split, sess_options, share):

@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ._fileio import _safe_external_path, check_readable, parse_model_bytes
-from .errors import CorruptFileError, FileAccessError, InvalidModelError
+from .errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
 from .onnxz.protowire import WireError
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel, is_placeholder, placeholder
 # (imported with this module, not in the first session's clock: every read goes through it)
@@ -217,10 +217,13 @@ class BackgroundDecode:
                 self._position[id(self._outs[(t.file, t.offset)][1])] = (k, len(self._position))
         self._done = [threading.Event() for _ in batches]
         self._error = None
+        self._stop = False  # abandon(): the batches not started are not decoded
 
         def run():
             try:
                 for batch, done in zip(batches, self._done):
+                    if self._stop:
+                        raise InvalidArgumentError("the weights' decode was abandoned (a failed load)")
                     pf.tensors_bytes(batch, [self._outs[(t.file, t.offset)][1] for t in batch])
                     done.set()
             except BaseException as exc:  # reported by ready() and wait()
@@ -281,6 +284,9 @@ class BackgroundDecode:
             raise error
 
     def abandon(self) -> None:
+        """On a failed load: the batch being decoded finishes, the others are skipped (a large
+        model's whole decode no longer runs before the error or Ctrl-C reaches the caller)."""
+        self._stop = True
         try:
             self.wait()
         except BaseException:
