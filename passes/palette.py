@@ -117,6 +117,13 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     names = graph.NameAllocator(graph.all_names(out))
     for info in reversed(infos):
         _palettize_graph(info, consumers, exact, names, bits, group_rows, min_elements, inc, exc, report)
+    if out.ir_version < 4 and any(t.name not in {i.name for i in gi.graph.input}
+                                  for gi in graph.iter_graphs(out) for t in gi.graph.initializer):
+        # IR 3 wants every initializer listed as a graph input (its checker refuses the tables,
+        # indices and hoisted Constants otherwise); IR 4 does not, and keeps the listed ones as they were
+        if report is not None:
+            report.note(f"IR version raised from {out.ir_version} to 4: the new initializers are not graph inputs")
+        out.ir_version = 4
     return out
 
 
@@ -183,9 +190,9 @@ def _dense_float_constant(node: onnx.NodeProto, min_elements: int) -> onnx.Tenso
 
 
 def _hoist_constants(g: onnx.GraphProto, min_elements: int) -> int:
-    """Move the main graph's large float Constant-node weights into initializers named like the
-    node's output (the same values, visible to the same nodes: initializers are in scope
-    everywhere in the graph). Exporters such as paddle2onnx keep every weight in a Constant."""
+    """Move the large float Constant-node weights of graph `g` (the main graph or a subgraph)
+    into initializers named like the node's output (the same values, visible to the same nodes:
+    initializers are in scope everywhere in the graph). Exporters such as paddle2onnx keep every weight in a Constant."""
     taken = {t.name for t in g.initializer} | {i.name for i in g.input}
     keep, moved = [], []
     for node in g.node:

@@ -1,0 +1,37 @@
+"""palettize on an IR 3 model whose weights are Constant nodes: the new initializers (tables,
+indices) are not graph inputs, which IR 3 requires; the model is raised to IR 4 and checks."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes.report import Report
+
+
+def _ir3_constant_weight_model():
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("Constant", [], ["W"], value=numpy_helper.from_array(w, "W")),
+             helper.make_node("MatMul", ["x", "W"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
+    m.ir_version = 3
+    onnx.checker.check_model(m, full_check=True)
+    return m, w
+
+
+def test_palettize_ir3_constant_weights_checks_and_runs():
+    m, w = _ir3_constant_weight_model()
+    rep = Report()
+    p = passes.palettize(m, bits=4, min_elements=256, report=rep)
+    assert any(t.name.startswith("W_palette") for t in p.graph.initializer)  # it was palettized
+    assert p.ir_version == 4 and any("IR version raised" in n for n in rep.notes)
+    onnx.checker.check_model(p, full_check=True)
+    folded = passes.fold_palettes(p)
+    onnx.checker.check_model(folded, full_check=True)
+    x = np.ones((1, 64), np.float32)
+    a = ort.InferenceSession(p.SerializeToString()).run(None, {"x": x})[0]
+    b = ort.InferenceSession(folded.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(a, b)
+    assert m.ir_version == 3  # the input model is not changed
