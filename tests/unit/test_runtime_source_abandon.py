@@ -31,7 +31,10 @@ def _many_weights_model(n=8, size=64):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_failed_load_stops_the_background_decode(tmp_path, monkeypatch):
+@pytest.fixture
+def slow_pack(tmp_path, monkeypatch):
+    """A pack of 8 weights decoded aside one per batch, each batch slowed down: (path, batch sizes
+    decoded so far, an event set when the first batch starts)."""
     src, packed = tmp_path / "m.onnx", tmp_path / "m.onnxz"
     onnx.save(_many_weights_model(), str(src))
     passes.pack(str(src), str(packed))
@@ -46,11 +49,17 @@ def test_failed_load_stops_the_background_decode(tmp_path, monkeypatch):
             time.sleep(0.05)
         return original(self, entries, outs)
 
+    monkeypatch.setattr(PackedFile, "tensors_bytes", slow_tensors_bytes)
+    return packed, decoded, first
+
+
+def test_failed_load_stops_the_background_decode(slow_pack, monkeypatch):
+    packed, decoded, first = slow_pack
+
     def failing_skeleton(pf, name, big):
         first.wait(5)  # the decode has started
         raise CorruptFileError("damaged .onnxz file: its model does not parse (test)")
 
-    monkeypatch.setattr(PackedFile, "tensors_bytes", slow_tensors_bytes)
     monkeypatch.setattr(runtime_source, "_packed_skeleton", failing_skeleton)
     with pytest.raises(CorruptFileError, match="does not parse"):
         runtime_source.read_split(packed, background=True)
@@ -58,29 +67,16 @@ def test_failed_load_stops_the_background_decode(tmp_path, monkeypatch):
     assert 1 <= len(decoded) < 8  # the batch in progress finished, the rest were skipped
 
 
-def test_failed_session_load_stops_the_background_decode(tmp_path, monkeypatch):
+def test_failed_session_load_stops_the_background_decode(slow_pack, monkeypatch):
     from passes import runtime_fold
     from passes.errors import InvalidModelError
 
-    src, packed = tmp_path / "m.onnx", tmp_path / "m.onnxz"
-    onnx.save(_many_weights_model(), str(src))
-    passes.pack(str(src), str(packed))
-    monkeypatch.setattr(runtime_source.BackgroundDecode, "BATCH_BYTES", 1)
-    decoded, first = [], threading.Event()
-    original = PackedFile.tensors_bytes
-
-    def slow_tensors_bytes(self, entries, outs=None):
-        if threading.current_thread().name == DECODE_THREAD:
-            decoded.append(len(entries))
-            first.set()
-            time.sleep(0.05)
-        return original(self, entries, outs)
+    packed, decoded, first = slow_pack
 
     def failing_walk(split):
         first.wait(5)
         raise InvalidModelError("test: the rewrite failed")
 
-    monkeypatch.setattr(PackedFile, "tensors_bytes", slow_tensors_bytes)
     monkeypatch.setattr(runtime_fold, "has_foldable", failing_walk)
     with pytest.raises(InvalidModelError, match="rewrite failed"):
         passes.InferenceSession(packed)
