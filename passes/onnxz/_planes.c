@@ -1,15 +1,15 @@
-/* Byte-plane split and merge for the .onnxz codecs `planes` and `fplanes` (FORMAT.md section 3).
+/* Byte-plane merges for the .onnxz codecs `planes` and `fplanes` (FORMAT.md section 3): the decode side
+ * (the writer's split is _encode.split).
  *
  * Why C: interleaving byte planes is a strided byte copy, which numpy runs at ~1 GB/s on these
  * machines (measured: 0.7-1.0 GB/s for the merge alone), below the unpack speed the pack stage
- * promises. This loop runs at memory speed. passes/onnxz/planes.py holds the numpy version used
+ * promises. This loop runs at memory speed. passes/onnxz/codecs.py holds the numpy version used
  * when this module was not built; both produce identical bytes (tested).
  *
- * split(data, width, sign_move, out)   data: n*width bytes; out: width planes of n bytes, back to back
  * merge(planes, width, sign_move, out) planes: width*n bytes (plane i at i*n); out: n*width bytes
  * Plane i holds byte (width-1-i) of each little-endian element; with sign_move the sign bit of the
  * top byte t and the next byte n are exchanged as t' = (t<<1)|(n>>7), n' = (t&0x80)|(n&0x7F).
- * Both release the GIL.
+ * It releases the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,22 +18,6 @@
 
 #include "_planes.h"
 
-static void split_impl(const uint8_t *restrict src, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst) {
-    for (int i = 0; i < w; i++) {
-        const uint8_t *s = src + (w - 1 - i);
-        uint8_t *d = dst + (Py_ssize_t)i * n;
-        for (Py_ssize_t k = 0; k < n; k++) d[k] = s[k * w];
-    }
-    if (sign_move) {
-        uint8_t *t = dst, *m = dst + n;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            uint8_t a = t[k], b = m[k];
-            t[k] = (uint8_t)((a << 1) | (b >> 7));
-            m[k] = (uint8_t)((a & 0x80) | (b & 0x7F));
-        }
-    }
-}
-
 /* planes back to back (plane i at src + i*n): the pointer-list merge below does the work */
 static void merge_impl(const uint8_t *restrict src, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst) {
     const uint8_t *p[8];
@@ -41,7 +25,8 @@ static void merge_impl(const uint8_t *restrict src, Py_ssize_t n, int w, int sig
     onnxz_merge_ptrs(p, n, w, sign_move, dst);
 }
 
-static PyObject *run(PyObject *args, int is_merge) {
+/* merge(planes, width, sign_move, out): interleave planes (back to back in one buffer) into out */
+static PyObject *py_merge(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
     int w, sign_move;
     if (!PyArg_ParseTuple(args, "y*ipw*", &src, &w, &sign_move, &dst)) return NULL;
@@ -53,10 +38,7 @@ static PyObject *run(PyObject *args, int is_merge) {
     } else {
         Py_ssize_t n = src.len / w;
         Py_BEGIN_ALLOW_THREADS
-        if (is_merge)
-            merge_impl((const uint8_t *)src.buf, n, w, sign_move, (uint8_t *)dst.buf);
-        else
-            split_impl((const uint8_t *)src.buf, n, w, sign_move, (uint8_t *)dst.buf);
+        merge_impl((const uint8_t *)src.buf, n, w, sign_move, (uint8_t *)dst.buf);
         Py_END_ALLOW_THREADS
         result = Py_None;
         Py_INCREF(result);
@@ -416,11 +398,7 @@ static PyObject *py_pairs_merge(PyObject *self, PyObject *args) {
     return result;
 }
 
-static PyObject *py_split(PyObject *self, PyObject *args) { return run(args, 0); }
-static PyObject *py_merge(PyObject *self, PyObject *args) { return run(args, 1); }
-
 static PyMethodDef methods[] = {
-    {"split", py_split, METH_VARARGS, "split(data, width, sign_move, out): byte planes of data into out"},
     {"merge", py_merge, METH_VARARGS, "merge(planes, width, sign_move, out): interleave planes into out"},
     {"unsplit", py_unsplit, METH_VARARGS, "unsplit(ranks, classes, sub, sizes, out) -> bool: plane from class sub-planes"},
     {"merge_list", py_merge_list, METH_VARARGS, "merge_list(planes, sign_move, out): interleave separate planes into out"},

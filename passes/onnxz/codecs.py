@@ -111,11 +111,8 @@ def split_planes(data: np.ndarray, width: int, sign_move: bool) -> np.ndarray:
     in one array of width rows."""
     n = data.size // width
     out = np.empty((width, n), np.uint8)
-    if _enc is not None:  # one pass over the elements (~5x _planes.split)
+    if _enc is not None:  # one pass over the elements
         _enc.split(data, width, sign_move, out)
-        return out
-    if _fast is not None:
-        _fast.split(data, width, sign_move, out)
         return out
     x = data.reshape(-1, width)
     for i in range(width):
