@@ -147,6 +147,10 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     payloads = {n.input[0]: unique[n.input[0]] for n in source.graph.node
                 if (n.domain, n.op_type) in FOLDERS and n.input and n.input[0] in unique}
     out = graph.copy_model(source, set(payloads))
+    densified = graph.densify_sparse_initializers(out)
+    if densified and report is not None:
+        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses "
+                    "standard ops fed by a sparse tensor)")
     weights, graphs = graph.find_weights(out)
     names = graph.NameAllocator(graph.all_names(out))
     opset = graph.default_opset(out)

@@ -227,6 +227,47 @@ def _copy_model(model: onnx.ModelProto, without_payload) -> onnx.ModelProto:
     return out
 
 
+def sparse_to_array(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    """The dense values of a SparseTensorProto: zeros except at its indices (flat [NNZ] positions
+    or [NNZ, rank] coordinates, as the ONNX spec allows both)."""
+    dims = tuple(int(d) for d in sparse.dims)
+    values = tensor_to_array(sparse.values).reshape(-1)
+    indices = tensor_to_array(sparse.indices).astype(np.int64, copy=False) if sparse.HasField("indices") \
+        else np.zeros((0,), np.int64)
+    size = int(np.prod(dims, dtype=np.int64))
+    if indices.ndim == 2 and indices.shape == (values.size, len(dims)):
+        if values.size and ((indices < 0).any() or (indices >= np.asarray(dims)).any()):
+            raise InvalidModelError(f"sparse tensor {sparse.values.name!r}: an index lies outside dims {dims}")
+        flat = np.ravel_multi_index(tuple(indices.T), dims) if values.size else indices.reshape(-1)
+    elif indices.ndim == 1 and indices.size == values.size:
+        if values.size and (indices.min() < 0 or indices.max() >= size):
+            raise InvalidModelError(f"sparse tensor {sparse.values.name!r}: an index lies outside dims {dims}")
+        flat = indices
+    else:
+        raise InvalidModelError(f"sparse tensor {sparse.values.name!r}: indices of shape {indices.shape} "
+                                f"do not match {values.size} values of a {len(dims)}-D tensor")
+    dense = np.zeros(size, dtype=values.dtype)
+    dense[flat] = values
+    return dense.reshape(dims)
+
+
+def densify_sparse_initializers(model: onnx.ModelProto) -> int:
+    """Turn every graph's sparse_initializer into a dense initializer of the same name, in place;
+    returns how many. The values are the same, but the standard ops read them as plain tensors:
+    onnxruntime densifies them as it loads, and onnx.checker's full check refuses a Conv or MatMul
+    fed by one ("unsupported type: sparse_tensor(float)"), so a pass output holding one could never
+    be checked, nor its weights quantized."""
+    count = 0
+    for info in iter_graphs(model):
+        g = info.graph
+        for sparse in g.sparse_initializer:
+            dense = sparse_to_array(sparse)
+            fill_tensor(g.initializer.add(), dense, sparse.values.name, sparse.values.data_type)
+            count += 1
+        del g.sparse_initializer[:]
+    return count
+
+
 # ---------------------------------------------------------------------------------------------
 # walking graphs
 

