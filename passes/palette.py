@@ -109,6 +109,11 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     nested = _function_weights(out, min_elements)
     if nested and report is not None:
         report.note(f"{nested} float weight(s) inside model-local functions stay float")
+    from .quantize import attribute_weights_note
+
+    attrs = attribute_weights_note(out, min_elements) if report is not None else None
+    if attrs:
+        report.note(attrs)
     # uses resolved by scope (a main-graph weight may be read only inside an If branch: silero
     # VAD's are), read as plain facts now: the graphs are rewritten below
     from .quantize import _exact_use

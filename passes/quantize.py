@@ -198,6 +198,46 @@ def _unreached_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, i
             "of float64 (DequantizeLinear has no float64 output)": doubles}
 
 
+def attribute_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, tuple[int, int]]:
+    """Float values held in node attributes rather than tensors, by op type: (nodes, values).
+
+    Classic ML exports keep their whole model there (sklearn-onnx's TreeEnsembleClassifier /
+    Regressor thresholds and leaf weights, LinearClassifier coefficients, SVM support vectors);
+    the passes rewrite tensors only, so these stay as they are, and the report says so instead of
+    an unexplained 1.00x. Counted per attribute of >= min_elements floats (a float list or a
+    float tensor attribute of a node other than Constant, whose tensor is a weight the passes read).
+    """
+    found: dict[str, list[int]] = {}
+    bodies = [gi.graph.node for gi in graph.iter_graphs(model)] + [fn.node for fn in model.functions]
+    for nodes in bodies:
+        for node in nodes:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                continue
+            n = 0
+            for a in node.attribute:
+                size = 0
+                if a.type == onnx.AttributeProto.FLOATS:
+                    size = len(a.floats)
+                elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type in graph.FLOAT_TYPES:
+                    size = int(np.prod(a.t.dims, dtype=np.int64))
+                if size >= max(min_elements, 2):
+                    n += size
+            if n:
+                entry = found.setdefault(node.op_type, [0, 0])
+                entry[0] += 1
+                entry[1] += n
+    return {op: (nodes, values) for op, (nodes, values) in sorted(found.items())}
+
+
+def attribute_weights_note(model: onnx.ModelProto, min_elements: int) -> str | None:
+    found = attribute_weights(model, min_elements)
+    if not found:
+        return None
+    parts = ", ".join(f"{op} ({nodes} node{'s' if nodes > 1 else ''}, {values:,} values)"
+                      for op, (nodes, values) in found.items())
+    return f"float values in node attributes stay as they are (the passes rewrite tensors only): {parts}"
+
+
 # ops whose result changes when a value moves by a rounding step, however small: a float tensor
 # they read holds indices, thresholds or counts, not a weight (an exporter's float index table
 # Cast to int64 for a Gather, a float mask compared with Equal)
@@ -373,6 +413,9 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         for what, count in _unreached_weights(out, min_elements).items():
             if count:
                 report.note(f"{count} float weight(s) {what} stay float (not quantized)")
+        attrs = attribute_weights_note(out, min_elements)
+        if attrs:
+            report.note(attrs)
     if chosen:
         need_ir = 10 if (bits <= 4 or granularity == "block") else 0
         out.ir_version = max(out.ir_version, need_ir,

@@ -692,3 +692,60 @@ def test_sparse_to_array_refuses_bad_indices():
         graph.sparse_to_array(bad)
     ok = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([[0, 1], [1, 3]], np.int64), "i"), [2, 4])
     assert np.array_equal(graph.sparse_to_array(ok), [[0, 1, 0, 0], [0, 0, 0, 1]])
+
+
+def _tree_and_linear_classifier():
+    """sklearn-onnx's classic-ML shape: every weight in ai.onnx.ml node attributes (a tree
+    ensemble's thresholds and leaf weights, a linear classifier's coefficients), ZipMap output."""
+    rng = np.random.default_rng(5)
+    branches = 750  # a chain: branch i's false child is node i + 1 (onnxruntime wants that order)
+    n_nodes = 2 * branches + 1
+    ids = list(range(n_nodes))
+    modes = ["BRANCH_LEQ"] * branches + ["LEAF"] * (branches + 1)
+    left = [branches + 1 + i if i < branches else 0 for i in ids]
+    right = [i + 1 if i < branches else 0 for i in ids]
+    leaves = ids[branches:]
+    tree = helper.make_node(
+        "TreeEnsembleClassifier", ["x"], ["tl", "tp"], domain="ai.onnx.ml",
+        classlabels_int64s=[0, 1], nodes_treeids=[0] * n_nodes, nodes_nodeids=ids,
+        nodes_featureids=list(rng.integers(0, 8, n_nodes)), nodes_modes=modes,
+        nodes_values=rng.standard_normal(n_nodes).astype(np.float32).tolist(),
+        nodes_truenodeids=left, nodes_falsenodeids=right,
+        class_treeids=[0] * len(leaves) * 2, class_nodeids=[n for n in leaves for _ in (0, 1)],
+        class_ids=[0, 1] * len(leaves), class_weights=rng.random(2 * len(leaves)).astype(np.float32).tolist())
+    linear = helper.make_node("LinearClassifier", ["x"], ["ll", "lp"], domain="ai.onnx.ml",
+                              classlabels_ints=[0, 1, 2], coefficients=rng.standard_normal(24).tolist(),
+                              intercepts=[0.0, 0.1, 0.2])
+    zipmap = helper.make_node("ZipMap", ["tp"], ["zm"], domain="ai.onnx.ml", classlabels_int64s=[0, 1])
+    outs = [_vi("tl", [None], TensorProto.INT64), _vi("ll", [None], TensorProto.INT64), _vi("lp", [None, 3]),
+            helper.make_value_info("zm", helper.make_sequence_type_proto(
+                helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(F, []))))]
+    m = _model([tree, linear, zipmap], [_vi("x", [None, 8])], outs, [], opset=17,
+               extra_opsets=[helper.make_opsetid("ai.onnx.ml", 3)])
+    feeds = [{"x": rng.standard_normal((5, 8)).astype(np.float32)} for _ in range(2)]
+    return m, feeds
+
+
+def test_attribute_weights_are_left_with_a_note(tmp_path):
+    """A tree ensemble / linear classifier keeps its weights in attributes: compress and palettize
+    leave the model as it is and say why (before: 0 tensors, 1.00x, no word); the pack is
+    byte-exact, ZipMap output and all."""
+    from passes.fidelity import _as_array
+
+    m, feeds = _tree_and_linear_classifier()
+    for go in (lambda r: passes.quantize_weights(m, report=r), lambda r: passes.palettize(m, report=r)):
+        rep = passes.Report()
+        out = go(rep)
+        _check(out)
+        assert out.SerializeToString() == m.SerializeToString()
+        assert "float values in node attributes stay as they are (the passes rewrite tensors only): " \
+               "TreeEnsembleClassifier (1 node, 3,003 values)" in rep.notes
+    src = tmp_path / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    passes.pack(str(src), str(tmp_path / "m.onnxz"))
+    passes.unpack(str(tmp_path / "m.onnxz"), str(tmp_path / "back.onnx"))
+    assert (tmp_path / "back.onnx").read_bytes() == src.read_bytes()
+    s = passes.InferenceSession(str(tmp_path / "m.onnxz"), mode="int8")
+    for f in feeds:
+        a, b = _session(m).run(None, f), s.run(None, f)
+        assert all(np.array_equal(_as_array(x), _as_array(y)) for x, y in zip(a, b))
