@@ -1,0 +1,112 @@
+"""The index's tensor entries checked in C (_planes.index_rows) and in Python (format._rows_py,
+where the extension was not built): the same rows for a good index, the same first failure and
+message for every damaged entry, and parse_index refusing each with CorruptFileError."""
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+from onnx import helper, numpy_helper
+
+import passes
+from passes import CorruptFileError
+from passes.onnxz import codecs, format as fmt
+
+_planes = codecs._fast
+pytestmark = pytest.mark.skipif(_planes is None or not hasattr(_planes, "index_rows"), reason="_planes.index_rows not built")
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("idx")
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((40, 30)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 6, 9000)), -127, 127).astype(np.int8), "q"),
+             numpy_helper.from_array(np.arange(6, dtype=np.int64).reshape(2, 3), "shape_like")]
+    src = tmp / "m.onnx"
+    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
+    dst = tmp / "m.onnxz"
+    passes.pack(src, dst, threads=1)
+    size = os.path.getsize(dst)
+    with open(dst, "rb") as f:
+        header = fmt.parse_header(f.read(fmt.HEADER_SIZE), size)
+        f.seek(header.index_offset)
+        obj = fmt.decode_index(f.read(header.index_length), header)
+    return obj, header
+
+
+def _both(tensors, last_file=0):
+    c = _planes.index_rows(tensors, last_file, fmt._PAYLOAD_FIELDS)
+    py = fmt._rows_py(tensors, last_file)
+    assert c == py
+    return c
+
+
+def test_rows_of_a_good_index_are_the_entries_fields(index):
+    obj, header = index
+    rows = _both(obj["tensors"])
+    assert len(rows) == len(obj["tensors"]) >= 3
+    for row, t in zip(rows, obj["tensors"]):
+        assert row == (t["key"], t.get("name", ""), t["dtype"], t["shape"], t["field"], t["file"], t["offset"],
+                       t["length"], t.get("stream"))
+        assert row[3] is not t["shape"]  # a copy: the record never aliases the JSON
+    parsed = fmt.parse_index(obj, header, 1 << 40)
+    assert [t.key for t in parsed.tensors] == [t["key"] for t in obj["tensors"]]
+
+
+DAMAGE = [
+    (lambda t: t.pop("key"), "key/name/shape"),
+    (lambda t: t.update(key=7), "key/name/shape"),
+    (lambda t: t.update(name=None), "key/name/shape"),
+    (lambda t: t.update(shape=(1, 2)), "key/name/shape"),
+    (lambda t: t.update(shape=[1, True]), "dim = True"),
+    (lambda t: t.update(shape=[1, 1 << 63]), "dim = "),
+    (lambda t: t.update(shape=[-(1 << 62) - 1]), "dim = "),
+    (lambda t: t.update(shape=[2.0]), "dim = 2.0"),
+    (lambda t: t.update(field="bytes"), "field 'bytes'"),
+    (lambda t: t.pop("field"), "field None"),
+    (lambda t: t.update(length=-1), "tensor length = -1"),
+    (lambda t: t.update(length=1 << 62 + 1), "tensor length = "),
+    (lambda t: t.pop("length"), "tensor length = None"),
+    (lambda t: t.update(dtype=(1 << 16) + 1), "dtype = 65537"),
+    (lambda t: t.update(dtype=False), "dtype = False"),
+    (lambda t: t.update(file=1), "tensor file = 1"),
+    (lambda t: t.update(file=-1), "tensor file = -1"),
+    (lambda t: t.update(offset="0"), "tensor offset = '0'"),
+    (lambda t: t.update(offset=1 << 70), "tensor offset = "),
+]
+
+
+@pytest.mark.parametrize("at", [0, -1])
+@pytest.mark.parametrize("damage,message", DAMAGE)
+def test_each_damaged_entry_is_refused_the_same_way(index, damage, message, at):
+    obj, header = index
+    bad = copy.deepcopy(obj)
+    damage(bad["tensors"][at])
+    got = _both(bad["tensors"])
+    assert isinstance(got, str) and message in got
+    with pytest.raises(CorruptFileError, match="damaged .onnxz index"):
+        fmt.parse_index(bad, header, 1 << 40)
+
+
+def test_non_object_entry_and_repeated_key(index):
+    obj, header = index
+    bad = copy.deepcopy(obj)
+    bad["tensors"].append([1, 2])
+    assert _both(bad["tensors"]) == f"tensor {len(obj['tensors'])}"
+    bad = copy.deepcopy(obj)
+    bad["tensors"].append(copy.deepcopy(bad["tensors"][0]))
+    assert _both(bad["tensors"]) == f"tensor key {obj['tensors'][0]['key']!r} repeated"
+    with pytest.raises(CorruptFileError, match="repeated"):
+        fmt.parse_index(bad, header, 1 << 40)
+
+
+def test_python_rows_are_used_without_the_extension(index, monkeypatch):
+    obj, header = index
+    with_c = fmt.parse_index(obj, header, 1 << 40)
+    monkeypatch.setattr(codecs, "_fast", None)
+    without = fmt.parse_index(obj, header, 1 << 40)
+    assert [(t.key, t.shape, t.offset, t.length, t.stream is None) for t in with_c.tensors] == \
+        [(t.key, t.shape, t.offset, t.length, t.stream is None) for t in without.tensors]
