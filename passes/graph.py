@@ -733,7 +733,15 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
     need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
     if converted.ir_version < need_ir:
         converted.ir_version = need_ir
-    _verify_conversion(before, _typed_inputs_view(converted, stubs, stash), old, target)
+    try:
+        _verify_conversion(before, _typed_inputs_view(converted, stubs, stash), old, target)
+    except UnsupportedFormError:
+        stale = _restate_stale_output_shapes(converted, _typed_inputs_view(converted, stubs, stash))
+        if not stale:
+            raise
+        _verify_conversion(before, _typed_inputs_view(converted, stubs, stash), old, target)
+        how += (f"; the declared shape of output(s) {', '.join(stale)} was wrong (the graph computes "
+                "another rank or size; onnxruntime warns about it too) and is now the inferred one")
     for t in _get_all_tensors(converted):
         if t.data_location == TensorProto.EXTERNAL:
             loc = {e.key: e.value for e in t.external_data}.get("location", "")
@@ -840,6 +848,51 @@ def _typed_inputs_view(skeleton: onnx.ModelProto, stubs: set[str], stash: list[b
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
     return view
+
+
+def _restate_stale_output_shapes(converted: onnx.ModelProto, view: onnx.ModelProto) -> list[str]:
+    """Graph outputs whose declared shape contradicts what shape inference derives (in place on
+    `converted`; `view` is its checkable view); returns their names.
+
+    An exporter can declare an output shape the graph does not produce (ddddocr's CRNN says
+    [1, seqlen], its Reshape makes [T, 1, classes]). At its own opset nothing infers the Reshape's
+    target, so onnx.checker passes; the converter to opset 14+ infers it, and every check of the
+    raised model failed ("Inferred shape and existing shape differ in rank"). Such an output takes
+    the inferred rank, with the sizes inference knows (the others left open), and the value_info
+    the converter stored for it is dropped."""
+    probe = copy_model(view)
+    for o in probe.graph.output:
+        if o.type.HasField("tensor_type"):
+            o.type.tensor_type.ClearField("shape")
+    del probe.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False)
+    except Exception:  # noqa: BLE001 - nothing to learn from a model inference refuses
+        return []
+    found = {o.name: o.type.tensor_type.shape for o in inferred.graph.output
+             if o.type.HasField("tensor_type") and o.type.tensor_type.HasField("shape")}
+    stale = []
+    for o in converted.graph.output:
+        tt = o.type.tensor_type if o.type.HasField("tensor_type") else None
+        if tt is None or not tt.HasField("shape") or o.name not in found:
+            continue
+        declared, derived = tt.shape.dim, found[o.name].dim
+        clash = len(declared) != len(derived) or any(
+            a.HasField("dim_value") and b.HasField("dim_value") and a.dim_value != b.dim_value
+            for a, b in zip(declared, derived))
+        if not clash:
+            continue
+        stale.append(o.name)
+        tt.shape.ClearField("dim")
+        for b in derived:
+            d = tt.shape.dim.add()
+            if b.HasField("dim_value"):
+                d.dim_value = b.dim_value
+    if stale:
+        keep = [v for v in converted.graph.value_info if v.name not in stale]
+        del converted.graph.value_info[:]
+        converted.graph.value_info.extend(keep)
+    return stale
 
 
 def _verify_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, old: int, target: int) -> None:
