@@ -674,19 +674,21 @@ def _f16_exact(u: np.ndarray):
 
 def _narrowed(data: np.ndarray, dtype: int):
     """(to-type, narrow bytes) when every value survives the round trip bit for bit, else None.
-    The first 1024 values are tried first: almost every tensor that does not narrow fails there
-    (the full conversion cost ~5% of pack time)."""
+    The first 1024 values, then 1024 spread over the tensor, are tried first: almost every tensor
+    that does not narrow fails there (the full conversion cost ~5% of pack time; a word embedding
+    whose first rows are zeros passed the first test and cost 73 ms of minilm_fp32's 540)."""
     if dtype == FLOAT and data.size % 4 == 0 and data.size:
         u = data.view(np.uint32)
-        if not np.any(u[:1024] & 0xFFFF) and not np.any(u & 0xFFFF):
+        spread = u[::max(1, u.size // 1024)]
+        if not np.any(u[:1024] & 0xFFFF) and not np.any(spread & 0xFFFF) and not np.any(u & 0xFFFF):
             return BFLOAT16, (u >> 16).astype(np.uint16).view(np.uint8)
-        if _f16_exact(u[:1024]) is not None:
+        if _f16_exact(u[:1024]) is not None and _f16_exact(spread) is not None:
             h = _f16_exact(u)
             if h is not None:
                 return FLOAT16, h.view(np.uint8)
     if dtype == DOUBLE and data.size % 8 == 0 and data.size:
         u = data.view(np.uint64)
-        for part in (u[:1024], u):
+        for part in (u[:1024], u[::max(1, u.size // 1024)], u):
             f = part.view(np.float64).astype(np.float32)
             if not np.array_equal(f.astype(np.float64).view(np.uint64), part):
                 return None
