@@ -229,6 +229,31 @@ def attribute_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, tu
     return {op: (nodes, values) for op, (nodes, values) in sorted(found.items())}
 
 
+def _prequantized_note(model: onnx.ModelProto, min_elements: int) -> str | None:
+    """Integer weights an earlier quantizer left for its own ops (ConvInteger, MatMulInteger,
+    DynamicQuantizeLSTM, QLinearConv, MatMulNBits, ...): they stay as they are, and a model made
+    of them (onnxruntime's quantize_dynamic output) comes out at 1.00x; the note says why."""
+    ints = {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4}
+    count = nbytes = 0
+    ops: set[str] = set()
+    for gi in graph.iter_graphs(model):
+        readers: dict[str, set[str]] = {}
+        for node in gi.graph.node:
+            for name in node.input:
+                readers.setdefault(name, set()).add(node.op_type)
+        for t in gi.graph.initializer:
+            if t.data_type in ints and int(np.prod(t.dims, dtype=np.int64)) >= max(min_elements, 2):
+                by = readers.get(t.name, set()) & _QUANTIZED_OPS
+                if by:
+                    count += 1
+                    nbytes += graph.tensor_nbytes(t)
+                    ops |= by
+    if not count:
+        return None
+    return (f"already quantized: {count} integer weight(s) ({nbytes:,} bytes) read by {', '.join(sorted(ops))} "
+            "stay as they are")
+
+
 def attribute_weights_note(model: onnx.ModelProto, min_elements: int) -> str | None:
     found = attribute_weights(model, min_elements)
     if not found:
@@ -416,6 +441,9 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         attrs = attribute_weights_note(out, min_elements)
         if attrs:
             report.note(attrs)
+        done_before = _prequantized_note(out, min_elements)
+        if done_before:
+            report.note(done_before)
     if chosen:
         need_ir = 10 if (bits <= 4 or granularity == "block") else 0
         out.ir_version = max(out.ir_version, need_ir,

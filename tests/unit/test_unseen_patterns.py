@@ -783,3 +783,28 @@ def test_wrong_declared_output_shape_survives_the_opset_raise():
     assert len(q.graph.output[0].type.tensor_type.shape.dim) == 3
     assert _snr(ref, _run(q, feeds)) >= INT4_MIN_SNR
     assert len(m.graph.output[0].type.tensor_type.shape.dim) == 2  # the input is left as it was
+
+
+def _dynamic_quantized_matmul():
+    """onnxruntime's quantize_dynamic shape (ddddocr's common_old.onnx): uint8 activations from
+    DynamicQuantizeLinear, int8 weights read by MatMulInteger, the product rescaled in float."""
+    wq = np.random.default_rng(2).integers(-127, 128, (64, 32)).astype(np.int8)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xzp"]),
+             helper.make_node("MatMulInteger", ["xq", "Wq", "xzp", "Wzp"], ["acc"]),
+             helper.make_node("Cast", ["acc"], ["accf"], to=F),
+             helper.make_node("Mul", ["xs", "Ws"], ["scale"]),
+             helper.make_node("Mul", ["accf", "scale"], ["y"])]
+    inits = [numpy_helper.from_array(wq, "Wq"), numpy_helper.from_array(np.array(0, np.int8), "Wzp"),
+             numpy_helper.from_array(np.array(0.01, np.float32), "Ws")]
+    return _model(nodes, [_vi("x", [4, 64])], [_vi("y", [4, 32])], inits, opset=13), _feeds({"x": (4, 64)})
+
+
+def test_already_quantized_weights_are_left_with_a_note():
+    """ddddocr's common_old.onnx (onnxruntime's old quantizer: ConvInteger, MatMulInteger,
+    DynamicQuantizeLSTM) came out at 1.00x with '0 tensor(s) rewritten' and no word why."""
+    m, feeds = _dynamic_quantized_matmul()
+    rep = passes.Report()
+    q = passes.quantize_weights(m, min_elements=16, report=rep)
+    _check(q)
+    assert "already quantized: 1 integer weight(s) (2,048 bytes) read by MatMulInteger stay as they are" in rep.notes
+    assert _snr(_run(m, feeds), _run(q, feeds)) == np.inf
