@@ -124,6 +124,9 @@ class Chunk:
     raw_length: int
     planes: List[int]  # stored length of each plane
     xxh3: int  # XXH3-64 (seed 0) of the chunk's stored bytes
+    # `ans` / `ans_shared` chunks: (offset, stored, plane sizes, xxh3, flags) for the reader's batch
+    # decoder (_planes.ans_decode_batch), made while the index is parsed (its checks already done)
+    spec: Optional[tuple] = None
 
     @property
     def stored(self) -> int:
@@ -136,6 +139,7 @@ class Stream:
     params: dict
     chunks: List[Chunk]
     raw_length: int
+    tables: Optional[tuple] = None  # ans_shared: each plane's shared table (bytes) or None, for the batch decoder
 
     @property
     def stored(self) -> int:
@@ -240,19 +244,25 @@ def _shared_tables(obj: dict) -> List[str]:
 
 
 def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = None) -> Stream:
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:
         raise _bad(f"{what}: stream is not an object")
     codec = obj.get("codec")
     params = obj.get("params", {})
-    if not isinstance(codec, str):
+    if type(codec) is not str:
         raise _bad(f"{what}: codec")
     check_params(codec, params)  # NewerFormatError for unknown codecs
+    flags = batch_tables = None
     if codec == "ans_shared":  # the tables it names, resolved for the decoder
-        if any(t >= len(tables or ()) for t in params["tables"]):
+        if max(params["tables"]) >= len(tables or ()):  # check_params: a non-empty list of ints >= -1
             raise _bad(f"{what}: ans_shared names a table the index does not hold")
-        params = dict(params, table_data=[tables[t] if t >= 0 else None for t in params["tables"]])
+        data = [tables[t] if t >= 0 else None for t in params["tables"]]
+        params = dict(params, table_data=data)
+        batch_tables = tuple(None if t is None else _codecs._table_bytes(t) for t in data)
+        flags = 1 if params["sign"] else 0
+    elif codec == "ans":
+        flags = (1 if params["sign"] else 0) | (2 if params.get("pairs") else 0)
     chunks_in = obj.get("chunks")
-    if not isinstance(chunks_in, list):
+    if type(chunks_in) is not list:
         raise _bad(f"{what}: chunks")
     chunks = []
     total = 0
@@ -286,9 +296,10 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
         if off < lo or off + stored > hi:  # _Extents.add, inline: the hot loop of opening a file
             raise _bad(f"chunk at {off} (+{stored}) outside the data area")
         spans.append((off, stored))
-        chunks.append(Chunk(off, raw, list(planes), digest))
+        sizes = tuple(planes)
+        chunks.append(Chunk(off, raw, list(sizes), digest, None if flags is None else (off, stored, sizes, digest, flags)))
         total += raw
-    return Stream(codec, params, chunks, total)
+    return Stream(codec, params, chunks, total, batch_tables)
 
 
 def _rows_py(tensors_in: list, last_file: int):
@@ -351,12 +362,14 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
     if type(rows) is str:
         raise _bad(rows)
     tensors = [TensorEntry(*row) for row in rows]  # row: TensorEntry's fields, `stream` still the JSON
+    coded = 0
     for t in tensors:
         s_in = t.stream
         if s_in is not None:
             t.stream = stream = _stream(s_in, extents, f"tensor {t.key!r}", tables)
             if stream.raw_length != t.length:
                 raise _bad(f"tensor {t.key!r} stream decodes to {stream.raw_length} bytes, payload is {t.length}")
+            coded += 1
     files = []
     total = 0
     used = set()
@@ -402,11 +415,14 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         if skeleton.raw_length != size - sum(c[1] for c in cuts):
             raise _bad(f"file {i} skeleton length")
         files.append(FileEntry(name, size, sha, skeleton, cuts, fast))
+    sizes = [f.size for f in files]
     for t in tensors:
-        if t.offset + t.length > files[t.file].size:
+        if t.offset + t.length > sizes[t.file]:
             raise _bad(f"tensor {t.key!r} lies outside its file")
-    cut_tensors = {c[2] for f in files for c in f.cuts}
-    if any(t.stream is not None and i not in cut_tensors for i, t in enumerate(tensors)):
+    # each cut names a distinct coded tensor (a cut matches its tensor's file and offset, and the
+    # cuts of a file are ordered and disjoint), so every coded tensor is placed exactly when there
+    # are as many cuts as coded tensors
+    if sum(len(f.cuts) for f in files) != coded:
         raise _bad("a coded tensor is not placed in any file")
     extents.check()
     writer = obj.get("writer", "")

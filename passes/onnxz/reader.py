@@ -352,28 +352,13 @@ class PackedFile:
         finally:
             group.wait()
 
-    def _spec(self, stream: Stream, chunk):
+    @staticmethod
+    def _spec(stream: Stream, chunk):
         """(offset, stored, plane sizes, xxh3, flags, shared tables or None) of an `ans` or
-        `ans_shared` chunk for the batch decoder, or None (other codecs, or planes that do not
-        fit the codec: the per-chunk path reports it)."""
-        codec = stream.codec
-        if codec not in ("ans", "ans_shared"):
-            return None
-        params = stream.params
-        tables = None
-        try:
-            expected = codecs.plane_sizes(codec, params, chunk.raw_length)
-            if codec == "ans_shared":
-                data = params.get("table_data")
-                if data is None or len(data) != params["width"]:
-                    return None
-                tables = tuple(None if t is None else codecs._table_bytes(t) for t in data)
-        except Exception:
-            return None
-        if len(expected) != len(chunk.planes):
-            return None
-        flags = (1 if params["sign"] else 0) | (2 if params.get("pairs") else 0)
-        return (chunk.offset, sum(chunk.planes), tuple(chunk.planes), chunk.xxh3, flags, tables)
+        `ans_shared` chunk for the batch decoder (made by format._stream, whose checks it
+        passed), or None (other codecs)."""
+        spec = chunk.spec
+        return None if spec is None else spec + (stream.tables,)
 
     def _decode_batch(self, specs) -> None:
         """Many ans chunks read, checked and decoded in one C call (GIL released)."""
@@ -409,11 +394,16 @@ class PackedFile:
             jobs = sorted(jobs, key=lambda j: -j[1].raw_length)
         tasks, batch, size = [], [], 0
         for stream, chunk, out in jobs:
-            spec = self._spec(stream, chunk) if batching else None
+            spec = chunk.spec if batching else None
             if spec is None:
                 tasks.append((self._decode_chunk, stream, chunk, out))
                 continue
-            batch.append(spec[:4] + (spec[4] | 4 if cached else spec[4], out) + ((spec[5],) if spec[5] is not None else ()))
+            offset, stored, planes, digest, flags = spec
+            tables = stream.tables
+            if tables is None:
+                batch.append((offset, stored, planes, digest, flags | 4 if cached else flags, out))
+            else:
+                batch.append((offset, stored, planes, digest, flags | 4 if cached else flags, out, tables))
             size += chunk.raw_length
             if parallel and size >= BATCH_BYTES:
                 tasks.append((self._decode_batch, batch))
