@@ -105,6 +105,9 @@ class ModelDescription:
     ir_version: int = 0
     nodes: int = 0
     external_files: list[str] = field(default_factory=list)  # external-data locations, relative to the model
+    # float values kept in node attributes, not tensors (sklearn-onnx's tree ensembles, linear
+    # classifiers): op type -> {"nodes", "values"}; the passes leave them as they are
+    attribute_floats: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -116,6 +119,7 @@ class ModelDescription:
             "opsets": dict(self.opsets),
             "nodes": self.nodes,
             "external_files": list(self.external_files),
+            "attribute_floats": dict(self.attribute_floats),
             "weight_bytes": self.total_bytes,
             "by_dtype": self.by_dtype,
             "by_scheme": self.by_scheme,
@@ -175,6 +179,12 @@ def _walk(graph: onnx.GraphProto, where: str, tensors: dict, consumers: dict, no
     for t in graph.initializer:
         _note_external(t, tensors)
         tensors.setdefault(t.name, _Tensor(t.name, t.data_type, tuple(t.dims), tensor_nbytes(t), prefix + "initializer", _small_values(t)))
+    for sp in graph.sparse_initializer:  # stored as values + indices: the bytes are those two
+        nnz = int(np.prod(sp.values.dims, dtype=np.int64))
+        total = int(np.prod(sp.dims, dtype=np.int64))
+        tensors.setdefault(sp.values.name, _Tensor(
+            sp.values.name, sp.values.data_type, tuple(sp.dims), tensor_nbytes(sp.values) + tensor_nbytes(sp.indices),
+            prefix + f"sparse initializer ({nnz} of {total} values)", None))
     for node in graph.node:
         nodes.append(node)
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
@@ -285,4 +295,11 @@ def describe_model(model) -> ModelDescription:
         rows=rows, by_dtype=sort(by_dtype), by_scheme=sort(by_scheme),
         opsets={(o.domain or "ai.onnx"): int(o.version) for o in model.opset_import},
         ir_version=int(model.ir_version), nodes=len(nodes), external_files=external,
+        attribute_floats=_attribute_floats(model),
     )
+
+
+def _attribute_floats(model: onnx.ModelProto) -> dict[str, dict[str, int]]:
+    from .quantize import DEFAULT_MIN_ELEMENTS, attribute_weights
+
+    return {op: {"nodes": n, "values": v} for op, (n, v) in attribute_weights(model, DEFAULT_MIN_ELEMENTS).items()}

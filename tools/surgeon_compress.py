@@ -431,6 +431,9 @@ def cmd_info(args) -> int:
     external = f" (with external data: {', '.join(desc.external_files)})" if desc.external_files else ""
     print(f"{path}: {human_bytes(size)} on disk{external}, {desc.nodes} nodes, IR {desc.ir_version}, opsets {opsets}")
     print(f"  weights: {len(desc.rows)} tensors, {human_bytes(desc.total_bytes)}")
+    for op, v in desc.attribute_floats.items():
+        print(f"  node attributes: {op} ({v['nodes']} node(s)) holds {v['values']:,} float values, "
+              "not tensors (compress leaves them as they are)")
     print()
     print("  by dtype")
     print_table(["dtype", "tensors", "bytes", "share"],

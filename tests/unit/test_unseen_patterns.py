@@ -831,3 +831,22 @@ def test_palette_tables_reach_the_tails_of_heavy_tailed_weights():
     g = rng.standard_normal(20000)
     q = kmeans_1d(g, 16)
     assert 10 * np.log10(np.sum(g ** 2) / np.sum((g - q[np.searchsorted((q[1:] + q[:-1]) / 2, g)]) ** 2)) >= 19.5
+
+
+def test_info_lists_sparse_initializers_and_attribute_weights(tmp_path, capsys):
+    """info said 'weights: 143 tensors, 1.25 MB' for a 6.2 MB model whose 8 largest weights are
+    sparse initializers, and '0 tensors, 0 B' for a random forest (its weights are attributes)."""
+    from tools.surgeon_compress import main
+
+    sparse_model, _, dense = _sparse_initializer_model()
+    desc = passes.describe_model(sparse_model)
+    rows = {r.name: r for r in desc.rows}
+    nnz = int(np.count_nonzero(dense["Wm"]))
+    assert rows["Wm"].shape == (576, 10) and rows["Wm"].bytes == nnz * 4 + nnz * 2 * 8
+    assert rows["Wm"].location == f"sparse initializer ({nnz} of 5760 values)"
+    tree, _ = _tree_and_linear_classifier()
+    assert passes.describe_model(tree).attribute_floats == {"TreeEnsembleClassifier": {"nodes": 1, "values": 3003}}
+    path = tmp_path / "tree.onnx"
+    path.write_bytes(tree.SerializeToString())
+    assert main(["info", str(path)]) == 0
+    assert "node attributes: TreeEnsembleClassifier (1 node(s)) holds 3,003 float values" in capsys.readouterr().out
