@@ -146,3 +146,15 @@ def test_split_gives_the_planes_of_the_other_splits(width):
                 want[0] = (t << 1) | (m >> 7)
                 want[1] = (t & 0x80) | (m & 0x7F)
             assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 15, 4097, 70001])
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_pairs_gives_the_numpy_ranks(monkeypatch, kind, n):
+    """codecs.rank_planes in C (table, ranks, escapes) equals its numpy version, ties included."""
+    t = _symbols(np.random.default_rng(n), kind, n) if n else np.empty(0, np.uint8)
+    with_c = codecs.rank_planes(t)
+    monkeypatch.setattr(codecs, "_enc", None)
+    numpy_ = codecs.rank_planes(t)
+    for a, b in zip(with_c, numpy_):
+        assert a.dtype == b.dtype == np.uint8 and np.array_equal(a, b)

@@ -28,3 +28,27 @@ def test_narrowed_still_narrows_exact_tensors():
     f = rng.standard_normal(7000).astype(np.float32)
     to, narrow = codecs._narrowed(f.astype(np.float64).view(np.uint8), codecs.DOUBLE)
     assert to == codecs.FLOAT and np.array_equal(narrow.view(np.float32), f)
+
+
+def _stream_bytes(stream):
+    return stream.codec, stream.params, [(c.raw_length, [bytes(p) for p in c.planes]) for c in stream.chunks]
+
+
+def test_zstd_specs_encode_the_same_with_the_choice_memo():
+    """_encode_planes takes the planes and histograms the floors left in the memo: the same bytes
+    as an encode from scratch, for every zstd spec, one chunk or several."""
+    rng = np.random.default_rng(3)
+    f32 = rng.normal(0, 0.05, 40_000).astype(np.float32).view(np.uint8)
+    f16 = rng.normal(0, 0.5, 50_000).astype(np.float16).view(np.uint8)
+    low = (rng.integers(0, 5, 90_000) * 3).astype(np.uint8)
+    i32 = rng.integers(-300, 300, 20_000).astype(np.int32).view(np.uint8)
+    cases = [(f32, ("fpairs", 4, 0)), (f32, ("fplanes", 4, 0)), (f16, ("fpairs", 2, 0)), (f16, ("fplanes", 2, 0)),
+             (low, ("bpairs", 1, 0)), (low, ("bytes", 1, 0)), (i32, ("planes", 4, 0)), (f32, ("fpairs", 4, codecs.SPLIT))]
+    for data, spec in cases:
+        for chunk in (1 << 20, 32 << 10):
+            memo = codecs._Memo()
+            for huffman in (False, True):
+                codecs._zstd_floor(data, *spec, chunk, huffman=huffman, memo=memo)
+            with_memo = codecs._encode_planes(data, spec[0], spec[1], chunk, spec[2], memo)
+            fresh = codecs._encode_planes(data, spec[0], spec[1], chunk, spec[2])
+            assert _stream_bytes(with_memo) == _stream_bytes(fresh), (spec, chunk)
