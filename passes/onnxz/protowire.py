@@ -100,14 +100,23 @@ def _skip(buf, wire: int, pos: int, end: int) -> int:
 
 def _fields(buf, start: int, end: int):
     """Yield (field number, wire type, value start, value end) of one message's fields."""
+    # one-byte keys and lengths (nearly all of them) read inline: the walk of a model with many
+    # nodes spent most of its time in read_varint calls
     pos = start
     while pos < end:
-        key, pos = read_varint(buf, pos, end)
+        key = buf[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = read_varint(buf, pos, end)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise WireError("field number 0")
         if wire == LEN:
-            n, vstart = read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                n, vstart = buf[pos], pos + 1
+            else:
+                n, vstart = read_varint(buf, pos, end)
             vend = vstart + n
             if vend > end:
                 raise WireError("length-delimited field runs past the end of its message")
@@ -120,7 +129,7 @@ def _fields(buf, start: int, end: int):
 
 
 def _text(buf, a: int, b: int) -> str:
-    return bytes(buf[a:b]).decode("utf-8", errors="replace")
+    return str(buf[a:b], "utf-8", "replace")
 
 
 def _tensor(buf, start: int, end: int, context: str, out: List[TensorRef]) -> None:
@@ -176,27 +185,31 @@ def _walk(buf, start: int, end: int, kind: int, context: str, out: List[TensorRe
         return
     children = _CHILDREN[kind]
     node_output = node_name = attr_name = op_type = ""
-    if kind in (_NODE, _ATTR):  # names first, so that tensors inside can be labelled
-        for number, wire, a, b in _fields(buf, start, end):
-            if wire != LEN:
-                continue
-            if kind == _NODE and number == 2 and not node_output:
+    # one pass over the fields: the children to descend into are kept, and walked after the
+    # names (which label the tensors inside) are known, in file order
+    found = []
+    for number, wire, a, b in _fields(buf, start, end):
+        if wire != LEN:
+            continue
+        child = children.get(number)
+        if child is not None:
+            found.append((child, a, b))
+        elif kind == _NODE:
+            if number == 2 and not node_output:
                 node_output = _text(buf, a, b)
-            elif kind == _NODE and number == 3:
+            elif number == 3:
                 node_name = _text(buf, a, b)
-            elif kind == _NODE and number == 4:
+            elif number == 4:
                 op_type = _text(buf, a, b)
-            elif kind == _ATTR and number == 1:
-                attr_name = _text(buf, a, b)
+        elif kind == _ATTR and number == 1:
+            attr_name = _text(buf, a, b)
     if kind == _NODE:
         # a Constant node's tensor is known by the node's output; other nodes' by node/attribute
         context = node_output if op_type == "Constant" and node_output else "\0" + (node_name or node_output or context)
     elif kind == _ATTR:
         context = context[1:] + "/" + attr_name if context.startswith("\0") else context
-    for number, wire, a, b in _fields(buf, start, end):
-        child = children.get(number)
-        if child is not None and wire == LEN:
-            _walk(buf, a, b, child, context, out, depth + 1)
+    for child, a, b in found:
+        _walk(buf, a, b, child, context, out, depth + 1)
 
 
 def find_tensors(buf) -> List[TensorRef]:
