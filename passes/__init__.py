@@ -36,6 +36,7 @@ _LAZY = {
     "quantize_weights": "quantize",
     "fold_dequantize": "fold",
     "quantize_with_feedback": "gptq",
+    "correct_bias": "bias_correction",
     "load_feeds": "fidelity",
     "evaluate": "fidelity",
     "parse_requirement": "fidelity",
