@@ -740,10 +740,12 @@ def _ans_planes(part: np.ndarray, width: int, sign: bool, pairs: bool = False, p
 
 
 def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, split: int = 0,
-                   memo: Optional["_Memo"] = None) -> EncodedStream:
+                   memo: Optional["_Memo"] = None, keep: bool = False) -> EncodedStream:
     """One codec over all chunks of data. `split`: the fpairs split, or for `ans` ANS_INT (no sign
     move), ANS_FLOAT (sign move) or ANS_PAIRS (sign move, exponents as pairs of 4-bit ranks).
-    `memo`: planes and histograms the codec choice already computed for this data."""
+    `memo`: planes and histograms the codec choice already computed for this data; keep=True:
+    `ans` leaves its planes and histograms there for the specs tried after it (the zstd floors
+    and trial encodes split and count the same planes)."""
     step = max(width, chunk_bytes // width * width)
     if codec == "ans":
         stream = EncodedStream(codec, {"width": width, "sign": split != ANS_INT})
@@ -753,9 +755,12 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, s
         base_codec_ = "bytes" if width == 1 else "planes" if split == ANS_INT else "fplanes"
         for start in range(0, data.size, step):
             part = data[start:start + step]
-            items = _plane_items(data, base_codec_, width, start, step, memo, store=False)
+            items = _plane_items(data, base_codec_, width, start, step, memo, store=keep)
             planes = [p for _, p in items]
-            counts = [None if (c := memo.d.get(k + ("hist",))) is None else c.sum(axis=0) for k, _ in items]
+            # the per-block histograms the floors use, summed (the raw shortcut needs the
+            # counts of planes from RAW_SURE_MIN bytes; smaller ones are coded without them)
+            counts = [memo.get(k + ("hist",), lambda p=p: _block_counts(p), keep).sum(axis=0)
+                      if p.size >= RAW_SURE_MIN or k + ("hist",) in memo.d else None for k, p in items]
             stream.chunks.append(EncodedChunk(part.size, _ans_planes(part, width, split != ANS_INT, split == ANS_PAIRS,
                                                                      planes, counts)))
         return stream
@@ -1018,7 +1023,7 @@ def _choose(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = N
         c, w, sp = spec
         if best is not None and c != "ans" and _hopeless(data, spec, chunk_bytes, _rank(best), memo):
             continue
-        enc = _encode_planes(data, c, w, chunk_bytes, sp, memo)
+        enc = _encode_planes(data, c, w, chunk_bytes, sp, memo, keep=len(specs) > 1)
         if best is None or _rank(enc) < _rank(best):
             best, won = enc, spec
     return best, won
