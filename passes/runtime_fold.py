@@ -453,9 +453,10 @@ def fold_in_background(split: SplitModel) -> int:
     if not jobs:
         return left
     folded = {job.name for job in jobs}
-    keep = [n for n in graph.node if not (n.output and n.output[0] in folded)]
-    del graph.node[:]
-    graph.node.extend(keep)
+    nodes = graph.node
+    for i in range(len(nodes) - 1, -1, -1):  # (in place: rebuilding the list copies every node)
+        if nodes[i].output and nodes[i].output[0] in folded:
+            del nodes[i]
     pending = split.pending
     if pending is not None:  # folded in the order their levels finish decoding
         jobs.sort(key=lambda j: pending.order(j.x))
