@@ -130,12 +130,16 @@ DEFAULT_DIM = 64
 INT_TOKEN_RANGE = 100  # token ids and other integer inputs: values in [0, 100), valid for any vocabulary >= 100
 
 
-def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM) -> list[Feed]:
+def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM,
+                     inner_batch: bool = False) -> list[Feed]:
     """`n` random feeds built from the model's input specs, the same for the same seed.
 
     Dynamic dimensions: the first one 1 (batch), others `dim` (64); a named dimension keeps one size
-    across inputs. Floats ~ N(0, 1); integer inputs in [0, 100) (valid token ids), except names
-    containing "mask" (ones) and "length" (the sequence size); bool inputs random.
+    across inputs. inner_batch: an unnamed dynamic dimension that is neither the first nor the
+    last axis of its input is 1 too (a recurrent state [layers, batch, hidden] exported without
+    names: silero VAD 6's state [2, ?, 128] beside its input [?, ?]). Floats ~ N(0, 1); integer
+    inputs in [0, 100) (valid token ids), except names containing "mask" (ones) and "length"
+    (the sequence size); bool inputs random.
     """
     model = load_model(model)
     if n < 1:
@@ -160,8 +164,10 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
             if d.HasField("dim_value") and d.dim_value > 0:
                 shape.append(int(d.dim_value))
                 continue
-            size = DEFAULT_BATCH if axis == 0 else dim
-            if d.HasField("dim_param") and d.dim_param:
+            named = d.HasField("dim_param") and bool(d.dim_param)
+            inner = 0 < axis < len(vi.type.tensor_type.shape.dim) - 1
+            size = DEFAULT_BATCH if axis == 0 or (inner_batch and inner and not named) else dim
+            if named:
                 size = named_dims.setdefault(d.dim_param, size)
             shape.append(size)
         specs.append((vi.name, np.dtype(dtype), tuple(shape)))
@@ -196,8 +202,10 @@ _MAX_SYNTH_VALUES = 1 << 24
 
 def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[Feed]:
     """synthesize_feeds with the smallest size of the dynamic dimensions (64, 256, 1024, 4096,
-    16000) at which the model runs its first feed in onnxruntime; the 64 ones when none does
-    (the caller's run then reports why). A model without dynamic dimensions is run once."""
+    16000) at which the model runs its first feed in onnxruntime, at each size first as
+    synthesize_feeds lays them out, then with unnamed inner dimensions at 1 (inner_batch); the 64
+    ones when none does (the caller's run then reports why). A model without dynamic dimensions
+    is run once."""
     model = load_model(model)
     first = synthesize_feeds(model, n=n, seed=seed)
     if not any(not (d.HasField("dim_value") and d.dim_value > 0)
@@ -207,15 +215,21 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
         session = _session(model, providers, None)
     except Exception:  # noqa: BLE001 - the caller's own run says what is wrong with the model
         return first
+    inner_unnamed = any(0 < axis < len(vi.type.tensor_type.shape.dim) - 1
+                        and not (d.HasField("dim_value") and d.dim_value > 0)
+                        and not (d.HasField("dim_param") and d.dim_param)
+                        for vi in model_inputs(model) for axis, d in enumerate(vi.type.tensor_type.shape.dim))
     for dim in _RUNNABLE_DIMS:
-        feeds = first if dim == DEFAULT_DIM else synthesize_feeds(model, n=n, seed=seed, dim=dim)
-        if any(v.size > _MAX_SYNTH_VALUES for v in feeds[0].values()):
-            break
-        try:
-            session.run(None, _conform(feeds[0], session, 0))
-            return feeds
-        except Exception:  # noqa: BLE001 - try the next size
-            continue
+        for inner_batch in (False, True) if inner_unnamed else (False,):
+            feeds = first if dim == DEFAULT_DIM and not inner_batch else synthesize_feeds(
+                model, n=n, seed=seed, dim=dim, inner_batch=inner_batch)
+            if any(v.size > _MAX_SYNTH_VALUES for v in feeds[0].values()):
+                return first
+            try:
+                session.run(None, _conform(feeds[0], session, 0))
+                return feeds
+            except Exception:  # noqa: BLE001 - try the next layout / size
+                continue
     return first
 
 

@@ -850,3 +850,38 @@ def test_info_lists_sparse_initializers_and_attribute_weights(tmp_path, capsys):
     path.write_bytes(tree.SerializeToString())
     assert main(["info", str(path)]) == 0
     assert "node attributes: TreeEnsembleClassifier (1 node(s)) holds 3,003 float values" in capsys.readouterr().out
+
+
+def _unnamed_state_batch():
+    """silero VAD 6 (spox export): input [?, ?] and a recurrent state [2, ?, 128] whose unnamed
+    inner axis is the batch, plus a long filter (the STFT) that needs more than 64 samples."""
+    nodes = [helper.make_node("Unsqueeze", ["x", "ax1"], ["x3"]),
+             helper.make_node("Conv", ["x3", "W"], ["c"]),  # [b, 4, L - 99]
+             helper.make_node("Transpose", ["state"], ["st"], perm=[0, 2, 1]),  # [2, 8, b]
+             helper.make_node("MatMul", ["st", "x"], ["mixed"]),  # [2, 8, L]: b must match
+             helper.make_node("ReduceMean", ["c"], ["y"], keepdims=0, axes=[2])]
+    inits = [_t("W", _w((4, 1, 100), 1)), numpy_helper.from_array(np.array([1], np.int64), "ax1")]
+    unnamed = helper.make_tensor_value_info("x", F, None)
+    unnamed.type.tensor_type.shape.dim.add()
+    unnamed.type.tensor_type.shape.dim.add()
+    state = helper.make_tensor_value_info("state", F, None)
+    for v in (2, None, 8):
+        d = state.type.tensor_type.shape.dim.add()
+        if v:
+            d.dim_value = v
+    return _model(nodes, [unnamed, state], [_vi("y", [None, 4]), _vi("mixed", [2, 8, None])], inits, opset=17)
+
+
+def test_synthesised_feeds_find_an_unnamed_inner_batch():
+    """compress --target without --feeds exited 1 on silero VAD 6 ('the original model does not
+    run on synthesised inputs'): its state's unnamed batch axis got 64 beside the input's 1 at
+    every size tried. runnable_feeds now also tries unnamed inner axes at 1."""
+    from passes.fidelity import runnable_feeds, synthesize_feeds
+
+    m = _unnamed_state_batch()
+    assert synthesize_feeds(m, n=1)[0]["state"].shape == (2, 64, 8)
+    assert synthesize_feeds(m, n=1, inner_batch=True)[0]["state"].shape == (2, 1, 8)
+    feeds = runnable_feeds(m, n=2)
+    assert feeds[0]["x"].shape == (1, 256) and feeds[0]["state"].shape == (2, 1, 8)
+    result = passes.evaluate(m, passes.quantize_weights(m, min_elements=16))
+    assert result.synthesized and result.metrics["snr"] >= INT8_MIN_SNR
