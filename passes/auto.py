@@ -11,6 +11,10 @@
    activations, MatMul/Gemm/Conv weights at 4..8 bits also get error-feedback levels (passes.gptq),
    damping GPTQ_DAMP / GPTQ_CONV_DAMP; with CV_FOLDS > 1 they are judged out of fold (fitted on the
    other folds' feeds).
+   With feeds, every quantized form of a MatMul(+Add) / Gemm / Conv weight carries its bias
+   correction (passes.bias_correction: the mean output shift E[x] @ (W - W_hat) folded into the
+   layer's bias, E[x] from the float model on the feeds); trials feed the corrected bias with the
+   weight and the built model holds it (BIAS_CORRECTION).
 2. Sensitivity (passes.sensitivity): the output error each weight causes alone at a reference
    width (nearest rounding, and error feedback's measured gain), in one onnxruntime session whose
    weights are overridable. Error-feedback levels whose weight noise exceeds GPTQ_MAX_NOISE_GAIN x
@@ -42,6 +46,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from . import graph
 from . import sensitivity as sens
 from ._fileio import load_model
 from .errors import InvalidArgumentError, InvalidModelError
@@ -78,6 +83,9 @@ COSINE_MARGIN = 0.15  # the search asks 1 - cosine to be this fraction of what t
 TIGHTEN_TRIES = 24  # greedy one-width steps tried after the search (each one run of the feeds; open_nsfw
 # still gained 3% in the 7 of 12 steps it kept, rapidocr_cls 0.6 points more with 40 tries)
 TIGHTEN_MISSES = 6  # ... ending after this many rejected steps in a row
+BIAS_CORRECTION = True  # every quantized form of a MatMul(+Add) / Gemm / Conv weight comes with its bias
+# corrected for the mean output shift it causes (passes.bias_correction; E[x] from the feeds): measured so in
+# the search, written so in the model. A Conv / Gemm without a bias gets one (dropped again if it stays zero).
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
@@ -252,6 +260,17 @@ def _metrics(ref, cand, reqs, metric_args, n_out=None):
     return FidelityResult(metrics=out, n_feeds=len(ref), synthesized=False)
 
 
+def _drop_zero_biases(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """The model without the named biases (ones bias correction added) that stayed all zero."""
+    if not names:
+        return model
+    from .bias_correction import set_biases
+
+    inits = graph.unique_initializers(model)
+    zero = {n for n in names if n in inits and not np.any(graph.tensor_to_array(inits[n]))}
+    return set_biases(model, {}, drop=zero) if zero else model
+
+
 def _meets(result, reqs) -> bool:
     return all(r.check(result) for r in reqs)
 
@@ -320,7 +339,8 @@ def _tighten(plan: dict, infos: dict, passes_check, tries: int, frozen=(), kept=
 def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict | None = None,
              bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4, gptq: bool = True,
              min_elements: int = AUTO_MIN_ELEMENTS, run_as: str = "onnxruntime",
-             n_synthesized: int = 8, tighten: int = TIGHTEN_TRIES, report: Report | None = None, progress=None):
+             n_synthesized: int = 8, tighten: int = TIGHTEN_TRIES, bias_correction: bool = BIAS_CORRECTION,
+             report: Report | None = None, progress=None):
     """Returns (compressed ModelProto, report dict). See the module docstring.
 
     target: "top1>=0.99", "cosine>=0.999", "maxabs<=0.01", "snr>=30" or a comma list of them.
@@ -329,6 +349,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     gptq: error-feedback rounding (passes.gptq) for MatMul/Gemm/Conv weights.
     min_elements: smaller tensors (and 1-D ones, biases) stay float.
     tighten: greedy one-width-narrower steps tried after the search (0: none).
+    bias_correction: fold each quantized weight's mean output shift into its layer's bias (only with
+    real feeds: the mean inputs of synthesised ones say nothing about real data).
     run_as: how candidates are measured, as in passes.fidelity.evaluate: "onnxruntime" (the file as
     onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it)."""
     from .fidelity import (RUN_AS, check_feeds, evaluate, load_feeds, output_snr_db, parse_requirements,
@@ -385,6 +407,14 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     floor = TOP1_SNR_DB if any(r.metric in ("top1", "ctc") and r.threshold >= 0.98 for r in reqs) else None
     src = _constants_to_initializers(src)
     probe, n_out, proxy_plan = probe_outputs(src)
+    bias_t, added_biases = {}, set()
+    if bias_correction and not synthesized:
+        from . import bias_correction as bc
+
+        before = {t.name for t in probe.graph.initializer}
+        bias_t = bc.bias_targets(probe, [t.name for t in probe.graph.initializer])
+        probe, bias_t = bc.with_bias_inputs(probe, bias_t)  # zero biases: the outputs are unchanged
+        added_biases = {t.bias for t in bias_t.values()} - before
 
     try:
         ref = run_outputs(probe, feeds)
@@ -470,6 +500,26 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                     gptq_levels[b][name] = per_fold[0][name][0]
         del fit_without, factors
         lap("gptq")
+    plain_shift = {}
+    if bias_t and infos:
+        # each form's bias shift E[x] @ (W - W_hat), E[x] from the float model's activations on the feeds
+        means = bc.input_means(probe, feeds, {n: t for n, t in bias_t.items() if n in infos})
+        p_inits = graph.unique_initializers(probe)
+        for n, mean in means.items():
+            info, t = infos[n], bias_t[n]
+            info.bias, info.bias_base = t.bias, graph.tensor_to_array(p_inits[t.bias])
+            w = info.options[sens.FLOAT].dequantized
+            added = sens.float_pack_bytes(info.bias_base) if t.bias in added_biases else 0.0
+            for b, opt in info.options.items():
+                if b != sens.FLOAT:
+                    opt.bias_shift = bc.bias_shift(t, mean, w, opt.dequantized)
+                    opt.rate_bytes += added  # a bias the layer did not have is paid for by its quantized forms
+            if n in plain_ref:
+                plain_shift[n] = bc.bias_shift(t, mean, w, plain_ref[n])
+        if means:
+            notes.append(f"bias correction: {len(means)} weights' forms carry their mean output shift in the bias")
+        lap("bias correction")
+    bias_names = sorted({i.bias for i in infos.values() if i.bias is not None})
     final_factors = {}
 
     def final_levels(plan):
@@ -501,15 +551,22 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             from . import gptq as gq
 
             out = gq.write_levels(out, refined)
+        if bias_t:
+            values = {}
+            for n, b in plan.items():
+                if b != sens.FLOAT and n in infos:
+                    values.update(sens.bias_feed(infos[n], infos[n].options[b].bias_shift))
+            if values:
+                out = bc.set_biases(out, values)
         return out
 
     trials = []
     if per_tensor:
         # sensitivities need only a few feeds (they set the allocation's shape); the search for
         # mu checks the target on all of them
-        few = sens.TrialRunner(probe, list(infos), feeds[:SENSITIVITY_FEEDS])
+        few = sens.TrialRunner(probe, list(infos) + bias_names, feeds[:SENSITIVITY_FEEDS])
         sens.measure(infos, few, few.run({}), ref_bits, transform=lambda o: proxy_outputs(o, proxy_plan),
-                     plain=plain_ref, n_folds=n_folds)
+                     plain=plain_ref, n_folds=n_folds, plain_shift=plain_shift)
         del plain_ref
         del few
         # a weight whose error never reaches the outputs on the feeds (the untaken branch of an
@@ -538,7 +595,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             notes.append(f"{len(unexercised)} weights never reached the outputs on the feeds (untaken branches?): "
                          "allocated by weight SNR, as sensitive as the measured weights of their shape (else the median)")
         lap("sensitivity")
-        runner = sens.TrialRunner(probe, list(infos), feeds)
+        runner = sens.TrialRunner(probe, list(infos) + bias_names, feeds)
         ref_s = runner.run({})
 
         seen = {}  # plan -> (verdict, metrics): neighbouring mu often give the same plan; run it once
@@ -690,7 +747,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     final_outs = run_candidate(candidate)
     res, _ = check(ref, final_outs, reqs)
     met = _meets(res, reqs) and gate_subset_ok(ref, final_outs, reqs)
-    candidate = strip_outputs(candidate, n_out)
+    candidate = strip_outputs(_drop_zero_biases(candidate, added_biases), n_out)
     lap("final")
     all_float = all(b == sens.FLOAT for b in plan.values())
     if not met:
@@ -709,6 +766,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         rows.append({"name": name, "shape": list(info.shape), "form": form,
                      "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
                      "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
+                     "bias_corrected": b != sens.FLOAT and opt.bias_shift is not None,
                      "sensitivity": info.sensitivity})
         if report is not None:
             report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),

@@ -43,6 +43,8 @@ class TensorOption:
     # cross-validated error feedback: per fold of the feeds, the weight fitted on the other folds'
     # activations (what a trial feeds for that fold's feeds: never levels fitted on the feed judged)
     cv_dequantized: tuple | None = field(default=None, repr=False)
+    # bias correction (passes.bias_correction): what the weight's bias gains with this form, E[x] @ (W - W_hat)
+    bias_shift: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class TensorInfo:
     out_error: dict[int, float] = field(default_factory=dict)  # measured, per bits
     sensitivity: float = 0.0  # output error per unit of weight noise energy (nearest rounding)
     gptq_gain: float = 1.0  # output error of error-feedback rounding / that of nearest, as measured
+    bias: str | None = None  # the bias initializer a quantized form's bias_shift is added to
+    bias_base: np.ndarray | None = field(default=None, repr=False)  # its float value (in its own dtype)
 
     def error(self, bits: int) -> float:
         if bits in self.out_error:
@@ -202,12 +206,23 @@ def replacements(infos: dict[str, "TensorInfo"], choice: dict[str, int], n_folds
             continue
         opt = infos[n].options[b]
         dtype = infos[n].options[FLOAT].dequantized.dtype
+        extra = bias_feed(infos[n], opt.bias_shift)
+        if extra:
+            repl.update(extra)
         if opt.cv_dequantized is not None and len(opt.cv_dequantized) == n_folds:
             for f in range(n_folds):
                 per_fold[f][n] = opt.cv_dequantized[f].astype(dtype)
         else:
             repl[n] = opt.dequantized.astype(dtype)
     return repl, (per_fold if any(per_fold) else None)
+
+
+def bias_feed(info: "TensorInfo", shift) -> dict:
+    """{bias name: corrected bias} for a form with a bias shift ({} without one)."""
+    if shift is None or info.bias is None or info.bias_base is None:
+        return {}
+    base = info.bias_base
+    return {info.bias: (base.astype(np.float64) + np.asarray(shift, np.float64).reshape(base.shape)).astype(base.dtype)}
 
 
 def relative_error(ref, cand) -> float:
@@ -227,22 +242,25 @@ def relative_error(ref, cand) -> float:
 
 
 def measure(infos: dict[str, TensorInfo], runner: TrialRunner, ref, ref_bits: int, progress=None,
-            transform=None, plain: dict | None = None, n_folds: int = 1) -> None:
+            transform=None, plain: dict | None = None, n_folds: int = 1, plain_shift: dict | None = None) -> None:
     """Output error of each tensor alone at `ref_bits`; sets out_error and sensitivity.
     transform: maps a run's outputs to those in which the error is measured (auto.proxy_outputs).
     plain: name -> nearest-rounding dequantized weight at ref_bits, for tensors whose ref_bits
     option is error-feedback rounded: both are measured, the sensitivity comes from the nearest
     one (whose noise is unshaped, like the other widths' without error feedback) and gptq_gain
     from their ratio. n_folds: cross-validated options (cv_dequantized) are measured out of fold.
+    plain_shift: name -> the bias shift of the plain form (with bias correction it is measured with it).
     """
     transform = transform or (lambda outs: outs)
     ref = transform(ref)
     plain = plain or {}
+    plain_shift = plain_shift or {}
     names = [n for n in runner.names if n in infos and ref_bits in infos[n].options]
 
     def error_of(name, arr):
         dtype = infos[name].options[FLOAT].dequantized.dtype
-        return relative_error(ref, transform(runner.run({name: arr.astype(dtype)})))
+        extra = bias_feed(infos[name], plain_shift.get(name))
+        return relative_error(ref, transform(runner.run({name: arr.astype(dtype), **extra})))
 
     for i, name in enumerate(names):
         info = infos[name]

@@ -348,3 +348,49 @@ def test_without_feeds_the_gates_feeds_meet_the_target_too(monkeypatch):
     out, rep = passes.compress(m, target="snr>=25")
     assert rep["synthesized_feeds"] and rep["met_on_feeds"]
     assert passes.evaluate(m, out).metrics["snr"] >= 25  # what the command's gate measures
+
+
+def _relu_dense(seed=0):
+    """x -> MatMul+Add -> Relu -> MatMul+Add -> Relu -> Conv-free dense head: inputs with a large mean
+    (after the ReLU) where rounding leaves a mean output shift."""
+    from onnx import TensorProto, helper
+
+    from modelgen import _model, tensor, weight
+
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h1"]), helper.make_node("Add", ["h1", "B1"], ["a1"]),
+             helper.make_node("Relu", ["a1"], ["r1"]), helper.make_node("MatMul", ["r1", "W2"], ["h2"]),
+             helper.make_node("Add", ["h2", "B2"], ["a2"]), helper.make_node("Relu", ["a2"], ["r2"]),
+             helper.make_node("Gemm", ["r2", "W3"], ["y"])]
+    inits = [tensor("W1", weight((64, 96), seed=seed + 1)), tensor("B1", weight((96,), seed=seed + 2, scale=0.5)),
+             tensor("W2", weight((96, 96), seed=seed + 3)), tensor("B2", weight((96,), seed=seed + 4, scale=0.5)),
+             tensor("W3", weight((96, 32), seed=seed + 5))]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 32])], inits, 13)
+
+
+def test_bias_correction_forms_are_measured_and_built_with_their_biases():
+    m = _relu_dense()
+    rng = np.random.default_rng(0)
+    f = [{"x": (rng.random((32, 64)) * 2).astype(np.float32)} for _ in range(6)]
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f, bits=(4, 5, 6, 8), tighten=0)
+    onnx.checker.check_model(out, full_check=True)
+    assert rep["met_on_feeds"]
+    rows = {r["name"]: r for r in rep["tensors"]}
+    corrected = {n for n, r in rows.items() if r["bias_corrected"]}
+    assert corrected and corrected <= {"W1", "W2", "W3"}
+    assert any("bias correction" in n for n in rep["notes"])
+    inits = {t.name: t for t in out.graph.initializer}
+    gemm = next(n for n in out.graph.node if n.op_type == "Gemm")
+    # the Gemm without C gets one only when its weight was quantized (and so corrected)
+    assert (len(gemm.input) == 3) == ("W3" in corrected)
+    for b, w in (("B1", "W1"), ("B2", "W2")):
+        orig = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == b))
+        moved = not np.array_equal(onnx.numpy_helper.to_array(inits[b]), orig)
+        assert moved == (w in corrected)
+    # the fidelity the search measured with the corrected biases is the built model's
+    assert rep["fidelity"]["cosine"] == pytest.approx(evaluate(m, out, feeds=f).metrics["cosine"], abs=1e-6)
+    # and the correction lowers the error of the same widths: uniform int4 with and without it
+    _, plain = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False, bias_correction=False)
+    _, fixed = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False)
+    assert all(r["form"] == "int4/channel" for r in plain["tensors"] + fixed["tensors"])
+    assert 1 - fixed["fidelity"]["cosine"] < 0.8 * (1 - plain["fidelity"]["cosine"])
