@@ -339,22 +339,37 @@ static size_t write_table(const uint32_t *freq, uint8_t *dst) {
 /* ans_encode(sym, lanes_log2) -> bytes: a whole blob with its own table, the bytes of
  * _planes.ans_encode (a constant plane: 0, symbol) */
 static PyObject *py_ans_encode(PyObject *self, PyObject *args) {
-    Py_buffer src;
+    Py_buffer src, cb = {0};
     int lanes_log2;
-    if (!PyArg_ParseTuple(args, "y*i", &src, &lanes_log2)) return NULL;
-    if (lanes_log2 < 0 || lanes_log2 > 7 || src.len < 1) {
+    /* counts (optional, int64 256): the plane's histogram when the caller has it (the writer
+     * counted it to decide raw or coded); it must be the histogram of sym (they sum to n) */
+    if (!PyArg_ParseTuple(args, "y*i|y*", &src, &lanes_log2, &cb)) return NULL;
+    int64_t counts[256] = {0};
+    const char *bad = NULL;
+    if (lanes_log2 < 0 || lanes_log2 > 7 || src.len < 1) bad = "ans_encode: lanes_log2 in 0..7 and at least one symbol";
+    else if (cb.buf) {
+        if (cb.len != 256 * (Py_ssize_t)sizeof(int64_t)) bad = "ans_encode: counts must be 256 int64";
+        else {
+            int64_t sum = 0;
+            memcpy(counts, cb.buf, sizeof counts);
+            for (int s = 0; s < 256; s++) { if (counts[s] < 0) bad = "ans_encode: negative count"; sum += counts[s]; }
+            if (!bad && sum != src.len) bad = "ans_encode: counts do not sum to the number of symbols";
+        }
+    }
+    int have_counts = cb.buf != NULL;
+    if (cb.buf) PyBuffer_Release(&cb);
+    if (bad) {
         PyBuffer_Release(&src);
-        PyErr_SetString(PyExc_ValueError, "ans_encode: lanes_log2 in 0..7 and at least one symbol");
+        PyErr_SetString(PyExc_ValueError, bad);
         return NULL;
     }
     size_t n = (size_t)src.len;
-    int64_t counts[256] = {0};
     uint32_t freq[256];
     uint8_t head[2048]; /* byte 0 and the table (at most ~600 bytes) */
     size_t hl;
     int nsym = 0, only = 0;
     Py_BEGIN_ALLOW_THREADS
-    hist_one((const uint8_t *)src.buf, n, counts);
+    if (!have_counts) hist_one((const uint8_t *)src.buf, n, counts);
     for (int s = 0; s < 256; s++) if (counts[s]) { nsym++; only = s; }
     if (nsym == 1) {
         head[0] = 0;
@@ -379,6 +394,11 @@ static PyObject *py_ans_encode(PyObject *self, PyObject *args) {
     len = encode_into((const uint8_t *)src.buf, n, freq, lanes_log2, blob, hl);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
+    if (!len) { /* only with given counts: a symbol of sym they do not count */
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_ValueError, "ans_encode: counts are not the histogram of sym");
+        return NULL;
+    }
     if (_PyBytes_Resize(&r, (Py_ssize_t)len) < 0) return NULL;
     return r;
 }
@@ -513,7 +533,7 @@ static PyMethodDef methods[] = {
     {"normalise", py_normalise, METH_VARARGS, "normalise(counts, out): symbol counts -> frequencies summing to 4096 (ans.normalise)"},
     {"coded_bits", py_coded_bits, METH_VARARGS, "coded_bits(counts, freq) -> float: rANS word bits of these counts under freq (ans.coded_bits)"},
     {"table_size", py_table_size, METH_VARARGS, "table_size(freq) -> int: bytes of the frequency table (len(ans.write_table(freq)))"},
-    {"ans_encode", py_ans_encode, METH_VARARGS, "ans_encode(sym, lanes_log2) -> bytes: one plane as an ans blob with its own table (FORMAT.md 3.1)"},
+    {"ans_encode", py_ans_encode, METH_VARARGS, "ans_encode(sym, lanes_log2[, counts]) -> bytes: one plane as an ans blob with its own table (FORMAT.md 3.1); counts: its byte histogram (int64 256) when known"},
     {"ans_encode_shared", py_ans_encode_shared, METH_VARARGS, "ans_encode_shared(sym, freq, lanes_log2) -> bytes: an ans blob without its table (FORMAT.md 3.2)"},
     {NULL, NULL, 0, NULL}};
 

@@ -720,7 +720,10 @@ def _ans_blob_or_raw(p: np.ndarray, counts: Optional[np.ndarray] = None):
             estimate = _ans.coded_bits(counts, freq) / 8 + _ans.table_size(freq) + 1 + 4 * lanes
             if estimate - 3 * lanes - 8 >= limit:
                 return p
-    blob = _ans.encode(p)
+    if counts is not None and _enc is not None:  # the coder need not count the plane again
+        blob = _enc.ans_encode(p, _ans.lanes_log2_for(p.size), np.ascontiguousarray(counts, np.int64))
+    else:
+        blob = _ans.encode(p)
     return blob if len(blob) < limit else p
 
 
@@ -763,6 +766,8 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, s
                       if p.size >= RAW_SURE_MIN or k + ("hist",) in memo.d else None for k, p in items]
             stream.chunks.append(EncodedChunk(part.size, _ans_planes(part, width, split != ANS_INT, split == ANS_PAIRS,
                                                                      planes, counts)))
+        if len(stream.chunks) == 1 and split != ANS_PAIRS:  # encode_tensor's shared-table try reuses them
+            memo.d[(id(data), "ans planes", width, split != ANS_INT)] = stream.chunks[0].planes
         return stream
     stream = EncodedStream(codec, {"width": width} if codec not in ("bytes", "bpairs") else {})
     if split:
@@ -794,8 +799,10 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, s
             planes = list(memo.get(base + ("split", width, sign), lambda: split_planes(part, width, sign), False))
             counts = {i: memo.d.get(base + ("plane", width, sign, i, "hist")) for i in range(width)}
         sizes = plane_sizes(codec, stream.params, part.size)  # None: a plane sized by the ranks
-        stream.chunks.append(EncodedChunk(part.size, [compress_plane(p, _plane_kind(p, counts.get(i)), size is not None)
-                                                      for i, (p, size) in enumerate(zip(planes, sizes))]))
+        stored = [compress_plane(p, _plane_kind(p, counts.get(i)), size is not None) if i or codec not in ("fpairs", "bpairs")
+                  else p  # the rank table: 15 distinct bytes, no match, no Huffman gain: a frame is never smaller
+                  for i, (p, size) in enumerate(zip(planes, sizes))]
+        stream.chunks.append(EncodedChunk(part.size, stored))
     return stream
 
 
@@ -1160,16 +1167,21 @@ class SharedTables:
         return (width, sign, per_plane) if any(per_plane) else None
 
 
-def _encode_shared(data: np.ndarray, width: int, sign: bool, per_plane, chunk_bytes: int) -> Optional[EncodedStream]:
+def _encode_shared(data: np.ndarray, width: int, sign: bool, per_plane, chunk_bytes: int,
+                   own_planes: Optional[list] = None) -> Optional[EncodedStream]:
     """The payload as one `ans_shared` chunk: each plane coded with its shared table where that
     is smaller than its own `ans` plane (and saves ANS_MIN_GAIN of it), else as in `ans`. None
-    when no plane gains or the payload spans several chunks."""
+    when no plane gains or the payload spans several chunks. `own_planes`: the stored planes of
+    the payload's one-chunk `ans` encoding (same width and sign) when the codec choice made it."""
     if data.size > max(width, chunk_bytes // width * width) or data.size % width:
         return None
     planes = [data] if width == 1 else list(split_planes(data, width, sign))
+    if own_planes is None or len(own_planes) != len(planes):
+        own_planes = [None] * len(planes)
     stored, ids = [], []
-    for p, shared in zip(planes, per_plane):
-        own = _ans_blob_or_raw(p)
+    for p, shared, own in zip(planes, per_plane, own_planes):
+        if own is None:
+            own = _ans_blob_or_raw(p)
         best, best_id = own, -1
         if shared is not None and len(own) > 2:
             tid, freq, table_len = shared
@@ -1222,7 +1234,7 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
         best = _best(data, specs, chunk_bytes, memo)
         plan = shared.for_planes(data, dtype, field) if shared and _write_ans else None
         if plan is not None:
-            candidate = _encode_shared(data, *plan, chunk_bytes)
+            candidate = _encode_shared(data, *plan, chunk_bytes, memo.d.get((id(data), "ans planes", plan[0], plan[1])))
             if candidate is not None and _rank(candidate) < _rank(best):
                 best = candidate
     if try_lz is None:

@@ -158,3 +158,22 @@ def test_rank_pairs_gives_the_numpy_ranks(monkeypatch, kind, n):
     numpy_ = codecs.rank_planes(t)
     for a, b in zip(with_c, numpy_):
         assert a.dtype == b.dtype == np.uint8 and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ans_encode_with_known_counts_gives_the_same_blob(kind):
+    sym = _symbols(np.random.default_rng(7), kind, 20000)
+    counts = np.bincount(sym, minlength=256).astype(np.int64)
+    for lanes_log2 in (0, 2, 7):
+        assert _enc.ans_encode(sym, lanes_log2, counts) == _enc.ans_encode(sym, lanes_log2)
+
+
+def test_ans_encode_refuses_counts_that_are_not_the_histogram():
+    sym = np.arange(1000, dtype=np.int64).astype(np.uint8)
+    counts = np.bincount(sym, minlength=256).astype(np.int64)
+    moved = counts.copy()
+    moved[0] += moved[5]
+    moved[5] = 0  # same total, a present symbol without frequency: no blob, an error
+    for bad in (moved, counts[:255], counts * 2, -counts):
+        with pytest.raises(ValueError):
+            _enc.ans_encode(sym, 2, bad)

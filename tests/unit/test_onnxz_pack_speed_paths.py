@@ -52,3 +52,36 @@ def test_zstd_specs_encode_the_same_with_the_choice_memo():
             with_memo = codecs._encode_planes(data, spec[0], spec[1], chunk, spec[2], memo)
             fresh = codecs._encode_planes(data, spec[0], spec[1], chunk, spec[2])
             assert _stream_bytes(with_memo) == _stream_bytes(fresh), (spec, chunk)
+
+
+def test_a_rank_table_never_compresses():
+    """fpairs/bpairs store their 15-byte rank table raw without trying zstd: 15 distinct bytes
+    have no match and no Huffman gain, so compress_plane would have kept them raw anyway."""
+    rng = np.random.default_rng(4)
+    for i in range(300):
+        table = rng.permutation(256)[:15].astype(np.uint8)
+        if i % 2:
+            table = np.sort(table)
+        for kind in ("entropy", "fast"):
+            assert codecs.compress_plane(table, kind, True) is table
+    data = rng.normal(0, 0.1, 3000).astype(np.float32).view(np.uint8)
+    for spec in (("fpairs", 4), ("bpairs", 1)):
+        chunk = codecs._encode_planes(data, spec[0], spec[1], 1 << 20).chunks[0]
+        table = codecs.rank_planes(codecs.split_planes(data, 4, True)[0] if spec[0] == "fpairs" else data)[0]
+        assert bytes(chunk.planes[0]) == table.tobytes()
+
+
+def test_shared_tables_reuse_the_ans_planes_of_the_choice(monkeypatch):
+    """encode_tensor hands _encode_shared the planes its `ans` spec stored: the same stream as
+    coding them again."""
+    rng = np.random.default_rng(5)
+    payloads = [(rng.normal(0, 0.05, n).astype(np.float32).view(np.uint8), codecs.FLOAT, "raw_data") for n in (300, 900, 2000, 5000)]
+    payloads += [(np.clip(rng.normal(0, 9, n), -127, 127).astype(np.int8).view(np.uint8), codecs.INT8, "raw_data") for n in (1500, 4000, 9000)]
+    shared = codecs.SharedTables.build(payloads)
+    assert shared
+    reused = [_stream_bytes(codecs.encode_tensor(d, t, f, shared=shared)) for d, t, f in payloads]
+    original = codecs._encode_shared
+    monkeypatch.setattr(codecs, "_encode_shared", lambda *a: original(*a[:5]))
+    again = [_stream_bytes(codecs.encode_tensor(d, t, f, shared=shared)) for d, t, f in payloads]
+    assert reused == again
+    assert any(s[0] == "ans_shared" for s in reused)
