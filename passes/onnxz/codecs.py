@@ -683,6 +683,10 @@ def _narrowed(data: np.ndarray, dtype: int):
     whose first rows are zeros passed the first test and cost 73 ms of minilm_fp32's 540)."""
     if dtype == FLOAT and data.size % 4 == 0 and data.size:
         u = data.view(np.uint32)
+        if np.any(u[:1024] & 0x1FFF):
+            # a float32 holding a float16 (or bfloat16) value has its 13 low mantissa bits zero
+            # (float16 subnormals, infinities and NaN payloads too): neither test can pass
+            return None
         spread = u[::max(1, u.size // 1024)]
         if not np.any(u[:1024] & 0xFFFF) and not np.any(spread & 0xFFFF) and not np.any(u & 0xFFFF):
             return BFLOAT16, (u >> 16).astype(np.uint16).view(np.uint8)

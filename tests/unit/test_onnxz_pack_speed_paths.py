@@ -85,3 +85,16 @@ def test_shared_tables_reuse_the_ans_planes_of_the_choice(monkeypatch):
     again = [_stream_bytes(codecs.encode_tensor(d, t, f, shared=shared)) for d, t, f in payloads]
     assert reused == again
     assert any(s[0] == "ans_shared" for s in reused)
+
+
+def test_the_narrow_precheck_keeps_every_float16_value():
+    """_narrowed refuses a float32 tensor at once when one of its first values has any of the 13
+    low mantissa bits set: no float16 value (all 65,536 bit patterns, NaNs and subnormals
+    included) has them set as a float32, so no tensor that narrows is refused by it."""
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    with np.errstate(invalid="ignore"):
+        u = h.astype(np.float32).view(np.uint32)
+    assert not np.any(u & 0x1FFF)
+    finite = h[np.isfinite(h)]
+    to, narrow = codecs._narrowed(finite.astype(np.float32).view(np.uint8), codecs.FLOAT)
+    assert to == codecs.FLOAT16 and np.array_equal(narrow.view(np.uint16), finite.view(np.uint16))
