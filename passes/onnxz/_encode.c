@@ -506,23 +506,34 @@ static PyObject *py_coded_bits(PyObject *self, PyObject *args) {
 }
 
 /* table_size(freq) -> int: len(write_table(freq)) */
-static PyObject *py_table_size(PyObject *self, PyObject *args) {
+/* the table of freq (int64 256) written into tmp: its length, or -1 with an error set */
+static Py_ssize_t table_from(PyObject *args, const char *who, uint8_t *tmp) {
     Py_buffer fb;
-    if (!PyArg_ParseTuple(args, "y*", &fb)) return NULL;
-    PyObject *r = NULL;
+    if (!PyArg_ParseTuple(args, "y*", &fb)) return -1;
+    Py_ssize_t r = -1;
     if (get_256(&fb, "freq")) {
         const int64_t *f64 = (const int64_t *)fb.buf;
         uint32_t f[256];
         int bad = 0;
         for (int s = 0; s < 256; s++) { if (f64[s] < 0 || f64[s] > (1 << PROB_BITS)) bad = 1; f[s] = (uint32_t)f64[s]; }
-        if (bad) PyErr_SetString(PyExc_ValueError, "table_size: frequency out of range");
-        else {
-            uint8_t tmp[2048]; /* a table is at most ~600 bytes (frequencies sum to 4096) */
-            r = PyLong_FromSize_t(write_table(f, tmp));
-        }
+        if (bad) PyErr_Format(PyExc_ValueError, "%s: frequency out of range", who);
+        else r = (Py_ssize_t)write_table(f, tmp);
     }
     PyBuffer_Release(&fb);
     return r;
+}
+
+static PyObject *py_table_size(PyObject *self, PyObject *args) {
+    uint8_t tmp[2048]; /* a table is at most ~600 bytes (frequencies sum to 4096) */
+    Py_ssize_t n = table_from(args, "table_size", tmp);
+    return n < 0 ? NULL : PyLong_FromSsize_t(n);
+}
+
+/* write_table(freq) -> bytes: ans.write_table in C (the Python one costs ~4 ms a table) */
+static PyObject *py_write_table(PyObject *self, PyObject *args) {
+    uint8_t tmp[2048];
+    Py_ssize_t n = table_from(args, "write_table", tmp);
+    return n < 0 ? NULL : PyBytes_FromStringAndSize((const char *)tmp, n);
 }
 
 static PyMethodDef methods[] = {
@@ -532,6 +543,7 @@ static PyMethodDef methods[] = {
     {"huffman_bits", py_huffman_bits, METH_VARARGS, "huffman_bits(counts, out): bits of an optimal Huffman code per row of counts (int64 (k, 256)) into out (int64 (k,))"},
     {"normalise", py_normalise, METH_VARARGS, "normalise(counts, out): symbol counts -> frequencies summing to 4096 (ans.normalise)"},
     {"coded_bits", py_coded_bits, METH_VARARGS, "coded_bits(counts, freq) -> float: rANS word bits of these counts under freq (ans.coded_bits)"},
+    {"write_table", py_write_table, METH_VARARGS, "write_table(freq) -> bytes: the frequency table (ans.write_table)"},
     {"table_size", py_table_size, METH_VARARGS, "table_size(freq) -> int: bytes of the frequency table (len(ans.write_table(freq)))"},
     {"ans_encode", py_ans_encode, METH_VARARGS, "ans_encode(sym, lanes_log2[, counts]) -> bytes: one plane as an ans blob with its own table (FORMAT.md 3.1); counts: its byte histogram (int64 256) when known"},
     {"ans_encode_shared", py_ans_encode_shared, METH_VARARGS, "ans_encode_shared(sym, freq, lanes_log2) -> bytes: an ans blob without its table (FORMAT.md 3.2)"},

@@ -1144,7 +1144,7 @@ class SharedTables:
             if len(members) < 2 or np.count_nonzero(total) < 2:
                 continue
             freq = _ans.normalise(total)
-            table = _ans.write_table(freq)
+            table = _enc.write_table(freq) if _enc is not None else _ans.write_table(freq)
             saving = 0.0
             for c in members:
                 n = int(c.sum())

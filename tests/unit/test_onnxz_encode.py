@@ -93,6 +93,7 @@ def test_table_size_is_the_written_table_length():
             continue
         freq = ans.normalise(counts)
         assert ans.table_size(freq) == len(ans.write_table(freq))
+        assert _enc.write_table(freq) == ans.write_table(freq)
 
 
 def _payloads():
