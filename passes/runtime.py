@@ -330,7 +330,7 @@ class InferenceSession(ort.InferenceSession):
                                        plan_fold)
 
             converting = target is not None and target != own_dtype  # the converter must see float weights
-            # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
+            # float16 weights on a CPU are never shared (see below)
             share_planned = not (own_dtype == np.float16 and not self.on_gpu)
             if not has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
                 pass
