@@ -977,10 +977,11 @@ def _block_entropy(plane: np.ndarray, huffman: bool, counts: Optional[np.ndarray
 
 
 def _zstd_floor(data: np.ndarray, codec: str, width: int, split: int, chunk_bytes: int,
-                huffman: bool = False, memo: Optional[_Memo] = None) -> Optional[float]:
+                huffman: bool = False, memo: Optional[_Memo] = None, probe: bool = True) -> Optional[float]:
     """A floor under the stored size of a zstd-coded spec, from histograms: a few ms where a
     trial encode with zstd's optimal parser costs ~30 MB/s. None: no floor known (the fpairs
-    "split" layout, or a plane where matches pay, which a histogram cannot see): encode it."""
+    "split" layout, or a plane where matches pay, which a histogram cannot see): encode it.
+    probe=False: the sum of the plane floors without asking whether matches pay."""
     if codec == "fpairs" and split:
         return None
     memo = memo or _Memo()
@@ -990,7 +991,7 @@ def _zstd_floor(data: np.ndarray, codec: str, width: int, split: int, chunk_byte
         for key, p in _plane_items(data, codec, width, start, step, memo):
             counts = memo.get(key + ("hist",), lambda: _block_counts(p))
             floor = memo.get(key + ("floor", huffman), lambda: _block_entropy(p, huffman, counts))
-            if floor < 0.99 * p.size and _matches_pay(p, floor, memo, key):
+            if probe and floor < 0.99 * p.size and _matches_pay(p, floor, memo, key):
                 return None
             total += floor
     return total
@@ -1014,13 +1015,20 @@ def _hopeless(data: np.ndarray, spec, chunk_bytes: int, to_beat: float, memo: Op
     if data.size < FLOOR_MIN_BYTES:
         return False
     memo = memo or _Memo()
-    for huffman in (False, True):
-        floor = _zstd_floor(data, *spec, chunk_bytes, huffman=huffman, memo=memo)
-        if floor is None:
-            return False
-        if floor >= to_beat:
-            return True
-    return False
+    # the floors first; the repetition probes (zstd level 1 of each plane, most of this test's
+    # time) only where a floor reaches to_beat: below it the spec is tried whatever they say.
+    # The same answer as probing within each floor: True iff the entropy floor reaches to_beat
+    # with no plane's matches below its entropy floor, or the Huffman floor reaches it with no
+    # plane's matches below either floor
+    entropy = _zstd_floor(data, *spec, chunk_bytes, huffman=False, memo=memo, probe=False)
+    if entropy is None:
+        return False
+    if entropy >= to_beat:
+        return _zstd_floor(data, *spec, chunk_bytes, huffman=False, memo=memo) is not None
+    if _zstd_floor(data, *spec, chunk_bytes, huffman=True, memo=memo, probe=False) < to_beat:
+        return False
+    return (_zstd_floor(data, *spec, chunk_bytes, huffman=False, memo=memo) is not None
+            and _zstd_floor(data, *spec, chunk_bytes, huffman=True, memo=memo) is not None)
 
 
 def _choose(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = None):

@@ -98,3 +98,38 @@ def test_the_narrow_precheck_keeps_every_float16_value():
     finite = h[np.isfinite(h)]
     to, narrow = codecs._narrowed(finite.astype(np.float32).view(np.uint8), codecs.FLOAT)
     assert to == codecs.FLOAT16 and np.array_equal(narrow.view(np.uint16), finite.view(np.uint16))
+
+
+def _hopeless_probing_each_floor(data, spec, chunk_bytes, to_beat):
+    """_hopeless as it was: the repetition probes run within each floor's pass."""
+    memo = codecs._Memo()
+    for huffman in (False, True):
+        floor = codecs._zstd_floor(data, *spec, chunk_bytes, huffman=huffman, memo=memo)
+        if floor is None:
+            return False
+        if floor >= to_beat:
+            return True
+    return False
+
+
+def test_hopeless_probes_only_where_a_floor_decides():
+    """Probing only when a floor reaches the size to beat gives the answers of probing always,
+    on noise, narrow exponents, repetitive planes (matches pay) and every spec, for sizes to
+    beat on both sides of the floors."""
+    rng = np.random.default_rng(9)
+    f32 = rng.normal(0, 0.05, 40_000).astype(np.float32)
+    rep = np.tile(rng.normal(0, 0.05, 500).astype(np.float32), 80)  # matches pay
+    i8 = np.clip(rng.normal(0, 12, 120_000), -127, 127).astype(np.int8)
+    cases = [(f32.view(np.uint8), s) for s in (("fplanes", 4, 0), ("fpairs", 4, 0), ("bytes", 1, 0))]
+    cases += [(rep.view(np.uint8), s) for s in (("fplanes", 4, 0), ("fpairs", 4, 0), ("bytes", 1, 0))]
+    cases += [(i8.view(np.uint8), ("bytes", 1, 0)), (i8.view(np.uint8), ("bpairs", 1, 0))]
+    answers = set()
+    for data, spec in cases:
+        memo = codecs._Memo()
+        entropy = codecs._zstd_floor(data, *spec, 1 << 20, huffman=False, memo=memo, probe=False)
+        huffman = codecs._zstd_floor(data, *spec, 1 << 20, huffman=True, memo=memo, probe=False)
+        for to_beat in (0.5 * entropy, entropy - 1, entropy, (entropy + huffman) / 2, huffman, huffman + 1, data.size):
+            got = codecs._hopeless(data, spec, 1 << 20, to_beat)
+            assert got == _hopeless_probing_each_floor(data, spec, 1 << 20, to_beat), (spec, to_beat)
+            answers.add(got)
+    assert answers == {True, False}
