@@ -335,15 +335,16 @@ class InferenceSession(ort.InferenceSession):
             if not has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
                 pass
             elif not (share_planned or converting or self.on_gpu) and onnxruntime_folds_all(split):
-                # float16 weights on a CPU. With a second core, the big DequantizeLinear nodes fold
-                # on a worker thread while this one prepares the skeleton and onnxruntime parses,
-                # each float weight streamed to onnxruntime once folded (see fold_in_background);
-                # the rest, or all of them on one core, are left to onnxruntime's constant
-                # folding (session.disable_quant_qdq=1 makes it fold every constant
-                # DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit)
-                from .runtime_fold import fold_in_background, usable_cores
+                # float16 weights on a CPU. With a core to spare, the big DequantizeLinear nodes
+                # fold on a worker thread while this one prepares the skeleton and onnxruntime
+                # parses, each float weight streamed to onnxruntime once folded (see
+                # fold_in_background); the rest, or all of them on a busy or one-core machine
+                # (where the fold costing the least CPU is the fastest), are left to
+                # onnxruntime's constant folding (session.disable_quant_qdq=1 makes it fold every
+                # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit)
+                from .runtime_fold import fold_in_background, spare_core
 
-                if usable_cores() < 2 or fold_in_background(split):
+                if not spare_core() or fold_in_background(split):
                     options.add_session_config_entry("session.disable_quant_qdq", "1")
             else:
                 _wait_weights(split, self.source)

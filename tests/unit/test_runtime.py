@@ -309,9 +309,10 @@ def test_float16_weights_converted_as_onnxruntimes_converter_does(size):
     assert got.shape == h.shape and np.array_equal(got.view(np.uint32), h.astype(np.float32).view(np.uint32))
 
 
-def test_float16_fold_on_cpu_folds_aside(tmp_path):
-    """float16 weights on a CPU: the big DequantizeLinear nodes are folded on a worker thread
-    (runtime_fold.fold_in_background); outputs identical to the folded model's."""
+def test_float16_fold_on_cpu_folds_aside(tmp_path, monkeypatch):
+    """float16 weights on a CPU with a core to spare: the big DequantizeLinear nodes are folded
+    on a worker thread (runtime_fold.fold_in_background); outputs identical to the folded model's."""
+    monkeypatch.setattr("passes.runtime_fold.spare_core", lambda: True)
     inits = [numpy_helper.from_array(_w((256, 384), 21).astype(np.float16), "W1"),
              numpy_helper.from_array(_w((384, 128), 22).astype(np.float16), "W2")]
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
@@ -329,10 +330,11 @@ def test_float16_fold_on_cpu_folds_aside(tmp_path):
         np.testing.assert_array_equal(got[0], want[0])
 
 
-def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp_path):
+def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp_path, monkeypatch):
     """float16 on a CPU with only DequantizeLinear to fold: the big one is folded aside, the small
     weight and its Constant-node scale go to onnxruntime as they are (its constant folding does
     them); outputs identical to the folded model's."""
+    monkeypatch.setattr("passes.runtime_fold.spare_core", lambda: True)
     big = _w((256, 64), 31)
     big_scale = (np.abs(big).max(axis=0) / 127).astype(np.float16)
     big_q = np.clip(np.round(big / big_scale.astype(np.float32)), -127, 127).astype(np.int8)

@@ -80,6 +80,14 @@ def forms_model():
 FEEDS = [{"ids": np.random.default_rng(i).integers(0, 300, (2, 5), dtype=np.int64)} for i in range(3)]
 
 
+@pytest.fixture(autouse=True)
+def a_spare_core(monkeypatch):
+    """The fold aside runs where a core is free; the machine running the tests may be busy."""
+    import passes.runtime_fold as runtime_fold
+
+    monkeypatch.setattr(runtime_fold, "spare_core", lambda: True)
+
+
 @pytest.fixture(scope="module")
 def forms(tmp_path_factory):
     root = tmp_path_factory.mktemp("fold_background")
@@ -216,13 +224,27 @@ def test_damaged_pack_is_refused_and_no_thread_left(forms, tmp_path):
     assert not _fold_threads()
 
 
-def test_on_one_core_onnxruntime_folds(forms, monkeypatch):
-    """Without a second core nothing overlaps: the model goes to onnxruntime as it is and its
-    constant folding does every DequantizeLinear; outputs equal the folded model's all the same."""
+@pytest.mark.parametrize("cores,load", [(1, 0.0), (2, 1.5), (4, 3.2)])
+def test_without_a_spare_core_onnxruntime_folds(forms, monkeypatch, cores, load):
+    """One core, or every core busy (load average): nothing would overlap, so the model goes to
+    onnxruntime as it is and its constant folding does every DequantizeLinear (the cheaper fold
+    in CPU); outputs equal the folded model's all the same."""
     import passes.runtime_fold as runtime_fold
 
-    monkeypatch.setattr(runtime_fold, "usable_cores", lambda: 1)
+    monkeypatch.undo()  # (the autouse spare core)
+    monkeypatch.setattr(runtime_fold, "usable_cores", lambda: cores)
+    monkeypatch.setattr(runtime_fold.os, "getloadavg", lambda: (load, load, load))
+    assert not runtime_fold.spare_core()
     session = passes.InferenceSession(forms["onnxz"], mode="fold")
     assert session.op_counts.get("DequantizeLinear") == 7
     for got, want in zip(run(session, FEEDS), forms["want"]):
         assert np.array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
+
+
+def test_a_spare_core_is_an_idle_one(monkeypatch):
+    import passes.runtime_fold as runtime_fold
+
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime_fold, "usable_cores", lambda: 2)
+    monkeypatch.setattr(runtime_fold.os, "getloadavg", lambda: (0.7, 2.0, 2.0))
+    assert runtime_fold.spare_core()
