@@ -91,7 +91,8 @@ def worker(spec: dict) -> dict:
     per_feed = np.asarray(times).reshape(spec["repeat"], len(feeds)).min(axis=0)
     return {"ready_s": ready, "ready_cpu_s": ready_cpu, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
             "run_ms": 1000 * float(np.mean(times)), "run_ms_median": 1000 * float(np.median(times)),
-            "run_ms_min_sum": 1000 * float(per_feed.sum()), "mode": getattr(session, "mode", "plain")}
+            "run_ms_min_sum": 1000 * float(per_feed.sum()), "mode": getattr(session, "mode", "plain"),
+            "fold_route": getattr(session, "fold_route", None)}
 
 
 def _load_feeds(spec):
@@ -224,6 +225,8 @@ def best_of_many(specs: list, rounds: int) -> list:
         best = dict(ok[0])
         for key in BEST_KEYS:
             best[key] = min(r[key] for r in ok)
+        # (the float16 fold's route depends on the machine's load: rounds may differ)
+        best["fold_route"] = "+".join(sorted({str(r.get("fold_route")) for r in ok})) if ok[0].get("fold_route") else None
         out.append(best)
     return out
 
@@ -336,6 +339,9 @@ def _summarise(name, metric, results, rows):
         row.update({k: r[k] for k in BEST_KEYS + ("mode",) if k in r})
         row["mode"] = how if how != "auto" else f"auto->{r['mode']}"
         row["mode"] = row["mode"].replace("fold:float", "fold->f")
+        if r.get("fold_route") and "here" not in r["fold_route"]:  # (float16 on a CPU: which fold ran, see spare_core)
+            row["mode"] += "/" + r["fold_route"].replace("onnxruntime", "ort")
+        row["fold_route"] = r.get("fold_route")
         if "error" not in base:
             row["ready_x"] = r["ready_s"] / base["ready_s"]
             row["ready_cpu_x"] = r["ready_cpu_s"] / base["ready_cpu_s"]

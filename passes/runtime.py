@@ -315,6 +315,11 @@ class InferenceSession(ort.InferenceSession):
             mode, self.mode_reason = choose_mode(split, s["providers"], target)
             log.info("passes.InferenceSession(%s): mode=auto picked %s (%s)", self.source.name, mode, self.mode_reason)
         self.mode = mode
+        # how mode="fold" folded the DequantizeLinear nodes: "here" (this thread, before
+        # onnxruntime; "here+onnxruntime" when the weights onnxruntime cannot share were left to
+        # its constant folding), "aside" (a worker thread: float16 on a CPU with a core to spare),
+        # "onnxruntime" (its constant folding), or None (nothing to fold, another mode)
+        self.fold_route = None
         options = copy_session_options(sess_options)
         if s["threads"]:
             options.intra_op_num_threads = s["threads"]
@@ -344,13 +349,16 @@ class InferenceSession(ort.InferenceSession):
                 # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit)
                 from .runtime_fold import fold_in_background, spare_core
 
-                if not spare_core() or fold_in_background(split):
+                aside = spare_core()
+                if not aside or fold_in_background(split):
                     options.add_session_config_entry("session.disable_quant_qdq", "1")
+                self.fold_route = "aside" if aside else "onnxruntime"
             else:
                 _wait_weights(split, self.source)
                 constants_to_initializers(split)
                 deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
                 fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
+                self.fold_route = "here" if not deferred else "here+onnxruntime"
         else:
             from .runtime_int8 import prepare_quantized
 
