@@ -101,7 +101,7 @@ def forms(tmp_path_factory):
 @pytest.mark.parametrize("source", ["onnx", "onnxz"])
 def test_outputs_equal_the_folded_models(forms, source):
     session = passes.InferenceSession(forms[source], mode="fold")
-    assert session.dtype == np.float16
+    assert session.dtype == np.float16 and session.fold_route == "aside"
     # the big ones folded here; only the 64-element one (inline, too small to feed) is left
     assert session.op_counts.get("DequantizeLinear") == 1
     for got, want in zip(run(session, FEEDS), forms["want"]):
@@ -236,7 +236,7 @@ def test_without_a_spare_core_onnxruntime_folds(forms, monkeypatch, cores, load)
     monkeypatch.setattr(runtime_fold.os, "getloadavg", lambda: (load, load, load))
     assert not runtime_fold.spare_core()
     session = passes.InferenceSession(forms["onnxz"], mode="fold")
-    assert session.op_counts.get("DequantizeLinear") == 7
+    assert session.op_counts.get("DequantizeLinear") == 7 and session.fold_route == "onnxruntime"
     for got, want in zip(run(session, FEEDS), forms["want"]):
         assert np.array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
 
