@@ -394,3 +394,51 @@ def test_bias_correction_forms_are_measured_and_built_with_their_biases():
     _, fixed = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False)
     assert all(r["form"] == "int4/channel" for r in plain["tensors"] + fixed["tensors"])
     assert 1 - fixed["fidelity"]["cosine"] < 0.8 * (1 - plain["fidelity"]["cosine"])
+
+
+def _sequence_model():
+    from onnx import TensorProto, helper
+
+    from modelgen import _model, tensor, weight
+
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "B"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 32])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 48])],
+                  [tensor("W", weight((32, 48), seed=1)), tensor("B", weight((48,), seed=2))], 13)
+
+
+def test_padded_batches_of_feeds_of_different_lengths():
+    from passes.auto import padded_batches
+
+    m = _sequence_model()
+    rng = np.random.default_rng(0)
+    lengths = [5, 9, 3, 7, 4, 4, 8, 2, 6]
+    f = [{"x": rng.standard_normal((1, n, 32)).astype(np.float32)} for n in lengths]
+    out = padded_batches(m, f, size=4)
+    assert len(out) == 2  # 9 feeds: two whole batches of 4
+    assert out[0]["x"].shape == (4, 9, 32) and out[1]["x"].shape == (4, 8, 32)
+    for i in range(4):  # each feed's values first, zeros after
+        n = lengths[i]
+        np.testing.assert_array_equal(out[0]["x"][i, :n], f[i]["x"][0])
+        assert not out[0]["x"][i, n:].any()
+    # equal lengths, a fixed batch axis, or feeds of batch 2: nothing to pad
+    assert padded_batches(m, [{"x": a["x"][:, :2]} for a in f], size=4) == []
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(m)
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+    assert padded_batches(fixed, f, size=4) == []
+    assert padded_batches(m, [{"x": np.concatenate([a["x"]] * 2)} for a in f], size=4) == []  # batch 2 feeds
+
+
+def test_auto_measures_padded_batches_too(monkeypatch):
+    from passes import auto
+
+    monkeypatch.setattr(auto, "PADDED_BATCH", 4)
+    m = _sequence_model()
+    rng = np.random.default_rng(1)
+    f = [{"x": rng.standard_normal((1, n, 32)).astype(np.float32)} for n in (5, 9, 3, 7, 4, 6, 8, 2)]
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f)
+    assert rep["n_feeds"] == 10 and any("zero-padded batches" in n for n in rep["notes"])
+    onnx.checker.check_model(out, full_check=True)
+    batched = auto.padded_batches(m, f, size=4)
+    assert evaluate(m, out, feeds=batched).metrics["cosine"] >= 0.999
