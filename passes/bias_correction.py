@@ -214,10 +214,11 @@ def _conv_tap_means(x: np.ndarray, node, kshape) -> np.ndarray:
     return out.reshape((x.shape[1],) + tuple(kshape[-spatial:]))
 
 
-def input_means(model: onnx.ModelProto, feeds, targets: dict[str, BiasTarget]) -> dict[str, np.ndarray]:
+def input_means(model: onnx.ModelProto, feeds, targets: dict[str, BiasTarget], shapes: dict | None = None) -> dict[str, np.ndarray]:
     """Weight name -> mean of what the weight multiplies, over the feeds (float64): (K,) for
     MatMul/Gemm (mean over all rows of x), (C_in, *kernel) for Conv (mean input of each tap).
-    Weights whose activations are not finite on the feeds are left out."""
+    Weights whose activations are not finite on the feeds are left out. shapes: weight name ->
+    its shape, where the weights are not (all) initializers of `model` (Constant nodes)."""
     import onnxruntime as ort
 
     if not targets:
@@ -240,7 +241,7 @@ def input_means(model: onnx.ModelProto, feeds, targets: dict[str, BiasTarget]) -
         res = dict(zip(acts, sess.run(acts, {k: v for k, v in feed.items() if k in allowed})))
         for name, t in targets.items():
             x = np.asarray(res[t.activation])
-            dims = tuple(inits[name].dims)
+            dims = tuple(shapes[name]) if shapes is not None else tuple(inits[name].dims)
             if t.op == "Conv":
                 if x.ndim != len(dims) or x.ndim not in (3, 4):
                     continue
@@ -349,13 +350,22 @@ def set_biases(model: onnx.ModelProto, values: dict[str, np.ndarray], drop=()) -
     return m
 
 
+def _float_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Name -> array of the main graph's float initializers and float Constant nodes."""
+    out = {n: graph.tensor_to_array(t) for n, t in graph.unique_initializers(model).items() if t.data_type in _FLOAT_TYPES}
+    for n, t in _constant_tensors(model).items():
+        out.setdefault(n, graph.tensor_to_array(t))
+    return out
+
+
 def _folded_weights(quantized: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Name -> dequantized array of every main-graph weight the DequantizeLinear forms hold."""
+    """Name -> dequantized array of every main-graph weight the DequantizeLinear forms hold (an
+    initializer or a Constant node once folded)."""
     from .fold import fold_dequantize
 
-    folded = graph.unique_initializers(fold_dequantize(quantized))
+    folded = _float_weights(fold_dequantize(quantized))
     dq_out = {n.output[0] for n in quantized.graph.node if n.op_type == "DequantizeLinear" and n.output}
-    return {n: graph.tensor_to_array(folded[n]) for n in dq_out if n in folded}
+    return {n: folded[n] for n in dq_out if n in folded}
 
 
 def correct_bias(quantized, original, feeds, *, report: Report | None = None) -> onnx.ModelProto:
@@ -375,20 +385,19 @@ def correct_bias(quantized, original, feeds, *, report: Report | None = None) ->
     if not feeds:
         raise InvalidArgumentError("feeds: at least one feed is needed to measure the layers' mean inputs")
     w_hat = _folded_weights(q)
-    originals = graph.unique_initializers(src)
-    names = [n for n in w_hat if n in originals]
-    # the activations are the float model's; the consumers are found in the quantized model (whose
-    # weight is a DequantizeLinear output there, with the same name)
-    q_targets = _dq_targets(q, names)
-    src_targets = {n: t for n, t in bias_targets(src, names).items() if n in q_targets}
-    means = input_means(src, feeds, src_targets)
+    originals = _float_weights(src)
+    names = [n for n in w_hat if n in originals and originals[n].shape == w_hat[n].shape]
+    # the activations are the float model's (same node and value names: quantizing rewrote the
+    # weights only); the consumers are found in the quantized model, whose weight is a
+    # DequantizeLinear output there with the same name
+    q_targets = _dq_targets(q, {n: originals[n] for n in names})
+    means = input_means(src, feeds, q_targets, shapes={n: originals[n].shape for n in q_targets})
     q_targets = {n: t for n, t in q_targets.items() if n in means}
     q2, q_targets = with_bias_inputs(q, q_targets)
     q_inits = graph.unique_initializers(q2)
     values = {}
     for n, t in sorted(q_targets.items()):
-        w = graph.tensor_to_array(originals[n])
-        shift = bias_shift(t, means[n], w, w_hat[n])
+        shift = bias_shift(t, means[n], originals[n], w_hat[n])
         base = graph.tensor_to_array(q_inits[t.bias]).astype(np.float64)
         values[t.bias] = base + shift.reshape(base.shape)
         if report is not None:
@@ -399,21 +408,14 @@ def correct_bias(quantized, original, feeds, *, report: Report | None = None) ->
     return set_biases(q2, values)
 
 
-def _dq_targets(q: onnx.ModelProto, names) -> dict[str, BiasTarget]:
+def _dq_targets(q: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, BiasTarget]:
     """bias_targets for weights that are DequantizeLinear outputs (not initializers) in `q`: the
-    same rules, the weight's dtype taken from the DequantizeLinear scale."""
-    want = set(names)
-    readers = _readers(q)
-    inits = graph.unique_initializers(q)
+    same rules, on stand-in initializers with the weights' (float) shapes and types."""
     fake = onnx.ModelProto()
     fake.CopyFrom(q)
-    # stand-in initializers carrying the weights' shape and float type, so that bias_targets applies
-    dq = {n.output[0]: n for n in q.graph.node if n.op_type == "DequantizeLinear" and n.output and n.output[0] in want}
-    for name, node in dq.items():
-        qt, st = inits.get(node.input[0]), inits.get(node.input[1])
-        if qt is None or st is None:
-            continue
-        stand = onnx.TensorProto(name=name, data_type=st.data_type, dims=list(qt.dims))
-        fake.graph.initializer.append(stand)
-    del readers
-    return bias_targets(fake, list(dq))
+    dq = {n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear" and n.output and n.output[0] in weights}
+    for name in sorted(dq):
+        arr = weights[name]
+        fake.graph.initializer.append(onnx.TensorProto(
+            name=name, data_type=onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), dims=list(arr.shape)))
+    return bias_targets(fake, sorted(dq))

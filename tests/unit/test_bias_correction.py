@@ -160,3 +160,20 @@ def test_needs_feeds():
     q = passes.quantize_weights(m, bits=4, min_elements=16)
     with pytest.raises(passes.InvalidArgumentError, match="feeds"):
         bc.correct_bias(q, m, [])
+
+
+def test_weights_and_bias_in_constant_nodes():
+    """Exporters (paddle: rapidocr_cls) keep weights and biases in Constant nodes: the quantized
+    weight's DequantizeLinear reads Constant levels, the bias Constant becomes an initializer."""
+    m = mg.conv_model(in_constant=True)
+    calib, held = _positive_feeds((1, 8, 10, 10), seed=0), _positive_feeds((1, 8, 10, 10), seed=1)
+    q = passes.quantize_weights(m, bits=3, min_elements=16)
+    rep = passes.Report()
+    c = bc.correct_bias(q, m, calib, report=rep)
+    _check(c)
+    assert any("bias correction on 1 of" in n for n in rep.notes)  # W (Conv); W2 feeds a ConvTranspose
+    assert "B" in graph.unique_initializers(c)
+    a = mg.run(passes.fold_dequantize(m), held)[0].astype(np.float64)  # (ConvTranspose spreads the shift)
+    e_q = (mg.run(q, held)[0] - a).mean()
+    e_c = (mg.run(c, held)[0] - a).mean()
+    assert abs(e_c) < abs(e_q)
