@@ -271,6 +271,20 @@ def _print_fidelity(result, checks) -> None:
 # commands
 
 
+def _dense_copy(model, report):
+    """`model`, or a copy with its sparse initializers stored dense when it has any (with a
+    note): the auto mode's sensitivity pass reads the original of every quantized weight among
+    the dense initializers (a sparse one raised KeyError, exit 70)."""
+    from passes import graph
+
+    if not any(gi.graph.sparse_initializer for gi in graph.iter_graphs(model)):
+        return model
+    dense = graph.copy_model(model)
+    count = graph.densify_sparse_initializers(dense)
+    report.note(f"{count} sparse initializer(s) stored dense before the search (the same values)")
+    return dense
+
+
 def cmd_compress(args) -> int:
     import passes
     from passes._fileio import check_readable, check_writable
@@ -309,7 +323,8 @@ def cmd_compress(args) -> int:
         from passes.fidelity import parse_requirements
 
         targets = parse_requirements(args.target)
-        compressed, auto = passes.compress(model, target=args.target, feeds=feeds,
+        searched = _dense_copy(model, report)
+        compressed, auto = passes.compress(searched, target=args.target, feeds=feeds,
                                            metric_args=_metric_args(args.metric_arg), run_as=args.run_as,
                                            report=report)
         options = {"target": args.target}
