@@ -372,7 +372,7 @@ def test_bias_correction_forms_are_measured_and_built_with_their_biases():
     m = _relu_dense()
     rng = np.random.default_rng(0)
     f = [{"x": (rng.random((32, 64)) * 2).astype(np.float32)} for _ in range(6)]
-    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f, bits=(4, 5, 6, 8), tighten=0)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f, bits=(4, 5, 6, 8), tighten=0, bias_correction=True)
     onnx.checker.check_model(out, full_check=True)
     assert rep["met_on_feeds"]
     rows = {r["name"]: r for r in rep["tensors"]}
@@ -390,8 +390,9 @@ def test_bias_correction_forms_are_measured_and_built_with_their_biases():
     # the fidelity the search measured with the corrected biases is the built model's
     assert rep["fidelity"]["cosine"] == pytest.approx(evaluate(m, out, feeds=f).metrics["cosine"], abs=1e-6)
     # and the correction lowers the error of the same widths: uniform int4 with and without it
-    _, plain = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False, bias_correction=False)
-    _, fixed = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False)
+    _, plain = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False)
+    assert not any(r["bias_corrected"] for r in plain["tensors"])  # off by default
+    _, fixed = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False, bias_correction=True)
     assert all(r["form"] == "int4/channel" for r in plain["tensors"] + fixed["tensors"])
     assert 1 - fixed["fidelity"]["cosine"] < 0.8 * (1 - plain["fidelity"]["cosine"])
 
