@@ -428,9 +428,18 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     if ref_bits not in bits:
         ref_bits = bits[len(bits) // 2]
     src = load_model(model)
+    sparse = any(info.graph.sparse_initializer for info in graph.iter_graphs(src))
+    if sparse:
+        # quantize_weights stores sparse initializers dense, and the sensitivity pass looks every
+        # quantized weight's original up among the dense ones (KeyError on a pruned model before)
+        src = onnx.ModelProto()
+        src.CopyFrom(load_model(model))
+        graph.densify_sparse_initializers(src)
     if run_as not in RUN_AS:
         raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
     notes = []
+    if sparse:
+        notes.append("sparse initializers stored dense (same values) for the search and the built model")
     if run_as == "fold":
         notes.append("candidates measured with their weights folded to float (run_as='fold')")
 
@@ -835,7 +844,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         rows.append({"name": name, "shape": list(info.shape), "form": form,
                      "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
                      "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
-                     "bias_corrected": b != sens.FLOAT and opt.bias_shift is not None,
+                     "bias_corrected": per_tensor and b != sens.FLOAT and opt.bias_shift is not None,
                      "sensitivity": info.sensitivity})
         if report is not None:
             report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),

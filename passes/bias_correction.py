@@ -221,6 +221,7 @@ def input_means(model: onnx.ModelProto, feeds, targets: dict[str, BiasTarget], s
     its shape, where the weights are not (all) initializers of `model` (Constant nodes)."""
     import onnxruntime as ort
 
+    feeds = list(feeds)
     if not targets:
         return {}
     inits = graph.unique_initializers(model)
@@ -255,7 +256,7 @@ def input_means(model: onnx.ModelProto, feeds, targets: dict[str, BiasTarget], s
                 continue
             sums[name] = sums.get(name, 0) + mean
             count[name] = count.get(name, 0) + 1
-    n_feeds = len(list(feeds)) if not isinstance(feeds, list) else len(feeds)
+    n_feeds = len(feeds)
     # a weight must be measured on every feed (a feed whose activation was not finite would bias the mean)
     return {n: sums[n] / count[n] for n in sums if count[n] == n_feeds}
 
@@ -369,8 +370,8 @@ def _folded_weights(quantized: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def correct_bias(quantized, original, feeds, *, report: Report | None = None) -> onnx.ModelProto:
-    """`quantized` (weights as DequantizeLinear forms, as quantize_weights / palettize / gptq write
-    them, same weight names as `original`) with every correctable layer's bias shifted by
+    """`quantized` (weights as DequantizeLinear forms, as quantize_weights / quantize_with_feedback
+    write them, same weight names as `original`; palettized weights (Gather forms) are not seen) with every correctable layer's bias shifted by
     E[x] @ (W - W_hat), E[x] measured by running `original` on `feeds` (feed dicts or an .npz path).
     Conv and Gemm layers without a bias get one. Weights kept float, or not correctable, are left."""
     from ._fileio import load_model
@@ -404,7 +405,8 @@ def correct_bias(quantized, original, feeds, *, report: Report | None = None) ->
             report.note(f"{n}: bias {t.bias} shifted by up to {float(np.max(np.abs(shift))):.3g}")
     if report is not None:
         report.pass_name = report.pass_name or "correct_bias"
-        report.note(f"bias correction on {len(values)} of {len(names)} quantized weights")
+        report.note(f"bias correction on {len(values)} of {len(names)} quantized weights"
+                    + ("" if names else " (no DequantizeLinear weight found: palettized weights are not corrected)"))
     return set_biases(q2, values)
 
 

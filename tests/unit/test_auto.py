@@ -443,3 +443,15 @@ def test_auto_measures_padded_batches_too(monkeypatch):
     onnx.checker.check_model(out, full_check=True)
     batched = auto.padded_batches(m, f, size=4)
     assert evaluate(m, out, feeds=batched).metrics["cosine"] >= 0.999
+
+
+def test_sparse_initializers_are_searched_dense():
+    """A pruned model storing weights as sparse_initializer raised KeyError in the sensitivity pass."""
+    from test_unseen_patterns import _sparse_initializer_model
+
+    m, f, _ = _sparse_initializer_model()
+    out, rep = passes.compress(m, target="snr>=20", feeds=f)
+    onnx.checker.check_model(out, full_check=True)
+    assert rep["met_on_feeds"] and any("sparse initializers stored dense" in n for n in rep["notes"])
+    assert len(m.graph.sparse_initializer) > 0  # the input model is left as it was
+    assert passes.parse_requirement("snr>=20").check(evaluate(m, out, feeds=f))
