@@ -317,8 +317,8 @@ class InferenceSession(ort.InferenceSession):
         self.mode = mode
         # how mode="fold" folded the DequantizeLinear nodes: "here" (this thread, before
         # onnxruntime; "here+onnxruntime" when the weights onnxruntime cannot share were left to
-        # its constant folding), "aside" (a worker thread: float16 on a CPU with a core to spare),
-        # "onnxruntime" (its constant folding), or None (nothing to fold, another mode)
+        # its constant folding), "onnxruntime" (its constant folding: float16 weights on a CPU),
+        # or None (nothing to fold, another mode)
         self.fold_route = None
         options = copy_session_options(sess_options)
         if s["threads"]:
@@ -335,24 +335,18 @@ class InferenceSession(ort.InferenceSession):
                                        plan_fold)
 
             converting = target is not None and target != own_dtype  # the converter must see float weights
-            # float16 weights on a CPU are never shared (see below)
+            # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
             share_planned = not (own_dtype == np.float16 and not self.on_gpu)
             if not has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
                 pass
             elif not (share_planned or converting or self.on_gpu) and onnxruntime_folds_all(split):
-                # float16 weights on a CPU. With a core to spare, the big DequantizeLinear nodes
-                # fold on a worker thread while this one prepares the skeleton and onnxruntime
-                # parses, each float weight streamed to onnxruntime once folded (see
-                # fold_in_background); the rest, or all of them on a busy or one-core machine
-                # (where the fold costing the least CPU is the fastest), are left to
-                # onnxruntime's constant folding (session.disable_quant_qdq=1 makes it fold every
-                # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit)
-                from .runtime_fold import fold_in_background, spare_core
-
-                aside = spare_core()
-                if not aside or fold_in_background(split):
-                    options.add_session_config_entry("session.disable_quant_qdq", "1")
-                self.fold_route = "aside" if aside else "onnxruntime"
+                # ... the small ones too: the model goes to onnxruntime as it is, its weights streamed
+                # as they decode (session.disable_quant_qdq=1 makes its constant folding fold every
+                # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit).
+                # Folding them on a worker thread instead (float16 streamed as each is folded)
+                # was measured slower, quiet machine or loaded: see onnxruntime_folds_all
+                options.add_session_config_entry("session.disable_quant_qdq", "1")
+                self.fold_route = "onnxruntime"
             else:
                 _wait_weights(split, self.source)
                 constants_to_initializers(split)

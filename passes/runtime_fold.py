@@ -7,13 +7,10 @@ missing.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .errors import InvalidArgumentError
 from .runtime_feed import SplitModel, subgraphs
 
 
@@ -98,10 +95,17 @@ def onnxruntime_folds_all(split: SplitModel) -> bool:
     of the main graph (no other registered form, no palette, no subgraph), and no activation is
     quantized (QuantizeLinear: disabling the QDQ fusions would slow the run down).
 
-    Used for float16 weights on a CPU: such graphs skip fold_into's walks (which cost more than
-    they saved: open_nsfw float16 q8.onnx 182 ms CPU to a ready session against 140 ms for
-    onnxruntime on the same file); their big DequantizeLinear nodes fold on a worker thread
-    (fold_in_background) and the rest in onnxruntime's constant folding."""
+    Used for float16 weights on a CPU, where plan_fold(share=False) would defer every big
+    DequantizeLinear to onnxruntime anyway: folding the small ones here and walking the graph to
+    do so cost more than it saved (open_nsfw float16 q8.onnx: 182 ms CPU to a ready session
+    against 140 ms for onnxruntime on the same file, 134 ms for the plain float16 model).
+    Folding the big ones on a worker thread (passes.forms, bit-exact) while the skeleton is
+    prepared and parsed, each float16 weight streamed as soon as folded, was measured slower too
+    (session 5; 2 cores, 9 fresh processes, min, against the plain float16 model): at load 0.9,
+    minilm_fp16 q8.onnxz ready wall 1.62x (onnxruntime's fold 1.38x), CPU 1.57x (1.31x);
+    open_nsfw_fp16 1.31x (1.25x). onnxruntime's own initialisation of the float16 model keeps
+    both cores busy (its CPU is 1.5x its wall), and the fold (~47 ms on MiniLM, as much per value
+    as onnxruntime's) plus parsing float16 instead of int8 bytes delays its parse."""
     folders = _folders()
     graph = split.skeleton.graph
     inits = split.initializer_names()
@@ -344,214 +348,3 @@ def _consumer_counts(graph) -> dict:
     for o in graph.output:
         counts[o.name] = counts.get(o.name, 0) + 1
     return counts
-
-
-
-# ---------------------------------------------------------------------- folding on a worker thread
-
-# integer level types whose DequantizeLinear forms.dequantize_linear computes bit-exactly
-_LEVEL_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32))
-_SCALE_DTYPES = frozenset((np.dtype(np.float16), np.dtype(np.float32)))
-
-
-def _opset(split: SplitModel) -> int:
-    return next((o.version for o in split.skeleton.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
-def _background_job(split: SplitModel, node: onnx.NodeProto, opset: int):
-    """A FoldJob for a main-graph DequantizeLinear whose levels are a big weight, or None where
-    anything is unusual (left to onnxruntime, which folds it or reports the error itself). Only
-    shapes and types are read: the values may still be decoding."""
-    from .runtime_feed import INLINE_MAX_BYTES
-
-    if node.domain not in ("", "ai.onnx") or not 2 <= len(node.input) <= 3 or len(node.output) != 1:
-        return None
-    x = split.weights.get(node.input[0])
-    scale = split.array(node.input[1]) if node.input[1] else None
-    has_zp = len(node.input) > 2 and bool(node.input[2])
-    zp = split.array(node.input[2]) if has_zp else None
-    if x is None or scale is None or (has_zp and zp is None):
-        return None
-    if x.dtype not in _LEVEL_DTYPES or scale.dtype not in _SCALE_DTYPES or (zp is not None and zp.dtype != x.dtype):
-        return None
-    attrs = {a.name: a for a in node.attribute}
-    if set(attrs) - {"axis", "block_size"} or any(a.type != onnx.AttributeProto.INT for a in attrs.values()):
-        return None  # (output_dtype, damaged attributes: left to onnxruntime)
-    axis = attrs["axis"].i if "axis" in attrs else 1
-    block = attrs["block_size"].i if "block_size" in attrs else 0
-    per_tensor = block == 0 and scale.size == 1 and scale.ndim <= 1
-    if zp is not None and zp.shape != scale.shape:
-        return None
-    if (opset < 13 and ("axis" in attrs or not per_tensor)) or (opset < 21 and "block_size" in attrs) or block < 0:
-        return None
-    if not per_tensor:
-        if not -x.ndim <= axis < x.ndim:
-            return None
-        axis %= x.ndim
-        want = [x.shape[axis]] if block == 0 else [d if i != axis else -(-d // block) for i, d in enumerate(x.shape)]
-        if list(scale.shape) != want:
-            return None
-    out = np.empty(x.shape, scale.dtype)
-    if out.nbytes <= INLINE_MAX_BYTES:  # (it would go inline, values and all, before they exist)
-        return None
-    return FoldJob(node.output[0], out, x, scale, zp, 1 if per_tensor else axis, 0 if per_tensor else block)
-
-
-class FoldJob:
-    """One DequantizeLinear folded on the worker: out = forms.dequantize_linear(x, scale, zp)."""
-
-    __slots__ = ("name", "out", "x", "scale", "zp", "axis", "block", "done")
-
-    def __init__(self, name, out, x, scale, zp, axis, block):
-        import threading
-
-        self.name, self.out, self.x, self.scale, self.zp, self.axis, self.block = name, out, x, scale, zp, axis, block
-        self.done = threading.Event()
-
-    def run(self, pending) -> None:
-        from . import forms
-
-        if pending is not None:  # its inputs may still be decoding
-            for value in (self.x, self.scale, self.zp):
-                if value is not None:
-                    pending.ready(value)
-        forms.dequantize_linear(self.x, self.scale, self.zp, axis=self.axis, block_size=self.block, out=self.out)
-        self.x = self.scale = self.zp = None  # the levels are dropped as soon as the decode lets go of them
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def spare_core() -> bool:
-    """Whether a worker thread would find a core idle: two usable CPUs or more and a load average
-    (last minute) at least one below their number. The fold aside costs more CPU in all (~47 ms
-    on MiniLM float16, against ~30 ms net for onnxruntime's own fold) and wins only by running
-    beside the calling thread: A/B on 2 cores at load 7-9, minilm_fp16 q8.onnxz, 9 fresh
-    processes: process CPU 1.39x the plain model's against 1.18x for onnxruntime's fold, while
-    the calling thread's CPU (the wall time where a core is free) is 0.97x against 1.15x."""
-    cores = usable_cores()
-    if cores < 2:
-        return False
-    try:
-        return os.getloadavg()[0] <= cores - 1
-    except (AttributeError, OSError):  # (no load average on this platform: assume a free core)
-        return True
-
-
-def fold_in_background(split: SplitModel) -> int:
-    """Fold the main graph's constant DequantizeLinear nodes whose levels are big weights on a
-    worker thread (`BackgroundFold`), each into a float array made now and declared in the
-    skeleton in place of the node; returns how many DequantizeLinear nodes are left (small ones,
-    unusual forms: onnxruntime's constant folding does them with session.disable_quant_qdq=1).
-
-    Why: with float16 weights on a CPU the whole fold was left to onnxruntime, whose constant
-    folding of the int8 model took longer than its load of the float16 model itself; here the
-    fold (passes.forms, bit-exact with onnxruntime's DequantizeLinear) runs on the second core
-    while this thread restores the skeleton and onnxruntime parses, and each float weight
-    streams to onnxruntime as soon as it is folded (`split.pending` becomes the BackgroundFold,
-    which itself waits for a packed file's decode)."""
-    graph = split.skeleton.graph
-    opset = _opset(split)
-    jobs, left = [], 0
-    for node in graph.node:
-        if node.op_type != "DequantizeLinear":
-            continue
-        job = _background_job(split, node, opset)
-        if job is None:
-            left += 1
-        else:
-            jobs.append(job)
-    if not jobs:
-        return left
-    folded = {job.name for job in jobs}
-    nodes = graph.node
-    for i in range(len(nodes) - 1, -1, -1):  # (in place: rebuilding the list copies every node)
-        if nodes[i].output and nodes[i].output[0] in folded:
-            del nodes[i]
-    pending = split.pending
-    if pending is not None:  # folded in the order their levels finish decoding
-        jobs.sort(key=lambda j: pending.order(j.x))
-    for job in jobs:
-        split.set_weight(job.name, job.out)
-    split.pending = BackgroundFold(jobs, pending)
-    return left
-
-
-class BackgroundFold:
-    """FoldJobs run in order on a worker thread, on top of a packed file's BackgroundDecode (or
-    none): the same interface (`ready`, `order`, `wait`, `abandon`) for the fold outputs, the
-    decode's for every other array."""
-
-    def __init__(self, jobs: list, inner=None):
-        import threading
-
-        self._inner = inner
-        self._jobs = {id(job.out): (rank, job) for rank, job in enumerate(jobs)}
-        self._error = None
-        self._stop = False
-
-        def run():
-            try:
-                for job in jobs:
-                    if self._stop:
-                        raise InvalidArgumentError("the weights' fold was abandoned (a failed load)")
-                    job.run(inner)
-                    job.done.set()
-            except BaseException as exc:  # reported by ready() and wait()
-                self._error = exc
-            finally:
-                for job in jobs:  # (nobody waits forever on a job after an error)
-                    job.done.set()
-
-        self._thread = threading.Thread(target=run, name="passes-weight-fold", daemon=True)
-        self._thread.start()
-
-    def _job(self, array):
-        base = array
-        while base is not None:
-            hit = self._jobs.get(id(base))
-            if hit is not None and hit[1].out is base:
-                return hit
-            base = getattr(base, "base", None)
-        return None
-
-    def order(self, array) -> int:
-        """Rank in the order values become ready: a fold output after its levels' decode."""
-        hit = self._job(array)
-        inner = self._inner.order(array) if self._inner is not None and hit is None else -1
-        return inner if hit is None else (1 << 40) + hit[0]
-
-    def ready(self, array, block: bool = True) -> bool:
-        hit = self._job(array)
-        if hit is None:
-            if self._inner is not None and not self._inner.ready(array, block):
-                return False
-        else:
-            if not block and not hit[1].done.is_set():
-                return False
-            hit[1].done.wait()
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def wait(self) -> None:
-        self._thread.join()
-        self._jobs = {}
-        error, self._error = self._error, None
-        if self._inner is not None:
-            self._inner.wait()  # (a decode error, the reason a fold failed, is raised first)
-        if error is not None:
-            raise error
-
-    def abandon(self) -> None:
-        """On a failed load: the job in progress finishes, the others are skipped."""
-        self._stop = True
-        if self._inner is not None:
-            self._inner.abandon()  # (a job waiting for its levels then gets the decode's error)
-        self._thread.join()
-        self._jobs, self._error = {}, None

@@ -191,7 +191,7 @@ def read_packed(path: Path, threads=None, max_bytes=None, background=False) -> S
 
 
 class BackgroundDecode:
-    """Tensors of a pack decoded on a worker thread into arrays made up front, smallest first and
+    """Tensors of a pack decoded on a worker thread into arrays made up front, in file order and
     in batches of about BATCH_BYTES, so that a consumer can use the first ones while the rest
     decode (`ready(array)`); `wait()` joins it, closes the pack and raises the decode's error, if any."""
 
@@ -202,11 +202,7 @@ class BackgroundDecode:
         import threading
 
         self._packed = packed
-        # smallest first: what waits on the tensors (the fold worker, the model stream) starts
-        # within a millisecond instead of after the biggest one (an embedding table is half of
-        # MiniLM), and the biggest decodes while the others are folded. A/B, minilm_fp16
-        # q8.onnxz fold, 9 fresh processes, min (load 9): parsed 356 -> 183 ms, ready 675 -> 388
-        entries = sorted(entries, key=lambda t: (t.length, t.file, t.offset))
+        entries = sorted(entries, key=lambda t: (t.file, t.offset))
         self._outs = {(t.file, t.offset): (t, np.empty(t.length, np.uint8)) for t in entries}
         batches, size = [[]], 0
         for t in entries:

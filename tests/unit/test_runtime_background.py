@@ -164,24 +164,3 @@ def test_weights_stream_to_onnxruntime_as_they_decode(tmp_path, monkeypatch):
     from test_runtime import run_plain
 
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], run_plain(plain, [{"x": x}])[0][0])
-
-
-def test_smallest_tensors_decode_first(packs, monkeypatch):
-    """The decode goes smallest first (what waits on it starts at once; the biggest decodes while
-    the others are used), one tensor per batch here: batches in ascending size, every tensor once."""
-    from passes.onnxz.reader import PackedFile
-    from passes.runtime_source import BackgroundDecode
-
-    monkeypatch.setattr(BackgroundDecode, "BATCH_BYTES", 1)
-    sizes = []
-    original = PackedFile.tensors_bytes
-
-    def record(self, entries, outs=None):
-        sizes.append([e.length for e in entries])
-        return original(self, entries, outs)
-
-    monkeypatch.setattr(PackedFile, "tensors_bytes", record)
-    split = read_split(packs["dense"]["floatz"], background=True)
-    split.wait_weights()
-    flat = [n for batch in sizes for n in batch]
-    assert len(flat) >= 3 and flat == sorted(flat) and len(set(map(len, sizes))) == 1
