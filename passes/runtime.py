@@ -242,7 +242,9 @@ class InferenceSession(ort.InferenceSession):
     `mode_reason`, `dtype` (numpy dtype of the float weights), `weight_arrays` (name -> array
     the session keeps: the shared weights, onnxruntime's own buffers), `shared_names`,
     `op_counts` (main-graph operators handed to onnxruntime, e.g. MatMulNBits in int8 mode),
-    `prepack`, `skeleton_bytes` (size of the weight-free protobuf given to onnxruntime).
+    `prepack`, `skeleton_bytes` (size of the weight-free protobuf given to onnxruntime),
+    `notes` (list of lines: in int8/int4 mode, which weights were quantized how and which big
+    float weights stay float, with why; also logged at INFO on "passes.runtime").
     `max_bytes` caps the restored size of a packed file (LimitExceededError above it, checked
     before anything is decoded; None: the pack reader's default), for files from untrusted sources.
     """
@@ -320,6 +322,9 @@ class InferenceSession(ort.InferenceSession):
         # its constant folding), "onnxruntime" (its constant folding: float16 weights on a CPU),
         # or None (nothing to fold, another mode)
         self.fold_route = None
+        # what the load said beyond the mode (int8/int4: weights quantized by the offline pass,
+        # float weights left float and why); also logged (INFO, logger "passes.runtime")
+        self.notes = []
         options = copy_session_options(sess_options)
         if s["threads"]:
             options.intra_op_num_threads = s["threads"]
@@ -357,7 +362,9 @@ class InferenceSession(ort.InferenceSession):
             from .runtime_int8 import prepare_quantized
 
             _wait_weights(split, self.source)
-            disabled |= prepare_quantized(split, bits=4 if mode == "int4" else 8, options=options)
+            disabled |= prepare_quantized(split, bits=4 if mode == "int4" else 8, options=options, notes=self.notes)
+            for line in self.notes:
+                log.info("passes.InferenceSession(%s): mode=%s: %s", self.source.name, mode, line)
         self.dtype = np.dtype(target or own_dtype)
         if target is not None and target != own_dtype:
             from .precision import convert_split

@@ -16,7 +16,11 @@ Small DequantizeLinear nodes (biases, norms) are folded to float: they cost noth
 A float weight of a lossless model is quantized at load (this mode's promise is int8 memory):
 per output channel, max-abs scale (no clip search, to keep load fast), symmetric int8; for
 "int4", blocks of 32 along K for MatMul/Gemm weights with the clip search of passes.forms (at
-4 bits it matters), per channel int8 for the others.
+4 bits it matters), per channel int8 for the others. The weights that main-graph walk cannot
+reach go through the offline pass (passes.quantize_weights, per channel int8 with its clip
+search, in both modes): float weights inside If/Loop/Scan bodies (their DequantizeLinear runs in
+the branch), main-graph weights read inside a subgraph, and bfloat16 weights behind a Cast (see
+_quantize_with_pass). Big float weights that stay float are listed in the session's `notes`.
 """
 from __future__ import annotations
 
@@ -123,12 +127,16 @@ def session_config(options) -> None:
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(ACCURACY_LEVEL))
 
 
-def prepare_quantized(split: SplitModel, bits: int, options) -> set:
-    """Rewrite `split` for mode int8/int4; returns onnxruntime optimisers to disable."""
+def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None = None) -> set:
+    """Rewrite `split` for mode int8/int4; returns onnxruntime optimisers to disable. `notes`
+    (a list, when given) receives one line per thing the session should say: weights quantized
+    by the offline pass here, and float weights that stay float, with why."""
     from .runtime_fold import fold_into
 
+    notes = notes if notes is not None else []
     session_config(options)
-    _quantize_float_weights(split, bits)  # (may replace split.skeleton: an opset conversion)
+    _quantize_with_pass(split, notes)     # subgraph and bfloat16 weights (may replace split.skeleton)
+    _quantize_float_weights(split, bits, notes)  # (may replace split.skeleton: an opset conversion)
     graph = split.skeleton.graph
     uses = _consumers(graph)
     inits = split.initializer_names()
@@ -399,24 +407,36 @@ def _storage_type(split: SplitModel, name: str) -> int:
 
 # ---------------------------------------------------------------------- load-time quantization
 
-def _quantize_float_weights(split: SplitModel, bits: int) -> None:
-    """Float weights of MatMul/Gemm/Gather/Conv become DequantizeLinear(int) in the graph."""
+def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = None) -> None:
+    """Float weights of MatMul/Gemm/Gather/Conv become DequantizeLinear(int) in the graph; the
+    other big float weights stay float, counted in `notes`."""
     from . import forms
 
+    notes = notes if notes is not None else []
+    big = [name for name, w in split.weights.items() if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS]
     # DequantizeLinear takes float16/bfloat16 scales (the weight's own dtype) from opset 19 only
-    narrow = any(w.dtype.kind == "f" and w.dtype != np.float32 and w.size >= MIN_QUANTIZE_ELEMENTS
-                 for w in split.weights.values())
+    narrow = any(split.weights[name].dtype != np.float32 for name in big)
     if not _opset_at_least(split, 19 if narrow else 13):
+        if big:
+            notes.append(f"{len(big)} float weight(s) stay float: the model's opset cannot be raised to "
+                         f"{19 if narrow else 13} (DequantizeLinear with an axis)")
         return
     graph = split.skeleton.graph
     uses = _consumers(graph)
     new_nodes = []
+    kept = {}  # why -> [float bytes, count] of big float weights left float
     for name in sorted(split.weights):
         w = split.weights[name]
         if w.dtype.kind != "f" or w.size < MIN_QUANTIZE_ELEMENTS:
             continue
         node_uses = uses.get(name, [])
-        if not node_uses or any(n is None for n, _ in node_uses):
+        if not node_uses:
+            continue
+        if any(n is None for n, _ in node_uses):
+            why = "read inside a subgraph or as a graph output" if node_uses else "unused"
+            kept.setdefault(why, [0, 0])
+            kept[why][0] += w.nbytes
+            kept[why][1] += 1
             continue
         ops = {(n.op_type, i) for n, i in node_uses}
         if ops <= {("MatMul", 1)} and w.ndim == 2:
@@ -430,6 +450,10 @@ def _quantize_float_weights(split: SplitModel, bits: int) -> None:
         elif ops <= {("Gather", 0)} or ops <= {("Conv", 1)} or ops <= {("ConvTranspose", 1)}:
             axis, block = (1 if ops <= {("ConvTranspose", 1)} else 0), 0
         else:
+            why = "consumed by " + "/".join(sorted({f"{op}[{i}]" for op, i in ops}))
+            kept.setdefault(why, [0, 0])
+            kept[why][0] += w.nbytes
+            kept[why][1] += 1
             continue
         if block and w.shape[axis] < block:
             axis, block = (1 - axis), 0
@@ -450,6 +474,174 @@ def _quantize_float_weights(split: SplitModel, bits: int) -> None:
         del graph.node[:]
         graph.node.extend(nodes)
         _ensure_opset(split.skeleton, 21 if any(_attr(n, "block_size", 0) for n in new_nodes) else 13)
+    for why in sorted(kept):
+        nbytes, count = kept[why]
+        notes.append(f"{count} float weight(s) ({nbytes / 2**20:.2f} MiB) stay float: {why} "
+                     "(quantized at load only for MatMul/Gemm B, Gather data, Conv/ConvTranspose weights)")
+
+
+def _is_bfloat16(array: np.ndarray) -> bool:
+    return array.dtype.name == "bfloat16"
+
+
+def _subgraph_float_weights(skeleton) -> int:
+    """How many float tensors of at least MIN_QUANTIZE_ELEMENTS elements the subgraphs hold
+    (initializers and Constant nodes): the weights the main-graph walk below never sees."""
+    from .graph import FLOAT_TYPES
+    from .runtime_feed import subgraphs
+
+    def big_float(t) -> bool:
+        return t.data_type in FLOAT_TYPES and int(np.prod(t.dims, dtype=np.int64)) >= MIN_QUANTIZE_ELEMENTS
+
+    count = 0
+    stack = [g for node in skeleton.graph.node for g in subgraphs(node)]
+    while stack:
+        g = stack.pop()
+        count += sum(big_float(t) for t in g.initializer)
+        for node in g.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                count += sum(big_float(a.t) for a in node.attribute if a.name == "value")
+            stack.extend(subgraphs(node))
+    return count
+
+
+def _quantize_with_pass(split: SplitModel, notes: list) -> None:
+    """Weights the main-graph quantizer below does not reach, quantized by the offline pass
+    (passes.quantize_weights: per output channel int8, its clip search, the SNR it reports):
+    - float weights inside subgraphs (If/Loop/Scan bodies; silero-vad holds every weight as a
+      Constant node in an If's branches): they get DequantizeLinear nodes in their branch, which
+      onnxruntime runs there (int8 in memory, dequantized per run);
+    - main-graph float weights read inside a subgraph (outer-scope names; their DequantizeLinear
+      goes in the main graph);
+    - bfloat16 weights (read through a Cast to float: onnxruntime has no bfloat16 Conv/MatMul on a
+      CPU): DequantizeLinear with float32 scales; DequantizeLinear -> Cast(bfloat16) -> Cast(float)
+      is then shortened to the DequantizeLinear, so the main-graph rules below (MatMulNBits,
+      Gather rows, Conv) apply to it as to any quantized weight.
+    Everything else is left to _quantize_float_weights. What stays float here is said in `notes`."""
+    from . import quantize
+    from .errors import SurgeonError
+    from .report import Report
+    from .runtime_feed import is_placeholder, placeholder, split_model
+
+    bf16 = sorted(n for n, w in split.weights.items() if _is_bfloat16(w) and w.size >= MIN_QUANTIZE_ELEMENTS)
+    in_subgraphs = _subgraph_float_weights(split.skeleton)
+    # main-graph float weights read inside a subgraph (outer-scope names): the pass puts their
+    # DequantizeLinear in the main graph, the subgraph reads its output
+    outputs = {o.name for o in split.skeleton.graph.output}
+    uses = _consumers(split.skeleton.graph) if split.weights else {}
+    outer = sorted(n for n, w in split.weights.items()
+                   if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
+                   and any(node is None for node, _ in uses.get(n, [])))
+    if not bf16 and not in_subgraphs and not outer:
+        return
+    what = ", ".join(filter(None, [f"{in_subgraphs} in subgraphs" if in_subgraphs else "",
+                                   f"{len(outer)} read in subgraphs" if outer else "",
+                                   f"{len(bf16)} bfloat16" if bf16 else ""]))
+    # float16 scales (a float16 weight in a subgraph) need opset 19; raised here on the real
+    # skeleton (the pass would do it on its copy, where the fed weights are stand-ins)
+    narrow = _subgraph_has_type(split.skeleton, TensorProto.FLOAT16) or any(
+        split.weights[n].dtype == np.float16 for n in outer)
+    need = 19 if narrow else 13
+    if not _opset_at_least(split, need):
+        notes.append(f"float weights ({what}) stay float: the model's opset cannot be raised to {need}")
+        return
+    work = onnx.ModelProto()
+    work.CopyFrom(split.skeleton)
+    wanted = set(bf16) | set(outer)
+    for t in work.graph.initializer:
+        if not is_placeholder(t):
+            continue
+        if t.name in wanted:  # the pass reads its values: inline for the call
+            t.CopyFrom(onnx.numpy_helper.from_array(split.weights[t.name], t.name))
+        else:
+            # the other fed weights are the main-graph quantizer's (or already integers): typed
+            # uint8 for the call, so the pass keeps them ("not float") without reading them, in
+            # O(1) each (an exclude pattern per name would cost O(weights^2) fnmatch calls)
+            t.data_type = TensorProto.UINT8
+    report = Report()
+    try:
+        out = quantize.quantize_weights(work, bits=8, granularity="channel", min_elements=MIN_QUANTIZE_ELEMENTS,
+                                        report=report)
+    except SurgeonError as exc:
+        notes.append(f"float weights ({what}) stay float: quantize_weights refused them ({exc})")
+        return
+    del work
+    for t in out.graph.initializer:  # the stand-ins take their real type again
+        if is_placeholder(t) and t.name in split.weights:
+            t.CopyFrom(placeholder(t.name, split.weights[t.name]))
+    _shorten_bfloat16_casts(out.graph)
+    fresh = split_model(out, take_ownership=True)  # the new big main-graph levels are fed again
+    for name in wanted:
+        split.weights.pop(name, None)
+    split.weights.update(fresh.weights)
+    split.skeleton = fresh.skeleton
+    split._inline_cache = None
+
+    done = [r for r in report.tensors if r.snr_db is not None and not r.scheme.startswith("kept")]
+    if done:
+        snrs = [r.snr_db for r in done]
+        notes.append(f"{len(done)} weight(s) ({what}) quantized at load by quantize_weights: int8 per channel, "
+                     f"{sum(r.bytes_before for r in done) / 2**20:.2f} -> {sum(r.bytes_after for r in done) / 2**20:.2f} MiB, "
+                     f"weight SNR min {min(snrs):.1f} dB, median {float(np.median(snrs)):.1f} dB")
+    # (rows are float weights only; these reasons are the size rules every mode applies)
+    trivial = ("kept: small", "kept: bias", "kept: 1-D", "kept: scalar", "kept: unused", "kept: empty")
+    left = [r for r in report.tensors if r.scheme.startswith("kept") and not r.scheme.startswith(trivial)]
+    for r in left:
+        notes.append(f"weight {r.name} {list(r.shape)} ({r.dtype}) stays float: {r.scheme[len('kept: '):]}")
+    notes.extend(f"quantize_weights: {n}" for n in report.notes)
+
+
+def _subgraph_has_type(skeleton, data_type: int) -> bool:
+    from .runtime_feed import subgraphs
+
+    stack = [g for node in skeleton.graph.node for g in subgraphs(node)]
+    while stack:
+        g = stack.pop()
+        if any(t.data_type == data_type for t in g.initializer):
+            return True
+        for node in g.node:
+            if node.op_type == "Constant" and any(a.name == "value" and a.t.data_type == data_type
+                                                  for a in node.attribute):
+                return True
+            stack.extend(subgraphs(node))
+    return False
+
+
+def _shorten_bfloat16_casts(graph) -> int:
+    """DequantizeLinear (float32) -> Cast(bfloat16) -> Cast(T) becomes DequantizeLinear -> T
+    (T float32: the Casts go; another T: one Cast from float32) where the bfloat16 value has no
+    other reader. The weight is then consumed straight from its DequantizeLinear (what the
+    main-graph rules look for) and is not rounded to bfloat16 on the way (a smaller error, no
+    larger). Returns how many chains were shortened."""
+    producers = {o: n for n in graph.node for o in n.output}
+    uses = _consumers(graph)
+    outputs = {o.name for o in graph.output}
+    removed, count = set(), 0
+    for outer in graph.node:
+        if outer.op_type != "Cast" or outer.domain not in ("", "ai.onnx"):
+            continue
+        inner = producers.get(outer.input[0])
+        if inner is None or inner.op_type != "Cast" or _attr(inner, "to", 0) != TensorProto.BFLOAT16:
+            continue
+        dq = producers.get(inner.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or id(inner) in removed:
+            continue
+        if len(uses.get(inner.output[0], [])) != 1 or inner.output[0] in outputs:
+            continue
+        if len(uses.get(dq.output[0], [])) != 1 or dq.output[0] in outputs:
+            continue
+        removed.add(id(inner))
+        if _attr(outer, "to", 0) == TensorProto.FLOAT:
+            dq.output[0] = outer.output[0]
+            removed.add(id(outer))
+        else:
+            outer.input[0] = dq.output[0]
+        count += 1
+    if removed:
+        keep = [n for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(keep)
+    return count
 
 
 def _mark_int4(split: SplitModel, name: str) -> None:
