@@ -545,11 +545,12 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     if not _opset_at_least(split, need):
         notes.append(f"float weights ({what}) stay float: the model's opset cannot be raised to {need}")
         return
-    work = onnx.ModelProto()
-    work.CopyFrom(split.skeleton)
+    # the skeleton is edited in place for the call (the pass never modifies its input; a copy
+    # would hold every subgraph weight once more) and restored after it
     wanted = set(bf16) | set(outer)
-    for t in work.graph.initializer:
-        if not is_placeholder(t):
+    edited = []
+    for t in split.skeleton.graph.initializer:
+        if not is_placeholder(t) or t.name not in split.weights:
             continue
         if t.name in wanted:  # the pass reads its values: inline for the call
             t.CopyFrom(onnx.numpy_helper.from_array(split.weights[t.name], t.name))
@@ -558,15 +559,18 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
             # uint8 for the call, so the pass keeps them ("not float") without reading them, in
             # O(1) each (an exclude pattern per name would cost O(weights^2) fnmatch calls)
             t.data_type = TensorProto.UINT8
+        edited.append(t)
     report = Report()
     try:
-        out = quantize.quantize_weights(work, bits=8, granularity="channel", min_elements=MIN_QUANTIZE_ELEMENTS,
-                                        report=report)
+        out = quantize.quantize_weights(split.skeleton, bits=8, granularity="channel",
+                                        min_elements=MIN_QUANTIZE_ELEMENTS, report=report)
     except SurgeonError as exc:
         notes.append(f"float weights ({what}) stay float: quantize_weights refused them ({exc})")
         return
-    del work
-    for t in out.graph.initializer:  # the stand-ins take their real type again
+    finally:
+        for t in edited:  # the placeholders again, with their real types
+            t.CopyFrom(placeholder(t.name, split.weights[t.name]))
+    for t in out.graph.initializer:  # the stand-ins in the result, likewise
         if is_placeholder(t) and t.name in split.weights:
             t.CopyFrom(placeholder(t.name, split.weights[t.name]))
     _shorten_bfloat16_casts(out.graph)
