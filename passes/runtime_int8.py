@@ -416,6 +416,12 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
     big = [name for name, w in split.weights.items() if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS]
     # DequantizeLinear takes float16/bfloat16 scales (the weight's own dtype) from opset 19 only
     narrow = any(split.weights[name].dtype != np.float32 for name in big)
+    # 4-bit blocks need opset 21 (block_size, int4): converted like the others (the opset number
+    # alone cannot be bumped: ReduceMean & co. changed at 18, and onnxruntime refused such models)
+    if bits == 4 and big and not _opset_at_least(split, 21):
+        notes.append("int4: the model's opset cannot be raised to 21 (blocked 4-bit DequantizeLinear): "
+                     "its float weights are quantized to int8 per channel instead")
+        bits = 8
     if not _opset_at_least(split, 19 if narrow else 13):
         if big:
             notes.append(f"{len(big)} float weight(s) stay float: the model's opset cannot be raised to "
@@ -589,7 +595,8 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
                      f"weight SNR min {min(snrs):.1f} dB, median {float(np.median(snrs)):.1f} dB")
     # (rows are float weights only; these reasons are the size rules every mode applies)
     trivial = ("kept: small", "kept: bias", "kept: 1-D", "kept: scalar", "kept: unused", "kept: empty")
-    left = [r for r in report.tensors if r.scheme.startswith("kept") and not r.scheme.startswith(trivial)]
+    left = [r for r in report.tensors if r.scheme.startswith("kept") and not r.scheme.startswith(trivial)
+            and int(np.prod(r.shape, dtype=np.int64)) >= MIN_QUANTIZE_ELEMENTS]
     for r in left:
         notes.append(f"weight {r.name} {list(r.shape)} ({r.dtype}) stays float: {r.scheme[len('kept: '):]}")
     notes.extend(f"quantize_weights: {n}" for n in report.notes)

@@ -152,3 +152,25 @@ def test_what_stays_float_is_said(tmp_path):
     for index in (1, 2):
         assert any("1 float weight(s)" in n and f"stay float: consumed by LSTM[{index}]" in n
                    for n in session.notes), session.notes
+
+
+def test_int4_raises_the_opset_by_conversion(tmp_path):
+    """int4's blocked DequantizeLinear needs opset 21: the model is converted (ReduceMean's axes
+    attribute becomes an input at 18), not just renumbered (onnxruntime refused the model)."""
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[1], keepdims=1),
+             helper.make_node("Sub", ["x", "m"], ["c"]),
+             helper.make_node("MatMul", ["c", "W"], ["y"])]
+    m = helper.make_model(
+        helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 256])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+                          [numpy_helper.from_array(_w((256, 64), 8), "W")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "reduce.onnx"
+    onnx.save(m, path)
+    import onnxruntime as ort
+
+    x = np.random.default_rng(9).standard_normal((2, 256)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    session = passes.InferenceSession(path, mode="int4")
+    assert session.op_counts.get("MatMulNBits") == 1
+    assert _snr_db(want, session.run(None, {"x": x})[0]) >= 15.0  # 4-bit blocks of 32: ~20 dB
