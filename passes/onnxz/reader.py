@@ -504,20 +504,39 @@ class PackedFile:
 
     def _windows(self, fi: int, window: int):
         """The file's pieces grouped into consecutive windows of about `window` bytes (a chunk is
-        never split): yields (start, length, [(offset in window, length, source), ...])."""
-        start = used = 0
+        never split): yields (start, length, [(offset in window, length, source), ...]), source
+        as in _pieces. _pieces written out here (one generator fewer, no tuple per piece to
+        re-read): this runs once per chunk of every restore."""
+        fe = self.index.files[fi]
+        tensors = self.index.tensors
+        start = used = pos = skel = 0
         items = []
-        for off, ln, src in self._pieces(fi):
-            while ln:
-                if used and used + (ln if src[0] == "chunk" else 1) > window:
+        append = items.append
+        for off, ln, ti in fe.cuts + [(fe.size, 0, -1)]:  # the sentinel: the skeleton after the last cut
+            n = off - pos
+            while n:  # skeleton bytes [pos, off), split at window ends
+                if used >= window:
                     yield start, used, items
                     start, used, items = start + used, 0, []
-                n = ln if src[0] == "chunk" else min(ln, window - used)
-                items.append((used, n, src))
-                if src[0] == "skel":
-                    src = ("skel", src[1] + n)
-                used += n
-                ln -= n
+                    append = items.append
+                k = min(n, window - used)
+                append((used, k, ("skel", skel)))
+                skel += k
+                used += k
+                n -= k
+            if ti < 0:
+                break
+            stream = tensors[ti].stream
+            for c in stream.chunks:
+                r = c.raw_length
+                if r:
+                    if used and used + r > window:
+                        yield start, used, items
+                        start, used, items = start + used, 0, []
+                        append = items.append
+                    append((used, r, ("chunk", stream, c)))
+                    used += r
+            pos = off + ln
         if used or not start:
             yield start, used, items
 
