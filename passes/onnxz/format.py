@@ -244,7 +244,10 @@ def _shared_tables(obj: dict) -> List[str]:
     return tables
 
 
-def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = None) -> Stream:
+def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = None, resolved: Optional[dict] = None) -> Stream:
+    """One stream of the index, checked. `resolved`: a dict kept over one index's streams, the
+    shared tables of each `ans_shared` table list already looked up (most small tensors name
+    the same few lists)."""
     if type(obj) is not dict:
         raise _bad(f"{what}: stream is not an object")
     codec = obj.get("codec")
@@ -254,11 +257,17 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
     check_params(codec, params)  # NewerFormatError for unknown codecs
     flags = batch_tables = None
     if codec == "ans_shared":  # the tables it names, resolved for the decoder
-        if max(params["tables"]) >= len(tables or ()):  # check_params: a non-empty list of ints >= -1
-            raise _bad(f"{what}: ans_shared names a table the index does not hold")
-        data = [tables[t] if t >= 0 else None for t in params["tables"]]
-        params = dict(params, table_data=data)
-        batch_tables = tuple(None if t is None else _codecs._table_bytes(t) for t in data)
+        ids = tuple(params["tables"])  # check_params: a non-empty list of ints >= -1
+        got = resolved.get(ids) if resolved is not None else None
+        if got is None:
+            if max(ids) >= len(tables or ()):
+                raise _bad(f"{what}: ans_shared names a table the index does not hold")
+            data = [tables[t] if t >= 0 else None for t in ids]
+            got = (data, tuple(None if t is None else _codecs._table_bytes(t) for t in data))
+            if resolved is not None:
+                resolved[ids] = got
+        data, batch_tables = got
+        params = dict(params, table_data=list(data))  # a list of its own per stream, as before
         flags = 1 if params["sign"] else 0
     elif codec == "ans":
         flags = (1 if params["sign"] else 0) | (2 if params.get("pairs") else 0)
@@ -364,10 +373,11 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         raise _bad(rows)
     tensors = [TensorEntry(*row) for row in rows]  # row: TensorEntry's fields, `stream` still the JSON
     coded = 0
+    resolved = {}
     for t in tensors:
         s_in = t.stream
         if s_in is not None:
-            t.stream = stream = _stream(s_in, extents, f"tensor {t.key!r}", tables)
+            t.stream = stream = _stream(s_in, extents, f"tensor {t.key!r}", tables, resolved)
             if stream.raw_length != t.length:
                 raise _bad(f"tensor {t.key!r} stream decodes to {stream.raw_length} bytes, payload is {t.length}")
             coded += 1
@@ -401,19 +411,27 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         if not isinstance(cuts_in, list):
             raise _bad(f"file {i} cuts")
         cuts = []
-        end = 0
-        for c in cuts_in:
+        end = cut_bytes = 0
+        last_tensor = len(tensors) - 1
+        for c in cuts_in:  # _int's checks written out, same messages: one cut per coded tensor
             if not isinstance(c, list) or len(c) != 3:
                 raise _bad(f"file {i} cut")
-            off, ln, ti = _int(c[0], "cut offset"), _int(c[1], "cut length", 1), _int(c[2], "cut tensor", 0, len(tensors) - 1)
+            off, ln, ti = c
+            if type(off) is not int or not 0 <= off <= _INT_MAX:
+                raise _bad(f"cut offset = {off!r}")
+            if type(ln) is not int or not 1 <= ln <= _INT_MAX:
+                raise _bad(f"cut length = {ln!r}")
+            if type(ti) is not int or not 0 <= ti <= last_tensor:
+                raise _bad(f"cut tensor = {ti!r}")
             if off < end or off + ln > size:
                 raise _bad(f"file {i} cuts out of order or outside the file")
             te = tensors[ti]
             if te.stream is None or te.file != i or te.offset != off or te.length != ln:
                 raise _bad(f"file {i} cut at {off} does not match tensor {te.key!r}")
             end = off + ln
+            cut_bytes += ln
             cuts.append((off, ln, ti))
-        if skeleton.raw_length != size - sum(c[1] for c in cuts):
+        if skeleton.raw_length != size - cut_bytes:
             raise _bad(f"file {i} skeleton length")
         files.append(FileEntry(name, size, sha, skeleton, cuts, fast))
     sizes = [f.size for f in files]
