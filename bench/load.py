@@ -339,7 +339,7 @@ def _summarise(name, metric, results, rows):
         row.update({k: r[k] for k in BEST_KEYS + ("mode",) if k in r})
         row["mode"] = how if how != "auto" else f"auto->{r['mode']}"
         row["mode"] = row["mode"].replace("fold:float", "fold->f")
-        if r.get("fold_route") and "here" not in r["fold_route"]:  # (float16 on a CPU: which fold ran, see spare_core)
+        if r.get("fold_route") and "here" not in r["fold_route"]:  # (float16 on a CPU: onnxruntime's constant folding)
             row["mode"] += "/" + r["fold_route"].replace("onnxruntime", "ort")
         row["fold_route"] = r.get("fold_route")
         if "error" not in base:

@@ -244,7 +244,9 @@ class InferenceSession(ort.InferenceSession):
     `op_counts` (main-graph operators handed to onnxruntime, e.g. MatMulNBits in int8 mode),
     `prepack`, `skeleton_bytes` (size of the weight-free protobuf given to onnxruntime),
     `notes` (list of lines: in int8/int4 mode, which weights were quantized how and which big
-    float weights stay float, with why; also logged at INFO on "passes.runtime").
+    float weights stay float, with why; also logged at INFO on "passes.runtime"), `fold_route`
+    (mode="fold": "here" — folded by us before onnxruntime saw the model, "here+onnxruntime",
+    "onnxruntime" — float16 weights on a CPU, left to its constant folding; None otherwise).
     `max_bytes` caps the restored size of a packed file (LimitExceededError above it, checked
     before anything is decoded; None: the pack reader's default), for files from untrusted sources.
     """
