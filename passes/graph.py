@@ -13,6 +13,7 @@ replace a tensor by a few tensors plus one node, which is simpler and exact on t
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .errors import InvalidModelError, UnsupportedFormError
+from .errors import InvalidModelError, LimitExceededError, UnsupportedFormError
 
 FLOAT_TYPES = {
     TensorProto.FLOAT: np.dtype(np.float32),
@@ -227,17 +228,33 @@ def _copy_model(model: onnx.ModelProto, without_payload) -> onnx.ModelProto:
     return out
 
 
+# a sparse tensor stored dense is refused above this many bytes: its dims are the file's word (a
+# few bytes of indices can declare terabytes: np.zeros then fails, or within the overcommit limit
+# fill_tensor touches every page), and a dense initializer past protobuf's 2 GiB could not be
+# written back inline anyway
+SPARSE_DENSE_MAX_BYTES = 1 << 31
+
+
 def sparse_to_array(sparse: onnx.SparseTensorProto) -> np.ndarray:
     """The dense values of a SparseTensorProto: zeros except at its indices (flat [NNZ] positions
-    or [NNZ, rank] coordinates, as the ONNX spec allows both)."""
+    or [NNZ, rank] coordinates, as the ONNX spec allows both). InvalidModelError for dims or
+    indices that do not describe a tensor, LimitExceededError above SPARSE_DENSE_MAX_BYTES dense."""
+    name = sparse.values.name
     dims = tuple(int(d) for d in sparse.dims)
+    if any(d < 0 for d in dims):
+        raise InvalidModelError(f"sparse tensor {name!r}: negative dimension in {dims}")
     values = tensor_to_array(sparse.values).reshape(-1)
-    indices = tensor_to_array(sparse.indices).astype(np.int64, copy=False) if sparse.HasField("indices") \
-        else np.zeros((0,), np.int64)
-    size = int(np.prod(dims, dtype=np.int64))
+    size = math.prod(dims)  # (Python integers: numpy's int64 product wraps for hostile dims)
+    if size * values.dtype.itemsize > SPARSE_DENSE_MAX_BYTES or any(d > SPARSE_DENSE_MAX_BYTES for d in dims):
+        raise LimitExceededError(f"sparse tensor {name!r}: dims {dims} take {size * values.dtype.itemsize:,} bytes "
+                                 f"dense, more than {SPARSE_DENSE_MAX_BYTES:,}")
+    indices = tensor_to_array(sparse.indices) if sparse.HasField("indices") else np.zeros((0,), np.int64)
+    if indices.dtype.kind not in "iu":
+        raise InvalidModelError(f"sparse tensor {name!r}: indices of type {indices.dtype} (integers expected)")
+    indices = indices.astype(np.int64, copy=False)
     if indices.ndim == 2 and indices.shape == (values.size, len(dims)):
         if values.size and ((indices < 0).any() or (indices >= np.asarray(dims)).any()):
-            raise InvalidModelError(f"sparse tensor {sparse.values.name!r}: an index lies outside dims {dims}")
+            raise InvalidModelError(f"sparse tensor {name!r}: an index lies outside dims {dims}")
         flat = np.ravel_multi_index(tuple(indices.T), dims) if values.size else indices.reshape(-1)
     elif indices.ndim == 1 and indices.size == values.size:
         if values.size and (indices.min() < 0 or indices.max() >= size):

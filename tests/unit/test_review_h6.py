@@ -1,0 +1,52 @@
+"""Regression tests for bugs found in the session-5 review (H6): each failed before its fix."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes import graph
+
+
+def _sparse_model(dims, values, indices, index_dtype=np.int64):
+    sparse = helper.make_sparse_tensor(numpy_helper.from_array(np.asarray(values, np.float32), "W"),
+                                       numpy_helper.from_array(np.asarray(indices, index_dtype), "W_idx"), dims)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], sparse_initializer=[sparse])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("dims, values, indices", [
+    ([-1, 64], [], []),                 # was ValueError: negative dimensions are not allowed
+    ([2**32, 2**32], [], []),           # int64 product wrapped to 0: ValueError from reshape
+    ([2**32, 2**32], [1.0], [[1, 1]]),  # ValueError from ravel_multi_index
+    ([0, 2**62], [], []),               # 0 elements, a dimension numpy cannot hold
+    ([300000, 300000], [1.0], [5]),     # MemoryError (335 GiB from a 3-value file)
+])
+def test_hostile_sparse_dims_are_refused(dims, values, indices):
+    """A sparse initializer's dims are the file's word: quantize_weights / fold_dequantize store it
+    dense, and dims that are negative, wrap numpy's int64 product or ask for more than
+    graph.SPARSE_DENSE_MAX_BYTES dense raise a SurgeonError instead of ValueError / MemoryError."""
+    m = _sparse_model(dims, values, indices)
+    for run in (passes.quantize_weights, passes.fold_dequantize):
+        with pytest.raises(passes.SurgeonError):
+            run(m)
+
+
+def test_float_sparse_indices_are_refused():
+    """Indices are int64 by the spec; float ones were truncated silently (2.7 -> 2)."""
+    with pytest.raises(passes.InvalidModelError):
+        graph.sparse_to_array(_sparse_model([4], [1.0], [2.7], np.float32).graph.sparse_initializer[0])
+
+
+def test_good_sparse_tensors_still_densify():
+    flat = graph.sparse_to_array(_sparse_model([8, 8], [1.0, 2.0], [3, 60]).graph.sparse_initializer[0])
+    coo = graph.sparse_to_array(_sparse_model([8, 8], [1.0, 2.0], [[0, 3], [7, 4]]).graph.sparse_initializer[0])
+    want = np.zeros((8, 8), np.float32)
+    want.flat[[3, 60]] = [1.0, 2.0]
+    assert np.array_equal(flat, want) and np.array_equal(coo, want)
+    empty = graph.sparse_to_array(_sparse_model([0, 5], [], []).graph.sparse_initializer[0])
+    assert empty.shape == (0, 5)
