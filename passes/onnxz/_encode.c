@@ -352,7 +352,11 @@ static PyObject *py_ans_encode(PyObject *self, PyObject *args) {
         else {
             int64_t sum = 0;
             memcpy(counts, cb.buf, sizeof counts);
-            for (int s = 0; s < 256; s++) { if (counts[s] < 0) bad = "ans_encode: negative count"; sum += counts[s]; }
+            /* each count in [0, n]: their sum cannot wrap, nor counts * 4096 overflow in normalise */
+            for (int s = 0; s < 256; s++) {
+                if (counts[s] < 0 || counts[s] > src.len) bad = "ans_encode: a count outside [0, number of symbols]";
+                else sum += counts[s];
+            }
             if (!bad && sum != src.len) bad = "ans_encode: counts do not sum to the number of symbols";
         }
     }
@@ -367,11 +371,17 @@ static PyObject *py_ans_encode(PyObject *self, PyObject *args) {
     uint32_t freq[256];
     uint8_t head[2048]; /* byte 0 and the table (at most ~600 bytes) */
     size_t hl;
-    int nsym = 0, only = 0;
+    int nsym = 0, only = 0, mismatch = 0;
     Py_BEGIN_ALLOW_THREADS
     if (!have_counts) hist_one((const uint8_t *)src.buf, n, counts);
     for (int s = 0; s < 256; s++) if (counts[s]) { nsym++; only = s; }
-    if (nsym == 1) {
+    if (nsym == 1 && have_counts) { /* the constant blob never reads sym: check it is constant */
+        const uint8_t *p = (const uint8_t *)src.buf;
+        for (size_t i = 0; i < n; i++) if (p[i] != (uint8_t)only) { mismatch = 1; break; }
+    }
+    if (mismatch) {
+        hl = 0;
+    } else if (nsym == 1) {
         head[0] = 0;
         head[1] = (uint8_t)only;
         hl = 2;
@@ -381,6 +391,11 @@ static PyObject *py_ans_encode(PyObject *self, PyObject *args) {
         hl = 1 + write_table(freq, head + 1);
     }
     Py_END_ALLOW_THREADS
+    if (mismatch) {
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "ans_encode: counts are not the histogram of sym");
+        return NULL;
+    }
     if (nsym == 1) {
         PyBuffer_Release(&src);
         return PyBytes_FromStringAndSize((const char *)head, 2);

@@ -78,3 +78,39 @@ def test_kmeans_fills_a_256_table():
     v = np.random.default_rng(0).standard_normal(4096)
     snr, used = _table_snr(v, kmeans_1d(v, 256))
     assert used == 256 and snr >= 45.0
+
+
+def test_ans_encode_refuses_counts_that_claim_a_constant_plane():
+    """_encode.ans_encode(sym, lanes, counts): counts naming one symbol (summing to n) made the
+    constant-plane blob (0, symbol) without looking at sym: a non-constant plane silently became
+    a constant one. Counts that are not sym's histogram must raise (5a15398's promise)."""
+    from passes.onnxz import codecs
+
+    enc = codecs._enc
+    if enc is None:
+        pytest.skip("passes.onnxz._encode not built")
+    sym = np.array([0, 1] * 16, np.uint8)
+    counts = np.zeros(256, np.int64)
+    counts[0] = sym.size
+    with pytest.raises(ValueError):
+        enc.ans_encode(sym.tobytes(), 0, counts.tobytes())
+    constant = np.full(32, 7, np.uint8)
+    counts = np.zeros(256, np.int64)
+    counts[7] = constant.size
+    assert enc.ans_encode(constant.tobytes(), 0, counts.tobytes()) == bytes([0, 7])
+
+
+def test_ans_encode_refuses_counts_above_n():
+    """Counts summing to n only through int64 wrap-around (4 x 2**62 + n) were accepted and the
+    table made from products that overflow; any count above n is refused."""
+    from passes.onnxz import codecs
+
+    enc = codecs._enc
+    if enc is None:
+        pytest.skip("passes.onnxz._encode not built")
+    sym = np.array([0, 1, 2, 3] * 8, np.uint8)
+    counts = np.zeros(256, np.int64)
+    counts[:4] = 1 << 62
+    counts[3] += sym.size
+    with pytest.raises(ValueError):
+        enc.ans_encode(sym.tobytes(), 0, counts.tobytes())
