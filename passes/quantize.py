@@ -404,7 +404,9 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     exclude_p = _patterns(exclude, "exclude")
     source = load_model(model)
     levels = forms.Levels(int(bits), bool(symmetric))
-    ops = _op_types()
+    # op names let include/exclude patterns name op types; onnx's schema list behind them costs
+    # ~10 MB of resident memory that stays (an int8 session on a small model pays it at load)
+    ops = _op_types() if include_p or exclude_p else frozenset()
     if report is not None:
         report.pass_name = report.pass_name or "quantize_weights"
 
@@ -463,7 +465,10 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels, rounding_opts,
                  importance.get(w.name))
             for w, reason in zip(weights, reasons) if reason is None]
-    results = _ordered_map(_Job.run, jobs, _threads())
+    # a pool's threads keep their malloc arenas (~4-5 MB) for the process's life: not worth it for
+    # a few MB of weights, which one thread quantizes in milliseconds
+    elements = sum(math.prod(j.tensor.dims) for j in jobs)
+    results = _ordered_map(_Job.run, jobs, _threads() if elements >= SMALL_JOB_ELEMENTS else 1)
 
     # per graph: initializer name -> replacement (array, name, type); Constant output -> nodes
     new_inits: dict[int, dict[str, list[tuple[np.ndarray, str, int]]]] = {}
@@ -633,6 +638,9 @@ class _Job:
 # shortest dot-product axis still blocked when no axis holds a whole block: below it a float32
 # scale per block costs as much as the 4-bit weights it serves
 _MIN_SHORT_BLOCK = 8
+
+
+SMALL_JOB_ELEMENTS = 1 << 21  # below this many weight values in all, quantize on the calling thread
 
 
 def _threads() -> int:
