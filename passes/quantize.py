@@ -337,7 +337,8 @@ def _best_axis(w32: np.ndarray, levels: forms.Levels) -> int:
             continue
         qz = forms.quantize_linear(w32, levels, axis, 0, search=False)
         deq = forms.dequantize_linear(qz.q, qz.scale, qz.zero_point, axis)
-        err = float(np.sum(np.square(deq - w32, dtype=np.float32), dtype=np.float64))
+        with np.errstate(over="ignore"):  # weights near float32's max: the error is inf, not a warning
+            err = float(np.sum(np.square(deq - w32, dtype=np.float32), dtype=np.float64))
         if err < best_err:
             best, best_err = axis, err
     return best
