@@ -219,23 +219,14 @@ def input_means(model: onnx.ModelProto, feeds, targets: dict[str, BiasTarget], s
     MatMul/Gemm (mean over all rows of x), (C_in, *kernel) for Conv (mean input of each tap).
     Weights whose activations are not finite on the feeds are left out. shapes: weight name ->
     its shape, where the weights are not (all) initializers of `model` (Constant nodes)."""
-    import onnxruntime as ort
+    from .gptq import activation_session
 
     feeds = list(feeds)
     if not targets:
         return {}
     inits = graph.unique_initializers(model)
     acts = sorted({t.activation for t in targets.values()})
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    present = {o.name for o in m.graph.output}
-    for a in acts:
-        if a not in present:
-            m.graph.output.append(onnx.ValueInfoProto(name=a))
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    allowed = {i.name for i in sess.get_inputs()}
+    sess, allowed = activation_session(model, acts)
     sums: dict[str, np.ndarray] = {}
     count: dict[str, int] = {}
     for feed in feeds:

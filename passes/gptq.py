@@ -108,27 +108,33 @@ def _as_conv2d(node) -> onnx.NodeProto:
                             auto_pad=_attr(node, "auto_pad", b"NOTSET"))
 
 
-def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0) -> dict[str, np.ndarray]:
-    """H = X^T X / rows for every weight with a supported consumer, from onnxruntime runs of the
-    model on the feeds with the consumers' activation inputs added as graph outputs."""
+def activation_session(model: onnx.ModelProto, activations):
+    """A CPU onnxruntime session of `model` with the named inner values added as graph outputs
+    (those already outputs stay as they are), and the names of the inputs it takes: feeds may
+    carry more (a model whose initializers were listed as inputs at IR 3)."""
     import onnxruntime as ort
 
-    cons = consumers(model, names)
-    if not cons:
-        return {}
-    inits = graph.unique_initializers(model)
-    acts = sorted({a for _, a in cons.values()})
     m = onnx.ModelProto()
     m.CopyFrom(model)
     present = {o.name for o in m.graph.output}
-    for a in acts:
+    for a in activations:
         if a not in present:
             m.graph.output.append(onnx.ValueInfoProto(name=a))
     so = ort.SessionOptions()
     so.log_severity_level = 4
     sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess, {i.name for i in sess.get_inputs()}
+
+
+def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0) -> dict[str, np.ndarray]:
+    """H = X^T X / rows for every weight with a supported consumer, from onnxruntime runs of the
+    model on the feeds with the consumers' activation inputs added as graph outputs."""
+    cons = consumers(model, names)
+    if not cons:
+        return {}
+    inits = graph.unique_initializers(model)
+    sess, allowed = activation_session(model, sorted({a for _, a in cons.values()}))
     out_names = [o.name for o in sess.get_outputs()]
-    allowed = {i.name for i in sess.get_inputs()}
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
     rows: dict[str, int] = {}
