@@ -19,7 +19,8 @@ per output channel, max-abs scale (no clip search, to keep load fast), symmetric
 4 bits it matters), per channel int8 for the others. The weights that main-graph walk cannot
 reach go through the offline pass (passes.quantize_weights, per channel int8 with its clip
 search, in both modes): float weights inside If/Loop/Scan bodies (their DequantizeLinear runs in
-the branch), main-graph weights read inside a subgraph, and bfloat16 weights behind a Cast (see
+the branch), main-graph weights read inside a subgraph, bfloat16 weights behind a Cast, and (off
+by default, see QUANTIZE_RECURRENT_WEIGHTS) the W / R weights of LSTM, GRU and RNN nodes (see
 _quantize_with_pass). Big float weights that stay float are listed in the session's `notes`.
 """
 from __future__ import annotations
@@ -41,6 +42,18 @@ BLOCK_8BIT = 32     # scales repeated per block of K for per-channel 8-bit weigh
 BLOCK_4BIT = 32     # block size when float weights are quantized to 4 bits at load
 MIN_QUANTIZE_ELEMENTS = 4096  # float weights smaller than this stay float
 EARLY_CONV_FLOAT_SHARE = 0.06  # share of the Conv weights (float bytes) folded to float, first ones first
+# (op, input index) of the recurrent weights W and R
+RECURRENT_WEIGHT_INPUTS = {(op, i) for op in ("LSTM", "GRU", "RNN") for i in (1, 2)}
+# Quantize them at load (quantize_weights, DequantizeLinear feeding W / R)? Off: onnxruntime's
+# CPU LSTM takes a constant float W / R once at load (prepacked), but a DequantizeLinear-fed one
+# is dequantized to float on every run and that buffer stays in the arena, so the int8 levels
+# cost more memory, not less. Measured on ddddocr 1.6.1's CRNN (2 x 8 MiB LSTM weights, 4
+# text-line runs, fresh processes): plain onnxruntime RSS after the runs float +79 MB,
+# DequantizeLinear-fed +95 MB (+80 vs +76 without the arena); int8 mode +74 MB with them float,
+# +137 MB quantized (+32 MB of it the pass's temporaries kept by malloc at load), peak 166 ->
+# 238 MB; output SNR 33-35 dB either way. Worth turning on with a form onnxruntime keeps integer
+# (e.g. the LSTM unrolled to MatMulNBits).
+QUANTIZE_RECURRENT_WEIGHTS = False
 
 
 @dataclasses.dataclass
@@ -457,6 +470,9 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
             axis, block = (1 if ops <= {("ConvTranspose", 1)} else 0), 0
         else:
             why = "consumed by " + "/".join(sorted({f"{op}[{i}]" for op, i in ops}))
+            if ops <= RECURRENT_WEIGHT_INPUTS and not QUANTIZE_RECURRENT_WEIGHTS:
+                why += (": onnxruntime would dequantize an int8 recurrent weight to float on every run and"
+                        " keep that buffer, more memory than the float weight (QUANTIZE_RECURRENT_WEIGHTS)")
             kept.setdefault(why, [0, 0])
             kept[why][0] += w.nbytes
             kept[why][1] += 1
@@ -522,7 +538,10 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     - bfloat16 weights (read through a Cast to float: onnxruntime has no bfloat16 Conv/MatMul on a
       CPU): DequantizeLinear with float32 scales; DequantizeLinear -> Cast(bfloat16) -> Cast(float)
       is then shortened to the DequantizeLinear, so the main-graph rules below (MatMulNBits,
-      Gather rows, Conv) apply to it as to any quantized weight.
+      Gather rows, Conv) apply to it as to any quantized weight;
+    - when QUANTIZE_RECURRENT_WEIGHTS (off: it costs memory, see there), main-graph float weights
+      read only as W or R of LSTM / GRU / RNN nodes: DequantizeLinear feeds the node's input (int8
+      in memory, dequantized per run; the pass picks the gate axis).
     Everything else is left to _quantize_float_weights. What stays float here is said in `notes`."""
     from . import quantize
     from .errors import SurgeonError
@@ -538,11 +557,18 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     outer = sorted(n for n, w in split.weights.items()
                    if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
                    and any(node is None for node, _ in uses.get(n, [])))
-    if not bf16 and not in_subgraphs and not outer:
+    recurrent = sorted(n for n, w in split.weights.items()
+                       if QUANTIZE_RECURRENT_WEIGHTS and w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS
+                       and n not in outputs
+                       and uses.get(n) and all(node is not None and node.domain in ("", "ai.onnx")
+                                               and (node.op_type, i) in RECURRENT_WEIGHT_INPUTS
+                                               for node, i in uses[n]))
+    if not bf16 and not in_subgraphs and not outer and not recurrent:
         return
     what = ", ".join(filter(None, [f"{in_subgraphs} in subgraphs" if in_subgraphs else "",
                                    f"{len(outer)} read in subgraphs" if outer else "",
-                                   f"{len(bf16)} bfloat16" if bf16 else ""]))
+                                   f"{len(bf16)} bfloat16" if bf16 else "",
+                                   f"{len(recurrent)} LSTM/GRU/RNN W/R" if recurrent else ""]))
     # float16 scales (a float16 weight in a subgraph) need opset 19; raised here on the real
     # skeleton (the pass would do it on its copy, where the fed weights are stand-ins)
     narrow = _subgraph_has_type(split.skeleton, TensorProto.FLOAT16) or any(
@@ -553,7 +579,7 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
         return
     # the skeleton is edited in place for the call (the pass never modifies its input; a copy
     # would hold every subgraph weight once more) and restored after it
-    wanted = set(bf16) | set(outer)
+    wanted = set(bf16) | set(outer) | set(recurrent)
     edited = []
     for t in split.skeleton.graph.initializer:
         if not is_placeholder(t) or t.name not in split.weights:

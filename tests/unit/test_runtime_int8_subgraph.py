@@ -1,6 +1,6 @@
 """mode="int8" on float models: weights the main-graph quantizer of runtime_int8 does not reach
 (a Constant weight inside an If branch, a main-graph weight read inside a branch, bfloat16 weights
-behind a Cast) are quantized at load by passes.quantize_weights, from the .onnx and from a
+behind a Cast; LSTM/GRU W and R when QUANTIZE_RECURRENT_WEIGHTS is on) are quantized at load by passes.quantize_weights, from the .onnx and from a
 lossless pack; what stays float is said in session.notes.
 """
 from __future__ import annotations
@@ -137,21 +137,92 @@ def test_dequantize_runs_inside_the_branch(files):
     assert split.weights["Wo_quantized"].dtype == np.int8 and "Wo" not in split.weights
 
 
-def test_what_stays_float_is_said(tmp_path):
-    """A big float weight of an op the load-time quantizer does not take (LSTM) is named in the notes."""
-    w = numpy_helper.from_array(_w((1, 256, 32), 5), "W")
-    r = numpy_helper.from_array(_w((1, 256, 64), 6), "R")
-    node = helper.make_node("LSTM", ["x", "W", "R"], ["y"], hidden_size=64)
+def recurrent_model():
+    """x -> LSTM (W, R initializers) -> Squeeze -> GRU (W, R initializers) -> y. Hidden size 80:
+    every W / R holds over 16 KB of int8 levels (over what int8 mode folds as small)."""
+    hidden = 80
+    nodes = [helper.make_node("LSTM", ["x", "Wl", "Rl", "Bl"], ["yl"], hidden_size=hidden),
+             helper.make_node("Squeeze", ["yl", "axis1"], ["sl"]),
+             helper.make_node("GRU", ["sl", "Wg", "Rg"], ["y"], hidden_size=hidden)]
+    inits = [numpy_helper.from_array(_w((1, 4 * hidden, 64), 5), "Wl"),
+             numpy_helper.from_array(_w((1, 4 * hidden, hidden), 6), "Rl"),
+             numpy_helper.from_array(_w((1, 8 * hidden), 7) * 0.1, "Bl"),
+             numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+             numpy_helper.from_array(_w((1, 3 * hidden, hidden), 8), "Wg"),
+             numpy_helper.from_array(_w((1, 3 * hidden, hidden), 9), "Rg")]
     m = helper.make_model(
-        helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 1, 32])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, r]),
-        opset_imports=[helper.make_opsetid("", 17)])
-    path = tmp_path / "lstm.onnx"
-    onnx.save(m, path)
+        helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 2, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 1, 2, hidden])], inits),
+        opset_imports=[helper.make_opsetid("", 13)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+@pytest.fixture
+def recurrent_files(tmp_path):
+    path = tmp_path / "recurrent.onnx"
+    onnx.save(recurrent_model(), path)
+    packed = tmp_path / "recurrent.onnxz"
+    passes.pack(path, packed)
+    return {"onnx": path, "onnxz": packed}
+
+
+def _recurrent_feed():
+    return {"x": np.random.default_rng(11).standard_normal((6, 2, 64)).astype(np.float32)}
+
+
+def test_what_stays_float_is_said(recurrent_files):
+    """Big float weights of an op the load-time quantizer does not take (LSTM, GRU: off by
+    default, QUANTIZE_RECURRENT_WEIGHTS) are named in the notes with why; outputs are float's."""
+    import onnxruntime as ort
+    from passes import runtime_int8
+
+    assert not runtime_int8.QUANTIZE_RECURRENT_WEIGHTS
+    session = passes.InferenceSession(recurrent_files["onnx"], mode="int8")
+    for op in ("LSTM", "GRU"):
+        for index in (1, 2):
+            assert any("1 float weight(s)" in n and f"stay float: consumed by {op}[{index}]: " in n
+                       and "on every run" in n for n in session.notes), session.notes
+    assert session.op_counts.get("DequantizeLinear", 0) == 0
+    reference = ort.InferenceSession(str(recurrent_files["onnx"]), providers=["CPUExecutionProvider"])
+    feed = _recurrent_feed()
+    np.testing.assert_allclose(session.run(None, feed)[0], reference.run(None, feed)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["onnx", "onnxz"])
+def test_recurrent_weights_quantized_when_turned_on(recurrent_files, source, monkeypatch):
+    """QUANTIZE_RECURRENT_WEIGHTS on: the LSTM and GRU W / R go through quantize_weights
+    (DequantizeLinear feeding the node, int8 levels in memory), said in the notes; output within
+    MIN_OUTPUT_SNR_DB of float; the input file untouched."""
+    import onnxruntime as ort
+    from passes import runtime_int8
+
+    monkeypatch.setattr(runtime_int8, "QUANTIZE_RECURRENT_WEIGHTS", True)
+    path = recurrent_files[source]
+    before = _digest(path)
     session = passes.InferenceSession(path, mode="int8")
-    for index in (1, 2):
-        assert any("1 float weight(s)" in n and f"stay float: consumed by LSTM[{index}]" in n
-                   for n in session.notes), session.notes
+    assert _digest(path) == before
+    quantized = [n for n in session.notes if "quantized at load by quantize_weights" in n]
+    assert len(quantized) == 1 and quantized[0].startswith("4 weight(s) (4 LSTM/GRU/RNN W/R)"), session.notes
+    assert not [n for n in session.notes if "LSTM[1]" in n or "LSTM[2]" in n or "GRU[" in n], session.notes
+    assert session.op_counts.get("DequantizeLinear") == 4
+    reference = ort.InferenceSession(str(recurrent_files["onnx"]), providers=["CPUExecutionProvider"])
+    feed = _recurrent_feed()
+    want, got = reference.run(None, feed)[0], session.run(None, feed)[0]
+    assert not np.array_equal(want, got)
+    assert _snr_db(want, got) >= MIN_OUTPUT_SNR_DB
+
+    # the prepared graph: int8 levels feed a DequantizeLinear that feeds each W / R input
+    split = read_split(path)
+    split.wait_weights()
+    prepare_quantized(split, bits=8, options=ort.SessionOptions())
+    producers = {o: n for n in split.skeleton.graph.node for o in n.output}
+    for op in ("LSTM", "GRU"):
+        node = next(n for n in split.skeleton.graph.node if n.op_type == op)
+        for index in (1, 2):
+            dq = producers[node.input[index]]
+            assert dq.op_type == "DequantizeLinear"
+            assert split.array(dq.input[0]).dtype == np.int8
 
 
 def test_int4_raises_the_opset_by_conversion(tmp_path):
