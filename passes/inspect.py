@@ -21,6 +21,7 @@ subgraphs (`If`/`Loop`/`Scan` bodies) too. Its scheme says how the model uses it
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -180,8 +181,8 @@ def _walk(graph: onnx.GraphProto, where: str, tensors: dict, consumers: dict, no
         _note_external(t, tensors)
         tensors.setdefault(t.name, _Tensor(t.name, t.data_type, tuple(t.dims), tensor_nbytes(t), prefix + "initializer", _small_values(t)))
     for sp in graph.sparse_initializer:  # stored as values + indices: the bytes are those two
-        nnz = int(np.prod(sp.values.dims, dtype=np.int64))
-        total = int(np.prod(sp.dims, dtype=np.int64))
+        nnz = math.prod(int(d) for d in sp.values.dims)  # Python ints: hostile dims cannot wrap
+        total = math.prod(int(d) for d in sp.dims)
         tensors.setdefault(sp.values.name, _Tensor(
             sp.values.name, sp.values.data_type, tuple(sp.dims), tensor_nbytes(sp.values) + tensor_nbytes(sp.indices),
             prefix + f"sparse initializer ({nnz} of {total} values)", None))

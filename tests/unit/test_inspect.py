@@ -139,3 +139,20 @@ def test_describe_quantized_sample_model(sample_model):
     assert len(scales) == len(quantized)
     assert desc.by_dtype["int8"]["bytes"] == sum(r.bytes for r in quantized)
     assert describe_model(str(sample_model)).by_dtype["float32"]["count"] == 285
+
+
+def test_sparse_initializer_count_does_not_wrap_on_hostile_dims():
+    """describe_model reads an untrusted file: 2**32 x 2**32 dims wrapped to 0 values in int64."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import passes
+
+    sp = helper.make_sparse_tensor(numpy_helper.from_array(np.asarray([1.0], np.float32), "W"),
+                                   numpy_helper.from_array(np.asarray([[1, 1]], np.int64), "W_idx"), [2**32, 2**32])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], sparse_initializer=[sp])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    (row,) = passes.describe_model(m).rows
+    assert row.location == f"sparse initializer (1 of {2**64} values)"
