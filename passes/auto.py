@@ -410,7 +410,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     real feeds: the mean inputs of synthesised ones say nothing about real data; default BIAS_CORRECTION).
     run_as: how candidates are measured, as in passes.fidelity.evaluate: "onnxruntime" (the file as
     onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it)."""
-    from .fidelity import (RUN_AS, check_feeds, evaluate, load_feeds, output_snr_db, parse_requirements,
+    from .fidelity import (RUN_AS, evaluate, feed_list, output_snr_db, parse_requirements,
                            run_outputs, runnable_feeds)
     from .fold import fold_dequantize
     from .quantize import quantize_weights
@@ -452,13 +452,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         # Conv refuses 64 samples)
         feeds = runnable_feeds(src, n=n_synthesized)
         notes.append(f"no feeds given: {n_synthesized} synthesised random inputs; fidelity on real data is unmeasured")
-    elif isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
-        feeds = load_feeds(feeds, src)
     else:
-        feeds = list(feeds)
-        check_feeds(src, feeds)
-    if not feeds:
-        raise InvalidArgumentError("feeds: at least one feed is needed")
+        feeds = feed_list(feeds, src, "", check=True)
     timings = {}
     clock = [time.process_time()]
 

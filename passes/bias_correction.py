@@ -369,13 +369,9 @@ def correct_bias(quantized, original, feeds, *, report: Report | None = None) ->
 
     q = load_model(quantized)
     src = load_model(original)
-    if isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
-        from .fidelity import load_feeds
+    from .fidelity import feed_list
 
-        feeds = load_feeds(feeds, src)
-    feeds = list(feeds or [])
-    if not feeds:
-        raise InvalidArgumentError("feeds: at least one feed is needed to measure the layers' mean inputs")
+    feeds = feed_list(feeds, src, " to measure the layers' mean inputs")
     w_hat = _folded_weights(q)
     originals = _float_weights(src)
     names = [n for n in w_hat if n in originals and originals[n].shape == w_hat[n].shape]

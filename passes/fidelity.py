@@ -47,6 +47,21 @@ _INDEXED_KEY = re.compile(r"^(\d+)/(.+)$")
 # feeds
 
 
+def feed_list(feeds, model, why: str, *, check: bool = False) -> list[Feed]:
+    """The feeds a pass was given, as a list: an `.npz` path is loaded (names checked against
+    `model`'s inputs), an iterable of feed dicts listed (checked too when `check`). None or no
+    feed raises InvalidArgumentError "feeds: at least one feed is needed{why}"."""
+    if isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
+        feeds = load_feeds(feeds, model)
+    else:
+        feeds = list(feeds or [])
+        if check and feeds:
+            check_feeds(model, feeds)
+    if not feeds:
+        raise InvalidArgumentError(f"feeds: at least one feed is needed{why}")
+    return feeds
+
+
 def load_feeds(path, model=None) -> list[Feed]:
     """Feeds from an `.npz`: keys "i/NAME" (input NAME of feed i; shapes may differ between
     feeds) or plain "NAME" (one feed). With `model`, the names are checked against its inputs."""

@@ -405,13 +405,9 @@ def quantize_with_feedback(model, feeds, *, bits: int = 4, rounding: str = "rdo"
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not np.isfinite(value):
             raise InvalidArgumentError(f"{what} must be a finite number > 0, got {value!r}")
     src = load_model(model)
-    if isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
-        from .fidelity import load_feeds
+    from .fidelity import feed_list
 
-        feeds = load_feeds(feeds, src)
-    feeds = list(feeds or [])
-    if not feeds:
-        raise InvalidArgumentError("feeds: at least one feed is needed for error feedback")
+    feeds = feed_list(feeds, src, " for error feedback")
     hess = collect_hessians(src, feeds, [t.name for t in src.graph.initializer])
     imp = input_importance(src, hess) if importance else None
     q = quantize_weights(src, bits=bits, rounding=rounding, importance=imp, report=report, **quantize_options)
