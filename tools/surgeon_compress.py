@@ -114,15 +114,39 @@ def _progress(label: str):
 # shared steps
 
 
-def _check_distinct(src: str, dst: str) -> None:
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists() and os.path.samefile(a, b):
+            return True
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
+
+
+def _input_files(src: str) -> list[Path]:
+    """The input model file and the external data files it reads (a .onnxz is one file)."""
+    from passes._fileio import looks_packed, model_files
+
+    if str(src).endswith(".onnxz") or looks_packed(src):
+        return [Path(src)]
+    return model_files(src)
+
+
+def _check_distinct(src: str, dst: str, dst_data_files: Sequence[str] = ()) -> None:
+    """Refuse an output that would replace a file the input is read from: the model file itself or,
+    with --force, one of its external data files (the input model then read the new bytes).
+    `dst_data_files`: names of the data files written beside `dst` (unpack restores them)."""
     from passes import InvalidArgumentError
 
-    try:
-        same = Path(dst).exists() and os.path.samefile(src, dst)
-    except OSError:
-        same = False
-    if same or Path(src).resolve() == Path(dst).resolve():
-        raise InvalidArgumentError(f"output {dst} is the input file; the input is never modified: choose another -o")
+    inputs = _input_files(src)
+    folder = Path(dst).parent
+    for out in [Path(dst)] + [folder / name for name in dst_data_files]:
+        for k, used in enumerate(inputs):
+            if not _same_file(used, out):
+                continue
+            what = "the input file" if k == 0 else f"an external data file of the input {src}"
+            shown = dst if out == Path(dst) else f"{dst} writes {out}, which"
+            raise InvalidArgumentError(f"output {shown} is {what}; the input is never modified: choose another -o")
 
 
 def _wants_pack(output: str, pack_flag: bool) -> bool:
@@ -586,13 +610,21 @@ def cmd_pack(args) -> int:
     return EXIT_OK
 
 
+def _packed_data_files(path: str, max_bytes: int | None) -> list[str]:
+    """Names of the external data files a pack restores beside its model file."""
+    import passes
+
+    with passes.open_packed(path, max_bytes=max_bytes) as packed:
+        return [f["name"] for f in packed.metadata()["files"][1:]]
+
+
 def cmd_unpack(args) -> int:
     import passes
     from passes._fileio import check_readable, check_writable
 
     check_readable(args.input)
     if args.output is not None:
-        _check_distinct(args.input, args.output)
+        _check_distinct(args.input, args.output, _packed_data_files(args.input, args.max_bytes))
         check_writable(args.output, args.force)
     out = passes.unpack(args.input, args.output, threads=args.threads, force=args.force, max_bytes=args.max_bytes,
                         digest="sha256" if args.sha256 else "fast", direct_io=not args.page_cache)

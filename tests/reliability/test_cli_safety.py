@@ -78,3 +78,53 @@ def test_verify_option_rereads_the_output(files, tmp_path, command, capsys):
     out = tmp_path / "verified.out"
     assert main(_commands(src, packed, out)[command] + ["--verify"]) == 0
     assert "verif" in capsys.readouterr().out.lower()
+
+
+def _model_with_external_data(folder):
+    """model.onnx whose two weights live in side files W and B beside it."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("Gemm", ["X", "W", "B"], ["Y"])], "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 64])],
+        [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W"),
+         numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "B")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    src = folder / "model.onnx"
+    onnx.save_model(m, str(src), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
+    return src
+
+
+@pytest.mark.parametrize("command", ["compress", "fold", "pack"])
+def test_output_naming_an_external_data_file_of_the_input_is_refused(tmp_path, command, capsys):
+    # `compress model.onnx -o W --force` replaced the weights file the input reads its W from:
+    # the input was damaged (exit 0), where -o naming the model file itself is refused
+    src = _model_with_external_data(tmp_path)
+    before = {p.name: sha256(p) for p in tmp_path.iterdir()}
+    assert set(before) == {"model.onnx", "W", "B"}
+    for data_file in ("W", "B"):
+        code = main([command, str(src), "-o", str(tmp_path / data_file), "--force"])
+        err = capsys.readouterr().err
+        assert code == 1 and "input" in err and len(err.strip().splitlines()) == 1, (code, err)
+        assert {p.name: sha256(p) for p in tmp_path.iterdir()} == before
+
+
+def test_unpack_refuses_data_files_that_would_replace_the_pack(tmp_path, capsys):
+    # the pack restores model.onnx + W + B beside -o: a pack named W in that folder would be
+    # replaced by the data file it is decoding
+    import passes
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    src = _model_with_external_data(folder)
+    packed = tmp_path / "W"
+    passes.pack(src, packed)
+    before = sha256(packed)
+    code = main(["unpack", str(packed), "-o", str(tmp_path / "model.onnx"), "--force"])
+    err = capsys.readouterr().err
+    assert code == 1 and "input" in err and len(err.strip().splitlines()) == 1, (code, err)
+    assert sha256(packed) == before
