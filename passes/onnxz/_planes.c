@@ -505,6 +505,7 @@ static PyMethodDef methods[] = {
     {"ans_decode_shared", onnxz_py_ans_decode_shared, METH_VARARGS, "ans_decode_shared(planes, tables, sign_move, out) -> None or str: an ans_shared chunk (blobs without their shared tables) into out"},
     {"set_xxh3", onnxz_py_set_xxh3, METH_VARARGS, "set_xxh3(address): the XXH3_64bits function ans_decode_batch checks chunks with"},
     {"xxh3", onnxz_py_xxh3, METH_VARARGS, "xxh3(data) -> int: XXH3-64 through the function set by set_xxh3"},
+    {"ans_avx2_loads", onnxz_py_ans_avx2_loads, METH_VARARGS, "ans_avx2_loads([flag]) -> int: the AVX2 ans decoder's table lookups (1 scalar loads, 0 the gather instruction)"},
     {"ans_simd", onnxz_py_ans_simd, METH_VARARGS, "ans_simd([level]) -> int: the ans decoder in use (0 scalar, 1 AVX2, 2 AVX-512)"},
     {"index_rows", index_rows, METH_VARARGS, "index_rows(tensors, last_file, fields) -> list of rows or str: the tensor entries of an .onnxz index checked (format.parse_index)"},
     {"expand", py_expand, METH_VARARGS, "expand(table, ranks, escapes, out) -> bool: exponents from 4-bit ranks"},

@@ -21,6 +21,7 @@ void onnxz_ans_init(void);
 int onnxz_ans_simd_level(void); /* 0 scalar, 1 AVX2, 2 AVX-512 */
 PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_simd(PyObject *self, PyObject *args);
+PyObject *onnxz_py_ans_avx2_loads(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode_shared(PyObject *self, PyObject *args);
 PyObject *onnxz_py_set_xxh3(PyObject *self, PyObject *args);
