@@ -498,7 +498,7 @@ class PackedFile:
             if off > pos:
                 yield pos, off - pos, ("skel", skel)
                 skel += off - pos
-            stream = self.index.tensors[ti].stream
+            stream = self.index.coded[ti].stream
             p = off
             for c in stream.chunks:
                 if c.raw_length:
@@ -514,7 +514,7 @@ class PackedFile:
         as in _pieces. _pieces written out here (one generator fewer, no tuple per piece to
         re-read): this runs once per chunk of every restore."""
         fe = self.index.files[fi]
-        tensors = self.index.tensors
+        coded = self.index.coded  # (not index.tensors: that would make every entry)
         start = used = pos = skel = 0
         items = []
         append = items.append
@@ -532,7 +532,7 @@ class PackedFile:
                 n -= k
             if ti < 0:
                 break
-            stream = tensors[ti].stream
+            stream = coded[ti].stream
             for c in stream.chunks:
                 r = c.raw_length
                 if r:
