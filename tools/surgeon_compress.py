@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 PROG = "surgeon-compress"
+MIN_BITS, MAX_BITS = 2, 8  # the widths passes.quantize_weights writes
+DEFAULT_BITS = 8
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -309,6 +311,24 @@ def _dense_copy(model, report):
     return dense
 
 
+def _refuse_options_the_search_ignores(args) -> None:
+    """--target chooses each weight's width, scheme and rounding itself: the options of the plain
+    mode were silently ignored with it (--exclude W quantized W all the same). --min-elements is
+    the one the search takes."""
+    from passes import InvalidArgumentError
+
+    if not args.target:
+        return
+    given = [flag for flag, value in (("--bits", args.bits), ("--granularity", args.granularity),
+                                      ("--block-size", args.block_size), ("--include", args.include),
+                                      ("--exclude", args.exclude), ("--rd-max-snr-loss", args.rd_max_snr_loss))
+             if value is not None]
+    given += ["--asymmetric"] * bool(args.asymmetric) + ["--rounding rdo"] * (args.rounding != "nearest")
+    if given:
+        raise InvalidArgumentError(f"--target chooses each weight's width and rounding itself: {', '.join(given)} "
+                                   "cannot be used with it (--min-elements can)")
+
+
 def cmd_compress(args) -> int:
     import passes
     from passes._fileio import check_readable, check_writable
@@ -320,12 +340,18 @@ def cmd_compress(args) -> int:
         from passes import InvalidArgumentError
 
         raise InvalidArgumentError("--rd-max-snr-loss needs --rounding rdo")
+    _refuse_options_the_search_ignores(args)
+    if args.block_size is not None and args.granularity not in (None, "block"):
+        from passes import InvalidArgumentError
+
+        raise InvalidArgumentError(f"--block-size needs --granularity block (got --granularity {args.granularity})")
     pack = _wants_pack(args.output, args.pack)
     model = passes.load_model(args.input)
     feeds = passes.load_feeds(args.feeds, model) if args.feeds else None
 
     granularity = args.granularity or ("block" if args.block_size else "channel")
-    options: dict[str, Any] = {"bits": args.bits, "granularity": granularity, "symmetric": not args.asymmetric}
+    options: dict[str, Any] = {"bits": args.bits or DEFAULT_BITS, "granularity": granularity,
+                               "symmetric": not args.asymmetric}
     if args.block_size is not None:
         options["block_size"] = args.block_size
     if args.min_elements is not None:
@@ -348,9 +374,10 @@ def cmd_compress(args) -> int:
 
         targets = parse_requirements(args.target)
         searched = _dense_copy(model, report)
+        chosen = {} if args.min_elements is None else {"min_elements": args.min_elements}
         compressed, auto = passes.compress(searched, target=args.target, feeds=feeds,
                                            metric_args=_metric_args(args.metric_arg), run_as=args.run_as,
-                                           report=report)
+                                           report=report, **chosen)
         options = {"target": args.target}
         args.require = list(args.require or []) + [t for t in targets if str(t) not in {str(r) for r in args.require or []}]
     else:
@@ -683,6 +710,23 @@ def _requirement(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _target(text: str) -> str:
+    """--target is read when the arguments are: a malformed or empty one is a usage error (exit 2)
+    before the model is loaded, as a malformed --require is (an empty one was ignored: plain int8)."""
+    _requirement(text)
+    return text
+
+
+def _bits(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not MIN_BITS <= value <= MAX_BITS:
+        raise argparse.ArgumentTypeError(f"must be an integer from {MIN_BITS} to {MAX_BITS}, got {value}")
+    return value
+
+
 class _ExtendRequirements(argparse.Action):
     """--require may repeat and each may hold several comma-separated expressions."""
 
@@ -762,8 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "when the fidelity gate passes (exit 3 otherwise).")
     p.add_argument("input", metavar="IN", help="ONNX model (.onnx or .onnxz)")
     common(p)
-    p.add_argument("--bits", type=int, default=8, help="bits per weight (default 8)")
-    p.add_argument("--target", metavar="EXPR",
+    p.add_argument("--bits", type=_bits, help=f"bits per weight, {MIN_BITS} to {MAX_BITS} (default 8)")
+    p.add_argument("--target", metavar="EXPR", type=_target,
                    help="auto mode: the smallest model meeting EXPR on --feeds, e.g. 'top1>=0.99', 'cosine>=0.999' "
                         "(per-tensor widths by measured sensitivity, error-feedback rounding); also the gate")
     p.add_argument("--granularity", choices=("tensor", "channel", "block"), help="one scale per tensor, per output channel (default) or per block")
