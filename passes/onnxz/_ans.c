@@ -228,12 +228,22 @@ __attribute__((target("avx2"))) static inline __attribute__((always_inline)) __m
     return _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1);
 }
 
+/* Where the AVX2 decoder's symbols go with MERGE = w (2 or 4): merged at once with planes 1..w-1
+ * of a float chunk (raw, p[0..w-2] at the first symbol's element) into dst (the first symbol's
+ * element), sign moved back; nt as in the merge */
+typedef struct {
+    const uint8_t *p[3];
+    uint8_t *dst;
+    int nt;
+} MergeSink;
+
 /* LOADS: the table entries by scalar loads (lookup8), else by the gather instruction. A step runs
  * in groups of registers, each group's lookups first (see decN_avx512): all 16 registers of 128
  * lanes with the gather instruction (as before lookup8; groups of 4 measured 3-6% slower there),
- * 4 with scalar loads (their inserts need registers; 16 measured no faster) */
+ * 4 with scalar loads (their inserts need registers; 16 measured no faster).
+ * MERGE 0: the symbols to out; 2 or 4: each group's 32 symbols merged into sink (out unused) */
 __attribute__((target("avx2"))) static inline __attribute__((always_inline))
-size_t decN_avx2(Dec *d, uint8_t *out, size_t steps, const int LANES, const int LOADS) {
+size_t decN_avx2(Dec *d, uint8_t *out, size_t steps, const int LANES, const int LOADS, const int MERGE, const MergeSink *sink) {
     __m256i x[16];
     for (int r = 0; r < LANES / 8; r++) x[r] = _mm256_loadu_si256((const __m256i *)(d->x + 8 * r));
     const uint8_t *p = d->p, *end = d->end;
@@ -264,10 +274,17 @@ size_t decN_avx2(Dec *d, uint8_t *out, size_t steps, const int LANES, const int 
                 __m256i a = _mm256_packus_epi32(_mm256_and_si256(e[4 * g], lo8), _mm256_and_si256(e[4 * g + 1], lo8));
                 __m256i b = _mm256_packus_epi32(_mm256_and_si256(e[4 * g + 2], lo8), _mm256_and_si256(e[4 * g + 3], lo8));
                 __m256i c = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(a, b), order);
-                _mm256_storeu_si256((__m256i *)(out + 32 * g), c);
+                if (MERGE) { /* elements k .. k+31 of the block, while the lookups of the next group run */
+                    size_t k = done * LANES + 32 * (size_t)g;
+                    onnxz_merge32_avx2(c, sink->p[0] + k, MERGE == 4 ? sink->p[1] + k : NULL, MERGE == 4 ? sink->p[2] + k : NULL,
+                                       MERGE, 1, sink->dst + k * MERGE, sink->nt);
+                } else {
+                    _mm256_storeu_si256((__m256i *)(out + 32 * g), c);
+                }
             }
         }
     }
+    if (MERGE && sink->nt) _mm_sfence();
     for (int r = 0; r < LANES / 8; r++) _mm256_storeu_si256((__m256i *)(d->x + 8 * r), x[r]);
     d->p = p;
     return done;
@@ -315,12 +332,20 @@ static size_t dec32_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_sca
 static size_t dec64_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 64); }
 static size_t dec128_scalar(Dec *d, uint8_t *out, size_t steps) { return decN_scalar(d, out, steps, 128); }
 #if ONNXZ_X86
-__attribute__((target("avx2"))) static size_t dec32_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 32, 0); }
-__attribute__((target("avx2"))) static size_t dec64_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 64, 0); }
-__attribute__((target("avx2"))) static size_t dec128_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 128, 0); }
-__attribute__((target("avx2"))) static size_t dec32_avx2l(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 32, 1); }
-__attribute__((target("avx2"))) static size_t dec64_avx2l(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 64, 1); }
-__attribute__((target("avx2"))) static size_t dec128_avx2l(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 128, 1); }
+__attribute__((target("avx2"))) static size_t dec32_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 32, 0, 0, NULL); }
+__attribute__((target("avx2"))) static size_t dec64_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 64, 0, 0, NULL); }
+__attribute__((target("avx2"))) static size_t dec128_avx2(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 128, 0, 0, NULL); }
+__attribute__((target("avx2"))) static size_t dec32_avx2l(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 32, 1, 0, NULL); }
+__attribute__((target("avx2"))) static size_t dec64_avx2l(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 64, 1, 0, NULL); }
+__attribute__((target("avx2"))) static size_t dec128_avx2l(Dec *d, uint8_t *out, size_t steps) { return decN_avx2(d, out, steps, 128, 1, 0, NULL); }
+/* the fused decode + merge of float chunks (dec_merge_run): lanes x lookup kind x width */
+#define DEC_MERGE(L, LOADS, W) \
+    __attribute__((target("avx2"))) static size_t dec##L##_m##W##_##LOADS(Dec *d, size_t steps, const MergeSink *s) { \
+        return decN_avx2(d, NULL, steps, L, LOADS, W, s); \
+    }
+DEC_MERGE(32, 0, 2) DEC_MERGE(64, 0, 2) DEC_MERGE(128, 0, 2) DEC_MERGE(32, 1, 2) DEC_MERGE(64, 1, 2) DEC_MERGE(128, 1, 2)
+DEC_MERGE(32, 0, 4) DEC_MERGE(64, 0, 4) DEC_MERGE(128, 0, 4) DEC_MERGE(32, 1, 4) DEC_MERGE(64, 1, 4) DEC_MERGE(128, 1, 4)
+#undef DEC_MERGE
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec32_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 32); }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec64_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 64); }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static size_t dec128_avx512(Dec *d, uint8_t *out, size_t steps) { return decN_avx512(d, out, steps, 128); }
@@ -389,6 +414,29 @@ static int dec_run(Dec *d, uint8_t *out, size_t i0, size_t count) {
     return dec_checked(d, out + done, i0 + done, count - done);
 }
 
+/* Float chunks (`ans` with the sign move, w 2 or 4) whose plane 0 is coded and planes 1..w-1 raw:
+ * symbols [i0, i0+count) of plane 0 (i0 a multiple of the lane count) decoded and merged at once,
+ * group by group of 32, with the raw planes (rest[j] at element i0) into out (element i0's bytes):
+ * the merge's loads and stores then run beside the decoder's arithmetic instead of in a memory-bound
+ * pass of their own. Returns the symbols done (a multiple of the lane count; the caller decodes and
+ * merges the rest as before): 0 where the AVX2 decoder is not the one in use or the lane count has
+ * no SIMD path. */
+static size_t dec_merge_run(Dec *d, size_t count, const uint8_t *const *rest, int w, uint8_t *out, int nt) {
+#if ONNXZ_X86
+    if (simd_level != 1 || d->constant || (w != 2 && w != 4)) return 0;
+    MergeSink sink = {{rest[0], w == 4 ? rest[1] : NULL, w == 4 ? rest[2] : NULL}, out, nt && ((uintptr_t)out & 31) == 0};
+    size_t steps = count / (size_t)d->lanes;
+#define RUN(L) (w == 2 ? (avx2_loads ? dec##L##_m2_1(d, steps, &sink) : dec##L##_m2_0(d, steps, &sink)) \
+                       : (avx2_loads ? dec##L##_m4_1(d, steps, &sink) : dec##L##_m4_0(d, steps, &sink)))
+    if (d->lanes == 32) return RUN(32) * 32;
+    if (d->lanes == 64) return RUN(64) * 64;
+    if (d->lanes == 128) return RUN(128) * 128;
+#undef RUN
+#endif
+    (void)d; (void)count; (void)rest; (void)w; (void)out; (void)nt;
+    return 0;
+}
+
 static int dec_finished(const Dec *d) {
     if (d->constant) return 1;
     if (d->p != d->end) return 0;
@@ -426,17 +474,28 @@ static const char *ans_decode_planes(const uint8_t *const *planes, const size_t 
     } else if (!err) {
         if (coded) tmp = (uint8_t *)malloc((size_t)coded * BLOCK);
         if (coded && !tmp) err = "out of memory";
+        /* a float chunk with only plane 0 coded (nearly every float chunk): decode and merge fused */
+        int fuse = sign_move && coded == 1 && decs[0] != NULL;
+        int nt_out = nt && n * w >= NT_BYTES;
         for (size_t lo = 0; lo < n && !err; lo += BLOCK) {
-            size_t m = n - lo < BLOCK ? n - lo : BLOCK;
+            size_t m = n - lo < BLOCK ? n - lo : BLOCK, at = lo; /* elements [at, at+m) left in this block */
+            if (fuse) {
+                const uint8_t *rest[MAX_PLANES - 1];
+                for (int i = 1; i < w; i++) rest[i - 1] = planes[i] + lo;
+                size_t done = dec_merge_run(decs[0], m, rest, w, out + lo * w, nt_out);
+                at += done;
+                m -= done;
+                if (!m) continue;
+            }
             const uint8_t *ptr[MAX_PLANES];
             int c = 0;
             for (int i = 0; i < w; i++) {
-                if (!decs[i]) { ptr[i] = planes[i] + lo; continue; }
+                if (!decs[i]) { ptr[i] = planes[i] + at; continue; }
                 uint8_t *t = tmp + (size_t)c++ * BLOCK;
-                if (dec_run(decs[i], t, lo, m)) { err = "ans words run out"; break; }
+                if (dec_run(decs[i], t, at, m)) { err = "ans words run out"; break; }
                 ptr[i] = t;
             }
-            if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, sign_move, out + lo * w, nt && n * w >= NT_BYTES);
+            if (!err) onnxz_merge_ptrs_nt(ptr, (Py_ssize_t)m, w, sign_move, out + at * w, nt_out);
         }
     }
     for (int i = 0; i < w && !err; i++)

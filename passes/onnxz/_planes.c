@@ -169,43 +169,21 @@ static int get_planes(PyObject *seq, Py_buffer *bufs, int *count, Py_ssize_t n, 
 
 /* AVX2 interleave of 2 or 4 planes (the sign moved back when asked): 32 elements per step, the
  * tail left to the portable loop. ~2x the compiler's vectorisation of the loop below, which made
- * the plane merge as costly as the rANS decode of the exponents. Same bytes. */
-#if ONNXZ_X86
-/* nt: non-temporal stores (dst 32-byte aligned): a large output is not read back from cache soon,
+ * the plane merge as costly as the rANS decode of the exponents. Same bytes.
+ * nt: non-temporal stores (dst 32-byte aligned): a large output is not read back from cache soon,
  * and streaming it skips the read-for-ownership of every output line (~a third of the traffic) */
-#define STORE(ptr, v) do { if (nt) _mm256_stream_si256((__m256i *)(ptr), (v)); else _mm256_storeu_si256((__m256i *)(ptr), (v)); } while (0)
+#if ONNXZ_X86
 __attribute__((target("avx2"))) static Py_ssize_t merge_avx2(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move,
                                                              uint8_t *restrict dst, int nt) {
-    const __m256i lo7 = _mm256_set1_epi8(0x7F), hi1 = _mm256_set1_epi8((char)0x80);
     Py_ssize_t k = 0;
     for (; k + 32 <= n; k += 32) {
-        __m256i t = _mm256_loadu_si256((const __m256i *)(p[0] + k)), m = _mm256_loadu_si256((const __m256i *)(p[1] + k));
-        __m256i hi = t, nx = m;
-        if (sign_move) {
-            hi = _mm256_or_si256(_mm256_and_si256(m, hi1), _mm256_and_si256(_mm256_srli_epi16(t, 1), lo7));
-            nx = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(t, 7), hi1), _mm256_and_si256(m, lo7));
-        }
-        if (w == 2) {
-            __m256i a = _mm256_unpacklo_epi8(nx, hi), b = _mm256_unpackhi_epi8(nx, hi);
-            STORE(dst + 2 * k, _mm256_permute2x128_si256(a, b, 0x20));
-            STORE(dst + 2 * k + 32, _mm256_permute2x128_si256(a, b, 0x31));
-            continue;
-        }
-        __m256i c = _mm256_loadu_si256((const __m256i *)(p[2] + k)), d = _mm256_loadu_si256((const __m256i *)(p[3] + k));
-        __m256i la = _mm256_unpacklo_epi8(d, c), ha = _mm256_unpacklo_epi8(nx, hi);
-        __m256i lb = _mm256_unpackhi_epi8(d, c), hb = _mm256_unpackhi_epi8(nx, hi);
-        __m256i e0 = _mm256_unpacklo_epi16(la, ha), e1 = _mm256_unpackhi_epi16(la, ha);
-        __m256i e2 = _mm256_unpacklo_epi16(lb, hb), e3 = _mm256_unpackhi_epi16(lb, hb);
-        uint8_t *o = dst + 4 * k;
-        STORE(o, _mm256_permute2x128_si256(e0, e1, 0x20));
-        STORE(o + 32, _mm256_permute2x128_si256(e2, e3, 0x20));
-        STORE(o + 64, _mm256_permute2x128_si256(e0, e1, 0x31));
-        STORE(o + 96, _mm256_permute2x128_si256(e2, e3, 0x31));
+        __m256i t = _mm256_loadu_si256((const __m256i *)(p[0] + k));
+        if (w == 2) onnxz_merge32_avx2(t, p[1] + k, NULL, NULL, 2, sign_move, dst + 2 * k, nt);
+        else onnxz_merge32_avx2(t, p[1] + k, p[2] + k, p[3] + k, 4, sign_move, dst + 4 * k, nt);
     }
     if (nt) _mm_sfence();
     return k;
 }
-#undef STORE
 #endif
 
 void onnxz_merge_ptrs(const uint8_t *const *p, Py_ssize_t n, int w, int sign_move, uint8_t *restrict dst) {
