@@ -106,8 +106,41 @@ typedef struct {
     int lanes;
     uint32_t x[MAX_LANES];
     const uint8_t *p, *end; /* renormalisation words */
-    uint32_t tab[PROB_SCALE]; /* slot -> symbol | freq << 8 | (slot - cum) << 20 */
+    const uint32_t *tab; /* slot -> symbol | freq << 8 | (slot - cum) << 20: `own`, or a shared table's (TableCache) */
+    uint32_t own[PROB_SCALE];
 } Dec;
+
+/* the decode table of a frequency table (read_table's checks) read from b at *at */
+static const char *build_table(const uint8_t *b, size_t len, size_t *at, uint32_t *restrict tab) {
+    uint32_t freq[256];
+    const char *err = read_table(b, len, at, freq);
+    if (err) return err;
+    /* built for every coded plane, even of 1000 symbols: locals and a restrict pointer let the
+     * compiler vectorise the fill (through d->tab it reloaded freq[s] at every slot: a store of
+     * the same type may alias it) */
+    size_t slot = 0; /* size_t indices: no 32-bit wrap for the vectoriser to preserve */
+    for (uint32_t s = 0; s < 256; s++) {
+        const uint32_t f = freq[s], base = s | f << 8;
+        uint32_t *restrict t = tab + slot;
+        for (size_t k = 0; k < f; k++) t[k] = base | (uint32_t)k << 20;
+        slot += f;
+    }
+    return NULL;
+}
+
+/* the lane states and words of a coded plane (b[0] its lane count, checked), from b + pos */
+static const char *dec_states(Dec *d, const uint8_t *b, size_t len, size_t pos) {
+    if (len - pos < (size_t)d->lanes * 4) return "ans plane truncated (states)";
+    for (int j = 0; j < d->lanes; j++) {
+        memcpy(&d->x[j], b + pos, 4);
+        pos += 4;
+        if (d->x[j] < RANS_L) return "ans state out of range";
+    }
+    if ((len - pos) & 1) return "ans words of odd length";
+    d->p = b + pos;
+    d->end = b + len;
+    return NULL;
+}
 
 static const char *dec_init(Dec *d, const uint8_t *b, size_t len) {
     if (len < 2) return "ans plane truncated";
@@ -121,30 +154,22 @@ static const char *dec_init(Dec *d, const uint8_t *b, size_t len) {
     d->constant = 0;
     d->lanes = 1 << (b[0] - 1);
     size_t pos = 1;
-    uint32_t freq[256];
-    const char *err = read_table(b, len, &pos, freq);
+    const char *err = build_table(b, len, &pos, d->own);
     if (err) return err;
-    /* built for every coded plane, even of 1000 symbols: locals and a restrict pointer let the
-     * compiler vectorise the fill (through d->tab it reloaded freq[s] at every slot: a store of
-     * the same type may alias it) */
-    uint32_t *restrict tab = d->tab;
-    size_t slot = 0; /* size_t indices: no 32-bit wrap for the vectoriser to preserve */
-    for (uint32_t s = 0; s < 256; s++) {
-        const uint32_t f = freq[s], base = s | f << 8;
-        uint32_t *restrict t = tab + slot;
-        for (size_t k = 0; k < f; k++) t[k] = base | (uint32_t)k << 20;
-        slot += f;
-    }
-    if (len - pos < (size_t)d->lanes * 4) return "ans plane truncated (states)";
-    for (int j = 0; j < d->lanes; j++) {
-        memcpy(&d->x[j], b + pos, 4);
-        pos += 4;
-        if (d->x[j] < RANS_L) return "ans state out of range";
-    }
-    if ((len - pos) & 1) return "ans words of odd length";
-    d->p = b + pos;
-    d->end = b + len;
-    return NULL;
+    d->tab = d->own;
+    return dec_states(d, b, len, pos);
+}
+
+/* An `ans_shared` plane b (its byte 0 the lane count, then states and words: the blob without
+ * its table) whose shared table's decode table was built already (TableCache): the checks and
+ * the state of dec_init on the spliced blob b[0:1] + table + b[1:], whose table read ends where
+ * the table's bytes do (only such tables are cached). b[0] > 0 (constant planes have no table). */
+static const char *dec_init_built(Dec *d, const uint8_t *b, size_t len, const uint32_t *tab) {
+    if (b[0] > 8) return "ans plane with an unknown lane count";
+    d->constant = 0;
+    d->lanes = 1 << (b[0] - 1);
+    d->tab = tab;
+    return dec_states(d, b, len, 1);
 }
 
 /* a little-endian u16; one load on little-endian hosts (the compiler did not merge the two byte
@@ -446,16 +471,18 @@ static int dec_finished(const Dec *d) {
 
 /* One chunk of codec `ans`: w planes of n symbols (plane i raw when its length is n, else an ans
  * blob) merged into out (n*w bytes) in one pass, block by block. NULL or an error message. */
-static const char *ans_decode_planes(const uint8_t *const *planes, const size_t *lens, const int *raw, int w, int sign_move,
-                                     size_t n, uint8_t *out, int nt);
+static const char *ans_decode_planes(const uint8_t *const *planes, const size_t *lens, const int *raw,
+                                     const uint32_t *const *built, int w, int sign_move, size_t n, uint8_t *out, int nt);
 
 const char *onnxz_ans_decode(const uint8_t *const *planes, const size_t *lens, int w, int sign_move, size_t n, uint8_t *out, int nt) {
-    return ans_decode_planes(planes, lens, NULL, w, sign_move, n, out, nt);
+    return ans_decode_planes(planes, lens, NULL, NULL, w, sign_move, n, out, nt);
 }
 
-/* raw: which planes are stored raw (NULL: those of n bytes; any other must then be shorter) */
-static const char *ans_decode_planes(const uint8_t *const *planes, const size_t *lens, const int *raw, int w, int sign_move,
-                                     size_t n, uint8_t *out, int nt) {
+/* raw: which planes are stored raw (NULL: those of n bytes; any other must then be shorter);
+ * built: per plane, the decode table of its shared table when built already (planes[i] is then
+ * the blob without the table: dec_init_built), or NULL (the whole blob: dec_init); built NULL: none */
+static const char *ans_decode_planes(const uint8_t *const *planes, const size_t *lens, const int *raw,
+                                     const uint32_t *const *built, int w, int sign_move, size_t n, uint8_t *out, int nt) {
     Dec *decs[MAX_PLANES] = {0};
     uint8_t *tmp = NULL;
     const char *err = NULL;
@@ -465,7 +492,7 @@ static const char *ans_decode_planes(const uint8_t *const *planes, const size_t 
         if (!raw && lens[i] > n) { err = "ans plane larger than its raw size"; break; }
         decs[i] = (Dec *)malloc(sizeof(Dec));
         if (!decs[i]) { err = "out of memory"; break; }
-        err = dec_init(decs[i], planes[i], lens[i]);
+        err = built && built[i] ? dec_init_built(decs[i], planes[i], lens[i], built[i]) : dec_init(decs[i], planes[i], lens[i]);
         coded++;
     }
     if (!err && w == 1) {
@@ -640,20 +667,62 @@ PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Decode tables of the shared tables met in one ans_decode_batch call, by the address and size
+ * of the table's bytes (the reader hands one bytes object per shared table, so small tensors naming
+ * the same table list find it built): read_table + the 4096-slot fill once per table instead of per
+ * chunk (H2: 42 chunks of rapidocr_cls.int8 naming 2 table lists, ~11 us each). Only a table whose
+ * read ends exactly at the end of its bytes is kept (a well-formed one): any other is decoded from
+ * the spliced blob as before, so a damaged table gets the same verdict either way. */
+#define CACHED_TABLES 16
+typedef struct {
+    const uint8_t *bytes;
+    size_t len;
+    uint32_t *tab; /* NULL: not kept (the spliced blob decides) */
+} CachedTable;
+typedef struct {
+    int count;
+    CachedTable t[CACHED_TABLES];
+} TableCache;
+
+/* the decode table of shared table (tb, tl), built on first use; NULL: not cacheable, or no room */
+static const uint32_t *cached_table(TableCache *c, const uint8_t *tb, size_t tl) {
+    if (!c) return NULL;
+    for (int i = 0; i < c->count; i++)
+        if (c->t[i].bytes == tb && c->t[i].len == tl) return c->t[i].tab;
+    if (c->count == CACHED_TABLES) return NULL;
+    CachedTable *e = &c->t[c->count++];
+    e->bytes = tb;
+    e->len = tl;
+    e->tab = (uint32_t *)malloc(PROB_SCALE * sizeof(uint32_t));
+    size_t pos = 0;
+    if (e->tab && (build_table(tb, tl, &pos, e->tab) || pos != tl)) {
+        free(e->tab);
+        e->tab = NULL;
+    }
+    return e->tab;
+}
+
+static void free_tables(TableCache *c) {
+    for (int i = 0; i < c->count; i++) free(c->t[i].tab);
+    c->count = 0;
+}
+
 /* Codec `ans_shared` (FORMAT.md 3.2): w planes of n = outlen/w bytes; plane i is raw when it
  * holds n bytes, else an ans blob, which for tabs[i] not NULL lacks its frequency table: the blob
  * decoded is planes[i][0:1] + tabs[i] + planes[i][1:] (however long that makes it; the plane
  * itself must still be shorter than n; a constant plane, byte 0 = 0, has no table). Same checks
- * and merge as `ans`. NULL or what is damaged; *bad_args as decode_chunk. GIL not needed. */
+ * and merge as `ans`. cache: decode tables kept over a batch (or NULL). NULL or what is damaged;
+ * *bad_args as decode_chunk. GIL not needed. */
 static const char *decode_shared(const uint8_t *const *planes, const size_t *plens, int w, int sign_move,
                                  const uint8_t *const *tabs, const size_t *tlens, uint8_t *out, size_t outlen, int nt,
-                                 int *bad_args) {
+                                 TableCache *cache, int *bad_args) {
     *bad_args = !(w == 1 || w == 2 || w == 4 || w == 8) || outlen % (size_t)w || (w == 1 && sign_move);
     if (*bad_args) return NULL;
     size_t n = outlen / (size_t)w;
     const uint8_t *ptr[MAX_PLANES];
     size_t lens[MAX_PLANES];
     int raw[MAX_PLANES];
+    const uint32_t *built[MAX_PLANES] = {0};
     uint8_t *whole[MAX_PLANES] = {0};
     const char *err = NULL;
     if (n == 0) err = "empty ans chunk";
@@ -665,6 +734,7 @@ static const char *decode_shared(const uint8_t *const *planes, const size_t *ple
         if (lens[i] > n) { err = "ans plane larger than its raw size"; break; }
         if (!tabs[i] || (lens[i] >= 1 && ptr[i][0] == 0)) continue; /* own table, or a constant plane (none) */
         if (lens[i] < 1) { err = "ans plane truncated"; break; }
+        if ((built[i] = cached_table(cache, tabs[i], tlens[i]))) continue; /* decoded without the splice */
         if (!(whole[i] = (uint8_t *)malloc(lens[i] + tlens[i]))) { err = "out of memory"; break; }
         whole[i][0] = ptr[i][0];
         memcpy(whole[i] + 1, tabs[i], tlens[i]);
@@ -672,7 +742,7 @@ static const char *decode_shared(const uint8_t *const *planes, const size_t *ple
         ptr[i] = whole[i];
         lens[i] += tlens[i];
     }
-    if (!err) err = ans_decode_planes(ptr, lens, raw, w, sign_move, n, out, nt);
+    if (!err) err = ans_decode_planes(ptr, lens, raw, built, w, sign_move, n, out, nt);
     for (int i = 0; i < w; i++) free(whole[i]);
     return err;
 }
@@ -719,7 +789,7 @@ PyObject *onnxz_py_ans_decode_shared(PyObject *self, PyObject *args) {
         const char *err;
         int bad_args;
         Py_BEGIN_ALLOW_THREADS
-        err = decode_shared(ptr, lens, (int)w, sign_move, tp, tl, (uint8_t *)out.buf, (size_t)out.len, 1, &bad_args);
+        err = decode_shared(ptr, lens, (int)w, sign_move, tp, tl, (uint8_t *)out.buf, (size_t)out.len, 1, NULL, &bad_args);
         Py_END_ALLOW_THREADS
         if (err) result = PyUnicode_FromString(err);
         else { result = Py_None; Py_INCREF(result); }
@@ -848,6 +918,7 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
     Py_ssize_t failed = -1;
     int code = FAIL_NONE, err_no = 0;
     const char *msg = NULL;
+    TableCache tables = {0};
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < count; k++) {
         BatchTask *t = &ts[k];
@@ -879,7 +950,7 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
                     tl[i] = t->has_tab[i] ? (size_t)t->tabs[i].len : 0;
                 }
                 msg = decode_shared(ptr, t->lens, t->np_, t->flags & 1, tp, tl, (uint8_t *)t->out.buf, (size_t)t->out.len,
-                                    !(t->flags & 4), &bad_args);
+                                    !(t->flags & 4), &tables, &bad_args);
             } else {
                 msg = decode_chunk(ptr, t->lens, t->np_, t->flags & 1, (t->flags >> 1) & 1, (uint8_t *)t->out.buf,
                                    (size_t)t->out.len, !(t->flags & 4), &bad_args);
@@ -889,6 +960,7 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
         }
         if (code != FAIL_NONE) { failed = k; break; }
     }
+    free_tables(&tables);
     Py_END_ALLOW_THREADS
     if (code == FAIL_NONE) {
         result = Py_None;
