@@ -417,6 +417,24 @@ def run_outputs(model_or_path, feeds: Sequence[Feed], *, providers=None, sess_op
 # metrics
 
 
+def _finite_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Two outputs of one shape as float64 vectors of the positions where both are finite, and
+    whether any other position differs. A NaN or an infinity the candidate shares with the
+    reference (a masked logit at -inf, a NaN the original makes too) is a match and drops out; one
+    on either side alone breaks the comparison (the metrics then say the worst: maxabs inf, snr
+    -inf, cosine 0). Without this a NaN output read as maxabs 0 (Python's max ignores NaN) and
+    passed 'maxabs<=...' gates, and an infinite one ended in a math domain error."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+    if finite_a.all() and finite_b.all():
+        return a, b, False
+    both = finite_a & finite_b
+    odd = ~both
+    same = (a[odd] == b[odd]) | (np.isnan(a[odd]) & np.isnan(b[odd]))
+    return a[both], b[both], not bool(same.all())
+
+
 def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
     """Cosine similarity of the flattened output 0, one value per feed."""
     values = np.empty(len(ref))
@@ -425,8 +443,10 @@ def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence
         if a.shape != b.shape:
             values[i] = 0.0
             continue
-        a = a.ravel().astype(np.float64)
-        b = b.ravel().astype(np.float64)
+        a, b, broken = _finite_pairs(a, b)
+        if broken:  # a NaN or infinity where the reference has something else
+            values[i] = 0.0
+            continue
         na, nb = np.linalg.norm(a), np.linalg.norm(b)
         if na == 0 or nb == 0:  # both zero: identical; one zero: nothing in common
             values[i] = float(na == nb)
@@ -489,9 +509,11 @@ def max_abs_difference(ref, cand) -> float:
             a, b = np.asarray(a), np.asarray(b)
             if a.shape != b.shape:
                 return math.inf
+            a, b, broken = _finite_pairs(a, b)
+            if broken:
+                return math.inf
             if a.size:
-                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-                worst = max(worst, float(diff.max()))
+                worst = max(worst, float(np.abs(a - b).max()))
     return worst
 
 
@@ -505,11 +527,11 @@ def output_snr_db(ref, cand) -> float:
             a, b = _as_array(a), _as_array(b)
             if a.shape != b.shape:
                 return -math.inf
-            a64 = a.astype(np.float64)
+            a64, b64, broken = _finite_pairs(a, b)
+            if broken:
+                return -math.inf
             signal += float(np.square(a64).sum())
-            noise += float(np.square(a64 - b.astype(np.float64)).sum())
-    if math.isnan(noise) or math.isnan(signal):
-        return math.nan
+            noise += float(np.square(a64 - b64).sum())
     if noise == 0:
         return math.inf
     if signal == 0:
@@ -641,7 +663,23 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
     except InvalidModelError as exc:  # say which of the two models failed
         raise InvalidModelError(f"candidate model: {exc}") from None
     metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args)
+    odd, total_values = _non_finite_count(ref)
+    if odd:
+        notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "
+                     "equal where the candidate has the same, and left out of cosine and snr")
     return FidelityResult(metrics=metrics, n_feeds=len(feeds), synthesized=synthesized, metric=metric, notes=notes)
+
+
+def _non_finite_count(runs) -> tuple[int, int]:
+    """(NaN or infinite values, all values) over every output of every run."""
+    odd = total = 0
+    for outs in _comparable(runs):
+        for a in outs:
+            a = np.asarray(a)
+            total += a.size
+            if a.dtype.kind in "fc":
+                odd += int(a.size - np.count_nonzero(np.isfinite(a)))
+    return odd, total
 
 
 # --------------------------------------------------------------------------------------------

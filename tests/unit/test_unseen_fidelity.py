@@ -1,0 +1,74 @@
+"""Fidelity metrics on outputs holding NaN or infinity, as unseen models make them (a masked
+logit at -inf, a log of zero, a broken candidate that outputs NaN): a NaN or infinity the
+candidate shares with the original is a match; one on either side alone is the worst value of
+each metric, never a pass (a NaN output used to read as maxabs 0 and pass 'maxabs<=...')."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes.fidelity import compute_metrics, parse_requirement
+
+
+def _runs(*outputs):
+    return [[np.asarray(o, np.float32)] for o in outputs]
+
+
+REF = [[0.5, -1.0, 2.0, 0.25], [1.0, 3.0, -2.0, 0.5]]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_candidate_value_is_the_worst_of_every_metric(bad):
+    cand = np.array(REF, np.float32)
+    cand[1, 2] = bad
+    m = compute_metrics(_runs(REF), _runs(cand))
+    assert m["maxabs"] == math.inf and m["snr"] == -math.inf and m["cosine_min"] == 0.0, m
+    for gate in ("maxabs<=0.1", "snr>=20", "cosine>=0.5"):
+        assert not parse_requirement(gate).check(passes.FidelityResult(metrics=m, n_feeds=1, synthesized=False))
+
+
+def test_non_finite_values_shared_with_the_reference_are_matches():
+    ref = np.array(REF, np.float32)
+    ref[0, 1] = -np.inf  # a masked logit
+    ref[1, 3] = np.nan
+    cand = ref.copy()
+    cand[0, 0] += 0.01
+    m = compute_metrics(_runs(ref), _runs(cand))
+    assert m["maxabs"] == pytest.approx(0.01, abs=1e-6)
+    assert math.isfinite(m["snr"]) and m["snr"] > 30
+    assert 0.999 < m["cosine"] <= 1.0
+    same = compute_metrics(_runs(ref), _runs(ref))
+    assert same["maxabs"] == 0.0 and same["snr"] == math.inf and same["cosine"] == 1.0
+
+
+def test_a_non_finite_reference_value_the_candidate_lacks_breaks_the_match():
+    ref = np.array(REF, np.float32)
+    ref[0, 1] = -np.inf
+    m = compute_metrics(_runs(ref), _runs(REF))
+    assert m["maxabs"] == math.inf and m["snr"] == -math.inf
+
+
+def _matmul(w):
+    g = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 32])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 16])],
+                          [numpy_helper.from_array(w, "W")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_evaluate_a_candidate_with_a_broken_weight(bad):
+    # before: NaN gave maxabs 0 (gate passed), inf raised ValueError (math domain error, exit 70)
+    w = np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32)
+    broken = w.copy()
+    broken[3, 5] = bad
+    r = passes.evaluate(_matmul(w), _matmul(broken))
+    assert r.metrics["maxabs"] == math.inf and r.metrics["snr"] == -math.inf
+    same = passes.evaluate(_matmul(broken), _matmul(broken))
+    assert same.metrics["maxabs"] == 0.0 and same.metrics["snr"] == math.inf
+    assert any("NaN or infinite" in n for n in same.notes), same.notes
