@@ -151,6 +151,27 @@ def _check_distinct(src: str, dst: str, dst_data_files: Sequence[str] = ()) -> N
             raise InvalidArgumentError(f"output {shown} is {what}; the input is never modified: choose another -o")
 
 
+def _check_output(path: str, force: bool) -> None:
+    """check_writable, and an existing OUT must be a regular file (or a link to one): outputs are
+    written to a temporary file renamed over OUT, so `-o /dev/null --force` replaced the device
+    node with a regular file (run as root, the system's /dev/null became a file)."""
+    import stat
+
+    from passes import FileAccessError
+    from passes._fileio import check_writable
+
+    check_writable(path, force)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # absent (or a dangling link): a new file is made
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise FileAccessError(f"{path} is {kind}, not a regular file: outputs replace OUT whole, "
+                              "so it is never written there; choose a file path")
+
+
 def _wants_pack(output: str, pack_flag: bool) -> bool:
     return pack_flag or str(output).endswith(".onnxz")
 
@@ -331,11 +352,11 @@ def _refuse_options_the_search_ignores(args) -> None:
 
 def cmd_compress(args) -> int:
     import passes
-    from passes._fileio import check_readable, check_writable
+    from passes._fileio import check_readable
 
     check_readable(args.input)
     _check_distinct(args.input, args.output)
-    check_writable(args.output, args.force)  # fail before the long work, not after
+    _check_output(args.output, args.force)  # fail before the long work, not after
     if args.rd_max_snr_loss is not None and args.rounding != "rdo":
         from passes import InvalidArgumentError
 
@@ -444,11 +465,11 @@ def cmd_compress(args) -> int:
 
 def cmd_fold(args) -> int:
     import passes
-    from passes._fileio import check_readable, check_writable
+    from passes._fileio import check_readable
 
     check_readable(args.input)
     _check_distinct(args.input, args.output)
-    check_writable(args.output, args.force)
+    _check_output(args.output, args.force)
     model = passes.load_model(args.input)
     report = passes.Report()
     with _progress("fold") as bar:
@@ -614,11 +635,11 @@ def cmd_eval(args) -> int:
 
 def cmd_pack(args) -> int:
     import passes
-    from passes._fileio import check_readable, check_writable
+    from passes._fileio import check_readable
 
     check_readable(args.input)
     _check_distinct(args.input, args.output)
-    check_writable(args.output, args.force)
+    _check_output(args.output, args.force)
     with _progress("pack") as bar:
         stats = passes.pack(args.input, args.output, threads=args.threads, force=args.force, progress=bar,
                             effort=args.effort)
@@ -647,12 +668,12 @@ def _packed_data_files(path: str, max_bytes: int | None) -> list[str]:
 
 def cmd_unpack(args) -> int:
     import passes
-    from passes._fileio import check_readable, check_writable
+    from passes._fileio import check_readable
 
     check_readable(args.input)
     if args.output is not None:
         _check_distinct(args.input, args.output, _packed_data_files(args.input, args.max_bytes))
-        check_writable(args.output, args.force)
+        _check_output(args.output, args.force)
     out = passes.unpack(args.input, args.output, threads=args.threads, force=args.force, max_bytes=args.max_bytes,
                         digest="sha256" if args.sha256 else "fast", direct_io=not args.page_cache)
     if args.verify:

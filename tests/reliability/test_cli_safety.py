@@ -128,3 +128,38 @@ def test_unpack_refuses_data_files_that_would_replace_the_pack(tmp_path, capsys)
     err = capsys.readouterr().err
     assert code == 1 and "input" in err and len(err.strip().splitlines()) == 1, (code, err)
     assert sha256(packed) == before
+
+
+def _special_files(folder):
+    """A pipe, and a character device node like /dev/null where this process may make one."""
+    import os
+    import stat
+
+    made = {}
+    fifo = folder / "pipe"
+    os.mkfifo(fifo)
+    made["pipe"] = fifo
+    dev = folder / "null"
+    try:
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        made["character device"] = dev
+    except (PermissionError, OSError):
+        pass
+    return made
+
+
+@pytest.mark.parametrize("command", ["compress", "fold", "pack", "unpack"])
+def test_output_that_is_a_device_or_pipe_is_never_replaced(files, tmp_path, command, capsys):
+    # `-o /dev/null --force` renamed the new file over the device node: as root the system's
+    # /dev/null became a regular file holding the model
+    import stat
+
+    src, packed = files
+    for kind, special in _special_files(tmp_path).items():
+        argv = _commands(src, packed, special)[command] + ["--force"]
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 1 and kind in err and len(err.strip().splitlines()) == 1, (kind, code, err)
+        mode = special.stat().st_mode
+        assert stat.S_ISFIFO(mode) if kind == "pipe" else stat.S_ISCHR(mode), kind
+        special.unlink()
