@@ -76,9 +76,18 @@ def print_json(obj: dict) -> None:
     print(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False))
 
 
+def printable(text: str) -> str:
+    """`text` with control and other unprintable characters escaped (\\t, \\n, \\x1b, \\u200b): tensor
+    names come from the model file, and a hostile one could move the cursor, clear the screen or
+    retitle the terminal (ESC sequences), or break the table's lines (newline, tab)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> None:
     """Plain aligned columns; `right` lists the indexes of right-aligned (numeric) columns."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    cells = [[printable(str(c)) for c in headers]] + [[printable(str(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for k, row in enumerate(cells):
         line = "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -306,7 +315,7 @@ def _raise_if_gate_failed(checks, passed: bool, suffix: str = "") -> None:
 def _print_fidelity(result, checks) -> None:
     print(f"  fidelity   {result.summary()}")
     for note in result.notes:
-        print(f"  note       {note}")
+        print(f"  note       {printable(note)}")
     for c in checks:
         verdict = "ok" if c["passed"] else "FAILED"
         value = c["value"]
@@ -448,7 +457,7 @@ def cmd_compress(args) -> int:
         print(f"  weights    {len(quantized)} tensor(s) rewritten: {human_bytes(report.bytes_before)} -> {human_bytes(report.bytes_after)}"
               f"; {len(report.tensors) - len(quantized)} kept as they were")
         for note in report.notes:
-            print(f"  note       {note}")
+            print(f"  note       {printable(note)}")
         if result is not None:
             _print_fidelity(result, checks)
         if args.verbose and report.tensors:
@@ -486,7 +495,7 @@ def cmd_fold(args) -> int:
         print(f"  weights    {len(report.tensors)} DequantizeLinear node(s) folded into float initializers"
               f"{' of ' + args.dtype if args.dtype else ''}")
         for note in report.notes:
-            print(f"  note       {note}")
+            print(f"  note       {printable(note)}")
         if args.verbose and report.tensors:
             print()
             print_table(["tensor", "shape", "dtype", "scheme", "before", "after"],
@@ -516,10 +525,10 @@ def cmd_info(args) -> int:
         return EXIT_OK
     opsets = ", ".join(f"{k} {v}" for k, v in desc.opsets.items())
     external = f" (with external data: {', '.join(desc.external_files)})" if desc.external_files else ""
-    print(f"{path}: {human_bytes(size)} on disk{external}, {desc.nodes} nodes, IR {desc.ir_version}, opsets {opsets}")
+    print(printable(f"{path}: {human_bytes(size)} on disk{external}, {desc.nodes} nodes, IR {desc.ir_version}, opsets {opsets}"))
     print(f"  weights: {len(desc.rows)} tensors, {human_bytes(desc.total_bytes)}")
     for op, v in desc.attribute_floats.items():
-        print(f"  node attributes: {op} ({v['nodes']} node(s)) holds {v['values']:,} float values, "
+        print(f"  node attributes: {printable(op)} ({v['nodes']} node(s)) holds {v['values']:,} float values, "
               "not tensors (compress leaves them as they are)")
     print()
     print("  by dtype")
@@ -930,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SurgeonError as exc:
         sys.stdout.flush()
         message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {printable(message)}", file=sys.stderr)
         return _exit_code(exc)
     except KeyboardInterrupt:
         sys.stdout.flush()

@@ -163,3 +163,24 @@ def test_output_that_is_a_device_or_pipe_is_never_replaced(files, tmp_path, comm
         mode = special.stat().st_mode
         assert stat.S_ISFIFO(mode) if kind == "pipe" else stat.S_ISCHR(mode), kind
         special.unlink()
+
+
+def test_names_from_the_model_cannot_drive_the_terminal(tmp_path, capsys):
+    # a tensor named with ESC sequences cleared the screen / retitled the terminal when `info`
+    # or `compress -v` printed it, and a newline in a name broke the table's rows
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    hostile = "w\x1b[2J\x1b]0;owned\x07\nrow\tcol\u200b"
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), hostile)
+    g = helper.make_graph([helper.make_node("MatMul", ["X", hostile], ["Y"])], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 64])], [w])
+    src = tmp_path / "m.onnx"
+    onnx.save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    for argv in (["info", str(src), "--all"], ["compress", str(src), "-o", str(tmp_path / "q.onnx"), "-v"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out and "\t" not in out and "\u200b" not in out, argv
+        assert "w\\x1b[2J\\x1b]0;owned\\x07\\nrow\\tcol\\u200b" in out, out
