@@ -18,7 +18,9 @@ For each model and each path (the command's compress at int8 / 4-bit blocks / 6 
 auto with and without feeds, palettize, fold_dequantize to the stored / float16 / float32 dtype,
 pack / unpack / verify / info / eval, passes.load, open_packed, InferenceSession fold / int8 / auto) it
 checks that the result passes onnx.checker (full_check), runs in onnxruntime, and measures the
-SNR (dB, worst output) against the float model on the same feeds. Prints a table model x path ->
+SNR (dB, worst output) against the float model on the same feeds; after every path of a model,
+that the model file and its external data files are unchanged and no temporary file was left
+(column "input"). Prints a table model x path ->
 "ok SNR/size" or the error, writes bench/out/unseen.json.
 
     python bench/unseen.py [--only NAME ...] [--paths p1,p2] [--no-auto]
@@ -481,6 +483,18 @@ def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_
     yield "info", info_q8
 
 
+def input_digests(src: Path) -> dict[str, str]:
+    """sha256 of the model file and of every external data file it reads: no path may change them."""
+    from passes._fileio import model_files
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in model_files(src)}
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temporary files a write left behind (atomic writes use hidden `.NAME.*.part` files)."""
+    return sorted(p.name for p in folder.rglob("*") if p.name.endswith(".part") or p.name.startswith(".tmp"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*")
@@ -501,6 +515,7 @@ def main(argv=None) -> int:
             work = Path(tmp)
             npz = work / "feeds.npz"
             np.savez(npz, **{f"{i}/{k}": v for i, f in enumerate(feeds) for k, v in f.items()})
+            before = input_digests(src)
             for path, go in paths_for(name, src, work, feeds, ref, npz, not args.no_auto):
                 if wanted_paths and path not in wanted_paths:
                     continue
@@ -513,6 +528,11 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                 row[path] = cell
                 print(f"{name:22s} {path:12s} {cell}  ({time.process_time() - t0:.1f}s cpu)", flush=True)
+            changed = sorted(k for k, v in input_digests(src).items() if before.get(k) != v)
+            stray = leftovers(work) + leftovers(src.parent)
+            row["input"] = ("FAIL changed: " + ", ".join(changed) if changed else "unchanged") + \
+                (f"; FAIL temporary files left: {', '.join(stray)}" if stray else "")
+            print(f"{name:22s} {'input':12s} {row['input']}", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "unseen.json").write_text(json.dumps(table, indent=1))
     cols = sorted({p for r in table.values() for p in r}, key=lambda p: list(next(iter(table.values()))).index(p) if p in next(iter(table.values())) else 99)
