@@ -7,6 +7,8 @@ missing.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -95,7 +97,9 @@ def onnxruntime_folds_all(split: SplitModel) -> bool:
     of the main graph (no other registered form, no palette, no subgraph), and no activation is
     quantized (QuantizeLinear: disabling the QDQ fusions would slow the run down).
 
-    Used for float16 weights on a CPU, where plan_fold(share=False) would defer every big
+    Used for float16 weights on a CPU where fold_float16_as_float32 does not apply (no weight it
+    can widen, or a graph whose other constants onnxruntime's folding limit could affect), and
+    where plan_fold(share=False) would defer every big
     DequantizeLinear to onnxruntime anyway: folding the small ones here and walking the graph to
     do so cost more than it saved (open_nsfw float16 q8.onnx: 182 ms CPU to a ready session
     against 140 ms for onnxruntime on the same file, 134 ms for the plain float16 model).
@@ -348,3 +352,337 @@ def _consumer_counts(graph) -> dict:
     for o in graph.output:
         counts[o.name] = counts.get(o.name, 0) + 1
     return counts
+
+
+# ---------------------------------------------------------------------- float16 weights on a CPU
+
+# A float16 model on a CPU: onnxruntime has no float16 kernel for MatMul, Gemm or Conv, so it
+# inserts Cast(float16 -> float32) before them and, at load, converts each float16 weight to a
+# float32 copy (FuseFp16InitializerToFp32NodeTransformer). Fed DequantizeLinear nodes instead, it
+# first folds them into float16 (its constant folding, one scalar conversion per value), then
+# converts those: on float16 MiniLM q8.onnxz that fold alone took longer than parsing the whole
+# plain float16 model.
+#
+# Here such a weight is folded once, straight to the float32 values onnxruntime would end with
+# (the float16 result widened, exact), and given as Cast(float32 weight -> float16): the graph
+# computes exactly what it did. onnxruntime's constant folding is told to leave outputs over
+# CAST_FOLD_LIMIT_BYTES alone (session option below), the cast insertion puts
+# Cast(float16 -> float32) after ours, and its duplicate-cast removal drops the pair (both are
+# float types), so the MatMul/Gemm/Conv reads our float32 weight as it is: no fold, no conversion
+# in onnxruntime, and MatMul/Gemm weights can be shared (no copy).
+
+# onnxruntime's constant folding skips any node whose output exceeds this many bytes; only weights
+# above it take the float32 route, and the route is taken only when no other constant node of the
+# graph may produce more (see constant_outputs_fit)
+CAST_FOLD_LIMIT_BYTES = 64 << 10
+CF_LIMIT_KEY = "optimization.constant_folding_max_output_size_in_bytes"
+
+# operators whose weight input, on a CPU, runs in float32 between inserted Casts (checked against
+# onnxruntime's kernel registry: one that gains a float16 kernel drops out) ...
+WIDENED_CONSUMERS = (("", "MatMul"), ("", "Gemm"), ("", "Conv"))
+# ... and those of them whose kernels read the weight once, at creation (MatMul B, Gemm B): their
+# float32 weight is shared with onnxruntime; Conv weights are reordered from their bytes (copied)
+WIDENED_SHAREABLE = {("", "MatMul"): {1}, ("", "Gemm"): {1}}
+
+
+def constant_folding_limit_supported() -> bool:
+    """Whether onnxruntime honours CF_LIMIT_KEY (verified from 1.32 on; an older one would fold the
+    Casts, reading shared weights it cannot see: the session would fail once and be rebuilt)."""
+    import onnxruntime as ort
+
+    try:
+        return tuple(int(p) for p in ort.__version__.split(".")[:2]) >= (1, 32)
+    except ValueError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_ops_without_float16(ops: tuple) -> frozenset:
+    """Of `ops` ((domain, op_type) pairs), those onnxruntime's CPU provider has no float16 kernel for."""
+    from onnxruntime.capi import _pybind_state as C
+
+    wanted = set(ops)
+    with_fp16 = set()
+    for k in C.get_all_opkernel_def():
+        key = (k.domain or "", k.op_name)
+        if key in wanted and k.provider == "CPUExecutionProvider":
+            if any("tensor(float16)" in types for types in k.type_constraints.values()):
+                with_fp16.add(key)
+    return frozenset(wanted - with_fp16)
+
+
+def widenable_dequantize(split: SplitModel) -> list:
+    """Constant main-graph DequantizeLinear nodes with float16 output over CAST_FOLD_LIMIT_BYTES,
+    read only by operators that run in float32 on a CPU (WIDENED_CONSUMERS), not a graph output.
+    Reads no weight value (a pack may still be decoding). Empty where this onnxruntime may not
+    honour the folding limit (the route then costs a retry, see constant_folding_limit_supported)."""
+    if not constant_folding_limit_supported():
+        return []
+    graph = split.skeleton.graph
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append((node.domain or "", node.op_type))
+    for node in graph.node:  # outer-scope reads by subgraphs are uses too
+        for g in subgraphs(node):
+            for name in _names_read(g):
+                readers.setdefault(name, []).append(("", "<subgraph>"))
+    allowed = cpu_ops_without_float16(WIDENED_CONSUMERS)
+    outputs = {o.name for o in graph.output}
+    types = {t.name: t.data_type for t in graph.initializer}
+    found = []
+    for node in constant_foldable_nodes(split, _folders()):
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+            continue
+        out = node.output[0]
+        if types.get(node.input[1]) != onnx.TensorProto.FLOAT16 or out in outputs or _attr(node, "output_dtype", 0):
+            continue
+        uses = readers.get(out, [])
+        q = split.array(node.input[0])
+        if uses and all(u in allowed for u in uses) and q is not None and 2 * q.size > CAST_FOLD_LIMIT_BYTES:
+            found.append(node)
+    return found
+
+
+# elements per step of the widening loops (the chunk and its scratch stay in the L2 cache)
+WIDEN_CHUNK = 1 << 15
+
+
+def _round_bits_to_float16(bits: np.ndarray, scratch: np.ndarray) -> None:
+    """float32 bit patterns rounded in place to the nearest float16 value (ties to even), still
+    float32: exact for values that are 0 or within float16's normal range (the caller checks)."""
+    lsb = scratch[:bits.size].reshape(bits.shape)
+    np.right_shift(bits, 13, out=lsb)
+    np.bitwise_and(lsb, 1, out=lsb)
+    np.add(lsb, 0x0FFF, out=lsb)
+    np.add(bits, lsb, out=bits)
+    np.bitwise_and(bits, np.uint32(0xFFFFE000), out=bits)
+
+
+def _direct_layout(q: np.ndarray, scale: np.ndarray, axis: int, block_size: int):
+    """(levels as 2-D, scale broadcast to it) when the scale runs along one of the two dimensions
+    of q seen as (rows, columns) — per tensor, per row (axis 0) or per column (the last axis) — else None."""
+    if q.ndim == 0 or block_size:
+        return None
+    if scale.size == 1 and scale.ndim <= 1:
+        return q.reshape(-1, q.shape[-1]), scale.reshape(1, 1)
+    if scale.ndim != 1:
+        return None
+    axis %= q.ndim
+    if scale.shape[0] != q.shape[axis]:
+        return None
+    if axis == q.ndim - 1:
+        return q.reshape(-1, q.shape[-1]), scale.reshape(1, -1)
+    if axis == 0:
+        return q.reshape(q.shape[0], -1), scale.reshape(-1, 1)
+    return None
+
+
+def _widen_direct(q, s32, zp, axis: int, block_size: int) -> np.ndarray | None:
+    """(q - zp) * scale rounded to float16 precision, as float32, in cache-sized steps: the product
+    of an 8-bit level difference and a float16 scale is exact in float32, so this is the float16
+    DequantizeLinear result (one rounding, as onnxruntime's) widened. None for other layouts."""
+    layout = _direct_layout(q, s32, axis, block_size)
+    if layout is None:
+        return None
+    q2, s2 = layout
+    z2 = None
+    if zp is not None and np.any(zp):
+        z2 = np.asarray(zp, dtype=np.float32).reshape(s2.shape)
+    out = np.empty(q.shape, dtype=np.float32)
+    o2 = out.reshape(q2.shape)
+    rows = max(1, WIDEN_CHUNK // max(q2.shape[1], 1))
+    scratch = np.empty(rows * q2.shape[1], dtype=np.uint32)
+    per_row = s2.shape[0] != 1
+    for start in range(0, q2.shape[0], rows):
+        stop = start + rows
+        o = o2[start:stop]
+        np.copyto(o, q2[start:stop], casting="unsafe")
+        if z2 is not None:
+            np.subtract(o, z2[start:stop] if per_row else z2, out=o)
+        np.multiply(o, s2[start:stop] if per_row else s2, out=o)
+        _round_bits_to_float16(o.view(np.uint32), scratch)
+    return out
+
+
+def _widened_value(node, arrays, types, folders) -> np.ndarray | None:
+    """The float16 output of a DequantizeLinear as float32 (exact widening): computed directly
+    where the levels are 8-bit and every product is 0 or a normal float16 (_widen_direct), else
+    the float16 fold (passes.fold's folder) widened."""
+    q, scale = arrays[0], arrays[1]
+    zp = arrays[2] if len(arrays) > 2 else None
+    s32 = scale.astype(np.float32)
+    mag = np.abs(s32[s32 != 0])
+    if (q.dtype.itemsize == 1 and q.dtype.kind in "iu" and bool(np.all(np.isfinite(s32)))
+            and (mag.size == 0 or (mag.min() >= 2.0**-14 and mag.max() * 255 <= 65504))):
+        with np.errstate(over="ignore", invalid="ignore"):
+            wide = _widen_direct(q, s32, zp, _attr(node, "axis", 1), _attr(node, "block_size", 0))
+        if wide is not None:
+            return wide
+    fn = folders.get((node.domain or "", node.op_type), _local_dq)
+    result = fn(node, arrays, types)
+    return None if result is None else np.asarray(result[0]).astype(np.float32)
+
+
+def fold_float16_as_float32(split: SplitModel, nodes: list) -> set:
+    """Each of `nodes` (from widenable_dequantize) becomes Cast(float32 weight -> float16) (see
+    the comment above CAST_FOLD_LIMIT_BYTES). Returns the float32 weights that can be shared."""
+    folders = _folders()
+    graph = split.skeleton.graph
+    types = {t.name: t.data_type for t in graph.initializer}
+    readers = {}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node.domain or "", node.op_type, index))
+    consumers = _consumer_counts(graph)
+    rewritten, shareable = {}, set()
+    for node in nodes:
+        arrays = [split.array(i) if i else None for i in node.input]
+        wide = _widened_value(node, arrays, [types.get(i, 0) for i in node.input], folders)
+        if wide is None:
+            continue
+        out = node.output[0]
+        name = out + "::float32"
+        split.set_weight(name, wide)
+        rewritten[out] = onnx.helper.make_node("Cast", [name], [out], to=onnx.TensorProto.FLOAT16,
+                                               name=(node.name or out) + "::float16")
+        if all(index in WIDENED_SHAREABLE.get((d, op), ()) for d, op, index in readers.get(out, [])):
+            shareable.add(name)
+        for i in node.input:  # the levels go as soon as nothing else reads them
+            if i in split.weights and consumers.get(i, 0) <= 1:
+                split.weights.pop(i)
+            consumers[i] = consumers.get(i, 0) - 1
+    if rewritten:
+        kept = [rewritten.get(n.output[0], n) if n.output else n for n in graph.node]
+        del graph.node[:]
+        graph.node.extend(kept)
+        split.refresh_placeholders()
+    return shareable
+
+
+def _eval_constant(node, values: list):
+    """numpy value of a small constant node onnxruntime's constant folding would compute, or
+    None when the operator is not one this knows (the caller then assumes the worst)."""
+    op = node.op_type
+    a = values[0] if values else None
+    if op == "Identity":
+        return a
+    if op == "Cast":
+        return a.astype(onnx.helper.tensor_dtype_to_np_dtype(_attr(node, "to", 1)))
+    if op in ("Add", "Sub", "Mul"):
+        return {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[op](a, values[1])
+    if op == "Neg":
+        return -a
+    if op == "Reshape":
+        shape = [int(d) for d in values[1]]
+        if not _attr(node, "allowzero", 0):
+            shape = [a.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+        return a.reshape(shape)
+    if op == "Concat":
+        return np.concatenate(values, axis=_attr(node, "axis", 0))
+    if op == "Transpose":
+        perm = _attr(node, "perm", None)
+        return np.transpose(a, perm if perm else None)
+    if op == "Gather":
+        return np.take(a, values[1], axis=_attr(node, "axis", 0))
+    if op in ("Unsqueeze", "Squeeze"):
+        axes = [int(x) for x in values[1]] if len(values) > 1 and values[1] is not None else _attr(node, "axes", None)
+        if op == "Squeeze":
+            return np.squeeze(a, axis=tuple(axes)) if axes else np.squeeze(a)
+        out = a
+        for ax in sorted(x % (a.ndim + len(axes)) for x in axes):
+            out = np.expand_dims(out, ax)
+        return out
+    if op == "Slice":
+        starts, ends = values[1], values[2]
+        axes = values[3] if len(values) > 3 and values[3] is not None else range(len(starts))
+        steps = values[4] if len(values) > 4 and values[4] is not None else [1] * len(starts)
+        index = [slice(None)] * a.ndim
+        for st, en, ax, sp in zip(starts, ends, axes, steps):
+            index[int(ax)] = slice(int(st), int(en), int(sp))
+        return a[tuple(index)]
+    if op == "ConstantOfShape":
+        fill = _attr(node, "value", None)
+        fill = numpy_helper.to_array(fill) if fill is not None else np.zeros(1, np.float32)
+        return np.full([int(d) for d in a], fill.reshape(-1)[0], dtype=fill.dtype)
+    return None
+
+
+def constant_outputs_fit(split: SplitModel, limit: int, ours: set) -> bool:
+    """True when onnxruntime's constant folding, limited to `limit` output bytes, folds everything it
+    would fold unlimited: every main-graph node other than `ours` (outputs of DequantizeLinear
+    folded here) whose inputs are all constant produces at most `limit` bytes. Small constant
+    chains (shape arithmetic) are evaluated; a constant node reading a big weight, or one this
+    cannot evaluate, answers False."""
+    graph = split.skeleton.graph
+    declared = {v.name: v for v in list(graph.input) + list(graph.value_info) + list(graph.output)}
+    big = set(split.weights) | set(ours)
+    values = _LazyConstants(split, big)
+    for node in graph.node:
+        if node.output and node.output[0] in ours:
+            continue
+        if node.op_type == "Constant" and not subgraphs(node):
+            value = _constant_tensor(node)
+            if value is None:
+                return False  # sparse or attribute forms: not evaluated here
+            values[node.output[0]] = numpy_helper.to_array(value)
+            continue
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx"):
+            info = declared.get(node.input[0])
+            dims = _static_dims(info, values.get(node.input[0]))
+            if dims is None and node.input[0] not in values and not _has_dynamic_dim(info):
+                return False  # shape not declared: onnxruntime's inference may know it static
+            if dims is not None:
+                values[node.output[0]] = np.asarray(dims, dtype=np.int64)[_attr(node, "start", 0):_attr(node, "end", None)]
+            continue
+        inputs = [i for i in node.input if i]
+        if not inputs or subgraphs(node) or not all(i in values or i in big for i in inputs):
+            continue
+        if any(i in big for i in inputs):
+            return False  # a constant computation on a big weight: its output may exceed the limit
+        try:
+            result = _eval_constant(node, [values[i] if i else None for i in node.input])
+        except Exception:  # malformed or unexpected: assume the worst
+            return False
+        if result is None or np.asarray(result).nbytes > limit or len(node.output) != 1:
+            return False
+        values[node.output[0]] = np.asarray(result)
+    return True
+
+
+class _LazyConstants(dict):
+    """name -> value of the small constants, the inline initializers read only when asked for
+    (most are never needed: converting them all cost more than the rest of the check)."""
+
+    def __init__(self, split: SplitModel, big: set):
+        super().__init__()
+        self._inline = {name for name in split.initializer_names() if name not in big}
+        self._split = split
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or name in self._inline
+
+    def __getitem__(self, name):
+        if not dict.__contains__(self, name) and name in self._inline:
+            self[name] = self._split.array(name)
+        return dict.__getitem__(self, name)
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+
+def _static_dims(info, value):
+    """A tensor's dims when all are known (its value's, else its declared type's), else None."""
+    if value is not None:
+        return list(value.shape)
+    if info is None or not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in info.type.tensor_type.shape.dim]
+    return dims if all(d is not None for d in dims) else None
+
+
+def _has_dynamic_dim(info) -> bool:
+    """Whether a declared tensor type has a dimension without a value (a symbol or unknown)."""
+    if info is None or not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
+        return False
+    return any(not d.HasField("dim_value") for d in info.type.tensor_type.shape.dim)
