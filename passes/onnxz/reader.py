@@ -933,7 +933,16 @@ class _Buffers:
                     return self._free.pop(i)
         import mmap
 
-        m = mmap.mmap(-1, -(-n // ALIGN) * ALIGN)  # anonymous: page-aligned
+        size = -(-n // ALIGN) * ALIGN  # anonymous maps are page-aligned
+        if n >= WINDOW_BYTES:
+            # whole windows: private, so that they can take huge pages (Python's default,
+            # MAP_SHARED, is shmem, which gets none where shmem_enabled is "never", as on our
+            # hosts). Measured on 22.9 MB: -20% CPU (min), -5% (median). The smaller buffers of
+            # files under a window stay shared: private measured no better there (silero_vad_v6,
+            # rapidocr_cls.int8: +14-17% min, +1-2% median, at load 12-17)
+            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            m = mmap.mmap(-1, size)
         if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE") and n >= 2 << 20:
             try:
                 m.madvise(mmap.MADV_HUGEPAGE)  # fewer faults and TLB misses on windows of MiBs
