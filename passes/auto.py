@@ -18,7 +18,11 @@
    built model holds it.
 2. Sensitivity (passes.sensitivity): the output error each weight causes alone at a reference
    width (nearest rounding, and error feedback's measured gain), in one onnxruntime session whose
-   weights are overridable. Error-feedback levels whose weight noise exceeds GPTQ_MAX_NOISE_GAIN x
+   weights are overridable. Where onnxruntime's optimiser would run a quantized MatMul weight as
+   MatMulNBits with int8 activations (found by letting it optimise the quantized models), the trial
+   model emulates that activation quantization behind a per-weight switch (sensitivity.with_act_quant):
+   its error alone is charged to every quantized form of the weight, and trials switch it on for
+   the weights a plan quantizes. Error-feedback levels whose weight noise exceeds GPTQ_MAX_NOISE_GAIN x
    nearest rounding's (rank-deficient Hessians) are not used. Weights whose error never reaches the
    outputs (untaken branches) are allocated by weight SNR, as sensitive per unit of relative weight
    noise as the measured weights of their shape (else the median one).
@@ -103,6 +107,9 @@ PADDED_BATCH = 0  # > 1: feeds of different lengths (a dynamic axis) with batch 
 # gap is the error-feedback levels fitting the calibration activations (nearest rounding showed none), and
 # with the 0.15 margin the padded feeds only add error to meet (and 2x the trial time).
 PADDED_COSINE_MARGIN = 0.15  # COSINE_MARGIN where padded batches are part of the calibration
+ACT_QUANT_EMULATION = True  # trials emulate the int8 activations of the MatMulNBits that onnxruntime's optimiser
+# makes of a quantized MatMul weight (sensitivity.with_act_quant; only with run_as="onnxruntime"). Without it,
+# minilm_fp32's built plans measured 4.6 dB below their trials (ORT 1.32) and the search kept weights float
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
@@ -637,7 +644,17 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         # mu checks the target on all of them
         # (with padded batches, one of them too: the error there spreads over the weights otherwise)
         few_feeds = feeds[:SENSITIVITY_FEEDS - 1] + padded[:1] if padded else feeds[:SENSITIVITY_FEEDS]
-        few = sens.TrialRunner(probe, list(infos) + bias_names, few_feeds)
+        trial_model, act_names = probe, []
+        if run_as == "onnxruntime" and ACT_QUANT_EMULATION:
+            blocks = sens.fused_matmul_blocks([models[b] for b in sorted({bits[0], bits[-1]})], list(infos))
+            trial_model, switches = sens.with_act_quant(probe, blocks)
+            for n, switch in switches.items():
+                infos[n].act_switch = switch
+            act_names = sorted(switches.values())
+            if switches:
+                notes.append(f"{len(switches)} MatMul weights run as MatMulNBits with int8 activations once quantized "
+                             "(onnxruntime's optimiser): their activation quantization is emulated in the trials")
+        few = sens.TrialRunner(trial_model, list(infos) + bias_names + act_names, few_feeds)
         sens.measure(infos, few, few.run({}), ref_bits, transform=lambda o: proxy_outputs(o, proxy_plan),
                      plain=plain_ref, n_folds=n_folds, plain_shift=plain_shift)
         del plain_ref
@@ -668,7 +685,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             notes.append(f"{len(unexercised)} weights never reached the outputs on the feeds (untaken branches?): "
                          "allocated by weight SNR, as sensitive as the measured weights of their shape (else the median)")
         lap("sensitivity")
-        runner = sens.TrialRunner(probe, list(infos) + bias_names, feeds)
+        runner = sens.TrialRunner(trial_model, list(infos) + bias_names + act_names, feeds)
         ref_s = runner.run({})
 
         seen = {}  # plan -> (verdict, metrics): neighbouring mu often give the same plan; run it once
@@ -840,6 +857,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                      "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
                      "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
                      "bias_corrected": per_tensor and b != sens.FLOAT and opt.bias_shift is not None,
+                     # the runtime's activation quantization once quantized (relative output error alone)
+                     "act_error": info.act_error if info.act_switch is not None else None,
                      "sensitivity": info.sensitivity})
         if report is not None:
             report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),

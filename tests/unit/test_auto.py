@@ -455,3 +455,77 @@ def test_sparse_initializers_are_searched_dense():
     assert rep["met_on_feeds"] and any("sparse initializers stored dense" in n for n in rep["notes"])
     assert len(m.graph.sparse_initializer) > 0  # the input model is left as it was
     assert passes.parse_requirement("snr>=20").check(evaluate(m, out, feeds=f))
+
+
+def _act_quant_setup(opset=13):
+    from passes import sensitivity as sens
+
+    m = dense_model(opset=opset)
+    q = passes.quantize_weights(m, bits=8)
+    blocks = sens.fused_matmul_blocks([q], ["W1", "W2", "W3"])
+    return m, q, blocks
+
+
+def test_act_quant_emulation_matches_the_runtime():
+    """onnxruntime runs a quantized MatMul weight as MatMulNBits with int8 activations: the trial
+    model's emulation, switched on, gives what the built model gives; switched off, the model's
+    own outputs."""
+    from passes import graph
+    from passes import sensitivity as sens
+    from passes.fidelity import run_outputs
+    from passes.fold import fold_dequantize
+
+    m, q, blocks = _act_quant_setup()
+    if not blocks:
+        pytest.skip("this onnxruntime fuses no DequantizeLinear+MatMul into MatMulNBits with int8 activations")
+    before = m.SerializeToString()
+    tm, switches = sens.with_act_quant(m, blocks)
+    assert m.SerializeToString() == before and set(switches) == set(blocks)
+    onnx.checker.check_model(tm, full_check=True)
+    f = feeds(m, n=4)
+    runner = sens.TrialRunner(tm, ["W1", "W2", "W3", *switches.values()], f)
+    ref = run_outputs(m, f)
+    assert all(np.array_equal(a, b) for r, o in zip(ref, runner.run({})) for a, b in zip(r, o))
+    folded = graph.unique_initializers(fold_dequantize(q))
+    weights = {n: graph.tensor_to_array(folded[n]) for n in ("W1", "W2", "W3")}
+    built = run_outputs(q, f)
+    weights_only = sens.relative_error(built, runner.run(weights))
+    emulated = sens.relative_error(built, runner.run({**weights, **{s: np.ones((), np.float32) for s in switches.values()}}))
+    assert weights_only > 0 and emulated < 0.05 * weights_only
+
+
+def _block_quant_reference(x, block):
+    """int8 per block of `block` along the last axis, symmetric, max |x| / 127 (last block short)."""
+    out = np.empty_like(x)
+    for j in range(0, x.shape[-1], block):
+        part = x[..., j: j + block]
+        scale = np.abs(part).max(axis=-1, keepdims=True) / 127
+        out[..., j: j + block] = np.round(part / scale) * scale
+    return out
+
+
+@pytest.mark.parametrize("opset,k", [(13, 64), (13, 40), (10, 40), (18, 40), (18, 64)])
+def test_act_quant_emulation_quantizes_activation_blocks(opset, k):
+    """Through an identity weight the emulated MatMul returns its input quantized per block of 32
+    (a short last block on its own), in every opset's operators; switched off, the input itself."""
+    from onnx import TensorProto, helper
+
+    from passes import sensitivity as sens
+
+    m = helper.make_model(
+        helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, k])],
+                          [onnx.numpy_helper.from_array(np.eye(k, dtype=np.float32), "W")]),
+        opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 7
+    tm, switches = sens.with_act_quant(m, {"W": 32})
+    onnx.checker.check_model(tm, full_check=True)
+    assert (opset >= 11) == any(n.op_type == "Round" for n in tm.graph.node)
+    x = np.random.default_rng(k).normal(size=(3, k)).astype(np.float32)
+    x[0, 0] = 20.0  # an outlier coarsens its own block only
+    runner = sens.TrialRunner(tm, [switches["W"]], [{"x": x}])
+    on = runner.run({switches["W"]: np.ones((), np.float32)})[0][0]
+    off = runner.run({})[0][0]
+    np.testing.assert_allclose(on, _block_quant_reference(x, 32), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(off, x, rtol=1e-6, atol=1e-7)
