@@ -64,12 +64,28 @@ def check_writable(path: PathLike, force: bool = False) -> Path:
         raise FileAccessError(f"{p}: is a folder, not a file")
     if p.exists() and not force:
         raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
+    _refuse_special_file(p)
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise FileAccessError(f"cannot write {p}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FileAccessError(f"cannot write {p}: folder {parent} is not writable")
     return p
+
+
+def _refuse_special_file(p: Path) -> None:
+    """An existing output must be a regular file (or a link to one). Outputs are written to a
+    temporary file renamed over the path, so a device node, pipe or socket there would be
+    replaced by a regular file (run as root, `/dev/null` became one)."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return  # absent, or a dangling link: a new file is made
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise FileAccessError(f"{p} is {kind}, not a regular file: outputs replace the path whole, "
+                              "so it is never written there; choose a file path")
 
 
 def _fsync_dir(folder: Path) -> None:

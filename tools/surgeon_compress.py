@@ -161,24 +161,11 @@ def _check_distinct(src: str, dst: str, dst_data_files: Sequence[str] = ()) -> N
 
 
 def _check_output(path: str, force: bool) -> None:
-    """check_writable, and an existing OUT must be a regular file (or a link to one): outputs are
-    written to a temporary file renamed over OUT, so `-o /dev/null --force` replaced the device
-    node with a regular file (run as root, the system's /dev/null became a file)."""
-    import stat
-
-    from passes import FileAccessError
+    """Fail before the long work, not after: OUT's folder writable, OUT absent or --force, and an
+    existing OUT a regular file (check_writable refuses device nodes, pipes and sockets)."""
     from passes._fileio import check_writable
 
     check_writable(path, force)
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # absent (or a dangling link): a new file is made
-    if not stat.S_ISREG(mode):
-        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-                else "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
-        raise FileAccessError(f"{path} is {kind}, not a regular file: outputs replace OUT whole, "
-                              "so it is never written there; choose a file path")
 
 
 def _wants_pack(output: str, pack_flag: bool) -> bool:
