@@ -160,7 +160,7 @@ def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
     return False
 
 
-def _unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
+def unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
     """IR 3 made every initializer a graph input as well; IR 4 made that mean "overridable by the
     caller", which a weight being replaced by DequantizeLinear cannot be. The inputs that only
     list an initializer of an IR 3 model leave the graph's inputs (in place), the IR becomes 4.
@@ -422,7 +422,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     densified = graph.densify_sparse_initializers(out)
     if densified and report is not None:
         report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are quantized)")
-    if out.ir_version < 4 and _unlist_ir3_initializers(out) and report is not None:
+    if out.ir_version < 4 and unlist_ir3_initializers(out) and report is not None:
         report.note(f"IR version raised from {source.ir_version} to 4: initializers are no longer listed as graph "
                     "inputs (IR 3 required it; from IR 4 it would make them overridable and keep them float)")
     if graph.toposort(out) and report is not None:

@@ -275,8 +275,9 @@ class InferenceSession(ort.InferenceSession):
         options, disabled, self._pending_model = self._prepare(sess_options)
         if self.shared_names and sess_options is None:
             # a failure here is retried without sharing: keep onnxruntime's error log of it quiet
-            # (only when the caller expressed no logging preference)
-            options.log_severity_level = max(options.log_severity_level, 3)
+            # (only when the caller expressed no logging preference). 4 (fatal): onnxruntime
+            # still prints errors at 3, and the retry's own options log as the caller's would
+            options.log_severity_level = 4
         try:
             super().__init__(_MODEL_IN_ATTRIBUTE, options, providers=providers, provider_options=provider_options,
                              disabled_optimizers=disabled or None, enable_fallback=0)

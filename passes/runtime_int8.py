@@ -146,8 +146,15 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     by the offline pass here, and float weights that stay float, with why."""
     from .runtime_fold import fold_into
 
+    from .quantize import unlist_ir3_initializers
+
     notes = notes if notes is not None else []
     session_config(options)
+    # IR 3 lists every initializer as a graph input too; a weight replaced below by a
+    # DequantizeLinear output would stay listed, and onnxruntime would then ask the caller for it
+    if split.skeleton.ir_version < 4 and unlist_ir3_initializers(split.skeleton):
+        notes.append("IR version raised from 3 to 4: initializers are no longer listed as graph inputs "
+                     "(a weight quantized here would otherwise be a required input)")
     _quantize_with_pass(split, notes)     # subgraph and bfloat16 weights (may replace split.skeleton)
     _quantize_float_weights(split, bits, notes)  # (may replace split.skeleton: an opset conversion)
     graph = split.skeleton.graph
