@@ -341,8 +341,6 @@ def _summarise(name, metric, results, rows):
         row["mode"] = row["mode"].replace("fold:float", "fold->f")
         if r.get("fold_route") and "here" not in r["fold_route"]:  # (float16 on a CPU: onnxruntime's constant folding)
             row["mode"] += "/" + r["fold_route"].replace("onnxruntime", "ort")
-        elif r.get("fold_route") and "float32" in r["fold_route"]:  # (float16 on a CPU, widened here)
-            row["mode"] += "/f32"
         row["fold_route"] = r.get("fold_route")
         if "error" not in base:
             row["ready_x"] = r["ready_s"] / base["ready_s"]

@@ -246,9 +246,7 @@ class InferenceSession(ort.InferenceSession):
     `notes` (list of lines: in int8/int4 mode, which weights were quantized how and which big
     float weights stay float, with why; also logged at INFO on "passes.runtime"), `fold_route`
     (mode="fold": "here" — folded by us before onnxruntime saw the model, "here+onnxruntime",
-    "here-float32" — float16 weights read by MatMul/Gemm/Conv on a CPU, folded here straight to
-    the float32 values onnxruntime runs them with, "onnxruntime" — float16 weights on a CPU left
-    to its constant folding; None otherwise).
+    "onnxruntime" — float16 weights on a CPU, left to its constant folding; None otherwise).
     `max_bytes` caps the restored size of a packed file (LimitExceededError above it, checked
     before anything is decoded; None: the pack reader's default), for files from untrusted sources.
     """
@@ -324,9 +322,8 @@ class InferenceSession(ort.InferenceSession):
         self.mode = mode
         # how mode="fold" folded the DequantizeLinear nodes: "here" (this thread, before
         # onnxruntime; "here+onnxruntime" when the weights onnxruntime cannot share were left to
-        # its constant folding), "here-float32" (float16 weights on a CPU: see
-        # runtime_fold.fold_float16_as_float32), "onnxruntime" (its constant folding: float16
-        # weights on a CPU where the former does not apply), or None (nothing to fold, another mode)
+        # its constant folding), "onnxruntime" (its constant folding: float16 weights on a CPU),
+        # or None (nothing to fold, another mode)
         self.fold_route = None
         # what the load said beyond the mode (int8/int4: weights quantized by the offline pass,
         # float weights left float and why); also logged (INFO, logger "passes.runtime")
@@ -336,7 +333,6 @@ class InferenceSession(ort.InferenceSession):
             options.intra_op_num_threads = s["threads"]
         disabled = set()
         device_values = {}
-        widened_shared = set()
         if mode == "fold":
             if self.on_gpu and s["gpu_fold"] == "device" and (target is None or target == own_dtype):
                 from .runtime_gpu import fold_on_device
@@ -351,20 +347,6 @@ class InferenceSession(ort.InferenceSession):
             share_planned = not (own_dtype == np.float16 and not self.on_gpu)
             if not has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
                 pass
-            elif not (share_planned or converting or self.on_gpu) and (widen := self._widening_plan(split)):
-                # float16 weights read by MatMul/Gemm/Conv: folded here straight to the float32
-                # values onnxruntime would convert them to, behind Cast(-> float16); see
-                # runtime_fold.fold_float16_as_float32
-                from .runtime_fold import CAST_FOLD_LIMIT_BYTES, CF_LIMIT_KEY, fold_float16_as_float32
-
-                _wait_weights(split, self.source)
-                constants_to_initializers(split)
-                widened_shared = fold_float16_as_float32(split, widen)
-                fold_into(split, progress=s["progress"], subgraphs=True)
-                options.add_session_config_entry(CF_LIMIT_KEY, str(CAST_FOLD_LIMIT_BYTES))
-                # onnxruntime logs a warning for each Cast its constant folding leaves (by request)
-                options.log_severity_level = max(options.log_severity_level, 3)
-                self.fold_route = "here-float32"
             elif not (share_planned or converting or self.on_gpu) and onnxruntime_folds_all(split):
                 # ... the small ones too: the model goes to onnxruntime as it is, its weights streamed
                 # as they decode (session.disable_quant_qdq=1 makes its constant folding fold every
@@ -399,15 +381,9 @@ class InferenceSession(ort.InferenceSession):
             from .runtime_feed import SHAREABLE_DEQUANTIZE as extra
         # float16 weights on a CPU: onnxruntime casts them to float32 at optimisation time, which
         # needs their bytes: sharing would only fail and be retried
-        # (except on the "here-float32" route, which shares what onnxruntime reads as it is)
-        if self.dtype == np.float16 and not self.on_gpu and mode == "fold" and self.fold_route != "here-float32":
+        if self.dtype == np.float16 and not self.on_gpu and mode == "fold":
             share = False
-        if share and self.fold_route == "here-float32":
-            # the float32 weights behind the Casts read by MatMul/Gemm (a float16 embedding read by
-            # Gather is not: an optimiser reads its bytes, measured on float16 MiniLM)
-            self.shared_names = set(widened_shared)
-        else:
-            self.shared_names = shareable_names(split, extra) if share and not self.on_gpu else set()
+        self.shared_names = shareable_names(split, extra) if share and not self.on_gpu else set()
         self.shared_names |= set(device_values)
         self._device_values = device_values
         shared_bytes = sum(self.weight_arrays[n].nbytes for n in self.shared_names if n in self.weight_arrays)
@@ -437,19 +413,6 @@ class InferenceSession(ort.InferenceSession):
         else:
             model_bytes = split.skeleton.SerializeToString()
         return options, disabled, model_bytes
-
-    @staticmethod
-    def _widening_plan(split) -> list:
-        """The DequantizeLinear nodes fold_float16_as_float32 would rewrite, when onnxruntime's
-        constant folding can be limited safely (see runtime_fold.constant_outputs_fit); else []."""
-        from .runtime_fold import CAST_FOLD_LIMIT_BYTES, constant_outputs_fit, widenable_dequantize
-
-        nodes = widenable_dequantize(split)
-        if not nodes:
-            return []
-        folded_here = {n.output[0] for n in split.skeleton.graph.node
-                       if n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx")}
-        return nodes if constant_outputs_fit(split, CAST_FOLD_LIMIT_BYTES, folded_here) else []
 
     # onnxruntime's loader, with the weights attached to our private options: shared ones kept
     # alive with the session, copied ones dropped as soon as onnxruntime holds its copy

@@ -312,10 +312,9 @@ def test_float16_weights_converted_as_onnxruntimes_converter_does(size):
     assert got.shape == h.shape and np.array_equal(got.view(np.uint32), h.astype(np.float32).view(np.uint32))
 
 
-def test_float16_fold_on_cpu_widens_matmul_weights(tmp_path):
-    """float16 weights read by MatMul on a CPU (where onnxruntime runs MatMul in float32): folded
-    here straight to float32 behind Cast(-> float16), shared with onnxruntime; outputs identical
-    to the folded model's."""
+def test_float16_fold_on_cpu_lets_onnxruntime_fold(tmp_path):
+    """float16 weights on a CPU: onnxruntime gets the integer levels and folds them itself (it
+    casts them to float32 anyway); outputs identical to the folded model's."""
     inits = [numpy_helper.from_array(_w((256, 384), 21).astype(np.float16), "W1"),
              numpy_helper.from_array(_w((384, 128), 22).astype(np.float16), "W2")]
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
@@ -328,10 +327,8 @@ def test_float16_fold_on_cpu_widens_matmul_weights(tmp_path):
     feeds = [{"x": np.random.default_rng(i).standard_normal((4, 256)).astype(np.float16)} for i in range(2)]
     session = passes.InferenceSession(path, mode="fold")
     assert session.dtype == np.float16
-    assert "DequantizeLinear" not in session.op_counts and session.op_counts.get("Cast") == 2
-    assert session.fold_route == "here-float32"
-    assert all(session.weight_arrays[n].dtype == np.float32 for n in session.shared_names)
-    assert len(session.shared_names) == 2
+    assert session.op_counts.get("DequantizeLinear", 0) >= 1  # left to onnxruntime's constant folding
+    assert session.fold_route == "onnxruntime"
     for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
         np.testing.assert_array_equal(got[0], want[0])
 
