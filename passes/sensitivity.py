@@ -475,10 +475,13 @@ def _block_quant_nodes(a: str, k: int, block: int, dtype, opset: int, fresh, new
                                       [names["amax"]], keepdims=1))
     else:
         nodes.append(helper.make_node("ReduceMax", [names["abs"]], [names["amax"]], axes=[-1], keepdims=1))
-    nodes += [helper.make_node("Mul", [names["amax"], const("inv127", np.array(1 / 127, dtype))], [names["scale"]]),
-              helper.make_node("Max", [names["scale"], const("tiny", np.array(np.finfo(dtype).tiny, dtype))],
-                               [names["safe"]]),
-              helper.make_node("Div", [names["blk"], names["safe"]], [names["div"]])]
+    nodes.append(helper.make_node("Mul", [names["amax"], const("inv127", np.array(1 / 127, dtype))], [names["scale"]]))
+    if opset >= 8:
+        nodes.append(helper.make_node("Max", [names["scale"], const("tiny", np.array(np.finfo(dtype).tiny, dtype))],
+                                      [names["safe"]]))
+    else:  # Max broadcasts from opset 8 on; Clip-6's min attribute is the same floor
+        nodes.append(helper.make_node("Clip", [names["scale"]], [names["safe"]], min=float(np.finfo(dtype).tiny)))
+    nodes.append(helper.make_node("Div", [names["blk"], names["safe"]], [names["div"]]))
     if opset >= 11:
         nodes.append(helper.make_node("Round", [names["div"]], [names["q"]]))
     else:  # Round is opset 11: half up instead of half to even (ties only)
