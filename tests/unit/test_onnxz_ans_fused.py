@@ -5,11 +5,10 @@ both AVX2 table lookups, sizes with tails, outputs large enough for non-temporal
 not), and damaged blobs get the same verdict."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
+from onnxz_helpers import ans_decoder as decoder
 from passes.onnxz import ans, codecs
 
 C = codecs._fast
@@ -17,16 +16,6 @@ pytestmark = pytest.mark.skipif(C is None or not hasattr(C, "ans_avx2_loads"), r
 RNG = np.random.default_rng(31)
 
 
-@contextlib.contextmanager
-def decoder(level: int, loads: int):
-    before = C.ans_simd(), C.ans_avx2_loads()
-    C.ans_simd(level)
-    C.ans_avx2_loads(loads)
-    try:
-        yield
-    finally:
-        C.ans_simd(before[0])
-        C.ans_avx2_loads(before[1])
 
 
 def _decoders():

@@ -3,11 +3,10 @@ scalar loads, chosen by CPU vendor): both, and the scalar decoder, give the same
 same blob, and the same verdict on a damaged one, at every lane count with a SIMD path."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
+from onnxz_helpers import ans_decoder as decoder
 from passes.onnxz import ans, codecs
 
 C = codecs._fast
@@ -16,17 +15,6 @@ pytestmark = pytest.mark.skipif(C is None or not hasattr(C, "ans_avx2_loads") or
 RNG = np.random.default_rng(5)
 
 
-@contextlib.contextmanager
-def decoder(level: int, loads: int):
-    """ans_simd level and AVX2 lookup kind, restored afterwards."""
-    before = C.ans_simd(), C.ans_avx2_loads()
-    C.ans_simd(level)
-    C.ans_avx2_loads(loads)
-    try:
-        yield
-    finally:
-        C.ans_simd(before[0])
-        C.ans_avx2_loads(before[1])
 
 
 DECODERS = [(0, 0), (1, 0), (1, 1)]  # scalar; AVX2 with the gather instruction; AVX2 with scalar loads

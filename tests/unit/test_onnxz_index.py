@@ -4,7 +4,6 @@ message for every damaged entry, and parse_index refusing each with CorruptFileE
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from onnx import helper, numpy_helper
 
 import passes
 from passes import CorruptFileError
+from onnxz_helpers import pack_and_read_index
 from passes.onnxz import codecs, format as fmt
 
 _planes = codecs._fast
@@ -25,15 +25,7 @@ def index(tmp_path_factory):
     inits = [numpy_helper.from_array(rng.standard_normal((40, 30)).astype(np.float32), "w"),
              numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 6, 9000)), -127, 127).astype(np.int8), "q"),
              numpy_helper.from_array(np.arange(6, dtype=np.int64).reshape(2, 3), "shape_like")]
-    src = tmp / "m.onnx"
-    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
-    dst = tmp / "m.onnxz"
-    passes.pack(src, dst, threads=1)
-    size = os.path.getsize(dst)
-    with open(dst, "rb") as f:
-        header = fmt.parse_header(f.read(fmt.HEADER_SIZE), size)
-        f.seek(header.index_offset)
-        obj = fmt.decode_index(f.read(header.index_length), header)
+    _, _, obj, header = pack_and_read_index(tmp, inits)
     return obj, header
 
 

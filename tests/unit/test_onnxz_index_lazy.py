@@ -4,7 +4,6 @@ entries still run while parsing."""
 from __future__ import annotations
 
 import copy
-import os
 import threading
 
 import numpy as np
@@ -13,6 +12,7 @@ from onnx import helper, numpy_helper
 
 import passes
 from passes import CorruptFileError
+from onnxz_helpers import pack_and_read_index
 from passes.onnxz import format as fmt
 from passes.onnxz.reader import PackedFile
 
@@ -24,16 +24,7 @@ def packed(tmp_path_factory):
     inits = [numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32), "w"),
              numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 6, 9000)), -127, 127).astype(np.int8), "q")]
     inits += [numpy_helper.from_array(np.full(3, i, np.float32), f"small{i}") for i in range(20)]  # left in the skeleton
-    src = tmp / "m.onnx"
-    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
-    dst = tmp / "m.onnxz"
-    passes.pack(src, dst, threads=1)
-    size = os.path.getsize(dst)
-    with open(dst, "rb") as f:
-        header = fmt.parse_header(f.read(fmt.HEADER_SIZE), size)
-        f.seek(header.index_offset)
-        obj = fmt.decode_index(f.read(header.index_length), header)
-    return src, dst, obj, header
+    return pack_and_read_index(tmp, inits)
 
 
 def test_entries_match_the_json_and_coded_ones_are_the_same_objects(packed):

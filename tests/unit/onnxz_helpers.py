@@ -1,0 +1,38 @@
+"""Helpers shared by the .onnxz unit tests."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from onnx import helper
+
+import passes
+from passes.onnxz import codecs, format as fmt
+
+
+@contextlib.contextmanager
+def ans_decoder(level: int, loads: int):
+    """The C rANS decoder pinned to one ans_simd level and AVX2 lookup kind, restored afterwards."""
+    c = codecs._fast
+    before = c.ans_simd(), c.ans_avx2_loads()
+    c.ans_simd(level)
+    c.ans_avx2_loads(loads)
+    try:
+        yield
+    finally:
+        c.ans_simd(before[0])
+        c.ans_avx2_loads(before[1])
+
+
+def pack_and_read_index(folder, inits):
+    """A model holding `inits` packed in `folder`: (src, dst, decoded index object, header)."""
+    src = folder / "m.onnx"
+    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
+    dst = folder / "m.onnxz"
+    passes.pack(src, dst, threads=1)
+    size = os.path.getsize(dst)
+    with open(dst, "rb") as f:
+        header = fmt.parse_header(f.read(fmt.HEADER_SIZE), size)
+        f.seek(header.index_offset)
+        obj = fmt.decode_index(f.read(header.index_length), header)
+    return src, dst, obj, header
