@@ -7,9 +7,8 @@ import copy
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
-import passes
 from passes import CorruptFileError
 from onnxz_helpers import pack_and_read_index
 from passes.onnxz import codecs, format as fmt

@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 import passes
 from passes import CorruptFileError
