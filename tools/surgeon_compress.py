@@ -734,11 +734,15 @@ def _target(text: str) -> str:
     return text
 
 
-def _bits(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _bits(text: str) -> int:
+    value = _integer(text)
     if not MIN_BITS <= value <= MAX_BITS:
         raise argparse.ArgumentTypeError(f"must be an integer from {MIN_BITS} to {MAX_BITS}, got {value}")
     return value
@@ -754,20 +758,14 @@ class _ExtendRequirements(argparse.Action):
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
