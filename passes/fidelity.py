@@ -341,8 +341,21 @@ def _conform(feed: Feed, session, index: int) -> Feed:
                 f"feed {index} input {name!r} has {value.ndim} dimension(s) {list(value.shape)} "
                 f"but the model expects {len(spec.shape)} {list(spec.shape)}"
             )
+        if spec is not None and spec.shape is not None:
+            _check_fixed_dims(name, value.shape, spec.shape, index)
         out[name] = value
     return out
+
+
+def _check_fixed_dims(name: str, shape: tuple, expected: list, index: int) -> None:
+    """InvalidArgumentError naming the first dimension where a feed differs from a fixed size of
+    the model's input (onnxruntime's own message names the input, not the size it wanted)."""
+    for axis, (got, want) in enumerate(zip(shape, expected)):
+        if isinstance(want, int) and want >= 0 and got != want:
+            raise InvalidArgumentError(
+                f"feed {index} input {name!r} has shape {list(shape)} but the model expects {list(expected)} "
+                f"(dimension {axis}: {got}, not {want})"
+            )
 
 
 def _as_array(value) -> np.ndarray:

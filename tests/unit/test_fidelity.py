@@ -156,6 +156,8 @@ def test_run_outputs_conforms_or_refuses_dtypes(model):
         F.run_outputs(model, [{"x": np.ones((1, 8), np.int64)}])
     with pytest.raises(InvalidArgumentError, match="dimension"):
         F.run_outputs(model, [{"x": np.ones(8, np.float32)}])
+    with pytest.raises(InvalidArgumentError, match=r"has shape \[1, 7\] but the model expects .*\(dimension 1: 7, not 8\)"):
+        F.run_outputs(model, [{"x": np.ones((1, 7), np.float32)}])  # named before onnxruntime runs it
     with pytest.raises(InvalidArgumentError, match="missing input"):
         F.run_outputs(model, [{}])
     with pytest.raises(InvalidArgumentError, match="unknown input"):
@@ -163,8 +165,11 @@ def test_run_outputs_conforms_or_refuses_dtypes(model):
 
 
 def test_run_outputs_wraps_onnxruntime_failures(model, tmp_path):
+    free_k = onnx.ModelProto()
+    free_k.CopyFrom(model)
+    free_k.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "k"  # the input allows any K, W does not
     with pytest.raises(InvalidModelError, match="onnxruntime failed on feed 0"):
-        F.run_outputs(model, [{"x": np.ones((1, 7), np.float32)}])  # K=7 does not match W
+        F.run_outputs(free_k, [{"x": np.ones((1, 7), np.float32)}])  # K=7 does not match W
     broken = onnx.ModelProto()
     broken.CopyFrom(model)
     broken.graph.node[0].op_type = "NoSuchOp"
