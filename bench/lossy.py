@@ -210,6 +210,8 @@ def _feeds_path(e):
 
 
 def part_b(only, forms_bits, run_as="onnxruntime", at_dynamic=True):
+    from passes import cast_levels
+    from passes import sensitivity as sens
     from passes.fidelity import evaluate, load_feeds
 
     manifest = json.loads((CORPUS / "MANIFEST.json").read_text())
@@ -247,7 +249,13 @@ def part_b(only, forms_bits, run_as="onnxruntime", at_dynamic=True):
             record("original (packed)", str(src))
             for b in forms_bits:
                 try:
-                    record(f"int{b}/channel", passes.quantize_weights(str(src), bits=b))
+                    q = passes.quantize_weights(str(src), bits=b)
+                    record(f"int{b}/channel", q)
+                    # the same levels, the MatMul weights onnxruntime would run as MatMulNBits with
+                    # int8 activations read through Cast+Mul (float MatMuls: the auto mode's form)
+                    fused = sens.fused_matmul_blocks([q], [n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear"])
+                    if fused:
+                        record(f"int{b}/channel/cast", cast_levels.as_cast_mul(q, fused))
                 except passes.SurgeonError as exc:
                     print(f"{name:16s} int{b}/channel: {exc}")
             try:

@@ -20,7 +20,9 @@
    width (nearest rounding, and error feedback's measured gain), in one onnxruntime session whose
    weights are overridable. Where onnxruntime's optimiser would run a quantized MatMul weight as
    MatMulNBits with int8 activations (found by letting it optimise the quantized models), the trial
-   model emulates that activation quantization behind a per-weight switch (sensitivity.with_act_quant):
+   model emulates that activation quantization behind a per-weight switch (sensitivity.with_act_quant)
+   when such weights are kept as DequantizeLinear (FUSED_MATMUL_FORM "dequantize"; by default they are
+   written as Cast+Mul of the same levels, which onnxruntime folds to float: nothing to emulate):
    its error alone is charged to every quantized form of the weight, and trials switch it on for
    the weights a plan quantizes. Error-feedback levels whose weight noise exceeds GPTQ_MAX_NOISE_GAIN x
    nearest rounding's (rank-deficient Hessians) are not used. Weights whose error never reaches the
@@ -33,7 +35,8 @@
    (kept when smaller and passing), then greedy one-width-narrower steps are kept while the check
    still passes.
 4. The chosen model is built with quantize_weights (one call per width, `include` naming its
-   weights) and checked on the feeds with passes.fidelity.evaluate; when it misses, mu grows.
+   weights; the quantized weights onnxruntime would fuse into MatMulNBits then read their levels
+   through Cast+Mul, passes.cast_levels) and checked on the feeds with passes.fidelity.evaluate; when it misses, mu grows.
 Weights that cannot be fed to the session (a name defined twice) leave one width for every
 weight to be searched instead (smallest that meets).
 
@@ -51,7 +54,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from . import graph
+from . import cast_levels, graph
 from . import sensitivity as sens
 from ._fileio import load_model
 from .errors import InvalidArgumentError, InvalidModelError
@@ -109,7 +112,18 @@ PADDED_BATCH = 0  # > 1: feeds of different lengths (a dynamic axis) with batch 
 PADDED_COSINE_MARGIN = 0.15  # COSINE_MARGIN where padded batches are part of the calibration
 ACT_QUANT_EMULATION = True  # trials emulate the int8 activations of the MatMulNBits that onnxruntime's optimiser
 # makes of a quantized MatMul weight (sensitivity.with_act_quant; only with run_as="onnxruntime"). Without it,
-# minilm_fp32's built plans measured 4.6 dB below their trials (ORT 1.32) and the search kept weights float
+# minilm_fp32's built plans measured 4.6 dB below their trials (ORT 1.32) and the search kept weights float.
+# The fusion of int8 weights began in onnxruntime 1.25.0: 1.20.1, 1.22.1 and 1.24.4 run an int8 (per tensor,
+# per channel or blocked) DequantizeLinear + float MatMul; 1.25.0, 1.25.1, 1.26, 1.28, 1.30, 1.31.1 and 1.32
+# make MatMulNBits accuracy_level 4 (probed on the optimised graph); the 22.41% minilm_fp32 of earlier
+# sessions was measured on a runtime without it. Only with FUSED_MATMUL_FORM "dequantize"
+FUSED_MATMUL_FORM = "cast"  # how a quantized weight is written whose DequantizeLinear+MatMul onnxruntime (1.25.0 and
+# later; 1.24.4 did not) fuses into MatMulNBits with int8 activations: "cast" writes its levels as Cast+Mul
+# (passes.cast_levels), which onnxruntime folds to a float weight at load (the file and pack as small, the error
+# the weights' alone, memory and run time of that weight float's); "dequantize" keeps the DequantizeLinear and
+# the trials emulate the int8 activations (ACT_QUANT_EMULATION). minilm_fp32 (bench/lossy.py part b, held-out
+# half, onnxruntime 1.32): see the commit that made "cast" the default for the figures.
+FUSED_MATMUL_FORMS = ("cast", "dequantize")
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
@@ -335,6 +349,26 @@ def _drop_zero_biases(model: onnx.ModelProto, names) -> onnx.ModelProto:
     return set_biases(model, {}, drop=zero) if zero else model
 
 
+def _nothing_quantizable(model: onnx.ModelProto, min_elements: int) -> str:
+    """Why no weight has a quantized form: quantize_weights' reasons for keeping each tensor,
+    counted (e.g. 3 small (<128 elements), 2 1-D), and its notes (weights in attributes, ...)."""
+    from .quantize import quantize_weights
+
+    rep = Report()
+    quantize_weights(model, bits=8, min_elements=min_elements, report=rep)
+    reasons: dict[str, int] = {}
+    for change in rep.tensors:
+        if change.scheme.startswith("kept: "):
+            reason = change.scheme[len("kept: "):]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    kept = ", ".join(f"{k} {r}" for r, k in sorted(reasons.items(), key=lambda rk: -rk[1]))
+    text = (f"nothing to quantize: no float weight of at least {min_elements} elements (--min-elements) that "
+            f"quantize_weights takes; the model is unchanged")
+    if kept:
+        text += f" (tensors kept: {kept})"
+    return "; ".join([text] + list(rep.notes))
+
+
 def _meets(result, reqs) -> bool:
     return all(r.check(result) for r in reqs)
 
@@ -404,7 +438,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
              bits=DEFAULT_BITS, granularity: str = "channel", ref_bits: int = 4, gptq: bool = True,
              min_elements: int = AUTO_MIN_ELEMENTS, run_as: str = "onnxruntime",
              n_synthesized: int = 8, tighten: int = TIGHTEN_TRIES, bias_correction: bool = BIAS_CORRECTION,
-             report: Report | None = None, progress=None):
+             fused_matmul_form: str = FUSED_MATMUL_FORM, report: Report | None = None, progress=None):
     """Returns (compressed ModelProto, report dict). See the module docstring.
 
     target: "top1>=0.99", "cosine>=0.999", "maxabs<=0.01", "snr>=30" or a comma list of them.
@@ -416,7 +450,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     bias_correction: fold each quantized weight's mean output shift into its layer's bias (only with
     real feeds: the mean inputs of synthesised ones say nothing about real data; default BIAS_CORRECTION).
     run_as: how candidates are measured, as in passes.fidelity.evaluate: "onnxruntime" (the file as
-    onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it)."""
+    onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it).
+    fused_matmul_form: "cast" or "dequantize", how the quantized MatMul weights that onnxruntime would
+    run as MatMulNBits with int8 activations are written (see FUSED_MATMUL_FORM)."""
     from .fidelity import (RUN_AS, evaluate, feed_list, output_snr_db, parse_requirements,
                            run_outputs, runnable_feeds)
     from .fold import fold_dequantize
@@ -444,6 +480,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         graph.densify_sparse_initializers(src)
     if run_as not in RUN_AS:
         raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
+    if fused_matmul_form not in FUSED_MATMUL_FORMS:
+        raise InvalidArgumentError(f"unknown fused_matmul_form {fused_matmul_form!r}: choose one of "
+                                   f"{', '.join(FUSED_MATMUL_FORMS)}")
     notes = []
     if sparse:
         notes.append("sparse initializers stored dense (same values) for the search and the built model")
@@ -617,6 +656,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         all_quantized |= {t.name[: -len("_quantized")] for t in qm.graph.initializer if t.name.endswith("_quantized")}
     per_tensor = bool(infos) and all_quantized <= set(infos) and set(infos) <= main_inits
 
+    cast_names = set()  # weights written as Cast+Mul of their levels once quantized (FUSED_MATMUL_FORM)
+
     def build(plan):
         out = probe
         for b in bits:
@@ -636,6 +677,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                     values.update(sens.bias_feed(infos[n], infos[n].options[b].bias_shift))
             if values:
                 out = bc.set_biases(out, values)
+        quantized_cast = [n for n in cast_names if plan.get(n, sens.FLOAT) != sens.FLOAT]
+        if quantized_cast:
+            out = cast_levels.as_cast_mul(out, quantized_cast)
         return out
 
     trials = []
@@ -645,8 +689,17 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         # (with padded batches, one of them too: the error there spreads over the weights otherwise)
         few_feeds = feeds[:SENSITIVITY_FEEDS - 1] + padded[:1] if padded else feeds[:SENSITIVITY_FEEDS]
         trial_model, act_names = probe, []
-        if run_as == "onnxruntime" and ACT_QUANT_EMULATION:
+        cast = fused_matmul_form == "cast"
+        if cast or (run_as == "onnxruntime" and ACT_QUANT_EMULATION):
             blocks = sens.fused_matmul_blocks([models[b] for b in sorted({bits[0], bits[-1]})], list(infos))
+        if cast and blocks:
+            # written as Cast+Mul, onnxruntime runs them as float MatMuls: the trials' float weights
+            # are what the built model computes, nothing to emulate
+            cast_names.update(blocks)
+            notes.append(f"{len(blocks)} MatMul weights written as Cast+Mul of their levels where quantized "
+                         "(onnxruntime would run DequantizeLinear+MatMul as MatMulNBits with int8 activations; it "
+                         "folds Cast+Mul to a float weight at load: the same file size, float memory and run time)")
+        elif run_as == "onnxruntime" and ACT_QUANT_EMULATION:
             trial_model, switches = sens.with_act_quant(probe, blocks)
             for n, switch in switches.items():
                 infos[n].act_switch = switch
@@ -821,7 +874,10 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                     break
         lap("confirm")
     else:
-        notes.append("weights outside main-graph initializers: one width for all weights (no per-tensor allocation)")
+        if not infos:
+            notes.append(_nothing_quantizable(probe, min_elements))
+        else:
+            notes.append("weights outside main-graph initializers: one width for all weights (no per-tensor allocation)")
         plan = None
         candidate = probe
         for b in bits:  # smallest width that meets the target
@@ -852,13 +908,17 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         if info is None:
             continue
         opt = info.options[b]
-        form = "float" if b == sens.FLOAT else f"int{b}/channel" + ("/gptq" if opt.rounding == "gptq" else "")
+        form = "float" if b == sens.FLOAT else (f"int{b}/channel" + ("/gptq" if opt.rounding == "gptq" else "")
+                                                 + ("/cast" if name in cast_names else ""))
         rows.append({"name": name, "shape": list(info.shape), "form": form,
                      "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
                      "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
                      "bias_corrected": per_tensor and b != sens.FLOAT and opt.bias_shift is not None,
                      # the runtime's activation quantization once quantized (relative output error alone)
                      "act_error": info.act_error if info.act_switch is not None else None,
+                     # the runtime consequence of the Cast+Mul form: onnxruntime holds and multiplies it as float
+                     "runs_as": ("float weight (Cast+Mul folded at load: float memory and run time)"
+                                 if b != sens.FLOAT and name in cast_names else None),
                      "sensitivity": info.sensitivity})
         if report is not None:
             report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),

@@ -141,6 +141,12 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
 
     if has_palettes(source):
         source = fold_palettes(source, report=report)
+    # so are levels read through Cast -> Mul (passes.cast_levels: the auto mode's form of MatMul
+    # weights that onnxruntime would otherwise run as MatMulNBits with int8 activations)
+    from .cast_levels import fold_cast_mul, has_cast_mul
+
+    if has_cast_mul(source):
+        source = fold_cast_mul(source, report=report)
     # The level tensors of main-graph DequantizeLinear nodes (most of a compressed model) are
     # copied without payload: they are read from `source`, and put back if they stay.
     unique = graph.unique_initializers(source)

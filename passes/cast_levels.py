@@ -1,0 +1,214 @@
+"""Quantized weights that onnxruntime runs in float: levels -> Cast -> Mul(scale).
+
+    m = as_cast_mul(quantized, ["W"])   # W's DequantizeLinear written as Cast + Mul
+    f = fold_cast_mul(m)                # float weights back, bit-exact (fold_dequantize calls it)
+
+Why: onnxruntime 1.25.0 and later fuse DequantizeLinear(constant int8/int4 levels; scale per
+tensor, per channel along N or per block along K) + MatMul into MatMulNBits with
+accuracy_level 4, whose kernel also quantizes the *activations* to int8 in blocks of 32 along K
+(1.24.4 ran the DequantizeLinear and a float MatMul). On all-MiniLM-L6-v2 with every MatMul weight
+int8 that doubles the output error. A Cast of a constant and a Mul of two constants are folded at
+session creation instead (onnxruntime's constant folding skips DequantizeLinear only), so the
+MatMul runs on the float weights the levels describe. The file and the pack are as small (the pack
+codes the integer levels whatever reads them) and the error is the weights' alone; the cost is at
+run time: the weight is held and multiplied as float (the float model's memory and run time).
+
+Graph form (standard ONNX, opset >= 13; int4/uint4 levels need opset 21, as for DequantizeLinear):
+    W_quantized   int8 / uint8 / int4 / uint4 levels, W's shape (unchanged)
+    W_scale       W's float type; per channel along axis a: shape (C, 1, ..., 1) (rank - a dims)
+    W_zero_point  (only when not all zero) the same layout, in W's float type
+    Cast(W_quantized -> W's float type) -> W_levels
+    Sub(W_levels, W_zero_point) -> W_centred         (only with a zero point)
+    Mul(W_levels | W_centred, W_scale) -> W           (consumers untouched)
+Values: float(q - zp) * scale rounded once to W's type, what DequantizeLinear computes (the
+product of a level and a scale is exact in float32, so float16 rounds once either way).
+Blocked DequantizeLinear (block_size) and a scale or zero point read elsewhere are left as they are.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import graph
+from ._fileio import load_model
+from .report import Report, TensorChange
+
+LEVEL_TYPES = (TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4)
+_OUT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _reads(g: onnx.GraphProto) -> dict[str, int]:
+    count: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            count[i] = count.get(i, 0) + 1
+    for o in g.output:  # a graph output is a reader too
+        count[o.name] = count.get(o.name, 0) + 1
+    return count
+
+
+def as_cast_mul(model, names) -> onnx.ModelProto:
+    """A copy of `model` in which the main-graph DequantizeLinear producing each named weight
+    (constant levels, scale and zero point read by it alone, not blocked) is written as
+    Cast -> [Sub] -> Mul with the same output name. Weights not found so are left as they are."""
+    src = load_model(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    g = out.graph
+    wanted = set(names)
+    inits = {t.name: t for t in g.initializer}
+    reads = _reads(g)
+    for info in graph.iter_graphs(out)[1:]:  # a subgraph reading a scale by name keeps it
+        for name, k in _reads(info.graph).items():
+            reads[name] = reads.get(name, 0) + k
+    alloc = graph.NameAllocator(graph.all_names(out))
+    new_nodes = []
+    for node in g.node:
+        rewritten = _rewrite(node, wanted, inits, reads, alloc) if node.op_type == "DequantizeLinear" else None
+        new_nodes.extend(rewritten or [node])
+    del g.node[:]
+    g.node.extend(new_nodes)
+    return out
+
+
+def _rewrite(node, wanted, inits, reads, alloc):
+    if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or node.output[0] not in wanted:
+        return None
+    if len(node.input) < 2 or _attr(node, "block_size", 0):
+        return None
+    q_t, s_t = inits.get(node.input[0]), inits.get(node.input[1])
+    zp_name = node.input[2] if len(node.input) > 2 else ""
+    z_t = inits.get(zp_name) if zp_name else None
+    if q_t is None or s_t is None or (zp_name and z_t is None):
+        return None
+    if q_t.data_type not in LEVEL_TYPES or s_t.data_type not in _OUT_TYPES:
+        return None
+    if reads.get(s_t.name, 0) != 1 or (z_t is not None and reads.get(z_t.name, 0) != 1):
+        return None
+    rank = len(q_t.dims)
+    scale = graph.tensor_to_array(s_t)
+    if scale.size == 1 and scale.ndim <= 1:
+        bshape = ()  # per tensor: a scalar broadcasts
+    elif scale.ndim == 1 and 0 <= _axis(node, rank) < rank and scale.size == q_t.dims[_axis(node, rank)]:
+        bshape = (scale.size,) + (1,) * (rank - 1 - _axis(node, rank))
+    else:
+        return None
+    zp = None
+    if z_t is not None:
+        zp = graph.tensor_to_array(z_t).astype(np.int32)
+        if zp.size != scale.size:
+            return None
+        if not np.any(zp):
+            zp = None
+    out_name = node.output[0]
+    _replace(s_t, scale.reshape(bshape))
+    nodes = [helper.make_node("Cast", [q_t.name], [alloc.take(out_name + "_levels")], name=alloc.take(out_name + "_Cast"),
+                              to=s_t.data_type)]
+    if zp is not None:
+        _replace(z_t, zp.astype(graph.NUMPY_TYPES[s_t.data_type]).reshape(bshape), s_t.data_type)
+        nodes.append(helper.make_node("Sub", [nodes[-1].output[0], z_t.name], [alloc.take(out_name + "_centred")],
+                                      name=alloc.take(out_name + "_Sub")))
+    nodes.append(helper.make_node("Mul", [nodes[-1].output[0], s_t.name], [out_name], name=alloc.take(out_name + "_Mul")))
+    return nodes
+
+
+def _axis(node, rank: int) -> int:
+    axis = int(_attr(node, "axis", 1))
+    return axis + rank if axis < 0 else axis
+
+
+def _replace(t: TensorProto, value: np.ndarray, elem_type: int | None = None) -> None:
+    name, elem_type = t.name, elem_type or t.data_type
+    t.Clear()
+    graph.fill_tensor(t, value, name, elem_type)
+
+
+# --------------------------------------------------------------------------------------------
+# the fold
+
+
+def _pattern(g: onnx.GraphProto):
+    """(Mul node, Cast node, Sub node or None, levels, zero point or None, scale) for each
+    Mul(Cast(levels) [- zero point], scale) of initializers in `g` whose intermediate values are
+    read by the chain alone."""
+    inits = {t.name: t for t in g.initializer}
+    reads = _reads(g)
+    by_out = {n.output[0]: n for n in g.node if n.output}
+    found = []
+    for mul in g.node:
+        if mul.op_type != "Mul" or len(mul.input) != 2 or mul.domain not in ("", "ai.onnx"):
+            continue
+        for a, b in (mul.input, tuple(reversed(mul.input))):
+            s_t = inits.get(b)
+            prev = by_out.get(a)
+            if s_t is None or prev is None or s_t.data_type not in _OUT_TYPES or reads.get(a, 0) != 1:
+                continue
+            sub, zp_t = None, None
+            if prev.op_type == "Sub" and len(prev.input) == 2 and prev.input[1] in inits:
+                sub, zp_t = prev, inits[prev.input[1]]
+                prev = by_out.get(prev.input[0])
+                if prev is None or reads.get(sub.input[0], 0) != 1 or zp_t.data_type != s_t.data_type:
+                    continue
+            if prev.op_type != "Cast" or len(prev.input) != 1 or prev.input[0] not in inits:
+                continue
+            q_t = inits[prev.input[0]]
+            if q_t.data_type not in LEVEL_TYPES or _attr(prev, "to", 0) != s_t.data_type:
+                continue
+            found.append((mul, prev, sub, q_t, zp_t, s_t))
+            break
+    return found
+
+
+def has_cast_mul(model: onnx.ModelProto) -> bool:
+    return any(_pattern(info.graph) for info in graph.iter_graphs(model))
+
+
+def fold_cast_mul(model, *, report: Report | None = None) -> onnx.ModelProto:
+    """Every Mul(Cast(constant levels) [- constant zero point], constant scale) as a float
+    initializer named like the Mul's output, exactly what onnxruntime computes for it."""
+    src = load_model(model)
+    if not has_cast_mul(src):
+        return src
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    infos = graph.iter_graphs(out)
+    read_anywhere: dict[str, int] = {}
+    for info in infos:
+        for name, k in _reads(info.graph).items():
+            read_anywhere[name] = read_anywhere.get(name, 0) + k
+    for info in reversed(infos):  # children first
+        _fold_graph(info.graph, read_anywhere, report)
+    return out
+
+
+def _fold_graph(g: onnx.GraphProto, read_anywhere: dict[str, int], report) -> None:
+    found = _pattern(g)
+    if not found:
+        return
+    drop_nodes, drop_reads, added = set(), {}, []
+    for mul, cast, sub, q_t, zp_t, s_t in found:
+        q = graph.tensor_to_array(q_t).astype(np.float32)
+        if zp_t is not None:
+            q = q - graph.tensor_to_array(zp_t).astype(np.float32)  # small integers: exact
+        with np.errstate(over="ignore"):
+            value = (q * graph.tensor_to_array(s_t).astype(np.float32)).astype(graph.NUMPY_TYPES[s_t.data_type])
+        added.append(graph.array_to_tensor(value, mul.output[0], s_t.data_type))
+        drop_nodes |= {n.output[0] for n in (mul, cast, sub) if n is not None}
+        for t in (q_t, zp_t, s_t):
+            if t is not None:
+                drop_reads[t.name] = drop_reads.get(t.name, 0) + 1
+        if report is not None:
+            before = sum(graph.tensor_nbytes(t) for t in (q_t, zp_t, s_t) if t is not None)
+            report.add(TensorChange(mul.output[0], tuple(value.shape), graph.type_name(q_t.data_type),
+                                    "folded levels (Cast+Mul)", before, value.nbytes, None))
+    keep = [t for t in g.initializer if t.name not in drop_reads or read_anywhere.get(t.name, 0) > drop_reads[t.name]]
+    nodes = [n for n in g.node if not (n.output and n.output[0] in drop_nodes)]
+    del g.initializer[:]
+    g.initializer.extend(keep + added)
+    del g.node[:]
+    g.node.extend(nodes)
