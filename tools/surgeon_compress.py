@@ -258,21 +258,9 @@ def _check_restored_size(path: str, max_bytes: int | None) -> None:
         pass
 
 
-def _metric_args(items: Sequence[str] | None) -> dict | None:
-    from passes import InvalidArgumentError
-
-    if not items:
-        return None
-    args = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise InvalidArgumentError(f"--metric-arg expects KEY=VALUE (e.g. time_axis=0), got {item!r}")
-        try:
-            args[key.strip()] = int(value)
-        except ValueError:
-            raise InvalidArgumentError(f"--metric-arg {item!r}: the value must be an integer") from None
-    return args
+def _metric_args(items: Sequence[tuple[str, int]] | None) -> dict | None:
+    """--metric-arg pairs (checked by `_metric_arg` as the arguments are read) as the library's dict."""
+    return dict(items) if items else None
 
 
 def _evaluate(original, candidate, args, feeds=None) -> Any:
@@ -757,6 +745,30 @@ class _ExtendRequirements(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+def _decibels(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of dB, 0 or more, got {text}")
+    return value
+
+
+METRIC_ARG_KEYS = ("time_axis", "class_axis", "blank")  # what the ctc metric reads
+
+
+def _metric_arg(text: str) -> tuple[str, int]:
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or key not in METRIC_ARG_KEYS:
+        raise argparse.ArgumentTypeError(f"expects KEY=INTEGER with KEY one of {', '.join(METRIC_ARG_KEYS)}, got {text!r}")
+    try:
+        return key, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be an integer") from None
+
+
 def _positive_int(text: str) -> int:
     value = _integer(text)
     if value < 1:
@@ -781,7 +793,7 @@ def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
                    help="fidelity gate, e.g. 'cosine>=0.999', 'top1>=0.99', 'maxabs<=0.01', 'snr>=30' "
                         "(repeat, or separate with commas); exit 3 when not met")
     p.add_argument("--metric", choices=METRICS, help="the metric that matters for this model (ctc needs --metric-arg)")
-    p.add_argument("--metric-arg", metavar="KEY=INT", action="append",
+    p.add_argument("--metric-arg", metavar="KEY=INT", action="append", type=_metric_arg,
                    help="metric parameter, e.g. --metric-arg time_axis=0 --metric-arg class_axis=2 --metric-arg blank=0")
     p.add_argument("--provider", choices=("cpu", "cuda"), default=None, help="onnxruntime device for the runs (default cpu)")
     p.add_argument("--run-as", choices=("onnxruntime", "fold"), default="onnxruntime",
@@ -790,8 +802,16 @@ def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
                         "to float, as fold / passes.InferenceSession(mode='fold') run it")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr, like every other error: the usage block argparse prints
+    ahead of the message pushed it out of sight in CI logs (`--help` still shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Compress ONNX model weights to int8 + DequantizeLinear, check fidelity, pack losslessly.",
         epilog="exit codes: 0 ok, 1 error, 2 usage, 3 fidelity gate failed, 4 damaged packed file, 130 interrupted",
@@ -833,7 +853,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-elements", type=_non_negative_int, metavar="N", help="leave tensors with fewer elements as they are")
     p.add_argument("--rounding", choices=("nearest", "rdo"), default="nearest",
                    help="rdo: each channel/block takes the step that trades error against packed size (1.5-5%% smaller packs)")
-    p.add_argument("--rd-max-snr-loss", type=float, metavar="DB",
+    p.add_argument("--rd-max-snr-loss", type=_decibels, metavar="DB",
                    help="with --rounding rdo: dB of weight SNR each tensor may lose against nearest rounding (default 0.5)")
     p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (implied by -o NAME.onnxz)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
