@@ -46,15 +46,30 @@ def _describe_os_error(path: PathLike, exc: OSError, action: str) -> str:
 
 
 def check_readable(path: PathLike) -> Path:
-    """Path of an existing regular file, or FileAccessError saying why not."""
+    """Path of an existing regular file, or FileAccessError saying why not.
+
+    Devices, pipes and sockets are refused: inputs are read more than once (the first bytes
+    tell a pack from a model, then the whole file is read), which a pipe cannot give, and a
+    device such as /dev/zero never ends."""
     p = Path(path)
     if not p.exists():
         raise FileAccessError(f"{p}: no such file")
     if p.is_dir():
         raise FileAccessError(f"{p}: is a folder, not a file")
+    kind = _special_kind(os.stat(p).st_mode)
+    if kind:
+        raise FileAccessError(f"{p} is {kind}, not a regular file: inputs are read from files (save it to one first)")
     if not os.access(p, os.R_OK):
         raise FileAccessError(f"{p}: permission denied")
     return p
+
+
+def _special_kind(mode: int) -> str | None:
+    """What a non-regular file is, in words (None for a regular file)."""
+    if stat.S_ISREG(mode):
+        return None
+    return ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
 
 
 def check_writable(path: PathLike, force: bool = False) -> Path:
@@ -81,9 +96,8 @@ def _refuse_special_file(p: Path) -> None:
         mode = os.stat(p).st_mode
     except OSError:
         return  # absent, or a dangling link: a new file is made
-    if not stat.S_ISREG(mode):
-        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-                else "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    kind = _special_kind(mode)
+    if kind:
         raise FileAccessError(f"{p} is {kind}, not a regular file: outputs replace the path whole, "
                               "so it is never written there; choose a file path")
 

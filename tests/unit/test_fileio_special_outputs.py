@@ -70,3 +70,25 @@ def test_link_to_regular_file_is_replaced(tmp_path):
     link.symlink_to(target)
     passes.save_model(_model(), link, force=True)
     assert onnx.load(link).graph.node[0].op_type == "MatMul"
+
+
+# Inputs: a device, pipe or socket is refused before it is read (`info /dev/zero` read until the
+# memory ran out; `cat m.onnx | info /dev/stdin` lost the 8 bytes looked at for the pack magic
+# and said "not an ONNX model").
+
+def test_special_inputs_are_refused_before_reading(special, tmp_path):
+    path, kind = special
+    for read in (passes.load_model, passes.describe_model, lambda p: passes.load_feeds(p)):
+        with pytest.raises(FileAccessError, match=f"is {kind}, not a regular file"):
+            read(path)
+    assert stat.S_ISFIFO(os.stat(path).st_mode) or stat.S_ISSOCK(os.stat(path).st_mode)
+
+
+def test_endless_device_input_is_one_line_error(capsys):
+    from tools.surgeon_compress import main
+
+    for argv in (["info", "/dev/zero"], ["eval", "/dev/zero", "/dev/zero"], ["unpack", "/dev/zero", "-o", "/dev/null"]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err.strip()
+        assert err == "surgeon-compress: error: /dev/zero is a character device, not a regular file: " \
+                      "inputs are read from files (save it to one first)", err
