@@ -888,6 +888,9 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
     else:
         src = Path(src)
     dst = _default_dst(src) if dst is None else Path(dst)
+    if not in_memory and _same_path(src, dst):  # force=True would rename the model over the pack
+        raise FileAccessError(f"cannot write {dst}: it is the input file {src}; the input is never modified: "
+                              "choose another destination")
     check_writable(dst, force)
     with _gc_held():
         _unpack_files(src, dst, threads, max_bytes, mode, direct_io, force, in_memory)
@@ -1091,9 +1094,24 @@ def _prepare_data_path(folder: Path, target: Path, src: Optional[Path], dst: Pat
         raise FileAccessError(_describe_os_error(target, exc, "write")) from None
     if base not in resolved.parents:
         raise FileAccessError(f"cannot write {target}: it lies outside {folder}")
-    if resolved in ((src.resolve(),) if src is not None else ()) + (dst.resolve(),):
-        raise CorruptFileError(f"damaged .onnxz index (external file {target.name} collides with {resolved.name})")
+    if src is not None and _same_path(src, target):
+        raise FileAccessError(f"cannot write {target} (external data of the packed model): it is the input file {src}; "
+                              "the input is never modified: choose another destination")
+    if _same_path(dst, target):
+        raise FileAccessError(f"cannot write {target} (external data of the packed model): it is the model's destination; "
+                              "choose another destination")
     check_writable(target, force)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    """Whether paths `a` and `b` name the same file (a hard link, a symlink or another spelling
+    of an existing file too)."""
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except OSError:  # one of them does not exist (yet)
+        pass
+    return a.resolve() == b.resolve()
 
 
 def _is_packed(path: Path) -> bool:

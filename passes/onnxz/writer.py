@@ -44,14 +44,32 @@ class PackStats:
     tensors_coded: int
     seconds: float
     by_codec: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    index_bytes: int = 0  # the stored (compressed) index: tensor table, chunk list, checksums
 
     @property
     def ratio(self) -> float:
         return self.packed_bytes / self.original_bytes if self.original_bytes else 1.0
 
+    @property
+    def larger_than_input(self) -> bool:
+        return self.packed_bytes > self.original_bytes
+
+    @property
+    def note(self) -> Optional[str]:
+        """Why the pack came out larger than its input, when it did (else None): on a tiny
+        model the container's fixed cost outweighs what coding saves. The pack is written all the
+        same: it restores the input byte for byte."""
+        if not self.larger_than_input:
+            return None
+        return (f"the .onnxz is {self.packed_bytes - self.original_bytes} bytes larger than its input: its container "
+                f"(the {HEADER_SIZE}-byte header and the {self.index_bytes}-byte index of tensors, chunks and "
+                f"checksums) costs more than coding saved on this small model; it still restores the input byte for byte")
+
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["ratio"] = self.ratio
+        d["larger_than_input"] = self.larger_than_input
+        d["note"] = self.note
         return d
 
 
@@ -428,4 +446,4 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         f.write(pack_header(pos, len(frame), len(text), file_length, zlib.crc32(frame), version))
         f.seek(file_length)
     return PackStats(label, str(dst), total, file_length, len(sources), len(all_refs), len(tensor_streams),
-                     time.perf_counter() - t0, by_codec)
+                     time.perf_counter() - t0, by_codec, len(frame))
