@@ -61,4 +61,8 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args);
 PyObject *onnxz_py_ans_decode_shared(PyObject *self, PyObject *args);
 PyObject *onnxz_py_set_xxh3(PyObject *self, PyObject *args);
 PyObject *onnxz_py_xxh3(PyObject *self, PyObject *args);
+PyObject *onnxz_py_set_xxh3_128(PyObject *self, PyObject *args);
+PyObject *onnxz_py_xxh3_128_new(PyObject *self, PyObject *args);
+PyObject *onnxz_py_xxh3_128_update(PyObject *self, PyObject *args);
+PyObject *onnxz_py_xxh3_128_hexdigest(PyObject *self, PyObject *args);
 #endif
