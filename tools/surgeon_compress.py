@@ -642,6 +642,21 @@ def cmd_pack(args) -> int:
     return EXIT_OK
 
 
+def _check_is_pack(path: str, command: str) -> None:
+    """unpack and verify read what pack writes: an .onnx given in its place is a mix-up of commands
+    (exit 1), anything else without the pack magic a foreign file (exit 4); both messages name the
+    file, which the reader's 'bad magic' did not (eval and verify --against take two)."""
+    from passes import CorruptFileError, InvalidArgumentError
+    from passes._fileio import looks_packed
+
+    if looks_packed(path):
+        return
+    if Path(path).suffix.lower() == ".onnx":
+        raise InvalidArgumentError(f"{path} is an .onnx file, not an .onnxz pack: {command} reads what "
+                                   f"`{PROG} pack` writes")
+    raise CorruptFileError(f"{path}: not an .onnxz file (it does not start with the .onnxz magic)")
+
+
 def _packed_data_files(path: str, max_bytes: int | None) -> list[str]:
     """Names of the external data files a pack restores beside its model file."""
     import passes
@@ -655,6 +670,7 @@ def cmd_unpack(args) -> int:
     from passes._fileio import check_readable
 
     check_readable(args.input)
+    _check_is_pack(args.input, "unpack")
     if args.output is not None:
         _check_distinct(args.input, args.output, _packed_data_files(args.input, args.max_bytes))
         _check_output(args.output, args.force)
@@ -677,12 +693,16 @@ def cmd_unpack(args) -> int:
 
 def cmd_verify(args) -> int:
     import passes
-    from passes import CorruptFileError
-    from passes._fileio import check_readable
+    from passes import CorruptFileError, InvalidArgumentError
+    from passes._fileio import check_readable, looks_packed
 
     check_readable(args.file)
+    _check_is_pack(args.file, "verify")
     if args.against:
         check_readable(args.against)
+        if looks_packed(args.against):
+            raise InvalidArgumentError(f"--against {args.against} is an .onnxz pack: --against takes the original "
+                                       f"ONNX model, whose bytes the pack must restore")
     result = passes.verify(args.file, args.against, threads=args.threads, max_bytes=args.max_bytes)
     ok = bool(getattr(result, "ok", True))
     details = _jsonable(result)

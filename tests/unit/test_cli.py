@@ -506,9 +506,26 @@ def test_damaged_pack_exit_4(tmp_path, capsys, compressed):
     assert not (tmp_path / "x.onnx").exists()
     foreign = tmp_path / "foreign.onnxz"
     foreign.write_bytes(b"PK\x03\x04 not a pack")
-    code, _, err = run(capsys, "verify", foreign)
-    assert code == cli.EXIT_CORRUPT
-    assert_one_line_error(err)
+    for argv in (["verify", foreign], ["unpack", foreign, "-o", tmp_path / "y.onnx"]):
+        code, _, err = run(capsys, *argv)
+        assert code == cli.EXIT_CORRUPT
+        assert_one_line_error(err, str(foreign), "not an .onnxz file")  # the file named (was: 'bad magic' alone)
+
+
+def test_a_model_or_pack_in_the_wrong_place_is_named(tmp_path, capsys, compressed):
+    # before: unpack/verify of an .onnx exited 4, 'not an .onnxz file (bad magic)'; verify
+    # --against a pack exited 4, 'compare m.onnx: differs from m.onnxz'
+    _needs_pack_stage()
+    packed = tmp_path / "m.onnxz"
+    assert main(["pack", str(compressed), "-o", str(packed)]) == 0
+    for argv in (["unpack", compressed, "-o", tmp_path / "u.onnx"], ["verify", compressed]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1
+        assert_one_line_error(err, f"{compressed} is an .onnx file, not an .onnxz pack", "surgeon-compress pack")
+    code, _, err = run(capsys, "verify", packed, "--against", packed)
+    assert code == 1
+    assert_one_line_error(err, f"--against {packed} is an .onnxz pack", "original ONNX model")
+    assert not (tmp_path / "u.onnx").exists()
 
 
 # ------------------------------------------------------------------------------ progress bar
