@@ -19,7 +19,6 @@ Writes bench/out/pack_speed.json. Needs `pip install zipnn` for the ZipNN column
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess

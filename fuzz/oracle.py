@@ -103,7 +103,7 @@ class Oracle:
 
     def judge(self, data: bytes, *, crafted: bool = False, apis=("load", "open_packed", "unpack", "verify", "session"),
               threads: int = 1, max_bytes: Optional[int] = None) -> Verdict:
-        from passes import load, open_packed, unpack, verify
+        from passes import load, unpack, verify
 
         path = self.workdir / "mutant.onnxz"
         path.write_bytes(data)

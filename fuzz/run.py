@@ -240,7 +240,6 @@ def main(argv=None) -> int:
     pool = Pool(samples, args.workers, args.hang_seconds, mem)
     t0 = time.perf_counter()
     last = t0
-    total_before = 0
 
     def progress(msg):
         nonlocal last

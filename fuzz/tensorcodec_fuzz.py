@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import multiprocessing as mp
-import os
 import random
 import resource
 import struct
@@ -167,7 +166,7 @@ def main(argv=None) -> int:
                     task, desc, verdict, dt = s["c"].recv()
                 except EOFError:
                     s["p"].join()
-                    verdict, task, desc = f"crash: worker died (exit {s['p'].exitcode})", s["task"], "?"
+                    verdict, task = f"crash: worker died (exit {s['p'].exitcode})", s["task"]
                     slots[i] = start()
                 else:
                     s["task"] = None

@@ -62,14 +62,13 @@ _LAZY = {
     "save_model": "_fileio",
 }
 
-__all__ = sorted(
-    list(_LAZY)
-    + [
-        "CorruptFileError", "FidelityError", "FileAccessError", "InvalidArgumentError",
-        "InvalidModelError", "LimitExceededError", "NewerFormatError", "SurgeonError",
-        "UnsupportedFormError", "Report", "TensorChange",
-    ]
-)
+# a list literal added to the lazy names, so that linters see the eagerly imported names exported
+__all__ = list(_LAZY) + [
+    "CorruptFileError", "FidelityError", "FileAccessError", "InvalidArgumentError",
+    "InvalidModelError", "LimitExceededError", "NewerFormatError", "SurgeonError",
+    "UnsupportedFormError", "Report", "TensorChange",
+]
+__all__.sort()
 
 
 def __getattr__(name: str):

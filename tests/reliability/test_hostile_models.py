@@ -10,7 +10,6 @@ import os
 import threading
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

@@ -265,7 +265,6 @@ def test_malformed_index_json(tmp_path, base, text):
 
 
 def test_proto_entry_cannot_read_files_outside(tmp_path, samples, monkeypatch):
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     evil = TensorProto(name="evil", data_type=TensorProto.FLOAT, data_location=TensorProto.EXTERNAL)

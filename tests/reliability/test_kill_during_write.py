@@ -19,7 +19,6 @@ import re
 import signal
 
 import onnx
-import pytest
 
 from passes._fileio import atomic_output, load_model, save_model, write_bytes_atomic
 

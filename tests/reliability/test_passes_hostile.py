@@ -20,8 +20,6 @@ from onnx import TensorProto, helper, numpy_helper
 import passes
 from passes import InvalidModelError, SurgeonError
 
-from ._models import nested_if_model_bytes  # noqa: F401  (deep nesting is covered in test_hostile_models)
-
 
 def _matmul(w: np.ndarray, opset: int = 17, extra_inits=(), name: str = "W") -> onnx.ModelProto:
     wt = numpy_helper.from_array(w, name)

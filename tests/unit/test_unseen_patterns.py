@@ -13,7 +13,6 @@ onnxruntime and stay close to the float model; a pattern the passes do not handl
 from __future__ import annotations
 
 import hashlib
-import os
 
 import ml_dtypes
 import numpy as np
