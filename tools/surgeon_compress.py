@@ -172,16 +172,28 @@ def _wants_pack(output: str, pack_flag: bool) -> bool:
     return pack_flag or str(output).endswith(".onnxz")
 
 
-def _write_model(model, output: str, force: bool, pack: bool, threads=None) -> dict:
-    """Save (or pack) `model` atomically; returns what the pack stage reported, if anything."""
+def _write_model(model, output: str, force: bool, pack: bool, threads=None):
+    """Save (or pack) `model` atomically; returns the pack stage's statistics (None when saved as .onnx)."""
     import passes
 
     if pack:
         with _progress("pack") as bar:
-            stats = passes.pack(model, output, threads=threads, force=force, progress=bar)
-        return {"pack": _jsonable(stats)}
+            return passes.pack(model, output, threads=threads, force=force, progress=bar)
     passes.save_model(model, output, force=force)
-    return {}
+    return None
+
+
+def _pack_fields(stats) -> dict:
+    """The --json fields of a pack written along the way (none when the output is an .onnx)."""
+    return {"pack": _jsonable(stats)} if stats is not None else {}
+
+
+def _print_pack_note(stats) -> None:
+    """Why a pack came out larger than its input (a tiny model: the container costs more than coding
+    saves), so that a size above 100% is not taken for a fault."""
+    note = getattr(stats, "note", None)
+    if note:
+        print(f"  note       {note}")
 
 
 def _verification_failed(written: Sequence[Path], what: str):
@@ -397,9 +409,9 @@ def cmd_compress(args) -> int:
         checks, passed = _gate_lines(result, args.require or [])
 
     written = False
-    extra: dict = {}
+    stats = None
     if passed:
-        extra = _write_model(compressed, args.output, args.force, pack)
+        stats = _write_model(compressed, args.output, args.force, pack)
         written = True
         if args.verify and pack:
             _verify_packed(args.output, None)  # the source is in memory: the recorded sha256s are the reference
@@ -420,13 +432,14 @@ def cmd_compress(args) -> int:
             "fidelity": result.to_dict() if result else None,
             "gate": None if not args.require else {"passed": passed, "checks": checks},
             "verified": bool(args.verify and written),
-            **extra,
+            **_pack_fields(stats),
         })
     else:
         quantized = [t for t in report.tensors if t.bytes_after != t.bytes_before]
         print(f"{'compressed' if written else 'NOT written'}: {args.input} -> {args.output}{' (packed)' if pack else ''}")
         if written:
             print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}% of the input)")
+            _print_pack_note(stats)
             if args.verify:
                 print(f"  verified   re-read {args.output}: " + ("every checksum ok" if pack else "loads and passes onnx.checker"))
         print(f"  weights    {len(quantized)} tensor(s) rewritten: {human_bytes(report.bytes_before)} -> {human_bytes(report.bytes_after)}"
@@ -459,14 +472,15 @@ def cmd_fold(args) -> int:
     with _progress("fold") as bar:
         folded = passes.fold_dequantize(model, dtype=args.dtype, report=report, progress=bar)
     pack = _wants_pack(args.output, False)
-    extra = _write_model(folded, args.output, args.force, pack)
+    stats = _write_model(folded, args.output, args.force, pack)
     in_bytes, out_bytes = file_size(args.input), file_size(args.output)
     if args.json:
         print_json({"command": "fold", "input": args.input, "output": args.output, "dtype": args.dtype,
-                    "input_bytes": in_bytes, "output_bytes": out_bytes, "report": report.to_dict(), **extra})
+                    "input_bytes": in_bytes, "output_bytes": out_bytes, "report": report.to_dict(), **_pack_fields(stats)})
     else:
         print(f"folded: {args.input} -> {args.output}")
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}")
+        _print_pack_note(stats)
         print(f"  weights    {len(report.tensors)} DequantizeLinear node(s) folded into float initializers"
               f"{' of ' + args.dtype if args.dtype else ''}")
         for note in report.notes:
@@ -637,6 +651,7 @@ def cmd_pack(args) -> int:
     else:
         print(f"packed: {args.input} -> {args.output}")
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}%)")
+        _print_pack_note(stats)
         if args.verify:
             print(f"  verified   re-read {args.output}: restores {args.input} byte for byte")
     return EXIT_OK

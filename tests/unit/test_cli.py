@@ -634,3 +634,25 @@ def test_compress_and_fold_unseen_patterns(capsys, tmp_path):
         assert code == 0, err
         onnx.checker.check_model(str(folded), full_check=True)
         ort.InferenceSession(str(folded), providers=["CPUExecutionProvider"]).run(None, feeds[0])
+
+
+def test_a_pack_larger_than_its_input_says_why(tmp_path, capsys):
+    # a 4-float model: the container outweighs what coding saves; the command printed '521.1%' alone
+    _needs_pack_stage()
+    w = onnx.numpy_helper.from_array(np.ones(4, np.float32), "w")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])], [w])
+    tiny = tmp_path / "tiny.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)]), str(tiny))
+    for command in ("pack", "compress"):
+        out = tmp_path / f"{command}.onnxz"
+        code, stdout, err = run(capsys, command, tiny, "-o", out)
+        assert code == 0, err
+        notes = [line for line in stdout.splitlines() if line.strip().startswith("note") and "larger than its input" in line]
+        assert len(notes) == 1 and "restores the input byte for byte" in notes[0], stdout
+        assert out.stat().st_size > tiny.stat().st_size
+    code, stdout, _ = run(capsys, "pack", tiny, "-o", tmp_path / "j.onnxz", "--json")
+    assert code == 0 and json.loads(stdout)["stats"]["larger_than_input"] is True
+    code, stdout, _ = run(capsys, "pack", SAMPLE, "-o", tmp_path / "sample.onnxz")
+    assert code == 0 and "larger than its input" not in stdout
