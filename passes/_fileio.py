@@ -21,7 +21,7 @@ from typing import IO, Callable, Iterator, Union
 import onnx
 from google.protobuf.message import DecodeError
 
-from .errors import FileAccessError, InvalidModelError
+from .errors import CorruptFileError, FileAccessError, InvalidModelError
 
 PathLike = Union[str, os.PathLike]
 
@@ -290,7 +290,7 @@ def load_model(source, load_external: bool = True) -> onnx.ModelProto:
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidModelError(f"expected an onnx.ModelProto or a path, got {type(source).__name__}")
     p = check_readable(source)
-    if p.suffix == ".onnxz" or looks_packed(p):
+    if looks_packed(p):
         from . import load as load_packed  # packed files decode through the pack stage
 
         return load_packed(p)
@@ -298,7 +298,14 @@ def load_model(source, load_external: bool = True) -> onnx.ModelProto:
         data = p.read_bytes()
     except OSError as exc:
         raise FileAccessError(_describe_os_error(p, exc, "read")) from None
-    model = parse_model_bytes(data, str(p))
+    try:
+        model = parse_model_bytes(data, str(p))
+    except InvalidModelError:
+        if p.suffix.lower() != ".onnxz":
+            raise
+        # named as a pack, read as neither: "not an ONNX model" alone sent the user looking at the wrong format
+        raise CorruptFileError(f"{p}: not an .onnxz file (it does not start with the .onnxz magic) "
+                               "nor an ONNX model") from None
     if load_external:
         load_external_data(model, p.parent)
     return model

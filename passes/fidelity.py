@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import onnx
 
-from ._fileio import check_readable, load_model
+from ._fileio import check_readable, load_model, looks_packed
 from .errors import FidelityError, InvalidArgumentError, InvalidModelError, SurgeonError
 
 Feed = dict  # input name -> np.ndarray
@@ -307,7 +307,7 @@ def _session(model_or_path, providers=None, sess_options=None):
                 return ort.InferenceSession(path, sess_options, providers=providers)
         p = check_readable(model_or_path)
         label = str(p)
-        if p.suffix == ".onnxz":
+        if looks_packed(p) or p.suffix == ".onnxz":  # load_model tells a pack by its magic, whatever its name
             return _session(load_model(p), providers, sess_options)
         return ort.InferenceSession(str(p), sess_options, providers=providers)
     except SurgeonError:

@@ -656,3 +656,29 @@ def test_a_pack_larger_than_its_input_says_why(tmp_path, capsys):
     assert code == 0 and json.loads(stdout)["stats"]["larger_than_input"] is True
     code, stdout, _ = run(capsys, "pack", SAMPLE, "-o", tmp_path / "sample.onnxz")
     assert code == 0 and "larger than its input" not in stdout
+
+
+def test_packs_and_models_told_apart_by_their_bytes_not_their_names(tmp_path, capsys, compressed):
+    # before: compress/eval of a foreign X.onnxz said 'X is not an ONNX model' (exit 1), info
+    # 'not an .onnxz file (bad magic)'; info of an .onnx named .onnxz failed although load and eval
+    # read it; eval of a pack renamed .onnx: 'onnxruntime cannot load'
+    _needs_pack_stage()
+    foreign = tmp_path / "foreign.onnxz"
+    foreign.write_bytes(b"PK\x03\x04" + bytes(100))
+    for argv in (["compress", foreign, "-o", tmp_path / "o.onnx"], ["info", foreign], ["eval", SAMPLE, foreign]):
+        code, _, err = run(capsys, *argv)
+        assert code == cli.EXIT_CORRUPT, (argv, err)
+        assert_one_line_error(err, f"{foreign}: not an .onnxz file", "nor an ONNX model")
+    assert not (tmp_path / "o.onnx").exists()
+    model_named_as_pack = tmp_path / "model.onnxz"
+    shutil.copyfile(compressed, model_named_as_pack)
+    code, stdout, err = run(capsys, "info", model_named_as_pack)
+    assert code == 0 and "int8/channel" in stdout and "packed file" not in stdout, err
+    pack_named_as_model = tmp_path / "pack.onnx"
+    assert main(["pack", str(compressed), "-o", str(tmp_path / "p.onnxz")]) == 0
+    shutil.copyfile(tmp_path / "p.onnxz", pack_named_as_model)
+    capsys.readouterr()
+    code, stdout, err = run(capsys, "eval", compressed, pack_named_as_model, "--feeds", FEEDS, "--require", "maxabs<=0")
+    assert code == 0, err
+    code, stdout, err = run(capsys, "info", pack_named_as_model)
+    assert code == 0 and "packed file" in stdout, err
