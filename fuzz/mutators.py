@@ -107,11 +107,18 @@ def read_index(data: bytes) -> Tuple[dict, tuple]:
 def write_with_index(data: bytes, index: dict, *, body: bytes | None = None, header_changes: dict | None = None) -> bytes:
     """The file rebuilt around `index` (and `body`: the bytes between header and index), with
     lengths and CRCs recomputed so that the integrity checks pass."""
+    text = json.dumps(index, separators=(",", ":")).encode("utf-8")
+    return write_with_index_text(data, text, body=body, header_changes=header_changes)
+
+
+def write_with_index_text(data: bytes, text: bytes, *, body: bytes | None = None, header_changes: dict | None = None,
+                          level: int = 3) -> bytes:
+    """As write_with_index, from the index's raw bytes: malformed JSON, or a valid index padded to
+    a decompression bomb (`level` 19 shrinks 100 MiB of spaces to a few kB)."""
     fields = list(_HEADER.unpack(data[:60]))
     if body is None:
         body = data[HEADER_SIZE:fields[4]]
-    text = json.dumps(index, separators=(",", ":")).encode("utf-8")
-    frame = zstd.ZstdCompressor(level=3, write_checksum=True, write_content_size=True).compress(text)
+    frame = zstd.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(text)
     ioff = HEADER_SIZE + len(body)
     fields[4], fields[5], fields[6], fields[7], fields[8] = ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame)
     names = ["magic", "major", "minor", "flags", "index_offset", "index_length", "index_raw_length", "file_length", "index_crc", "reserved"]

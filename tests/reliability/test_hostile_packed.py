@@ -21,7 +21,7 @@ import pytest
 import passes
 from passes import CorruptFileError, LimitExceededError, NewerFormatError, SurgeonError
 
-from fuzz.mutators import read_index, with_header, write_with_index
+from fuzz.mutators import read_index, with_header, write_with_index, write_with_index_text
 
 from ._audit import outside, recording_opens
 
@@ -167,23 +167,11 @@ def test_cap_zero_refuses_everything(tmp_path, base):
 
 def test_index_decompression_bomb_is_refused_before_decoding(tmp_path, base):
     import json
-    import struct
-    import zlib
 
-    import zstandard as zstd
-
-    from fuzz.mutators import _HEADER, HEADER_SIZE
-
-    index, fields = read_index(base)
+    index, _ = read_index(base)
     text = json.dumps(index).encode() + b" " * (100 << 20)   # 100 MiB of valid JSON whitespace
-    frame = zstd.ZstdCompressor(level=19, write_checksum=True, write_content_size=True).compress(text)
-    body = base[HEADER_SIZE:fields[4]]
-    f = list(fields)
-    ioff = HEADER_SIZE + len(body)
-    f[4], f[5], f[6], f[7], f[8] = ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame)
-    head = _HEADER.pack(*f)
     path = tmp_path / "index-bomb.onnxz"
-    path.write_bytes(head + struct.pack("<I", zlib.crc32(head)) + body + frame)
+    path.write_bytes(write_with_index_text(base, text, level=19))
     assert path.stat().st_size < 64 << 10
     tracemalloc.start()
     try:
@@ -244,22 +232,8 @@ def test_tensor_entry_lies_about_its_payload(tmp_path, base, change):
     b'{"format": [1, 0], "files": "x", "tensors": {}}',
 ])
 def test_malformed_index_json(tmp_path, base, text):
-    import struct
-    import zlib
-
-    import zstandard as zstd
-
-    from fuzz.mutators import _HEADER, HEADER_SIZE
-
-    _, fields = read_index(base)
-    frame = zstd.ZstdCompressor(level=3, write_checksum=True, write_content_size=True).compress(text)
-    body = base[HEADER_SIZE:fields[4]]
-    f = list(fields)
-    ioff = HEADER_SIZE + len(body)
-    f[4], f[5], f[6], f[7], f[8] = ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame)
-    head = _HEADER.pack(*f)
     path = tmp_path / "bad-index.onnxz"
-    path.write_bytes(head + struct.pack("<I", zlib.crc32(head)) + body + frame)
+    path.write_bytes(write_with_index_text(base, text))
     for api, exc in _every_reader(path, tmp_path).items():
         assert isinstance(exc, CorruptFileError), (api, exc)
 
