@@ -286,7 +286,7 @@ def _evaluate(original, candidate, args, feeds=None) -> Any:
         )
 
 
-def _gate_lines(result, requirements) -> tuple[list[dict], bool]:
+def _gate_checks(result, requirements) -> tuple[list[dict], bool]:
     checks = [{"requirement": str(r), "value": r.value(result), "passed": r.check(result)} for r in requirements]
     return checks, all(c["passed"] for c in checks)
 
@@ -346,6 +346,47 @@ def _refuse_options_the_search_ignores(args) -> None:
                                    "cannot be used with it (--min-elements can)")
 
 
+def _check_option_combinations(args) -> None:
+    """Options that only make sense together, refused before the model is read."""
+    from passes import InvalidArgumentError
+
+    if args.rd_max_snr_loss is not None and args.rounding != "rdo":
+        raise InvalidArgumentError("--rd-max-snr-loss needs --rounding rdo")
+    _refuse_options_the_search_ignores(args)
+    if args.block_size is not None and args.granularity not in (None, "block"):
+        raise InvalidArgumentError(f"--block-size needs --granularity block (got --granularity {args.granularity})")
+
+
+def _quantize_options(args) -> dict[str, Any]:
+    """The keyword arguments of passes.quantize_weights that the plain (not --target) mode passes."""
+    options: dict[str, Any] = {"bits": args.bits or DEFAULT_BITS,
+                               "granularity": args.granularity or ("block" if args.block_size else "channel"),
+                               "symmetric": not args.asymmetric}
+    optional = {"block_size": args.block_size, "min_elements": args.min_elements,
+                "include": list(args.include or []) or None, "exclude": list(args.exclude or []) or None,
+                "rounding": None if args.rounding == "nearest" else args.rounding,
+                "rd_max_snr_loss_db": args.rd_max_snr_loss}
+    options.update({key: value for key, value in optional.items() if value is not None})
+    return options
+
+
+def _search(model, feeds, args, report):
+    """Auto mode (--target): the smallest model meeting the target on the feeds. The target is also
+    the gate (added to args.require), so OUT is written only when it is met.
+    Returns (compressed model, the search's record, the options to report)."""
+    import passes
+    from passes.fidelity import parse_requirements
+
+    searched = _dense_copy(model, report)
+    chosen = {} if args.min_elements is None else {"min_elements": args.min_elements}
+    compressed, record = passes.compress(searched, target=args.target, feeds=feeds,
+                                         metric_args=_metric_args(args.metric_arg), run_as=args.run_as,
+                                         report=report, **chosen)
+    required = {str(r) for r in args.require or []}
+    args.require = list(args.require or []) + [t for t in parse_requirements(args.target) if str(t) not in required]
+    return compressed, record, {"target": args.target}
+
+
 def cmd_compress(args) -> int:
     import passes
     from passes._fileio import check_readable
@@ -353,51 +394,17 @@ def cmd_compress(args) -> int:
     check_readable(args.input)
     _check_distinct(args.input, args.output)
     _check_output(args.output, args.force)  # fail before the long work, not after
-    if args.rd_max_snr_loss is not None and args.rounding != "rdo":
-        from passes import InvalidArgumentError
-
-        raise InvalidArgumentError("--rd-max-snr-loss needs --rounding rdo")
-    _refuse_options_the_search_ignores(args)
-    if args.block_size is not None and args.granularity not in (None, "block"):
-        from passes import InvalidArgumentError
-
-        raise InvalidArgumentError(f"--block-size needs --granularity block (got --granularity {args.granularity})")
+    _check_option_combinations(args)
     pack = _wants_pack(args.output, args.pack)
     model = passes.load_model(args.input)
     feeds = passes.load_feeds(args.feeds, model) if args.feeds else None
 
-    granularity = args.granularity or ("block" if args.block_size else "channel")
-    options: dict[str, Any] = {"bits": args.bits or DEFAULT_BITS, "granularity": granularity,
-                               "symmetric": not args.asymmetric}
-    if args.block_size is not None:
-        options["block_size"] = args.block_size
-    if args.min_elements is not None:
-        options["min_elements"] = args.min_elements
-    if args.include:
-        options["include"] = list(args.include)
-    if args.exclude:
-        options["exclude"] = list(args.exclude)
-    if args.rounding != "nearest":
-        options["rounding"] = args.rounding
-    if args.rd_max_snr_loss is not None:
-        options["rd_max_snr_loss_db"] = args.rd_max_snr_loss
-
     report = passes.Report()
     auto = None
-    if getattr(args, "target", None):
-        # auto mode (issue 4): the smallest model meeting the target on the feeds; the target is
-        # also the gate, so OUT is written only when it is met
-        from passes.fidelity import parse_requirements
-
-        targets = parse_requirements(args.target)
-        searched = _dense_copy(model, report)
-        chosen = {} if args.min_elements is None else {"min_elements": args.min_elements}
-        compressed, auto = passes.compress(searched, target=args.target, feeds=feeds,
-                                           metric_args=_metric_args(args.metric_arg), run_as=args.run_as,
-                                           report=report, **chosen)
-        options = {"target": args.target}
-        args.require = list(args.require or []) + [t for t in targets if str(t) not in {str(r) for r in args.require or []}]
+    if args.target:
+        compressed, auto, options = _search(model, feeds, args, report)
     else:
+        options = _quantize_options(args)
         with _progress("quantize") as bar:
             compressed = passes.quantize_weights(model, report=report, progress=bar, **options)
 
@@ -406,58 +413,62 @@ def cmd_compress(args) -> int:
     passed = True
     if args.require or args.feeds or args.metric:
         result = _evaluate(model, compressed, args, feeds)
-        checks, passed = _gate_lines(result, args.require or [])
+        checks, passed = _gate_checks(result, args.require or [])
 
-    written = False
     stats = None
     if passed:
         stats = _write_model(compressed, args.output, args.force, pack)
-        written = True
         if args.verify and pack:
             _verify_packed(args.output, None)  # the source is in memory: the recorded sha256s are the reference
         elif args.verify:
             _verify_saved(args.output)
 
     in_bytes = file_size(args.input)
-    out_bytes = file_size(args.output) if written else None
+    out_bytes = file_size(args.output) if passed else None
     if args.json:
         print_json({
             "command": "compress",
-            "input": args.input, "output": args.output, "written": written, "packed": pack,
+            "input": args.input, "output": args.output, "written": passed, "packed": pack,
             "input_bytes": in_bytes, "output_bytes": out_bytes,
-            "ratio": (out_bytes / in_bytes) if written and in_bytes else None,
+            "ratio": (out_bytes / in_bytes) if passed and in_bytes else None,
             "options": options,
             "report": report.to_dict(),
             **({"auto": {k: v for k, v in auto.items() if k != "trials"}} if auto else {}),
             "fidelity": result.to_dict() if result else None,
             "gate": None if not args.require else {"passed": passed, "checks": checks},
-            "verified": bool(args.verify and written),
+            "verified": bool(args.verify and passed),
             **_pack_fields(stats),
         })
     else:
-        quantized = [t for t in report.tensors if t.bytes_after != t.bytes_before]
-        print(f"{'compressed' if written else 'NOT written'}: {args.input} -> {args.output}{' (packed)' if pack else ''}")
-        if written:
-            print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}% of the input)")
-            _print_pack_note(stats)
-            if args.verify:
-                print(f"  verified   re-read {args.output}: " + ("every checksum ok" if pack else "loads and passes onnx.checker"))
-        print(f"  weights    {len(quantized)} tensor(s) rewritten: {human_bytes(report.bytes_before)} -> {human_bytes(report.bytes_after)}"
-              f"; {len(report.tensors) - len(quantized)} kept as they were")
-        for note in report.notes:
-            print(f"  note       {printable(note)}")
-        if result is not None:
-            _print_fidelity(result, checks)
-        if args.verbose and report.tensors:
-            print()
-            print_table(
-                ["tensor", "shape", "dtype", "scheme", "before", "after", "SNR dB", "location"],
-                [[t.name, _shape(t.shape), t.dtype, t.scheme, t.bytes_before, t.bytes_after, _snr(t.snr_db), t.location]
-                 for t in report.tensors],
-                right=(4, 5, 6),
-            )
+        _print_compressed(args, pack, in_bytes, out_bytes, stats, report, result, checks)
     _raise_if_gate_failed(checks, passed, f"; {args.output} was not written")
     return EXIT_OK
+
+
+def _print_compressed(args, pack: bool, in_bytes: int, out_bytes: int | None, stats, report, result, checks) -> None:
+    """compress's report for a terminal; out_bytes is None when the gate failed and OUT was not written."""
+    written = out_bytes is not None
+    quantized = [t for t in report.tensors if t.bytes_after != t.bytes_before]
+    print(f"{'compressed' if written else 'NOT written'}: {args.input} -> {args.output}{' (packed)' if pack else ''}")
+    if written:
+        print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}% of the input)")
+        _print_pack_note(stats)
+        if args.verify:
+            print(f"  verified   re-read {args.output}: " + ("every checksum ok" if pack else "loads and passes onnx.checker"))
+    print(f"  weights    {len(quantized)} tensor(s) rewritten: {human_bytes(report.bytes_before)} -> {human_bytes(report.bytes_after)}"
+          f"; {len(report.tensors) - len(quantized)} kept as they were")
+    for note in report.notes:
+        print(f"  note       {printable(note)}")
+    if result is not None:
+        _print_fidelity(result, checks)
+    if args.verbose and report.tensors:
+        print()
+        print_table(
+            ["tensor", "shape", "dtype", "scheme", "before", "after", "SNR dB", "location"],
+            [[t.name, _shape(t.shape), t.dtype, t.scheme, t.bytes_before, t.bytes_after, _snr(t.snr_db), t.location]
+             for t in report.tensors],
+            right=(4, 5, 6),
+        )
 
 
 def cmd_fold(args) -> int:
@@ -617,7 +628,7 @@ def cmd_eval(args) -> int:
     original = passes.load_model(args.original)
     feeds = passes.load_feeds(args.feeds, original) if args.feeds else None
     result = _evaluate(original, args.candidate, args, feeds)
-    checks, passed = _gate_lines(result, args.require or [])
+    checks, passed = _gate_checks(result, args.require or [])
     if args.json:
         print_json({"command": "eval", "original": args.original, "candidate": args.candidate,
                     "original_bytes": file_size(args.original), "candidate_bytes": file_size(args.candidate),
