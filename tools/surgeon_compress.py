@@ -210,6 +210,11 @@ def _verification_failed(written: Sequence[Path], what: str):
     return CorruptFileError(f"--verify: re-reading {names} failed: {what}; removed")
 
 
+def _failed_checks(checks) -> str:
+    """The checks of a passes.verify result that failed, as 'check: detail; ...' ('' when none)."""
+    return "; ".join(f"{c.get('check')}: {c.get('detail')}" for c in checks if not c.get("ok"))
+
+
 def _verify_packed(packed: str, against: str | None, threads=None) -> None:
     """Re-read a written .onnxz: every checksum and the sha256 of each restored file; with
     `against`, also byte for byte against that original."""
@@ -221,8 +226,7 @@ def _verify_packed(packed: str, against: str | None, threads=None) -> None:
     except CorruptFileError as exc:
         raise _verification_failed([Path(packed)], str(exc)) from None
     if not result.ok:
-        failed = "; ".join(f"{c.get('check')}: {c.get('detail')}" for c in result.checks if not c.get("ok"))
-        raise _verification_failed([Path(packed)], failed or "differs from its source")
+        raise _verification_failed([Path(packed)], _failed_checks(result.checks) or "differs from its source")
 
 
 def _verify_unpacked(src: str, restored: Path, threads=None) -> None:
@@ -233,7 +237,7 @@ def _verify_unpacked(src: str, restored: Path, threads=None) -> None:
 
     try:
         result = passes.verify(src, restored, threads=threads)
-        problem = "; ".join(f"{c.get('check')}: {c.get('detail')}" for c in result.checks if not c.get("ok"))
+        problem = _failed_checks(result.checks)
     except CorruptFileError as exc:
         result, problem = None, str(exc)
     if result is not None and result.ok:
@@ -742,8 +746,7 @@ def cmd_verify(args) -> int:
         for c in checks:
             print(f"  {'ok    ' if c.get('ok') else 'FAILED'}  {c.get('check', '')}: {c.get('detail', '')}")
     if not ok:
-        failed = [f"{c.get('check')}: {c.get('detail')}" for c in checks if not c.get("ok")]
-        raise CorruptFileError(f"{args.file}: verification failed: {'; '.join(failed) or details}")
+        raise CorruptFileError(f"{args.file}: verification failed: {_failed_checks(checks) or details}")
     return EXIT_OK
 
 
