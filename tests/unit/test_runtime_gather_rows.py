@@ -1,0 +1,102 @@
+"""mode="fold", float16 on a CPU: an embedding table read by a Gather through a constant
+DequantizeLinear is kept 8-bit and its rows are dequantized as gathered
+(runtime_fold.gather_dequantized_rows); outputs bit-identical to the folded model's."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+
+CPU = ["CPUExecutionProvider"]
+ROWS, WIDTH = 300, 96
+
+
+def _table_model(per: str, zero_point: bool, ids_shape: list, opset: int = 19) -> onnx.ModelProto:
+    """ids -> Gather(DequantizeLinear(table)) -> MatMul(float16 weight) -> y, scales spanning
+    subnormal, normal and large float16 products (rounding at every edge)."""
+    rng = np.random.default_rng(len(per) + zero_point)
+    levels = rng.integers(0 if zero_point else -128, 256 if zero_point else 128, (ROWS, WIDTH))
+    q = levels.astype(np.uint8 if zero_point else np.int8)
+    count = {"tensor": 1, "row": ROWS, "column": WIDTH}[per]
+    scale = (rng.random(count) * 10.0 ** rng.integers(-8, 1, count)).astype(np.float16)
+    inits = [numpy_helper.from_array(q, "Eq"),
+             numpy_helper.from_array(scale.reshape(()) if per == "tensor" else scale, "Es"),
+             numpy_helper.from_array((rng.standard_normal((WIDTH, 64)) * 0.1).astype(np.float16), "W")]
+    dq_inputs = ["Eq", "Es"]
+    if zero_point:
+        zp = rng.integers(0, 256, count).astype(np.uint8)
+        inits.append(numpy_helper.from_array(zp.reshape(()) if per == "tensor" else zp, "Ez"))
+        dq_inputs.append("Ez")
+    axis = {"tensor": {}, "row": {"axis": 0}, "column": {"axis": 1}}[per]
+    nodes = [helper.make_node("DequantizeLinear", dq_inputs, ["E"], **axis),
+             helper.make_node("Gather", ["E", "ids"], ["e"], axis=0),
+             helper.make_node("MatMul", ["e", "W"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ids_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ids_shape + [64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _feeds(ids_shape):
+    rng = np.random.default_rng(5)
+    return [{"ids": rng.integers(-ROWS, ROWS, ids_shape).astype(np.int64)} for _ in range(3)]
+
+
+def _folded_outputs(model, feeds):
+    session = ort.InferenceSession(passes.fold_dequantize(model).SerializeToString(), providers=CPU)
+    return [session.run(None, f)[0] for f in feeds]
+
+
+@pytest.mark.parametrize("per", ["tensor", "row", "column"])
+@pytest.mark.parametrize("zero_point", [False, True])
+@pytest.mark.parametrize("ids_shape", [[2, 7], []])
+def test_rows_dequantized_as_gathered_match_the_folded_table(tmp_path, per, zero_point, ids_shape):
+    model = _table_model(per, zero_point, ids_shape)
+    path = tmp_path / "emb.q8.onnx"
+    onnx.save(model, str(path))
+    packed = tmp_path / "emb.q8.onnxz"
+    passes.pack(str(path), str(packed))
+    feeds = _feeds(ids_shape)
+    want = _folded_outputs(model, feeds)
+    for source in (path, packed):
+        session = passes.InferenceSession(source, mode="fold")
+        assert session.fold_route == "onnxruntime" and session.dtype == np.float16
+        assert any("Eq: 8-bit embedding table kept" in line for line in session.notes)
+        for f, expected in zip(feeds, want):
+            got = session.run(None, f)[0]
+            assert got.dtype == np.float16 and got.shape == expected.shape
+            np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
+def test_table_read_elsewhere_or_gathered_on_another_axis_is_left_as_it_is():
+    from passes.runtime_feed import split_model
+    from passes.runtime_fold import gather_dequantized_rows
+
+    model = _table_model("row", False, [2, 7])
+    shared = onnx.ModelProto()
+    shared.CopyFrom(model)
+    shared.graph.node.append(helper.make_node("Identity", ["E"], ["E_copy"]))  # a second reader
+    shared.graph.output.append(helper.make_tensor_value_info("E_copy", TensorProto.FLOAT16, [ROWS, WIDTH]))
+    assert gather_dequantized_rows(split_model(shared)) == []
+    other_axis = onnx.ModelProto()
+    other_axis.CopyFrom(model)
+    other_axis.graph.node[1].attribute[0].i = 1
+    assert gather_dequantized_rows(split_model(other_axis)) == []
+    split = split_model(model)
+    assert gather_dequantized_rows(split) == ["Eq"]
+    assert [n.op_type for n in split.skeleton.graph.node].count("DequantizeLinear") == 1
+    assert not any(n.op_type == "DequantizeLinear" and n.input[0] == "Eq" for n in split.skeleton.graph.node)
+
+
+def test_input_file_unchanged(tmp_path):
+    model = _table_model("row", True, [2, 7])
+    path = tmp_path / "emb.q8.onnx"
+    onnx.save(model, str(path))
+    before = path.read_bytes()
+    passes.InferenceSession(path, mode="fold").run(None, _feeds([2, 7])[0])
+    assert path.read_bytes() == before
