@@ -418,35 +418,12 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     payloads = {w.name: unique[w.name] for w in planned
                 if w.graph_key == 0 and w.node is None and w.name in unique
                 and _keep_reason(w, include_p, exclude_p, ops, min_elements) is None}
-    out = graph.copy_model(source, set(payloads))
-    densified = graph.densify_sparse_initializers(out)
-    if densified and report is not None:
-        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are quantized)")
-    if out.ir_version < 4 and unlist_ir3_initializers(out) and report is not None:
-        report.note(f"IR version raised from {source.ir_version} to 4: initializers are no longer listed as graph "
-                    "inputs (IR 3 required it; from IR 4 it would make them overridable and keep them float)")
-    if graph.toposort(out) and report is not None:
-        report.note("nodes sorted topologically (the input graph was not)")
-
+    out = _standard_copy(source, payloads, report)
     weights, _ = graph.find_weights(out)
     chosen = [w for w in weights if _keep_reason(w, include_p, exclude_p, ops, min_elements) is None]
-    need = max((_required_opset(w.tensor.data_type, bits, granularity) for w in chosen), default=0)
-    if chosen and graph.default_opset(out) < need:
-        if graph.default_opset(out) == 0:
-            raise UnsupportedFormError("the model imports no default-domain opset; cannot add DequantizeLinear")
-        out, how = graph.raise_opset(out, need, payloads)
-        if report is not None:
-            report.note(how)
+    out = _with_opset_for(out, chosen, bits, granularity, payloads, report)
     if report is not None:
-        for what, count in _unreached_weights(out, min_elements).items():
-            if count:
-                report.note(f"{count} float weight(s) {what} stay float (not quantized)")
-        attrs = attribute_weights_note(out, min_elements)
-        if attrs:
-            report.note(attrs)
-        done_before = _prequantized_note(out, min_elements)
-        if done_before:
-            report.note(done_before)
+        _note_weights_left_float(out, min_elements, report)
     if chosen:
         need_ir = 10 if (bits <= 4 or granularity == "block") else 0
         out.ir_version = max(out.ir_version, need_ir,
@@ -507,39 +484,19 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
             continue
 
         axis, blk, qz = done
-        q_name = names.take(w.name + "_quantized")
-        s_name = names.take(w.name + "_scale")
-        z_name = names.take(w.name + "_zero_point") if qz.zero_point is not None else None
-        parts = [(qz.q, q_name, storage), (qz.scale, s_name, w.tensor.data_type)]
-        if z_name:
-            parts.append((qz.zero_point, z_name, storage))
-        attrs = {}
-        if axis is not None:
-            attrs["axis"] = int(axis)
-        if blk:
-            attrs["block_size"] = int(blk)
-        dq_out, tail = w.name, []
-        if w.tensor.data_type == TensorProto.BFLOAT16:
-            # onnxruntime (1.2x) has no bfloat16 DequantizeLinear on the CPU: the scale is stored as
-            # float32 (exact, bfloat16 values are float32 values) and a Cast gives the bfloat16 weight
-            parts[1] = (qz.scale.astype(np.float32), s_name, TensorProto.FLOAT)
-            dq_out = names.take(w.name + "_dequantized")
-            tail = [helper.make_node("Cast", [dq_out], [w.name], name=names.take(w.name + "_Cast"),
-                                     to=TensorProto.BFLOAT16)]
-        dq = helper.make_node("DequantizeLinear", [p[1] for p in parts], [dq_out],
-                              name=names.take(w.name + "_DequantizeLinear"), **attrs)
+        parts, dq_nodes = _dequantize_nodes(w, qz, axis, blk, storage, names)
         after = sum(graph.array_nbytes(a, t) for a, _, t in parts)
         if w.node is None and w.graph_key == 0 and w.name in early:
             for arr, name, elem_type in parts:
                 graph.fill_tensor(out.graph.initializer.add(), arr, name, elem_type)
-            new_first_nodes.setdefault(0, []).extend([dq, *tail])
+            new_first_nodes.setdefault(0, []).extend(dq_nodes)
         elif w.node is None:
             new_inits.setdefault(w.graph_key, {})[w.name] = parts
-            new_first_nodes.setdefault(w.graph_key, []).extend([dq, *tail])
+            new_first_nodes.setdefault(w.graph_key, []).extend(dq_nodes)
         else:
             repl = [helper.make_node("Constant", [], [n], name=names.take(n + "_Constant"),
                                      value=graph.array_to_tensor(a, n, t)) for a, n, t in parts]
-            const_nodes.setdefault(w.graph_key, {})[w.name] = repl + [dq, *tail]
+            const_nodes.setdefault(w.graph_key, {})[w.name] = repl + dq_nodes
         if report is not None:
             report.add(_rounding.QuantizedChange(
                 w.name, w.shape, graph.type_name(w.tensor.data_type), _scheme(levels, bits, axis, blk)
@@ -548,6 +505,84 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         if progress:
             progress(i + 1, total)
 
+    _splice(graphs, new_inits, new_first_nodes, const_nodes)
+    return out
+
+
+def _standard_copy(source: onnx.ModelProto, payloads: dict, report: Report | None) -> onnx.ModelProto:
+    """The copy the quantized model is built in (without the payloads of the weights about to be
+    replaced), in the form the rewrite needs: sparse initializers dense, IR 3 initializers no longer
+    listed as inputs, nodes in topological order; each change noted."""
+    out = graph.copy_model(source, set(payloads))
+    densified = graph.densify_sparse_initializers(out)
+    if densified and report is not None:
+        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are quantized)")
+    if out.ir_version < 4 and unlist_ir3_initializers(out) and report is not None:
+        report.note(f"IR version raised from {source.ir_version} to 4: initializers are no longer listed as graph "
+                    "inputs (IR 3 required it; from IR 4 it would make them overridable and keep them float)")
+    if graph.toposort(out) and report is not None:
+        report.note("nodes sorted topologically (the input graph was not)")
+    return out
+
+
+def _with_opset_for(out: onnx.ModelProto, chosen: list, bits: int, granularity: str, payloads: dict,
+                    report: Report | None) -> onnx.ModelProto:
+    """`out`, converted to the lowest opset whose DequantizeLinear writes the chosen weights' form
+    (per-channel: 13, bfloat16 or blocks: 21, ...) when it imports an older one."""
+    need = max((_required_opset(w.tensor.data_type, bits, granularity) for w in chosen), default=0)
+    if not chosen or graph.default_opset(out) >= need:
+        return out
+    if graph.default_opset(out) == 0:
+        raise UnsupportedFormError("the model imports no default-domain opset; cannot add DequantizeLinear")
+    out, how = graph.raise_opset(out, need, payloads)
+    if report is not None:
+        report.note(how)
+    return out
+
+
+def _note_weights_left_float(out: onnx.ModelProto, min_elements: int, report: Report) -> None:
+    """Notes on float weights the rewrite does not reach (with why), float values held in node
+    attributes, and weights another tool already quantized."""
+    for what, count in _unreached_weights(out, min_elements).items():
+        if count:
+            report.note(f"{count} float weight(s) {what} stay float (not quantized)")
+    for note in (attribute_weights_note(out, min_elements), _prequantized_note(out, min_elements)):
+        if note:
+            report.note(note)
+
+
+def _dequantize_nodes(w: graph.Weight, qz, axis, blk, storage: int, names: graph.NameAllocator):
+    """The stored tensors [(array, name, element type)] of one quantized weight (levels, scale and,
+    when asymmetric, zero point) and the nodes that give the weight back under its own name: its
+    DequantizeLinear, and for bfloat16 a Cast after it."""
+    q_name = names.take(w.name + "_quantized")
+    s_name = names.take(w.name + "_scale")
+    z_name = names.take(w.name + "_zero_point") if qz.zero_point is not None else None
+    parts = [(qz.q, q_name, storage), (qz.scale, s_name, w.tensor.data_type)]
+    if z_name:
+        parts.append((qz.zero_point, z_name, storage))
+    attrs = {}
+    if axis is not None:
+        attrs["axis"] = int(axis)
+    if blk:
+        attrs["block_size"] = int(blk)
+    dq_out, tail = w.name, []
+    if w.tensor.data_type == TensorProto.BFLOAT16:
+        # onnxruntime (1.2x) has no bfloat16 DequantizeLinear on the CPU: the scale is stored as
+        # float32 (exact, bfloat16 values are float32 values) and a Cast gives the bfloat16 weight
+        parts[1] = (qz.scale.astype(np.float32), s_name, TensorProto.FLOAT)
+        dq_out = names.take(w.name + "_dequantized")
+        tail = [helper.make_node("Cast", [dq_out], [w.name], name=names.take(w.name + "_Cast"),
+                                 to=TensorProto.BFLOAT16)]
+    dq = helper.make_node("DequantizeLinear", [p[1] for p in parts], [dq_out],
+                          name=names.take(w.name + "_DequantizeLinear"), **attrs)
+    return parts, [dq, *tail]
+
+
+def _splice(graphs: list, new_inits: dict, new_first_nodes: dict, const_nodes: dict) -> None:
+    """Put the quantized tensors and their nodes into each graph (subgraphs of If/Loop/Scan too):
+    replaced initializers out and their stored tensors in, the DequantizeLinear nodes first, each
+    rewritten Constant node replaced by its Constant tensors and DequantizeLinear."""
     # children before parents: rewriting a parent copies its nodes, subgraphs included
     for info in reversed(graphs):
         k = info.key
@@ -574,7 +609,6 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                 nodes.append(c)
         del g.node[:]
         g.node.extend(nodes)
-    return out
 
 
 @dataclass
