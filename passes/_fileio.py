@@ -64,6 +64,15 @@ def check_readable(path: PathLike) -> Path:
     return p
 
 
+def same_file(a: PathLike, b: PathLike) -> bool:
+    """Whether paths `a` and `b` name the same file (a hard link, a symlink or another spelling of
+    an existing file too): both existing, their inodes decide; else the spellings once resolved."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return Path(a).resolve() == Path(b).resolve()
+
+
 def _special_kind(mode: int) -> str | None:
     """What a non-regular file is, in words (None for a regular file)."""
     if stat.S_ISREG(mode):

@@ -125,15 +125,6 @@ def _progress(label: str):
 # shared steps
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        if a.exists() and b.exists() and os.path.samefile(a, b):
-            return True
-    except OSError:
-        pass
-    return a.resolve() == b.resolve()
-
-
 def _input_files(src: str) -> list[Path]:
     """The input model file and the external data files it reads (a .onnxz is one file)."""
     from passes._fileio import looks_packed, model_files
@@ -148,12 +139,13 @@ def _check_distinct(src: str, dst: str, dst_data_files: Sequence[str] = ()) -> N
     with --force, one of its external data files (the input model then read the new bytes).
     `dst_data_files`: names of the data files written beside `dst` (unpack restores them)."""
     from passes import InvalidArgumentError
+    from passes._fileio import same_file
 
     inputs = _input_files(src)
     folder = Path(dst).parent
     for out in [Path(dst)] + [folder / name for name in dst_data_files]:
         for k, used in enumerate(inputs):
-            if not _same_file(used, out):
+            if not same_file(used, out):
                 continue
             what = "the input file" if k == 0 else f"an external data file of the input {src}"
             shown = dst if out == Path(dst) else f"{dst} writes {out}, which"

@@ -133,3 +133,17 @@ def test_outputs_get_the_usual_permissions(tmp_path):
         os.umask(old)
     for f in tmp_path.iterdir():
         assert (f.stat().st_mode & 0o777) == 0o644, f
+
+
+def test_same_file_by_inode_or_resolved_spelling(tmp_path):
+    from passes._fileio import same_file
+
+    a = tmp_path / "a.onnx"
+    a.write_bytes(b"x")
+    os.link(a, tmp_path / "hard.onnx")
+    (tmp_path / "soft.onnx").symlink_to(a)
+    assert same_file(a, tmp_path / "hard.onnx") and same_file(a, tmp_path / "soft.onnx")
+    assert same_file(a, tmp_path / "sub" / ".." / "a.onnx")
+    assert same_file(tmp_path / "new.onnx", tmp_path / "." / "new.onnx")  # not there yet: by spelling
+    (tmp_path / "b.onnx").write_bytes(b"x")
+    assert not same_file(a, tmp_path / "b.onnx") and not same_file(a, tmp_path / "new.onnx")
