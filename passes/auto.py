@@ -693,7 +693,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         # (with padded batches, one of them too: the error there spreads over the weights otherwise)
         few_feeds = feeds[:SENSITIVITY_FEEDS - 1] + padded[:1] if padded else feeds[:SENSITIVITY_FEEDS]
         trial_model, act_names = probe, []
-        cast = fused_matmul_form == "cast"
+        # blocked levels keep their DequantizeLinear (cast_levels writes per-tensor / per-channel scales
+        # only): their int8 activations are emulated instead
+        cast = fused_matmul_form == "cast" and granularity != "block"
         if cast or (run_as == "onnxruntime" and ACT_QUANT_EMULATION):
             blocks = sens.fused_matmul_blocks([models[b] for b in sorted({bits[0], bits[-1]})], list(infos))
         if cast and blocks:

@@ -164,3 +164,11 @@ def test_nothing_quantizable_says_why():
     assert "1000000 elements" in note and "2 small (<1000000 elements)" in note
     assert not any("outside main-graph initializers" in n for n in rep["notes"])
     assert rep["met_on_feeds"] and all(r["form"] == "float" for r in rep["tensors"])
+
+
+def test_auto_with_blocked_levels_keeps_dequantize_linear():
+    """Blocked levels have no Cast+Mul form here: they stay DequantizeLinear, as built and as searched."""
+    m, f = _outlier_matmul_model()
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f[:4], min_elements=16, granularity="block")
+    assert rep["met_on_feeds"] and not any(r["form"].endswith("/cast") for r in rep["tensors"])
+    assert not any(n.op_type == "Mul" for n in out.graph.node)
