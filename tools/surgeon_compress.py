@@ -855,7 +855,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Compress ONNX model weights to int8 + DequantizeLinear, check fidelity, pack losslessly.",
-        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 fidelity gate failed, 4 damaged packed file, 130 interrupted",
+        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 fidelity gate failed, 4 damaged packed file, 70 internal error (a bug), "
+               "130 interrupted",
     )
     from passes import __version__
 
