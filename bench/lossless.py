@@ -527,7 +527,8 @@ def main(argv=None) -> int:
         ("× cpu t1, --sha256", ratio(".onnxz unpack sha cpu t1", "ZipNN unpack cpu t1")),
         ("× wall t2, --sha256", ratio(".onnxz unpack sha wall t2", "ZipNN unpack wall t2")),
         ("sha256 alone cpu", mbs("sha256 cpu")), ("xxh3_128 alone cpu", mbs("xxh3_128 cpu")),
-        ("xxh3_128 share of ours cpu t1", lambda r: f"{r['.onnxz unpack cpu t1'] / r['xxh3_128 cpu']:.0%}")])
+        # an upper bound since 18cdedf: at 1 thread the digest is fed each chunk in cache as it decodes
+        ("xxh3_128 alone / ours cpu t1 (bound)", lambda r: f"{r['.onnxz unpack cpu t1'] / r['xxh3_128 cpu']:.0%}")])
     table("Decode of the cut tensors from memory (secondary), MB/s of raw bytes. ZipNN: decompress() of its "
           "streams (it allocates each output); ours: PackedFile(bytes).tensors_bytes into reused buffers "
           "(XXH3 of every chunk checked); 'file': ours reading the .onnxz (one pread per chunk)", rows, [
