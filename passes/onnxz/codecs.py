@@ -1137,8 +1137,8 @@ class SharedTables:
     def build(cls, payloads) -> "SharedTables":
         """payloads: (uint8 array, dtype, field) of every payload that will be cut."""
         counts: Dict[tuple, list] = {}
-        for data, dtype, field in payloads:
-            kind = _shared_kind(data, dtype, field)
+        for data, dtype, payload_field in payloads:
+            kind = _shared_kind(data, dtype, payload_field)
             if kind is None:
                 continue
             key, width, sign = kind

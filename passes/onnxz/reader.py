@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 import xxhash
 
-from .._fileio import atomic_output, check_readable, check_writable, load_external_data, parse_model_bytes
+from .._fileio import atomic_output, check_readable, check_writable, load_external_data, parse_model_bytes, same_file
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError, SurgeonError
 from . import codecs
 from .protowire import write_varint
@@ -436,10 +436,13 @@ class PackedFile:
         """Many ans chunks read, checked and decoded in one C call (GIL released). `hashing`:
         (an _Xxh3_128's state, the window the chunks decode into, cursor): the window is hashed up
         to the end of each chunk as it decodes; returns the new cursor (else None)."""
+        # `hashing` passed only when given: an extension built before it takes three arguments
+        # (a tree updated without rebuilding then still unpacks, hashing windows in Python)
+        extra = () if hashing is None else (hashing,)
         if self._buf is not None:
-            failed = _decode_batch_c(self._buf, None, specs, hashing)
+            failed = _decode_batch_c(self._buf, None, specs, *extra)
         else:
-            failed = _decode_batch_c(self._fd, codecs.scratch("input").get(max(s[1] for s in specs)), specs, hashing)
+            failed = _decode_batch_c(self._fd, codecs.scratch("input").get(max(s[1] for s in specs)), specs, *extra)
         if failed is None or type(failed) is int:
             return failed
         i, code, message = failed
@@ -976,7 +979,7 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
     else:
         src = Path(src)
     dst = _default_dst(src) if dst is None else Path(dst)
-    if not in_memory and _same_path(src, dst):  # force=True would rename the model over the pack
+    if not in_memory and same_file(src, dst):  # force=True would rename the model over the pack
         raise FileAccessError(f"cannot write {dst}: it is the input file {src}; the input is never modified: "
                               "choose another destination")
     check_writable(dst, force)
@@ -1182,23 +1185,13 @@ def _prepare_data_path(folder: Path, target: Path, src: Optional[Path], dst: Pat
         raise FileAccessError(_describe_os_error(target, exc, "write")) from None
     if base not in resolved.parents:
         raise FileAccessError(f"cannot write {target}: it lies outside {folder}")
-    if src is not None and _same_path(src, target):
+    if src is not None and same_file(src, target):
         raise FileAccessError(f"cannot write {target} (external data of the packed model): it is the input file {src}; "
                               "the input is never modified: choose another destination")
-    if _same_path(dst, target):
+    if same_file(dst, target):
         raise FileAccessError(f"cannot write {target} (external data of the packed model): it is the model's destination; "
                               "choose another destination")
     check_writable(target, force)
-
-
-def _same_path(a: Path, b: Path) -> bool:
-    """Whether paths `a` and `b` name the same file (a hard link, a symlink or another spelling
-    of an existing file too). Both existing, their inodes decide (two stats, ~6 us: resolving both
-    paths costs ~50 us, 1% of unpacking a small model)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet): the same spelling once resolved
-        return a.resolve() == b.resolve()
 
 
 def _is_packed(path: Path) -> bool:

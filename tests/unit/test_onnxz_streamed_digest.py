@@ -124,3 +124,15 @@ def test_batch_hashing_cursor(multi_window):
         assert pf._decode_batch(specs, hashing=(h.state, window[:n], 0)) == end
         assert h.hexdigest() == xxhash.xxh3_128(window[:end]).hexdigest()
         assert pf._decode_batch(specs) is None
+
+
+def test_an_extension_built_before_hashing_still_unpacks(tmp_path, multi_window, monkeypatch):
+    """A tree updated without rebuilding _planes: ans_decode_batch takes three arguments and there
+    is no streamed state; restoring hashes windows in Python as before (no TypeError)."""
+    src, packed = multi_window
+    batch = reader._decode_batch_c
+    monkeypatch.setattr(reader, "_decode_batch_c", lambda source, scratch, tasks: batch(source, scratch, tasks))
+    monkeypatch.setattr(reader, "_fused_xxh3_128", False)
+    for threads in (1, 2):
+        assert passes.unpack(packed, tmp_path / f"r{threads}.onnx", threads=threads).read_bytes() == src.read_bytes()
+    assert passes.verify(packed, src).ok
