@@ -229,6 +229,18 @@ def attribute_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, tu
     return {op: (nodes, values) for op, (nodes, values) in sorted(found.items())}
 
 
+def _stored_tensors(g: onnx.GraphProto):
+    """(name the graph reads it by, tensor) of the initializers and Constant node values of `g`
+    (models exported with weights in Constant nodes keep their quantized levels there too)."""
+    for t in g.initializer:
+        yield t.name, t
+    for node in g.node:
+        if node.op_type == "Constant" and node.output:
+            for attr in node.attribute:
+                if attr.name == "value" and attr.HasField("t"):
+                    yield node.output[0], attr.t
+
+
 def _prequantized_note(model: onnx.ModelProto, min_elements: int) -> str | None:
     """Integer weights an earlier quantizer left for its own ops (ConvInteger, MatMulInteger,
     DynamicQuantizeLSTM, QLinearConv, MatMulNBits, ...): they stay as they are, and a model made
@@ -241,9 +253,9 @@ def _prequantized_note(model: onnx.ModelProto, min_elements: int) -> str | None:
         for node in gi.graph.node:
             for name in node.input:
                 readers.setdefault(name, set()).add(node.op_type)
-        for t in gi.graph.initializer:
+        for name, t in _stored_tensors(gi.graph):
             if t.data_type in ints and int(np.prod(t.dims, dtype=np.int64)) >= max(min_elements, 2):
-                by = readers.get(t.name, set()) & _QUANTIZED_OPS
+                by = readers.get(name, set()) & _QUANTIZED_OPS
                 if by:
                     count += 1
                     nbytes += graph.tensor_nbytes(t)

@@ -411,3 +411,15 @@ def test_asymmetric_float16_at_the_range_ends_stays_finite(kw):
     bits = kw.get("bits", 8)
     # a step capped at 65504 / 128 (8 bits) clips the far end by at most about half a step more
     assert np.abs(out.astype(np.float64) - w).max() <= 1.5 * 65504 * 2.0 / (2 ** bits - 1)
+
+
+@pytest.mark.parametrize("in_constant", [False, True])
+def test_quantizing_again_says_the_weights_are_already_quantized(in_constant):
+    # weights held in Constant nodes (rapidocr_cls) kept their int8 levels there: compressing the
+    # output again rewrote nothing and said nothing ('0 tensor(s) rewritten' alone)
+    once = quantize_weights(mg.conv_model(in_constant=in_constant))
+    report = Report()
+    quantize_weights(once, report=report)
+    assert not [t for t in report.tensors if t.bytes_after != t.bytes_before]
+    assert any(n.startswith("already quantized: 1 integer weight(s)") and "DequantizeLinear" in n
+               for n in report.notes), report.notes
