@@ -452,6 +452,10 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         return w.tensor
 
     reasons = [_keep_reason(w, include_p, exclude_p, ops, min_elements) for w in weights]
+    if include_p and report is not None and all(r in ("not included", "not float") for r in reasons):
+        # otherwise the only sign of a mistyped pattern is '0 tensor(s) rewritten'
+        report.note(f"include {', '.join(map(repr, include_p))} matched no float weight (by name or by the op type "
+                    "reading it): nothing quantized")
     jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels, rounding_opts,
                  importance.get(w.name))
             for w, reason in zip(weights, reasons) if reason is None]

@@ -423,3 +423,12 @@ def test_quantizing_again_says_the_weights_are_already_quantized(in_constant):
     assert not [t for t in report.tensors if t.bytes_after != t.bytes_before]
     assert any(n.startswith("already quantized: 1 integer weight(s)") and "DequantizeLinear" in n
                for n in report.notes), report.notes
+
+
+def test_include_matching_nothing_says_so():
+    report = Report()
+    quantize_weights(mg.conv_model(), include=["Konv*"], report=report)
+    assert "include 'Konv*' matched no float weight (by name or by the op type reading it): nothing quantized" in report.notes
+    report = Report()
+    quantize_weights(mg.conv_model(), include=["Conv"], report=report)
+    assert not any("matched no float weight" in n for n in report.notes)
