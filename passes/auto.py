@@ -126,7 +126,8 @@ FUSED_MATMUL_FORM = "cast"  # how a quantized weight is written whose Dequantize
 # fidelity 15.84% (0.98366, missed) -> 15.48% (0.98965, met); minilm_fp16 53.62% (met) -> 44.40% (0.99908). Plain
 # int8/channel, the same levels: minilm_fp16 cosine 0.99862 as DequantizeLinear, 0.99894 as Cast+Mul. Models with
 # few MatMul weights change only by where the search ends: rapidocr_cls 28.54% -> 28.90% (1 MatMul weight, top1
-# 1.0 both), open_nsfw 17.79% -> 17.76% (top1 1.0; at quantize_dynamic's top1 0.8333: 7.98%, top1 0.875).
+# 1.0 both), open_nsfw 17.79% -> 17.76% (top1 1.0; at quantize_dynamic's top1 0.8333: 7.98%, top1 0.875),
+# open_nsfw_fp16 32.13% -> 32.12% (top1 1.0).
 FUSED_MATMUL_FORMS = ("cast", "dequantize")
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
