@@ -356,8 +356,6 @@ def _summarise(name, metric, results, rows):
 
 
 def _big(args, tmp, provider, rows):
-    import passes
-
     print(f"[big] generating ~{args.big_gb} GB ...", file=sys.stderr, flush=True)
     path, weight_bytes = generate_big_model(tmp, args.big_gb)
     print("[big] packing ...", file=sys.stderr, flush=True)

@@ -590,7 +590,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         cons = gq.consumers(probe, hess)
         conv = {n for n in hess if n in cons and cons[n][0].op_type == "Conv"}
 
-        def gptq_fit(qmodel, hs, b, factors):
+        def fit_with_feedback(qmodel, hs, b, factors):
             """Error-feedback levels, damped as measured best held out (quantize_with_feedback)."""
             out = gq.refine(qmodel, probe, {n: h for n, h in hs.items() if n not in conv}, b,
                             damp=GPTQ_DAMP, factors=factors, act_order=GPTQ_ACT_ORDER)
@@ -598,6 +598,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                                  damp=GPTQ_CONV_DAMP, factors=factors, act_order=GPTQ_ACT_ORDER))
             return out
 
+        gptq_fit = fit_with_feedback
         factors = [{} for _ in range(n_folds)]  # the inverse Hessian factor of a weight serves every width
         for b in bits:
             if not GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS:

@@ -121,7 +121,6 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     src = load_model(model)
     out = onnx.ModelProto()
     out.CopyFrom(src)
-    g = out.graph
     if report is not None:
         report.pass_name = report.pass_name or "palettize"
     densified = graph.densify_sparse_initializers(out)
