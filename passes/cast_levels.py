@@ -2,6 +2,8 @@
 
     m = as_cast_mul(quantized, ["W"])   # W's DequantizeLinear written as Cast + Mul
     f = fold_cast_mul(m)                # float weights back, bit-exact (fold_dequantize calls it)
+    d = as_dequantize(m)                # DequantizeLinear again, the same values (the int8 runtime
+                                        # calls it: onnxruntime would fold Cast+Mul to float)
 
 Why: onnxruntime 1.25.0 and later fuse DequantizeLinear(constant int8/int4 levels; scale per
 tensor, per channel along N or per block along K) + MatMul into MatMulNBits with
@@ -212,3 +214,168 @@ def _fold_graph(g: onnx.GraphProto, read_anywhere: dict[str, int], report) -> No
     g.initializer.extend(keep + added)
     del g.node[:]
     g.node.extend(nodes)
+
+
+# --------------------------------------------------------------------------------------------
+# the inverse: back to DequantizeLinear
+
+
+_LEVEL_RANGES = {TensorProto.INT8: (-128, 127), TensorProto.UINT8: (0, 255),
+                 TensorProto.INT4: (-8, 7), TensorProto.UINT4: (0, 15)}
+
+
+class _GraphValues:
+    """Initializer values of one graph held in the protobuf (as_dequantize's store; the int8
+    runtime passes its own, which reads and writes the weights it feeds)."""
+
+    def __init__(self, g: onnx.GraphProto):
+        self.g = g
+        self.inits = {t.name: t for t in g.initializer}
+
+    def get(self, name: str) -> np.ndarray:
+        return graph.tensor_to_array(self.inits[name])
+
+    def put(self, name: str, value: np.ndarray, elem_type: int) -> None:
+        t = self.inits.get(name)
+        if t is None:
+            t = self.inits[name] = self.g.initializer.add()
+        else:
+            t.Clear()
+        graph.fill_tensor(t, value, name, elem_type)
+
+
+def dequantize_opset(q_t: TensorProto, s_t: TensorProto) -> int:
+    """The opset DequantizeLinear needs for these levels and scale: 4-bit levels 21, a float16
+    scale 19, an axis 13."""
+    if q_t.data_type in (TensorProto.INT4, TensorProto.UINT4):
+        return 21
+    return 19 if s_t.data_type == TensorProto.FLOAT16 else 13
+
+
+def _dequantize_layout(dims, scale: np.ndarray, zp: np.ndarray | None):
+    """(axis or None, scale, zero point) in DequantizeLinear's layout (scalars per tensor, 1-D
+    along `axis`), or None where the broadcast Mul / Sub is not per tensor or per one axis (or
+    would change the weight's shape)."""
+    rank = len(dims)
+    axes = set()
+    for value in (scale, zp):
+        if value is None:
+            continue
+        if value.ndim > rank:
+            return None
+        full = (1,) * (rank - value.ndim) + tuple(value.shape)
+        for i, (d, w) in enumerate(zip(full, dims)):
+            if d != 1:
+                if d != w:
+                    return None
+                axes.add(i)
+    if len(axes) > 1:
+        return None
+    axis = axes.pop() if axes else None
+
+    def layout(value):
+        if value is None:
+            return None
+        if axis is None:
+            return value.reshape(())
+        return np.ascontiguousarray(np.broadcast_to(value.reshape(-1), (dims[axis],)))
+
+    return axis, layout(scale), layout(zp)
+
+
+def _levels_zero_point(zp: np.ndarray, level_type: int) -> np.ndarray | None:
+    """The float zero point as the levels' integer type, or None unless every value converts exactly."""
+    lo, hi = _LEVEL_RANGES[level_type]
+    wide = zp.astype(np.float64)
+    if not np.all(np.isfinite(wide)) or np.any(wide != np.round(wide)) or np.any(wide < lo) or np.any(wide > hi):
+        return None
+    return wide.astype(np.int8 if lo < 0 else np.uint8)
+
+
+def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, names=None,
+                     opset: int = 10 ** 9) -> list[str]:
+    """Each Cast+Mul level pattern of `g` (those whose output is in `names`, when given) written
+    as DequantizeLinear(levels, scale, zero point) with the Mul's output name; `values` reads and
+    writes initializer values (get(name), put(name, array, elem_type)); `reads` counts every
+    reader of a name in the whole model; a pattern needing an opset above `opset` is left as it
+    is. Returns the rewritten weights' names."""
+    wanted = None if names is None else set(names)
+    by_mul, done = {}, []
+    for mul, cast, sub, q_t, zp_t, s_t in _pattern(g):
+        out_name = mul.output[0]
+        if (wanted is not None and out_name not in wanted) or dequantize_opset(q_t, s_t) > opset:
+            continue
+        zp = None if zp_t is None else values.get(zp_t.name)
+        layout = _dequantize_layout(tuple(q_t.dims), values.get(s_t.name), zp)
+        if layout is None:
+            continue
+        axis, scale, zp = layout
+        if zp is not None:
+            zp = _levels_zero_point(zp, q_t.data_type)
+            if zp is None:
+                continue
+        # a scale or zero point read elsewhere too keeps its own layout there: a new tensor here
+        s_name = s_t.name if reads.get(s_t.name, 0) == 1 else alloc.take(out_name + "_scale")
+        values.put(s_name, scale.astype(graph.NUMPY_TYPES[s_t.data_type]), s_t.data_type)
+        inputs = [q_t.name, s_name]
+        if zp is not None:
+            z_name = zp_t.name if reads.get(zp_t.name, 0) == 1 else alloc.take(out_name + "_zero_point")
+            values.put(z_name, zp, q_t.data_type)
+            inputs.append(z_name)
+        dq = helper.make_node("DequantizeLinear", inputs, [out_name], name=alloc.take(out_name + "_DequantizeLinear"))
+        if axis is not None:
+            dq.attribute.append(helper.make_attribute("axis", axis))
+        # nodes keyed by their output (protobuf hands out new wrapper objects on each walk)
+        by_mul[out_name] = (dq, {cast.output[0], sub.output[0]} if sub is not None else {cast.output[0]})
+        done.append(out_name)
+    if by_mul:
+        dropped = set().union(*(ids for _, ids in by_mul.values()))
+        nodes = [by_mul[n.output[0]][0] if n.output and n.output[0] in by_mul else n
+                 for n in g.node if not (n.output and n.output[0] in dropped)]
+        del g.node[:]
+        g.node.extend(nodes)
+    return done
+
+
+def _all_reads(model: onnx.ModelProto) -> dict[str, int]:
+    reads: dict[str, int] = {}
+    for info in graph.iter_graphs(model):
+        for name, k in _reads(info.graph).items():
+            reads[name] = reads.get(name, 0) + k
+    return reads
+
+
+def as_dequantize(model, names=None) -> onnx.ModelProto:
+    """A copy of `model` in which each Cast -> [Sub] -> Mul level pattern (every one, or those
+    producing the named weights; subgraphs too) is a DequantizeLinear again: the same levels, the
+    scale as a scalar or 1-D along `axis`, the zero point (where the pattern has one) in the
+    levels' type; the same values bit for bit (the inverse of as_cast_mul). A pattern whose
+    scale or zero point is not per tensor or per one axis, whose zero point is not exactly a
+    level, or that needs an opset the model cannot be raised to (int4 21, float16 scale 19) is
+    left as it is.
+
+    Why: onnxruntime folds Cast+Mul of constants to a float weight at load; the int8 runtime
+    (passes.InferenceSession mode="int8") keeps DequantizeLinear weights integer in memory."""
+    from .errors import UnsupportedFormError
+
+    src = load_model(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    wanted = None if names is None else set(names)
+    need = max((dequantize_opset(q_t, s_t) for info in graph.iter_graphs(out)
+                for mul, _, _, q_t, _, s_t in _pattern(info.graph) if wanted is None or mul.output[0] in wanted),
+               default=0)
+    if not need:
+        return out
+    opset = graph.default_opset(out)
+    if need > opset:
+        try:
+            out, _ = graph.raise_opset(out, need)
+            opset = need
+        except UnsupportedFormError:
+            pass  # the patterns that need more stay Cast+Mul
+    reads = _all_reads(out)
+    alloc = graph.NameAllocator(graph.all_names(out))
+    for info in graph.iter_graphs(out):
+        dequantize_graph(info.graph, _GraphValues(info.graph), reads, alloc, wanted, opset)
+    return out

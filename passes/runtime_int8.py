@@ -1,7 +1,10 @@
 """mode="int8" / "int4" at load: weights stay quantized in memory, in forms onnxruntime runs
 without dequantizing whole weights on every run.
 
-Per weight (a constant DequantizeLinear, or a float weight quantized here at load):
+Weights written as Cast(levels) -> [Sub] -> Mul(scale) (passes.compress with a target, see
+cast_levels) are read as DequantizeLinear first (cast_levels.dequantize_graph, the same values):
+onnxruntime would fold them to float at load. Then per weight (a constant DequantizeLinear, or a
+float weight quantized here at load):
 - consumed only as MatMul's B or Gemm's B -> com.microsoft MatMulNBits (bits 8 or 4, blocks along
   K; a per-channel or per-tensor scale is repeated over the blocks, so the values are exactly the
   DequantizeLinear's). onnxruntime prepacks it for its integer kernels;
@@ -155,6 +158,7 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     if split.skeleton.ir_version < 4 and unlist_ir3_initializers(split.skeleton):
         notes.append("IR version raised from 3 to 4: initializers are no longer listed as graph inputs "
                      "(a weight quantized here would otherwise be a required input)")
+    _dequantize_cast_levels(split, notes)  # Cast+Mul levels (auto mode's form) as DequantizeLinear again
     _quantize_with_pass(split, notes)     # subgraph and bfloat16 weights (may replace split.skeleton)
     _quantize_float_weights(split, bits, notes)  # (may replace split.skeleton: an opset conversion)
     graph = split.skeleton.graph
@@ -397,6 +401,51 @@ def early_conv_weights(split: SplitModel, uses: dict) -> set:
         spent += cost
         chosen.add(name)
     return chosen
+
+
+# ---------------------------------------------------------------------- Cast+Mul levels
+
+class _SplitValues:
+    """cast_levels.dequantize_graph's store for a split model: big values are fed weights."""
+
+    def __init__(self, split: SplitModel):
+        self.split = split
+
+    def get(self, name: str) -> np.ndarray:
+        return self.split.array(name)
+
+    def put(self, name: str, value: np.ndarray, elem_type: int) -> None:
+        from .graph import array_to_tensor
+
+        if elem_type in (TensorProto.INT4, TensorProto.UINT4):  # a 4-bit zero point: small, inline
+            self.split.remove_initializer(name)
+            self.split.skeleton.graph.initializer.append(array_to_tensor(value, name, elem_type))
+        else:
+            self.split.set_weight(name, value)
+
+
+def _dequantize_cast_levels(split: SplitModel, notes: list) -> int:
+    """Main-graph weights written as Cast(levels) -> [Sub zero point] -> Mul(scale) (what
+    passes.compress with a target writes, see cast_levels) become DequantizeLinear again, so
+    they stay integer in memory and take the same forms as DequantizeLinear weights below;
+    onnxruntime would fold them to float at load. Returns how many."""
+    from .cast_levels import _all_reads, _pattern, dequantize_graph, dequantize_opset
+    from .graph import NameAllocator, all_names, default_opset
+
+    found = _pattern(split.skeleton.graph)
+    if not found:
+        return 0
+    need = max(dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in found)
+    opset = need if _opset_at_least(split, need) else default_opset(split.skeleton)
+    alloc = NameAllocator(all_names(split.skeleton))
+    done = dequantize_graph(split.skeleton.graph, _SplitValues(split), _all_reads(split.skeleton), alloc, opset=opset)
+    if done:
+        notes.append(f"{len(done)} weight(s) written as Cast+Mul of integer levels read as DequantizeLinear "
+                     f"(kept quantized in memory; onnxruntime would fold them to float)")
+    if len(done) < len(found):
+        notes.append(f"{len(found) - len(done)} Cast+Mul level weight(s) stay as they are (scale not per tensor "
+                     f"or per axis, zero point not a level, or opset {need} out of reach): onnxruntime folds them to float")
+    return len(done)
 
 
 # ---------------------------------------------------------------------- reading DequantizeLinear

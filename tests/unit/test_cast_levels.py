@@ -172,3 +172,56 @@ def test_auto_with_blocked_levels_keeps_dequantize_linear():
     out, rep = passes.compress(m, target="cosine>=0.999", feeds=f[:4], min_elements=16, granularity="block")
     assert rep["met_on_feeds"] and not any(r["form"].endswith("/cast") for r in rep["tensors"])
     assert not any(n.op_type == "Mul" for n in out.graph.node)
+
+
+# ---------------------------------------------------------------------- as_dequantize (the inverse)
+
+@pytest.mark.parametrize("dtype,bits,symmetric", [("float32", 8, True), ("float32", 4, True), ("float16", 8, True),
+                                                  ("float32", 8, False), ("float16", 6, False), ("float32", 4, False)])
+def test_as_dequantize_gives_back_the_dequantize_linear_values(dtype, bits, symmetric):
+    from passes.cast_levels import as_dequantize
+
+    q = passes.quantize_weights(dense_model(dtype=dtype), bits=bits, symmetric=symmetric, min_elements=16)
+    names = [n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear"]
+    c = as_cast_mul(q, names)
+    before = c.SerializeToString()
+    d = as_dequantize(c)
+    assert c.SerializeToString() == before, "the input is not modified"
+    onnx.checker.check_model(d, full_check=True)
+    assert not has_cast_mul(d)
+    assert sorted(n.output[0] for n in d.graph.node if n.op_type == "DequantizeLinear") == sorted(names)
+    ref, from_cast_mul, got = _folded(q), fold_cast_mul(c), _folded(d)
+    from_cast_mul = {t.name: graph.tensor_to_array(t) for t in from_cast_mul.graph.initializer}
+    for name in names:
+        assert got[name].dtype == ref[name].dtype
+        assert got[name].tobytes() == ref[name].tobytes() == from_cast_mul[name].tobytes()
+    levels = {t.name: t.data_type for t in q.graph.initializer}
+    assert all(t.data_type == levels[t.name] for t in d.graph.initializer if t.name in levels)  # same level types
+    # what onnxruntime's DequantizeLinear computes = what its Cast and Mul computed, bit for bit
+    for name in names:
+        assert _runtime_weight(d, name).tobytes() == _runtime_weight(c, name).tobytes()
+    for got_y, want_y in zip(run(d, feeds(d)), run(q, feeds(q))):
+        assert got_y.tobytes() == want_y.tobytes()
+
+
+def test_as_dequantize_named_weights_only_and_what_it_leaves():
+    from passes.cast_levels import as_dequantize
+
+    q = passes.quantize_weights(dense_model(), bits=8, symmetric=False, min_elements=16)
+    c = as_cast_mul(q, ["W1", "W2", "W3"])
+    d = as_dequantize(c, ["W2"])
+    ops = {n.output[0]: n.op_type for n in d.graph.node}
+    assert ops["W2"] == "DequantizeLinear" and ops["W1"] == ops["W3"] == "Mul"
+    # a zero point that is not a level (a fraction) cannot be DequantizeLinear's: left as it is
+    bad = onnx.ModelProto()
+    bad.CopyFrom(c)
+    sub = next(n for n in bad.graph.node if n.op_type == "Sub" and n.output[0].startswith("W2"))
+    zp_t = next(t for t in bad.graph.initializer if t.name == sub.input[1])
+    zp = graph.tensor_to_array(zp_t) + np.float32(0.5)
+    zp_t.CopyFrom(graph.array_to_tensor(zp, zp_t.name, zp_t.data_type))
+    kept = as_dequantize(bad)
+    ops = {n.output[0]: n.op_type for n in kept.graph.node}
+    assert ops["W2"] == "Mul" and ops["W1"] == ops["W3"] == "DequantizeLinear"
+    onnx.checker.check_model(kept, full_check=True)
+    # nothing to do: the model comes back as it is
+    assert as_dequantize(q).SerializeToString() == q.SerializeToString()
