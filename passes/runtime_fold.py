@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .graph import NameAllocator
 from .runtime_feed import SplitModel, subgraphs
 
 
@@ -148,14 +149,7 @@ def gather_dequantized_rows(split: SplitModel) -> list:
     taken = set(inits) | {i.name for i in graph.input} | outputs
     for node in graph.node:
         taken.update(node.output)
-
-    def fresh(base: str) -> str:
-        name, k = base, 0
-        while name in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name)
-        return name
+    fresh = NameAllocator(taken).take
 
     rewritten, replaced = [], {}
     for node in graph.node:

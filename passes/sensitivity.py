@@ -389,15 +389,7 @@ def with_act_quant(model: onnx.ModelProto, blocks: dict[str, int]) -> tuple[onnx
         i.name for i in m.graph.input}
     switches: dict[str, str] = {}
     new_nodes, new_inits = [], []
-
-    def fresh(base):
-        name, k = base, 0
-        while name in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name)
-        return name
-
+    fresh = graph.NameAllocator(taken).take
     for node in m.graph.node:
         k = _contraction_length(node, inits, blocks)
         if k is None:
