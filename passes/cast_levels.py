@@ -64,10 +64,7 @@ def as_cast_mul(model, names) -> onnx.ModelProto:
     g = out.graph
     wanted = set(names)
     inits = {t.name: t for t in g.initializer}
-    reads = _reads(g)
-    for info in graph.iter_graphs(out)[1:]:  # a subgraph reading a scale by name keeps it
-        for name, k in _reads(info.graph).items():
-            reads[name] = reads.get(name, 0) + k
+    reads = graph.read_counts(out)  # a subgraph reading a scale by name keeps it
     alloc = graph.NameAllocator(graph.all_names(out))
     new_nodes = []
     for node in g.node:
@@ -178,12 +175,8 @@ def fold_cast_mul(model, *, report: Report | None = None) -> onnx.ModelProto:
         return src
     out = onnx.ModelProto()
     out.CopyFrom(src)
-    infos = graph.iter_graphs(out)
-    read_anywhere: dict[str, int] = {}
-    for info in infos:
-        for name, k in _reads(info.graph).items():
-            read_anywhere[name] = read_anywhere.get(name, 0) + k
-    for info in reversed(infos):  # children first
+    read_anywhere = graph.read_counts(out)
+    for info in reversed(graph.iter_graphs(out)):  # children first
         _fold_graph(info.graph, read_anywhere, report)
     return out
 
@@ -337,14 +330,6 @@ def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, n
     return done
 
 
-def _all_reads(model: onnx.ModelProto) -> dict[str, int]:
-    reads: dict[str, int] = {}
-    for info in graph.iter_graphs(model):
-        for name, k in _reads(info.graph).items():
-            reads[name] = reads.get(name, 0) + k
-    return reads
-
-
 def as_dequantize(model, names=None) -> onnx.ModelProto:
     """A copy of `model` in which each Cast -> [Sub] -> Mul level pattern (every one, or those
     producing the named weights; subgraphs too) is a DequantizeLinear again: the same levels, the
@@ -374,7 +359,7 @@ def as_dequantize(model, names=None) -> onnx.ModelProto:
             opset = need
         except UnsupportedFormError:
             pass  # the patterns that need more stay Cast+Mul
-    reads = _all_reads(out)
+    reads = graph.read_counts(out)
     alloc = graph.NameAllocator(graph.all_names(out))
     for info in graph.iter_graphs(out):
         dequantize_graph(info.graph, _GraphValues(info.graph), reads, alloc, wanted, opset)

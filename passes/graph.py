@@ -323,6 +323,20 @@ def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from attr.graphs
 
 
+def read_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """How often each name is read anywhere in the model: node inputs and graph outputs (a graph
+    output is a reader too) of the main graph and every subgraph. A pass that folds a constant
+    away keeps it while another reader is left."""
+    counts: dict[str, int] = {}
+    for info in iter_graphs(model):
+        for node in info.graph.node:
+            for name in node.input:
+                counts[name] = counts.get(name, 0) + 1
+        for out in info.graph.output:
+            counts[out.name] = counts.get(out.name, 0) + 1
+    return counts
+
+
 def all_names(model: onnx.ModelProto) -> set[str]:
     """Every tensor and node name used anywhere, to keep new names unique."""
     names: set[str] = set()

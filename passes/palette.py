@@ -268,14 +268,9 @@ def fold_palettes(model, *, report: Report | None = None) -> onnx.ModelProto:
         return src
     out = onnx.ModelProto()
     out.CopyFrom(src)
-    infos = graph.iter_graphs(out)
-    # a table or index tensor still read elsewhere (any graph) stays
-    read_anywhere: dict[str, int] = {}
-    for info in infos:
-        for n in info.graph.node:
-            for i in n.input:
-                read_anywhere[i] = read_anywhere.get(i, 0) + 1
-    for info in reversed(infos):  # children first: rewriting a graph copies its subgraphs
+    # a table or index tensor still read elsewhere (any graph, or as a graph output) stays
+    read_anywhere = graph.read_counts(out)
+    for info in reversed(graph.iter_graphs(out)):  # children first: rewriting a graph copies its subgraphs
         _fold_graph_palettes(info, read_anywhere, report)
     return out
 

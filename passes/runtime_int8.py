@@ -429,8 +429,8 @@ def _dequantize_cast_levels(split: SplitModel, notes: list) -> int:
     passes.compress with a target writes, see cast_levels) become DequantizeLinear again, so
     they stay integer in memory and take the same forms as DequantizeLinear weights below;
     onnxruntime would fold them to float at load. Returns how many."""
-    from .cast_levels import _all_reads, _pattern, dequantize_graph, dequantize_opset
-    from .graph import NameAllocator, all_names, default_opset
+    from .cast_levels import _pattern, dequantize_graph, dequantize_opset
+    from .graph import NameAllocator, all_names, default_opset, read_counts
 
     found = _pattern(split.skeleton.graph)
     if not found:
@@ -438,7 +438,7 @@ def _dequantize_cast_levels(split: SplitModel, notes: list) -> int:
     need = max(dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in found)
     opset = need if _opset_at_least(split, need) else default_opset(split.skeleton)
     alloc = NameAllocator(all_names(split.skeleton))
-    done = dequantize_graph(split.skeleton.graph, _SplitValues(split), _all_reads(split.skeleton), alloc, opset=opset)
+    done = dequantize_graph(split.skeleton.graph, _SplitValues(split), read_counts(split.skeleton), alloc, opset=opset)
     if done:
         notes.append(f"{len(done)} weight(s) written as Cast+Mul of integer levels read as DequantizeLinear "
                      f"(kept quantized in memory; onnxruntime would fold them to float)")

@@ -244,3 +244,23 @@ def test_channels_last_layout(shape):
     col_snr = 10 * np.log10(np.sum(w64 ** 2, axis=lead) / np.sum((deq - w64) ** 2, axis=lead))
     assert col_snr.min() > 35  # every column kept its own scale (a mixed-up layout gives noise)
     assert qz.snr_db() > 35
+
+
+def test_read_counts_sees_subgraphs_and_graph_outputs():
+    # W is read by the main graph's Add, by the If branch's Identity, and is a graph output too
+    then_g = helper.make_graph([helper.make_node("Identity", ["W"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TP.FLOAT, [2])])
+    else_g = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TP.FLOAT, [2])])
+    nodes = [helper.make_node("Add", ["x", "W"], ["y"]),
+             helper.make_node("If", ["c"], ["z"], then_branch=then_g, else_branch=else_g)]
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2]), helper.make_tensor_value_info("c", TP.BOOL, [])],
+        [helper.make_tensor_value_info(n, TP.FLOAT, [2]) for n in ("y", "z", "W")],
+        [helper.make_tensor("W", TP.FLOAT, [2], [1.0, 2.0])])
+    counts = graph.read_counts(helper.make_model(g))
+    assert counts["W"] == 3
+    assert counts["x"] == 2  # Add and the else branch
+    assert counts["c"] == 1 and counts["y"] == 1 and counts["z"] == 1
+    assert "t" in counts and "e" in counts  # the branches' own outputs
