@@ -704,7 +704,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             # written as Cast+Mul, onnxruntime runs them as float MatMuls: the trials' float weights
             # are what the built model computes, nothing to emulate
             cast_names.update(blocks)
-            notes.append(f"{len(blocks)} MatMul weights written as Cast+Mul of their levels where quantized "
+            notes.append(f"{len(blocks)} MatMul weight(s) written as Cast+Mul of their levels where quantized "
                          "(onnxruntime would run DequantizeLinear+MatMul as MatMulNBits with int8 activations; it "
                          "folds Cast+Mul to a float weight at load: the same file size, float memory and run time)")
         elif run_as == "onnxruntime" and ACT_QUANT_EMULATION:
