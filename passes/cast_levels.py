@@ -131,7 +131,7 @@ def _replace(t: TensorProto, value: np.ndarray, elem_type: int | None = None) ->
 # the fold
 
 
-def _pattern(g: onnx.GraphProto):
+def level_patterns(g: onnx.GraphProto):
     """(Mul node, Cast node, Sub node or None, levels, zero point or None, scale) for each
     Mul(Cast(levels) [- zero point], scale) of initializers in `g` whose intermediate values are
     read by the chain alone."""
@@ -164,7 +164,7 @@ def _pattern(g: onnx.GraphProto):
 
 
 def has_cast_mul(model: onnx.ModelProto) -> bool:
-    return any(_pattern(info.graph) for info in graph.iter_graphs(model))
+    return any(level_patterns(info.graph) for info in graph.iter_graphs(model))
 
 
 def fold_cast_mul(model, *, report: Report | None = None) -> onnx.ModelProto:
@@ -182,7 +182,7 @@ def fold_cast_mul(model, *, report: Report | None = None) -> onnx.ModelProto:
 
 
 def _fold_graph(g: onnx.GraphProto, read_anywhere: dict[str, int], report) -> None:
-    found = _pattern(g)
+    found = level_patterns(g)
     if not found:
         return
     drop_nodes, drop_reads, added = set(), {}, []
@@ -294,7 +294,7 @@ def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, n
     is. Returns the rewritten weights' names."""
     wanted = None if names is None else set(names)
     by_mul, done = {}, []
-    for mul, cast, sub, q_t, zp_t, s_t in _pattern(g):
+    for mul, cast, sub, q_t, zp_t, s_t in level_patterns(g):
         out_name = mul.output[0]
         if (wanted is not None and out_name not in wanted) or dequantize_opset(q_t, s_t) > opset:
             continue
@@ -348,7 +348,7 @@ def as_dequantize(model, names=None) -> onnx.ModelProto:
     out.CopyFrom(src)
     wanted = None if names is None else set(names)
     need = max((dequantize_opset(q_t, s_t) for info in graph.iter_graphs(out)
-                for mul, _, _, q_t, _, s_t in _pattern(info.graph) if wanted is None or mul.output[0] in wanted),
+                for mul, _, _, q_t, _, s_t in level_patterns(info.graph) if wanted is None or mul.output[0] in wanted),
                default=0)
     if not need:
         return out
