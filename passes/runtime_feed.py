@@ -255,6 +255,31 @@ def main_graph_readers(graph) -> dict:
     return readers
 
 
+def main_graph_uses(graph) -> dict:
+    """name -> [(node, input index)] over the main graph's nodes. A name read inside a subgraph
+    (an outer-scope reference) or listed as a graph output also gets a (None, -1) use: a rewrite
+    that moves or removes the name's producer must leave such a name alone."""
+    uses: dict = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node, i))
+        for sub in subgraphs(node):
+            for inner in _names_read_in(sub):
+                uses.setdefault(inner, []).append((None, -1))
+    for o in graph.output:
+        uses.setdefault(o.name, []).append((None, -1))
+    return uses
+
+
+def _names_read_in(g) -> set:
+    names = set()
+    for node in g.node:
+        names.update(node.input)
+        for sub in subgraphs(node):
+            names |= _names_read_in(sub)
+    return names
+
+
 def consumers_shareable(graph, name: str, extra=None, readers=None) -> bool:
     """True when every reader of `name` in the main graph is a shareable operator input."""
     table = {**SHAREABLE_CONSUMERS, **(extra or {})}

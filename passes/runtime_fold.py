@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .graph import NameAllocator
-from .runtime_feed import SplitModel, subgraphs
+from .runtime_feed import SplitModel, main_graph_uses, subgraphs
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -140,10 +140,7 @@ def gather_dequantized_rows(split: SplitModel) -> list:
     the largest weight (MiniLM: 11.7 M of its 22 M weights). The table stays 8-bit in memory; a
     run dequantizes only the rows it reads."""
     graph = split.skeleton.graph
-    readers: dict = {}
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            readers.setdefault(name, []).append((node, index))
+    readers = main_graph_uses(graph)  # subgraph reads and graph outputs count: the table stays then
     outputs = {o.name for o in graph.output}
     inits = split.initializer_names()
     taken = set(inits) | {i.name for i in graph.input} | outputs
@@ -210,7 +207,7 @@ def _gather_rows_plan(node, split: SplitModel, readers: dict, outputs: set, init
     if out in outputs or len(uses) != 1:
         return None
     gather, index = uses[0]
-    if gather.op_type != "Gather" or gather.domain not in ("", "ai.onnx") or index != 0 or _attr(gather, "axis", 0) != 0:
+    if gather is None or gather.op_type != "Gather" or gather.domain not in ("", "ai.onnx") or index != 0 or _attr(gather, "axis", 0) != 0:
         return None
     if _attr(node, "block_size", 0) or _attr(node, "output_dtype", 0):
         return None

@@ -35,7 +35,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .graph import node_subgraphs
-from .runtime_feed import INLINE_MAX_BYTES, SplitModel
+from .runtime_feed import INLINE_MAX_BYTES, SplitModel, main_graph_uses
 
 MS_DOMAIN = "com.microsoft"
 # accuracy_level of MatMulNBits: 4 = int8 activations in the kernel (fastest on CPU), chosen by
@@ -98,30 +98,6 @@ def float_weight_bytes(split: SplitModel, dtype=None) -> int:
     return total
 
 
-def _consumers(graph) -> dict:
-    uses = {}
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            uses.setdefault(name, []).append((node, i))
-        for attr in node.attribute:
-            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                for inner in _subgraph_names(g):
-                    uses.setdefault(inner, []).append((None, -1))
-    for o in graph.output:
-        uses.setdefault(o.name, []).append((None, -1))
-    return uses
-
-
-def _subgraph_names(g) -> set:
-    names = set()
-    for node in g.node:
-        names.update(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                names |= _subgraph_names(sub)
-    return names
-
-
 def _role(uses) -> str | None:
     """"matmul" | "gemm" | "gather" | None (keep DequantizeLinear) for a weight's consumers."""
     if len(uses) != 1 or uses[0][0] is None:
@@ -162,7 +138,7 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     _quantize_with_pass(split, notes)     # subgraph and bfloat16 weights (may replace split.skeleton)
     _quantize_float_weights(split, bits, notes)  # (may replace split.skeleton: an opset conversion)
     graph = split.skeleton.graph
-    uses = _consumers(graph)
+    uses = main_graph_uses(graph)
     inits = split.initializer_names()
     replaced = {}
     for node in list(graph.node):
@@ -223,7 +199,7 @@ def fuse_conv_bias_adds(split: SplitModel) -> int:
     float weights; fidelity is the int8 model's."""
     graph = split.skeleton.graph
     producers = {o: n for n in graph.node for o in n.output}
-    uses = _consumers(graph)
+    uses = main_graph_uses(graph)
     outputs = {o.name for o in graph.output}
     removed, fused, renames = set(), 0, {}
     for conv in list(graph.node):
@@ -429,10 +405,10 @@ def _dequantize_cast_levels(split: SplitModel, notes: list) -> int:
     passes.compress with a target writes, see cast_levels) become DequantizeLinear again, so
     they stay integer in memory and take the same forms as DequantizeLinear weights below;
     onnxruntime would fold them to float at load. Returns how many."""
-    from .cast_levels import _pattern, dequantize_graph, dequantize_opset
+    from .cast_levels import dequantize_graph, dequantize_opset, level_patterns
     from .graph import NameAllocator, all_names, default_opset, read_counts
 
-    found = _pattern(split.skeleton.graph)
+    found = level_patterns(split.skeleton.graph)
     if not found:
         return 0
     need = max(dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in found)
@@ -497,7 +473,7 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
                          f"{19 if narrow else 13} (DequantizeLinear with an axis)")
         return
     graph = split.skeleton.graph
-    uses = _consumers(graph)
+    uses = main_graph_uses(graph)
     new_nodes = []
     kept = {}  # why -> [float bytes, count] of big float weights left float
     for name in sorted(split.weights):
@@ -609,7 +585,7 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     # main-graph float weights read inside a subgraph (outer-scope names): the pass puts their
     # DequantizeLinear in the main graph, the subgraph reads its output
     outputs = {o.name for o in split.skeleton.graph.output}
-    uses = _consumers(split.skeleton.graph) if split.weights else {}
+    uses = main_graph_uses(split.skeleton.graph) if split.weights else {}
     outer = sorted(n for n, w in split.weights.items()
                    if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
                    and any(node is None for node, _ in uses.get(n, [])))
@@ -707,7 +683,7 @@ def _shorten_bfloat16_casts(graph) -> int:
     main-graph rules look for) and is not rounded to bfloat16 on the way (a smaller error, no
     larger). Returns how many chains were shortened."""
     producers = {o: n for n in graph.node for o in n.output}
-    uses = _consumers(graph)
+    uses = main_graph_uses(graph)
     outputs = {o.name for o in graph.output}
     removed, count = set(), 0
     for outer in graph.node:

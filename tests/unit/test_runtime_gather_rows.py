@@ -83,6 +83,15 @@ def test_table_read_elsewhere_or_gathered_on_another_axis_is_left_as_it_is():
     shared.graph.node.append(helper.make_node("Identity", ["E"], ["E_copy"]))  # a second reader
     shared.graph.output.append(helper.make_tensor_value_info("E_copy", TensorProto.FLOAT16, [ROWS, WIDTH]))
     assert gather_dequantized_rows(split_model(shared)) == []
+    in_branch = onnx.ModelProto()  # the table also read by name inside an If branch
+    in_branch.CopyFrom(model)
+    branch = helper.make_graph([helper.make_node("Identity", ["E"], ["b"])], "branch", [],
+                               [helper.make_tensor_value_info("b", TensorProto.FLOAT16, [ROWS, WIDTH])])
+    in_branch.graph.input.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
+    in_branch.graph.node.append(helper.make_node("If", ["c"], ["E_if"], then_branch=branch, else_branch=branch))
+    in_branch.graph.output.append(helper.make_tensor_value_info("E_if", TensorProto.FLOAT16, [ROWS, WIDTH]))
+    onnx.checker.check_model(in_branch, full_check=True)
+    assert gather_dequantized_rows(split_model(in_branch)) == []
     other_axis = onnx.ModelProto()
     other_axis.CopyFrom(model)
     other_axis.graph.node[1].attribute[0].i = 1
