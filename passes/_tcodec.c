@@ -10,13 +10,16 @@
  * over positions. The rANS renormalisation is branch-free; one packed table entry per
  * (context, slot) gives the token, its frequency and its offset in one load. Where the CPU has
  * AVX-512, each thread decodes 16 chunks at once in the lanes of one vector instead (see "AVX-512"
- * below: ~1.8x the scalar lanes per core), the scalar lanes finishing its last few chunks.
+ * below: ~1.8x the scalar lanes per core), the scalar lanes finishing its last few chunks; where
+ * it has AVX2 only, the same 16 chunks in two vectors of 8 (see "AVX2": ~2x the scalar lanes per
+ * core on Zen 3).
  *
  * decode(words, woff, raw, roff, chunk_units, out, row_cls, pos_cls, lut, freq, recon,
  *        unit_len, units_per_row, n_pos_cls, nb_ctx, tcq, step, threads, lanes[, simd]) -> 0 | -1
- *   simd    0 (default): scalar lanes only; 1..5: the AVX-512 lanes (below) where the CPU has them,
- *           while a thread has at least that many chunks; + 16: they read every token's raw bits
- *           the way they read the rare ones of > 25 bits (a test hook: same values)
+ *   simd    0 (default): scalar lanes only; 1..5: the vector lanes (below: AVX-512, else AVX2)
+ *           where the CPU has them, while a thread has at least that many chunks; + 16: they read
+ *           every token's raw bits the way they read the rare ones of > 25 bits (a test hook: same
+ *           values); + 32: the AVX2 lanes also where the CPU has AVX-512 (a test hook: same values)
  *   words   uint16, with at least one element after the last chunk's words (read, never used)
  *   woff, roff, chunk_units  int64[n_chunks + 1]   raw uint32   out float32 (written)
  *   row_cls uint8[rows]   pos_cls int32[unit_len]   lut int32[LUT_SIZE]
@@ -72,7 +75,7 @@ typedef struct {
     float step;
     int lanes;
     /* for the AVX-512 lanes (see there) */
-    int simd, simd_min;          /* vector lanes used; fewest chunks they decode (below: the scalar lanes finish) */
+    int simd, simd_min;          /* vector lanes used (0, SIMD_AVX512, SIMD_AVX2); fewest chunks they decode (below: the scalar lanes finish) */
     int simd_wide;               /* every token's raw bits read as 8 bytes (to test that rare path) */
     int64_t nb_ctx;
     const int32_t *pos_off32;    /* pos_off, as int32 (the vector path needs all offsets < 2**31) */
@@ -300,6 +303,8 @@ static int run_scalar(Job *jb, Lane *ln, int k) {
 #define SL 16
 #define MAX_THR 8
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define SIMD_AVX512 1 /* Job.simd: which vector lanes */
+#define SIMD_AVX2 2
 
 typedef struct {
     int32_t x[SL], wp[SL], wend[SL], rel[SL], rlen[SL], rbyte[SL], st[SL], bad[SL], row[SL],
@@ -565,6 +570,297 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
     _mm512_store_si512(S->v.bad, _mm512_maskz_mov_epi32(bad, one));
 }
 
+/* ---- AVX2: the same 16 lanes as two vectors of 8 ------------------------------------------------
+ * Why: CPUs with AVX2 but no AVX-512 (AMD Zen 2/3, older Intel) ran the scalar lanes only. Same
+ * lanes, state and hand-over as the AVX-512 path (SState, slane_start, run_simd), the same
+ * bitstream and output; the differences are those of the instruction set: no mask registers
+ * (lane masks are vectors of 0 / -1), no unsigned compares (every compared quantity is < 2**31
+ * but the rANS state, tested by its high half instead), no 32-entry permute (the centroids are
+ * four 8-entry permutes and two blends), and the neighbour bucket is the number of the LUT's steps
+ * the sum has passed, turned into its table offset by one 8-entry permute (the LUT has <= 7
+ * steps; else it is gathered). The two vectors' dependency chains (table entry -> magnitude ->
+ * next context -> table entry) are independent, so the core overlaps them. Gathers: the table
+ * entry, the renormalisation word and the raw bits, each 8 lanes; AVX2_SCALAR_LOADS replaces them
+ * by scalar loads (measured on Zen 3, see run_simd's caller). */
+#define AVX2F __attribute__((target("avx2")))
+#define HL 8 /* lanes per vector */
+
+#ifdef AVX2_SCALAR_LOADS
+#define G32(base, idx, scale) avx2_loads((const uint8_t *)(base), idx, scale)
+AVX2F static inline __m256i avx2_loads(const uint8_t *base, __m256i idx, int scale) {
+    int32_t i[HL] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)i, idx);
+    int32_t v[HL];
+    for (int l = 0; l < HL; l++) memcpy(&v[l], base + (int64_t)i[l] * scale, 4);
+    return _mm256_setr_epi32(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+}
+#else
+#define G32(base, idx, scale) _mm256_i32gather_epi32((const int *)(base), idx, scale)
+#endif
+
+/* lanes (bitmask) of r: the 32 raw bits at (byte rb, shift sh) read as 8 bytes (> 25 raw bits) */
+AVX2F __attribute__((noinline, cold)) static __m256i avx2_raw_wide(const uint8_t *raw, __m256i r, __m256i rb,
+                                                                 __m256i sh, int lanes) {
+    int32_t ar[HL], ab[HL], as[HL];
+    _mm256_storeu_si256((__m256i *)ar, r); _mm256_storeu_si256((__m256i *)ab, rb);
+    _mm256_storeu_si256((__m256i *)as, sh);
+    for (int l = 0; l < HL; l++) {
+        if (!((lanes >> l) & 1)) continue;
+        uint64_t w;
+        memcpy(&w, raw + (uint32_t)ab[l], 8);
+        ar[l] = (int32_t)(uint32_t)(w >> as[l]);
+    }
+    return _mm256_loadu_si256((const __m256i *)ar);
+}
+
+/* lanes (bitmask) with magnitudes >= 256 (rare): the value as the scalar lanes compute it */
+AVX2F __attribute__((noinline, cold)) static void avx2_fix_big(const Job *jb, int lanes, __m256i m, __m256i q,
+                                                             __m256i bits, int32_t *row) {
+    uint32_t am[HL], aq[HL], ab[HL];
+    _mm256_storeu_si256((__m256i *)am, m); _mm256_storeu_si256((__m256i *)aq, q);
+    _mm256_storeu_si256((__m256i *)ab, bits);
+    const double mult = jb->tcq ? 2.0 : 1.0;
+    for (int l = 0; l < HL; l++) {
+        if (!((lanes >> l) & 1)) continue;
+        union { float f; uint32_t i; } v;
+        v.f = (float)(mult * (double)am[l] - (double)aq[l]) * jb->step;
+        v.i ^= ab[l] << 31;
+        memcpy(&row[l], &v.i, 4);
+    }
+}
+
+/* 8 steps of the 8 lanes of vector h (buf row t: step t of all 16 lanes) to each lane's next 8
+ * outputs: an 8x8 transpose */
+AVX2F static inline void avx2_flush8(SState *S, float *out, const int32_t *buf, int h, int act) {
+    __m256i r[HL], t[HL];
+    for (int i = 0; i < HL; i++) r[i] = _mm256_load_si256((const __m256i *)(buf + SL * i + HL * h));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        r[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm256_permute2x128_si256(r[c], r[4 + c], 0x20);
+        t[4 + c] = _mm256_permute2x128_si256(r[c], r[4 + c], 0x31);
+    }
+    for (int l = 0; l < HL; l++) {
+        if (!((act >> l) & 1)) continue;
+        _mm256_storeu_si256((__m256i *)(out + S->ob[HL * h + l]), t[l]);
+        S->ob[HL * h + l] += HL;
+    }
+}
+
+/* the lanes of vectors h0 .. h0 + nh - 1 (nh: 1 or 2, a constant at each call site) */
+AVX2F static inline __attribute__((always_inline)) void
+avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, const int nh) {
+    const int64_t unit_len = jb->unit_len;
+    const int32_t *restrict pos32 = jb->pos_off32;
+    const int32_t *restrict tab = (const int32_t *)jb->tab;
+    const int32_t *restrict lutv = (const int32_t *)jb->lut_off;
+    const uint16_t *words = jb->words;
+    const uint8_t *raw = jb->raw;
+    float *out = jb->out;
+    const __m256i one = _mm256_set1_epi32(1), m4095 = _mm256_set1_epi32(PROB_SCALE - 1),
+                  m16 = _mm256_set1_epi32(0xFFFF), m12 = _mm256_set1_epi32(0xFFF),
+                  mff = _mm256_set1_epi32(0xFF), c15 = _mm256_set1_epi32(15), c16 = _mm256_set1_epi32(16),
+                  c8 = _mm256_set1_epi32(8), c7 = _mm256_set1_epi32(7), c2 = _mm256_set1_epi32(2),
+                  c255 = _mm256_set1_epi32(255), zero = _mm256_setzero_si256();
+    const __m256i qoff = _mm256_set1_epi32((int32_t)(jb->nb_ctx << PROB_BITS));
+    const __m256i c25 = _mm256_set1_epi32(jb->simd_wide ? 0 : 25); /* (0: the test hook, see py_decode) */
+    const __m256i multv = _mm256_set1_epi32(jb->tcq ? 2 : 1);
+    const __m256i tcqmask = _mm256_set1_epi32(jb->tcq ? -1 : 0);
+    const __m256 stepv = _mm256_set1_ps(jb->step);
+    const __m256 rec[4] = {_mm256_loadu_ps(jb->recon2), _mm256_loadu_ps(jb->recon2 + 8),
+                           _mm256_loadu_ps(jb->recon2 + 16), _mm256_loadu_ps(jb->recon2 + 24)};
+    const int use_thr = jb->use_thr && jb->n_thr < HL;
+    /* neighbour bucket by steps passed: offset of c steps at index (-c) & 7 (vpermd reads 3 bits) */
+    int32_t boff[HL];
+    __m256i thrm1[HL - 1];
+    {
+        int32_t acc = (int32_t)jb->lut_off[0];
+        for (int c = 0; c < HL; c++) {
+            if (c > 0 && c <= jb->n_thr) acc += (int32_t)jb->thr_delta[c - 1];
+            boff[(HL - c) & (HL - 1)] = acc;
+        }
+        for (int i = 0; i < HL - 1; i++) thrm1[i] = _mm256_set1_epi32(i < jb->n_thr ? jb->thr[i] - 1 : (int32_t)PROB_SCALE);
+    }
+    const __m256i boffv = _mm256_loadu_si256((const __m256i *)boff);
+    int32_t buf[HL * SL] __attribute__((aligned(32)));
+    __m256i x[2], wp[2], wend[2], rel[2], rlen[2], rbyte[2], st[2], col[2], rowbase[2], bad[2], act[2],
+        nextw[2], stoff[2], p1[2], p2[2];
+    int actb[2];
+    for (int h = h0; h < h0 + nh; h++) {
+#define LD(F) _mm256_load_si256((const __m256i *)(S->v.F + HL * h))
+        x[h] = LD(x); wp[h] = LD(wp); wend[h] = LD(wend); rel[h] = LD(rel); rlen[h] = LD(rlen);
+        rbyte[h] = LD(rbyte); st[h] = LD(st); col[h] = LD(col); rowbase[h] = LD(rowbase);
+        bad[h] = _mm256_cmpgt_epi32(LD(bad), zero);
+#undef LD
+        actb[h] = (kact >> (HL * h)) & 0xFF;
+        int32_t a[HL];
+        for (int l = 0; l < HL; l++) a[l] = (actb[h] >> l) & 1 ? -1 : 0;
+        act[h] = _mm256_loadu_si256((const __m256i *)a);
+        /* the word a renormalisation would take next, loaded ahead (off the state's dependency chain) */
+        nextw[h] = _mm256_and_si256(G32(words, wp[h], 2), m16);
+        stoff[h] = _mm256_and_si256(_mm256_sub_epi32(zero, _mm256_srli_epi32(st[h], 1)), qoff);
+        p1[h] = p2[h] = zero;
+    }
+    int cnt = 0; /* steps in buf */
+
+/* one symbol of every lane of vector h at context offset CTX (without the quantizer's); its value
+ * into row cnt of buf; its magnitude (saturated at 4095) into MS */
+#define ASTEP(h, CTX, MS) do {                                                                       \
+        __m256i idx_ = _mm256_add_epi32(_mm256_add_epi32(CTX, stoff[h]), _mm256_and_si256(x[h], m4095)); \
+        __m256i e_ = G32(tab, idx_, 4);                                                                \
+        __m256i fr_ = _mm256_add_epi32(_mm256_srli_epi32(e_, 20), one);                                \
+        __m256i bi_ = _mm256_and_si256(_mm256_srli_epi32(e_, 8), m12);                                 \
+        __m256i xx_ = _mm256_add_epi32(_mm256_mullo_epi32(fr_, _mm256_srli_epi32(x[h], PROB_BITS)), bi_); \
+        __m256i need_ = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(xx_, 16), zero), act[h]); \
+        x[h] = _mm256_blendv_epi8(xx_, _mm256_or_si256(_mm256_slli_epi32(xx_, 16), nextw[h]), need_);  \
+        wp[h] = _mm256_sub_epi32(wp[h], need_);                                                        \
+        nextw[h] = _mm256_and_si256(G32(words, wp[h], 2), m16);                                        \
+        /* raw bits: 4 bytes from the lane's bit position (>= 25 bits after the shift) */              \
+        __m256i rb_ = _mm256_add_epi32(rbyte[h], _mm256_srli_epi32(rel[h], 3));                        \
+        __m256i sh_ = _mm256_and_si256(rel[h], c7);                                                    \
+        __m256i r_ = _mm256_srlv_epi32(G32(raw, rb_, 1), sh_);                                         \
+        /* token -> raw bits and smallest magnitude: t < 16: (t > 0, t); else                          \
+         * q = (t - 16) >> 3: (q + 2, (8 + (t - 16) % 8) << (q + 1)) */                                \
+        __m256i t_ = _mm256_and_si256(e_, mff);                                                        \
+        __m256i sm_ = _mm256_cmpgt_epi32(c16, t_);                                                     \
+        __m256i tb_ = _mm256_sub_epi32(t_, c16);                                                       \
+        __m256i tq_ = _mm256_srai_epi32(tb_, 3);                                                       \
+        __m256i nb_ = _mm256_blendv_epi8(_mm256_add_epi32(tq_, c2), _mm256_min_epu32(t_, one), sm_);   \
+        __m256i mb_ = _mm256_blendv_epi8(                                                              \
+            _mm256_sllv_epi32(_mm256_add_epi32(_mm256_and_si256(tb_, c7), c8), _mm256_add_epi32(tq_, one)), \
+            t_, sm_);                                                                                  \
+        int wide_ = _mm256_movemask_ps(_mm256_castsi256_ps(                                            \
+            _mm256_and_si256(_mm256_cmpgt_epi32(nb_, c25), act[h])));                                  \
+        if (__builtin_expect(wide_ != 0, 0)) r_ = avx2_raw_wide(raw, r_, rb_, sh_, wide_);             \
+        __m256i bits_ = _mm256_and_si256(r_, _mm256_sub_epi32(_mm256_sllv_epi32(one, nb_), one));      \
+        rel[h] = _mm256_add_epi32(rel[h], _mm256_and_si256(nb_, act[h]));                              \
+        __m256i m_ = _mm256_add_epi32(mb_, _mm256_srli_epi32(bits_, 1));                               \
+        __m256i q_ = _mm256_srli_epi32(st[h], 1);                                                      \
+        /* value: centroid below 16, (mult * m - q) * step below 256 (as the table holds them) */      \
+        __m256i mi_ = _mm256_min_epu32(m_, c255);                                                      \
+        __m256i ci_ = _mm256_add_epi32(_mm256_slli_epi32(q_, 4), _mm256_min_epu32(m_, c15));           \
+        __m256 ca_ = _mm256_blendv_ps(_mm256_permutevar8x32_ps(rec[0], ci_),                           \
+                                      _mm256_permutevar8x32_ps(rec[1], ci_),                           \
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(ci_, 28)));                \
+        __m256 cb_ = _mm256_blendv_ps(_mm256_permutevar8x32_ps(rec[2], ci_),                           \
+                                      _mm256_permutevar8x32_ps(rec[3], ci_),                           \
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(ci_, 28)));                \
+        __m256 vc_ = _mm256_blendv_ps(ca_, cb_, _mm256_castsi256_ps(_mm256_slli_epi32(ci_, 27)));      \
+        __m256 vf_ = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_mullo_epi32(multv, mi_), q_)), stepv); \
+        __m256i v_ = _mm256_castps_si256(_mm256_blendv_ps(vf_, vc_, _mm256_castsi256_ps(sm_)));       \
+        v_ = _mm256_xor_si256(v_, _mm256_slli_epi32(bits_, 31));                                       \
+        _mm256_store_si256((__m256i *)(buf + SL * cnt + HL * h), v_);                                  \
+        int big_ = _mm256_movemask_ps(_mm256_castsi256_ps(                                             \
+            _mm256_and_si256(_mm256_cmpgt_epi32(m_, c255), act[h])));                                  \
+        if (__builtin_expect(big_ != 0, 0)) avx2_fix_big(jb, big_, m_, q_, bits_, buf + SL * cnt + HL * h); \
+        /* trellis: next state ((s & 1) ^ parity) << 1 | s >> 1 (always 0 without it) */                \
+        st[h] = _mm256_and_si256(tcqmask, _mm256_or_si256(                                             \
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_xor_si256(st[h], m_), one), 1), q_));            \
+        stoff[h] = _mm256_and_si256(_mm256_sub_epi32(zero, _mm256_srli_epi32(st[h], 1)), qoff);        \
+        MS = _mm256_min_epu32(m_, m4095);                                                              \
+    } while (0)
+/* after the steps of all vectors: a full buf goes out */
+#define AFLUSH() do {                                                                                  \
+        if (++cnt == HL) {                                                                             \
+            for (int h = h0; h < h0 + nh; h++) avx2_flush8(S, out, buf, h, actb[h]);                   \
+            cnt = 0;                                                                                   \
+        }                                                                                              \
+    } while (0)
+#define ACHECK() do {                                                                                  \
+        for (int h = h0; h < h0 + nh; h++) {                                                           \
+            __m256i kw_ = _mm256_cmpgt_epi32(wp[h], wend[h]);                                          \
+            __m256i kr_ = _mm256_cmpgt_epi32(rel[h], rlen[h]);                                         \
+            bad[h] = _mm256_or_si256(bad[h], _mm256_or_si256(kw_, kr_));                               \
+            wp[h] = _mm256_blendv_epi8(wp[h], wend[h], kw_);                                           \
+            rel[h] = _mm256_blendv_epi8(rel[h], rlen[h], kr_);                                         \
+            if (!_mm256_testz_si256(kw_, kw_)) nextw[h] = _mm256_and_si256(G32(words, wp[h], 2), m16); \
+        }                                                                                              \
+    } while (0)
+    for (int64_t it = 0; it < n_units; it++) {
+        const __m256i pos0 = _mm256_set1_epi32(pos32[0]);
+        for (int h = h0; h < h0 + nh; h++) {
+            __m256i ms;
+            ASTEP(h, _mm256_add_epi32(rowbase[h], pos0), ms);
+            p1[h] = p2[h] = ms;
+        }
+        AFLUSH();
+        for (int64_t j0 = 1; j0 < unit_len; j0 += BLOCK) {
+            int64_t j1 = j0 + BLOCK < unit_len ? j0 + BLOCK : unit_len;
+            for (int64_t j = j0; j < j1; j++) {
+                const __m256i posj = _mm256_set1_epi32(pos32[j]);
+                for (int h = h0; h < h0 + nh; h++) {
+                    __m256i s = _mm256_min_epi32(_mm256_add_epi32(p1[h], p2[h]), m4095);
+                    __m256i lo;
+                    if (use_thr) {
+                        __m256i c01 = _mm256_add_epi32(_mm256_cmpgt_epi32(s, thrm1[0]), _mm256_cmpgt_epi32(s, thrm1[1]));
+                        __m256i c23 = _mm256_add_epi32(_mm256_cmpgt_epi32(s, thrm1[2]), _mm256_cmpgt_epi32(s, thrm1[3]));
+                        __m256i c45 = _mm256_add_epi32(_mm256_cmpgt_epi32(s, thrm1[4]), _mm256_cmpgt_epi32(s, thrm1[5]));
+                        __m256i c6 = _mm256_cmpgt_epi32(s, thrm1[6]);
+                        __m256i negc = _mm256_add_epi32(_mm256_add_epi32(c01, c23), _mm256_add_epi32(c45, c6));
+                        lo = _mm256_permutevar8x32_epi32(boffv, negc);
+                    } else {
+                        lo = G32(lutv, s, 4);
+                    }
+                    __m256i c = _mm256_add_epi32(_mm256_add_epi32(rowbase[h], posj), lo);
+                    __m256i m1;
+                    ASTEP(h, c, m1);
+                    p2[h] = p1[h];
+                    p1[h] = m1;
+                }
+                AFLUSH();
+            }
+            if (j1 < unit_len) ACHECK();
+        }
+        ACHECK(); /* once per unit (and per BLOCK symbols within long ones) */
+        for (int h = h0; h < h0 + nh; h++) {
+            col[h] = _mm256_add_epi32(col[h], one);
+            __m256i kr = _mm256_and_si256(_mm256_cmpeq_epi32(col[h], _mm256_set1_epi32((int32_t)jb->upr)), act[h]);
+            if (!_mm256_testz_si256(kr, kr)) { /* next row (rare: the scalar way) */
+                int32_t c[HL], rb[HL];
+                _mm256_storeu_si256((__m256i *)c, col[h]);
+                _mm256_storeu_si256((__m256i *)rb, rowbase[h]);
+                int km = _mm256_movemask_ps(_mm256_castsi256_ps(kr));
+                for (int l = 0; l < HL; l++) {
+                    if (!((km >> l) & 1)) continue;
+                    c[l] = 0;
+                    int32_t r = ++S->v.row[HL * h + l];
+                    rb[l] = (int32_t)(jb->row_cls_pad[r] * jb->row_mul);
+                }
+                col[h] = _mm256_loadu_si256((const __m256i *)c);
+                rowbase[h] = _mm256_loadu_si256((const __m256i *)rb);
+            }
+        }
+    }
+#undef ASTEP
+#undef AFLUSH
+#undef ACHECK
+    for (int h = h0; h < h0 + nh; h++) {
+        for (int l = 0; l < HL; l++) { /* the steps left in buf */
+            if (!((actb[h] >> l) & 1)) continue;
+            for (int t = 0; t < cnt; t++) memcpy(&out[S->ob[HL * h + l] + t], &buf[SL * t + HL * h + l], 4);
+            S->ob[HL * h + l] += cnt;
+        }
+#define ST(F, V) _mm256_store_si256((__m256i *)(S->v.F + HL * h), V)
+        ST(x, x[h]); ST(wp, wp[h]); ST(rel, rel[h]); ST(st, st[h]); ST(col, col[h]);
+        ST(rowbase, rowbase[h]); ST(bad, _mm256_and_si256(bad[h], one));
+#undef ST
+    }
+}
+
+AVX2F static void decode_avx2(const Job *jb, SState *S, int64_t n_units, int kact) {
+    if (!(kact & 0xFF00)) avx2_lanes(jb, S, n_units, kact, 0, 1);
+    else if (!(kact & 0xFF)) avx2_lanes(jb, S, n_units, kact, 1, 1);
+    else avx2_lanes(jb, S, n_units, kact, 0, 2);
+}
+
 static int run_simd(Job *jb, Lane *ln) {
     SState S;
     memset(&S, 0, sizeof S);
@@ -592,7 +888,8 @@ static int run_simd(Job *jb, Lane *ln) {
                 if (S.active[l]) slane_to_lane(jb, &S, l, &ln[k++]);
             return run_scalar(jb, ln, k);
         }
-        decode_simd(jb, &S, n, kact);
+        if (jb->simd == SIMD_AVX2) decode_avx2(jb, &S, n, kact);
+        else decode_simd(jb, &S, n, kact);
         for (int l = 0; l < SL; l++) {
             if (!S.active[l]) continue;
             S.u[l] += n;
@@ -609,10 +906,14 @@ static int run_simd(Job *jb, Lane *ln) {
     return failed;
 }
 
-static int simd_supported(void) {
+/* the vector lanes this CPU runs: SIMD_AVX512, SIMD_AVX2 (also where AVX-512 is there but
+ * prefer_avx2: the tests' knob), or 0 */
+static int simd_supported(int prefer_avx2) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-           && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    if (!prefer_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return SIMD_AVX512;
+    return __builtin_cpu_supports("avx2") ? SIMD_AVX2 : 0;
 }
 #endif
 
@@ -780,10 +1081,11 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     jb->simd = 0;
 #ifdef TC_SIMD
     /* the vector lanes index everything with int32 (and the chunks' raw bits with uint32) */
-    if (simd > 0 && simd_supported() && (uint64_t)n_ctx * PROB_SCALE < (1ull << 31)
+    int level = simd > 0 ? simd_supported((simd & 32) != 0) : 0;
+    if (level && (uint64_t)n_ctx * PROB_SCALE < (1ull << 31)
         && (uint64_t)n_words < (1ull << 30) && (uint64_t)b_raw.len < (1ull << 31)
         && (uint64_t)(b_out.len / 4) < (1ull << 31) - (uint64_t)unit_len && rows + 64 < (1ll << 31)) {
-        jb->simd = 1;
+        jb->simd = level;
         for (int64_t i = 0; i < n_chunks; i++)
             if ((roff[i + 1] - roff[i]) >= (1ll << 25)) jb->simd = 0;
     }
@@ -936,8 +1238,21 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
 }
 #endif
 
+/* which lanes decode(..., simd) runs on this CPU (for tests and benchmarks) */
+static PyObject *py_vector_lanes(PyObject *self, PyObject *args) {
+    int simd = 0;
+    if (!PyArg_ParseTuple(args, "|i", &simd)) return NULL;
+    int level = 0;
+#ifdef TC_SIMD
+    level = simd > 0 ? simd_supported((simd & 32) != 0) : 0;
+#endif
+    return PyUnicode_FromString(level == 1 ? "avx512" : level == 2 ? "avx2" : "scalar");
+}
+
 static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS, "Decode the chunks of a tensor-codec blob (see the module comment)."},
+    {"vector_lanes", py_vector_lanes, METH_VARARGS,
+     "vector_lanes(simd) -> 'avx512' | 'avx2' | 'scalar': the lanes decode(..., simd) runs on this CPU."},
 #ifdef TC_CLMUL
     {"crc32", py_crc32, METH_VARARGS, "crc32(buffer) -> zlib.crc32(buffer) (absent where the CPU lacks PCLMULQDQ)."},
 #endif
