@@ -1123,14 +1123,117 @@ def _own_cost(counts: np.ndarray, n: int) -> float:
     return blob if blob < n * (1 - ANS_MIN_GAIN) else float(n)
 
 
+TABLE_COST = 1.5  # a shared table is charged this many times its bytes (base64 in the index,
+# mostly won back by the index's zstd) against what it saves the planes that take it
+MAX_TABLES_PER_KIND = 16
+GROUPING_ROUNDS = 8
+
+
+def _shared_costs(members: np.ndarray, freqs: List[np.ndarray]) -> np.ndarray:
+    """Estimated stored bytes (members x tables) of each member plane (its byte counts, one row
+    each) as a short blob with each table: rANS bits under the table + states;
+    inf where the table lacks a symbol of the plane or the blob would not save ANS_MIN_GAIN.
+    (+3: the lanes byte and up to a word of padding.)
+    numpy's pairwise sums (no BLAS: the same figures whatever the threads)."""
+    n = members.sum(axis=1)
+    lanes = np.array([4 * (1 << _shared_lanes_log2(int(k))) + 3 for k in n], np.float64)
+    out = np.empty((len(members), len(freqs)), np.float64)
+    for j, freq in enumerate(freqs):
+        with np.errstate(divide="ignore"):
+            price = np.where(freq > 0, _ans.PROB_BITS - np.log2(np.maximum(freq, 1)), np.inf)
+        present = members > 0
+        bits = np.where(present, members * np.where(np.isinf(price), 0.0, price), 0.0).sum(axis=1)
+        missing = (present & np.isinf(price)).any(axis=1)
+        cost = bits / 8 + lanes
+        cost[missing | (cost >= n * (1 - ANS_MIN_GAIN))] = np.inf
+        out[:, j] = cost
+    return out
+
+
+def _grouping_gain(members: np.ndarray, own: np.ndarray, freqs: List[np.ndarray]):
+    """(net saving, table each member takes or -1 for its own plane) of a set of shared tables:
+    what the members save over their own planes, less TABLE_COST x each table's bytes."""
+    if not freqs:
+        return 0.0, np.full(len(members), -1)
+    costs = _shared_costs(members, freqs)
+    pick = np.argmin(costs, axis=1)
+    best = costs[np.arange(len(members)), pick]
+    takes = best < own
+    saving = float(np.where(takes, own - best, 0.0).sum())
+    return saving - TABLE_COST * sum(_ans.table_size(f) for f in freqs), np.where(takes, pick, -1)
+
+
+def _smoothed(group: np.ndarray, cover: np.ndarray) -> np.ndarray:
+    """A group's table with every symbol of `cover` given a little weight: grouping compares
+    members by how well a table fits them, which a table lacking one of their symbols (cost
+    inf) cannot say."""
+    return _ans.normalise(group * 64 + cover)
+
+
+def _regroup(members: np.ndarray, groups: List[np.ndarray], cover: np.ndarray) -> List[np.ndarray]:
+    """k-means on coding cost: each member to the group whose (smoothed) table codes it in the
+    fewest bits, each group's counts summed again, until the groups settle (empty ones dropped)."""
+    pick = None
+    for _ in range(GROUPING_ROUNDS):
+        new_pick = np.argmin(_shared_costs(members, [_smoothed(g, cover) for g in groups]), axis=1)
+        if pick is not None and np.array_equal(new_pick, pick):
+            break
+        pick = new_pick
+        groups = [members[pick == j].sum(axis=0) for j in range(len(groups)) if np.any(pick == j)]
+    return groups
+
+
+def _exact_tables(members: np.ndarray, own: np.ndarray, groups: List[np.ndarray]):
+    """(gain, tables) of a grouping: each group's table, then once more from the members that
+    take it (those better off with their own plane leave it) when that gains more."""
+    freqs = [_ans.normalise(g) for g in groups if np.count_nonzero(g) >= 2]
+    gain, pick = _grouping_gain(members, own, freqs)
+    refit = [_ans.normalise(g) for g in (members[pick == j].sum(axis=0) for j in range(len(freqs)))
+             if np.count_nonzero(g) >= 2]
+    refit_gain, _ = _grouping_gain(members, own, refit)
+    return (refit_gain, refit) if refit_gain > gain else (gain, freqs)
+
+
+def _table_groups(members: np.ndarray) -> List[np.ndarray]:
+    """The shared tables (normalised frequencies) for one kind of plane, given the byte counts
+    of its member planes (one row each): one table from all of them, then, while that pays by
+    the estimates, one more (a group apart: the depthwise kernels of a model, tensors of another
+    scale), seeded with the member coded worst against its own symbols' cost, the members
+    regrouped by coding cost (k-means) and each table fitted to its group. Deterministic: the
+    same tables for the same members, whatever the thread count."""
+    n = members.sum(axis=1)
+    own = np.array([_own_cost(c, int(k)) for c, k in zip(members, n)], np.float64)
+    total = members.sum(axis=0)
+    if np.count_nonzero(total) < 2:
+        return []
+    cover = (total > 0).astype(np.int64)
+    # what each member's symbols would cost under a table of its own (no table, no states)
+    ideal = np.array([_ans.coded_bits(c, _ans.normalise(c)) / 8 if np.count_nonzero(c) >= 2 else 0.0
+                      for c in members])
+    groups = [total]
+    gain, freqs = _exact_tables(members, own, groups)
+    while len(groups) < MAX_TABLES_PER_KIND:
+        cost = np.minimum(_shared_costs(members, [_smoothed(g, cover) for g in groups]).min(axis=1), own)
+        seed = members[int(np.argmax(cost - ideal))]
+        new_groups = _regroup(members, groups + [seed], cover)
+        if len(new_groups) <= len(groups):
+            break
+        new_gain, new_freqs = _exact_tables(members, own, new_groups)
+        if new_gain <= gain:
+            break
+        groups, gain, freqs = new_groups, new_gain, new_freqs
+    return freqs if gain > 0 else []
+
+
 class SharedTables:
-    """The frequency tables a file's small payloads share (FORMAT.md 3.2): one per kind of plane,
-    from the symbols of all small payloads of that kind, kept where the estimated saving over
-    per-plane tables pays for the table. Built once per file before encoding; read-only after."""
+    """The frequency tables a file's small payloads share (FORMAT.md 3.2): per kind of plane, a
+    few tables, each fitted to the group of that kind's planes it codes best (_table_groups), kept
+    where the estimated saving over per-plane tables pays for them. Built once per file before
+    encoding; read-only after."""
 
     def __init__(self):
-        self.freq: Dict[tuple, np.ndarray] = {}
-        self.ids: Dict[tuple, int] = {}
+        # per kind of plane, the tables its planes may take: (table id, frequencies, table bytes)
+        self.choices: Dict[tuple, List[tuple]] = {}
         self.tables: List[bytes] = []
 
     @classmethod
@@ -1148,20 +1251,11 @@ class SharedTables:
         self = cls()
         for key in sorted(counts, key=repr):
             members = counts[key]
-            total = np.sum(members, axis=0)
-            if len(members) < 2 or np.count_nonzero(total) < 2:
+            if len(members) < 2:
                 continue
-            freq = _ans.normalise(total)
-            table = _enc.write_table(freq) if _enc is not None else _ans.write_table(freq)
-            saving = 0.0
-            for c in members:
-                n = int(c.sum())
-                shared = _ans.coded_bits(c, freq) / 8 + 3 + 4 * (1 << _shared_lanes_log2(n))
-                if shared < n * (1 - ANS_MIN_GAIN):
-                    saving += max(0.0, _own_cost(c, n) - shared)
-            if saving > 1.5 * len(table):  # base64 in the index, mostly won back by its zstd
-                self.ids[key] = len(self.tables)
-                self.freq[key] = freq
+            for freq in _table_groups(np.array(members, np.int64)):
+                table = _enc.write_table(freq) if _enc is not None else _ans.write_table(freq)
+                self.choices.setdefault(key, []).append((len(self.tables), freq, len(table)))
                 self.tables.append(table)
         return self
 
@@ -1169,13 +1263,13 @@ class SharedTables:
         return bool(self.tables)
 
     def for_planes(self, data: np.ndarray, dtype: int, field: str):
-        """(width, sign, [(table id, freq) or None per plane]) for this payload, or None."""
+        """(width, sign, [the tables the plane may take (see choices), or None, per plane]) for
+        this payload, or None."""
         kind = _shared_kind(data, dtype, field)
         if kind is None:
             return None
         key, width, sign = kind
-        per_plane = [(self.ids[k], self.freq[k], len(self.tables[self.ids[k]])) if k in self.ids else None
-                     for k in (key + (width, i) for i in range(width))]
+        per_plane = [self.choices.get(key + (width, i)) for i in range(width)]
         return (width, sign, per_plane) if any(per_plane) else None
 
 
@@ -1195,15 +1289,17 @@ def _encode_shared(data: np.ndarray, width: int, sign: bool, per_plane, chunk_by
         if own is None:
             own = _ans_blob_or_raw(p)
         best, best_id = own, -1
-        if shared is not None and len(own) > 2:
-            tid, freq, table_len = shared
+        if shared and len(own) > 2:
             counts = byte_counts(p)
             n = p.size
             lanes_log2 = _shared_lanes_log2(n)
+            # the table that codes this plane in the fewest bits (the first of equals)
+            bits = [_ans.coded_bits(counts, freq) for _, freq, _ in shared]
+            tid, freq, table_len = shared[int(np.argmin(bits))]
             # what the blob must stay under: its own ans plane and the gain asked of any coded
             # plane (and, with SHARED_WHOLE_BELOW_PLANE, the plane's size with the table back)
             limit = min(len(own), n * (1 - ANS_MIN_GAIN), n - table_len if SHARED_WHOLE_BELOW_PLANE else n)
-            estimate = _ans.coded_bits(counts, freq) / 8 + 1 + 4 * (1 << lanes_log2)
+            estimate = min(bits) / 8 + 1 + 4 * (1 << lanes_log2)
             if estimate + 2 < limit:
                 blob = _ans.encode_shared(p, freq, lanes_log2)
                 if len(blob) < limit:
