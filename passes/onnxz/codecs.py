@@ -1129,6 +1129,7 @@ def _own_cost(counts: np.ndarray, n: int) -> float:
 # 1.0 made silero_vad_v6 and open_nsfw_fp16 larger (tables for tensors that then took LZ)
 TABLE_COST = 1.25
 MAX_TABLES_PER_KIND = 16
+MAX_TABLES = 16  # per file: CACHED_TABLES of _ans.c, the decode tables a batch keeps built
 GROUPING_ROUNDS = 8
 
 
@@ -1252,14 +1253,18 @@ class SharedTables:
             for i, p in enumerate(planes):
                 counts.setdefault(key + (width, i), []).append(byte_counts(p))
         self = cls()
-        for key in sorted(counts, key=repr):
-            members = counts[key]
-            if len(members) < 2:
-                continue
-            for freq in _table_groups(np.array(members, np.int64)):
-                table = _enc.write_table(freq) if _enc is not None else _ans.write_table(freq)
-                self.choices.setdefault(key, []).append((len(self.tables), freq, len(table)))
-                self.tables.append(table)
+        groups = {key: _table_groups(np.array(counts[key], np.int64)) for key in sorted(counts, key=repr)
+                  if len(counts[key]) >= 2}
+        # at most MAX_TABLES tables in all, taken round-robin over the kinds (each kind's tables in
+        # the order found, the ones that save most first): the C decoder keeps that many decode
+        # tables built over a batch; a plane coded with one more would build its own each time
+        for rank in range(MAX_TABLES_PER_KIND):
+            for key, freqs in groups.items():
+                if rank < len(freqs) and len(self.tables) < MAX_TABLES:
+                    freq = freqs[rank]
+                    table = _enc.write_table(freq) if _enc is not None else _ans.write_table(freq)
+                    self.choices.setdefault(key, []).append((len(self.tables), freq, len(table)))
+                    self.tables.append(table)
         return self
 
     def __bool__(self) -> bool:

@@ -86,3 +86,17 @@ def test_a_pack_with_two_tables_of_one_kind_restores_and_is_smaller(tmp_path, mo
     monkeypatch.setattr(codecs, "MAX_TABLES_PER_KIND", 1)  # one table per kind, as before
     one = passes.pack(src, tmp_path / "one.onnxz", threads=2)
     assert two.packed_bytes < one.packed_bytes
+
+
+def test_the_tables_of_a_file_are_capped_round_robin_over_the_kinds(monkeypatch):
+    """At most MAX_TABLES in all (the decode tables the C batch decoder keeps built), the first
+    table of every kind before the second of any."""
+    rng = np.random.default_rng(11)
+    ints = [(p, codecs.INT8, "raw_data") for p in _planes(rng, 3, 8) + _planes(rng, 30, 8)]
+    uints = [(p, codecs.UINT8, "raw_data") for p in _planes(rng, 3, 8) + _planes(rng, 30, 8)]
+    full = codecs.SharedTables.build(ints + uints)
+    assert [len(v) for v in full.choices.values()] == [2, 2]
+    monkeypatch.setattr(codecs, "MAX_TABLES", 3)
+    capped = codecs.SharedTables.build(ints + uints)
+    assert len(capped.tables) == 3 and sorted(len(v) for v in capped.choices.values()) == [1, 2]
+    assert all(capped.choices[k][0][2] == full.choices[k][0][2] for k in capped.choices)
