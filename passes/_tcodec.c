@@ -580,23 +580,15 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
  * the sum has passed, turned into its table offset by one 8-entry permute (the LUT has <= 7
  * steps; else it is gathered). The two vectors' dependency chains (table entry -> magnitude ->
  * next context -> table entry) are independent, so the core overlaps them. Gathers: the table
- * entry, the renormalisation word and the raw bits, each 8 lanes; AVX2_SCALAR_LOADS replaces them
- * by scalar loads (measured on Zen 3, see run_simd's caller). */
+ * entry, the renormalisation word and the raw bits, 8 lanes each (slow on Zen 3, ~10 ns each, but
+ * scalar loads into vectors measured slower still, as did keeping two words per lane to gather
+ * them less often; a 1-byte token table (4x smaller: L2-resident) with a second gather for the
+ * token's frequency was no faster). Lanes are filled from the first: with <= 8 chunks left (they
+ * have the same length but the last) one vector runs. */
 #define AVX2F __attribute__((target("avx2")))
 #define HL 8 /* lanes per vector */
 
-#ifdef AVX2_SCALAR_LOADS
-#define G32(base, idx, scale) avx2_loads((const uint8_t *)(base), idx, scale)
-AVX2F static inline __m256i avx2_loads(const uint8_t *base, __m256i idx, int scale) {
-    int32_t i[HL] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)i, idx);
-    int32_t v[HL];
-    for (int l = 0; l < HL; l++) memcpy(&v[l], base + (int64_t)i[l] * scale, 4);
-    return _mm256_setr_epi32(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
-}
-#else
 #define G32(base, idx, scale) _mm256_i32gather_epi32((const int *)(base), idx, scale)
-#endif
 
 /* lanes (bitmask) of r: the 32 raw bits at (byte rb, shift sh) read as 8 bytes (> 25 raw bits) */
 AVX2F __attribute__((noinline, cold)) static __m256i avx2_raw_wide(const uint8_t *raw, __m256i r, __m256i rb,
