@@ -342,26 +342,32 @@ class InferenceSession(ort.InferenceSession):
 
                 _wait_weights(split, self.source)
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
-            from .runtime_fold import (constants_to_initializers, fold_into, gather_dequantized_rows, has_foldable,
-                                       onnxruntime_folds_all, plan_fold)
+            from .runtime_fold import (constants_to_initializers, fold_facts, fold_into, gather_dequantized_rows,
+                                       little_to_share, plan_fold)
 
             converting = target is not None and target != own_dtype  # the converter must see float weights
             # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
             share_planned = not (own_dtype == np.float16 and not self.on_gpu)
-            if not has_foldable(split):  # (a lossless float model has nothing to fold: skip the walks)
+            foldable, onnxruntime_folds_all = fold_facts(split)
+            if not foldable:  # (a lossless float model has nothing to fold: skip the walks)
                 pass
-            elif not (share_planned or converting or self.on_gpu) and onnxruntime_folds_all(split):
-                # ... the small ones too: the model goes to onnxruntime as it is, its weights streamed
+            elif not (converting or self.on_gpu) and onnxruntime_folds_all and (
+                    not share_planned or little_to_share(split)):
+                # ... the small ones too (float16 on a CPU; float32 whose foldable weights are nearly
+                # all Conv weights, which onnxruntime folds anyway: open_nsfw q8.onnxz, 9 fresh
+                # processes interleaved at load 7-9, CPU to a ready session median 386 -> 348 ms,
+                # plain float .onnx 303; onnxruntime alone on the q8 .onnx 288): the
+                # model goes to onnxruntime as it is, its weights streamed
                 # as they decode (session.disable_quant_qdq=1 makes its constant folding fold every
                 # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit).
                 # Folding them on a worker thread instead (float16 streamed as each is folded)
                 # was measured slower, quiet machine or loaded: see onnxruntime_folds_all
                 options.add_session_config_entry("session.disable_quant_qdq", "1")
                 self.fold_route = "onnxruntime"
-                # embedding tables are not folded whole: their rows are dequantized as gathered
+                # float16: embedding tables are not folded whole: their rows are dequantized as gathered
                 # (minilm_fp16 q8.onnxz, 3 interleaved A/Bs at load 6-8: CPU to a ready session
                 # 2-15% lower at the min, -5%..+9% at the median; peak RSS 182 -> 171 MB)
-                for table in gather_dequantized_rows(split):
+                for table in (gather_dequantized_rows(split) if not share_planned else ()):
                     self.notes.append(f"{table}: 8-bit embedding table kept, rows dequantized as gathered "
                                       f"(bit-identical to the folded table)")
                     log.info("passes.InferenceSession(%s): mode=fold: %s", self.source.name, self.notes[-1])
@@ -416,7 +422,7 @@ class InferenceSession(ort.InferenceSession):
             if split.pending is not None:  # in the order they finish decoding (see parse_pieces)
                 copied.sort(key=lambda n: split.pending.order(self.weight_arrays[n]))
             model_bytes = serialise_with_weights(split.skeleton, self.weight_arrays, copied)
-            self.skeleton_bytes = split.skeleton.ByteSize()
+            self.skeleton_bytes = len(model_bytes[0])  # (the skeleton's own bytes come first)
             self.embedded_names = set(copied)
             for name in copied:  # (the pieces hold views of them until onnxruntime has parsed them)
                 del self.weight_arrays[name]

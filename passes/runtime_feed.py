@@ -72,6 +72,18 @@ def placeholder(name: str, array: np.ndarray) -> TensorProto:
     return t
 
 
+_ONNX_TYPES: dict = {}  # numpy dtype -> TensorProto data type (helper's lookup is slow per call)
+
+
+def _declares(t: TensorProto, array: np.ndarray) -> bool:
+    """Whether placeholder `t` already declares `array`'s dtype and shape (then its length too):
+    rebuilding every placeholder on each refresh cost more than the rest of the refresh."""
+    dtype = _ONNX_TYPES.get(array.dtype)
+    if dtype is None:
+        dtype = _ONNX_TYPES[array.dtype] = np_dtype_to_onnx(array.dtype)
+    return t.data_type == dtype and tuple(t.dims) == array.shape
+
+
 def is_placeholder(t: TensorProto) -> bool:
     return t.data_location == TensorProto.EXTERNAL and any(
         e.key == "location" and e.value == PLACEHOLDER_LOCATION for e in t.external_data
@@ -148,12 +160,13 @@ class SplitModel:
         inits = self.skeleton.graph.initializer
         for i in range(len(inits) - 1, -1, -1):
             t = inits[i]
-            if t.name not in used:
-                self.weights.pop(t.name, None)
+            name = t.name
+            if name not in used:
+                self.weights.pop(name, None)
                 del inits[i]
-            elif is_placeholder(t):
-                if t.name in self.weights:  # (weights already on a device are declared by their maker)
-                    inits[i].CopyFrom(placeholder(t.name, self.weights[t.name]))
+            # (weights already on a device are declared by their maker)
+            elif name in self.weights and is_placeholder(t) and not _declares(t, self.weights[name]):
+                t.CopyFrom(placeholder(name, self.weights[name]))
         for name in list(self.weights):
             if name not in used:
                 del self.weights[name]

@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .graph import NameAllocator
-from .runtime_feed import SplitModel, main_graph_uses, subgraphs
+from .runtime_feed import GRAPH_OPS, SplitModel, main_graph_uses, subgraphs
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -68,26 +68,15 @@ def _local_dq(node, arrays, types):
                       out_dtype=scale.dtype), types[1]
 
 
+# operators whose presence means activations are quantized: disabling the QDQ fusions would slow
+# the run down
+_QUANTIZE_OPS = frozenset({("", "QuantizeLinear"), ("", "DynamicQuantizeLinear")})
+
+
 def has_foldable(split: SplitModel) -> bool:
     """Whether any node of the model (subgraphs included) is one fold_into may replace: a
     DequantizeLinear, an operator with a registered folder, or a Gather with a Cast (palettes)."""
-    folders = _folders()
-    ops = set()
-    stack = [split.skeleton.graph]
-    while stack:
-        graph = stack.pop()
-        for node in graph.node:
-            ops.add((node.domain or "", node.op_type))
-            stack.extend(subgraphs(node))
-    if any(op in folders for op in ops) or any(op_type == "DequantizeLinear" for _, op_type in ops):
-        return True
-    if ("", "Gather") not in ops:
-        return False
-    inits = split.initializer_names()  # palettes: Gather(constant table, Cast(constant indices))
-    cast_of_constant = {n.output[0] for n in split.skeleton.graph.node
-                        if n.op_type == "Cast" and n.input and n.input[0] in inits}
-    return any(n.op_type == "Gather" and len(n.input) == 2 and n.input[0] in inits and n.input[1] in cast_of_constant
-               for n in split.skeleton.graph.node)
+    return fold_facts(split)[0]
 
 
 def onnxruntime_folds_all(split: SplitModel) -> bool:
@@ -107,24 +96,82 @@ def onnxruntime_folds_all(split: SplitModel) -> bool:
     open_nsfw_fp16 1.31x (1.25x). onnxruntime's own initialisation of the float16 model keeps
     both cores busy (its CPU is 1.5x its wall), and the fold (~47 ms on MiniLM, as much per value
     as onnxruntime's) plus parsing float16 instead of int8 bytes delays its parse."""
+    return fold_facts(split)[1]
+
+
+def fold_facts(split: SplitModel) -> tuple[bool, bool]:
+    """(has_foldable, onnxruntime_folds_all) from one walk of the graph: each walk over a ResNet-50's
+    900 nodes costs about a millisecond of protobuf access, and the load takes both answers."""
     folders = _folders()
+    foldable, folds_all = False, True
+    casts, gathers, inner = [], [], []
+    for node in split.skeleton.graph.node:
+        op_type, domain = node.op_type, node.domain
+        key = (domain or "", op_type)
+        if op_type == "DequantizeLinear":
+            foldable = True
+            folds_all = folds_all and domain in ("", "ai.onnx")
+        elif key in folders:
+            foldable, folds_all = True, False
+        elif key in _QUANTIZE_OPS:
+            folds_all = False
+        elif op_type == "Cast":
+            casts.append(node)
+        elif op_type == "Gather":
+            gathers.append(node)
+        if op_type in GRAPH_OPS or domain not in ("", "ai.onnx"):
+            graphs = subgraphs(node)
+            if graphs:
+                folds_all = False
+                inner.extend(graphs)
+    while inner and not foldable:  # inside subgraphs only whether something is foldable counts
+        for node in inner.pop().node:
+            if node.op_type == "DequantizeLinear" or (node.domain or "", node.op_type) in folders:
+                foldable = True
+                break
+            inner.extend(subgraphs(node))
+    if casts and gathers:  # palettes: Gather(constant table, Cast(constant indices)), see _fold_palettes
+        inits = split.initializer_names()
+        cast_of_constant = {n.output[0] for n in casts if n.input and n.input[0] in inits}
+        for n in gathers:
+            if len(n.input) == 2 and n.input[1] in cast_of_constant:
+                folds_all = False
+                foldable = foldable or n.input[0] in inits
+    return foldable, folds_all
+
+
+# mode="fold", float32: when the quantized weights that could be shared (read only by MatMul, Gemm,
+# Gather) hold at most this share of the quantized bytes, onnxruntime folds every DequantizeLinear
+# itself (see little_to_share)
+SHARED_FOLD_MIN_SHARE = 0.05
+
+
+def little_to_share(split: SplitModel) -> bool:
+    """Whether folding here would share almost nothing with onnxruntime: the constant
+    DequantizeLinear nodes whose every reader is a shareable operator input (SHAREABLE_CONSUMERS)
+    hold at most SHARED_FOLD_MIN_SHARE of the quantized bytes. The other big ones (Conv weights,
+    which onnxruntime reorders) are left to onnxruntime's constant folding anyway (plan_fold); then
+    folding the few shareable ones here costs more in graph walks than it saves (open_nsfw q8:
+    52 Conv weights and one 2048x2 MatMul weight). Call only where onnxruntime_folds_all holds
+    (main-graph standard DequantizeLinear nodes, no subgraph)."""
+    from .runtime_feed import SHAREABLE_CONSUMERS
+
     graph = split.skeleton.graph
-    inits = split.initializer_names()
-    cast_of_constant = set()
+    quantized = {}  # DequantizeLinear output -> bytes of its quantized input
     for node in graph.node:
-        op = (node.domain or "", node.op_type)
-        if op in (("", "QuantizeLinear"), ("", "DynamicQuantizeLinear")) or subgraphs(node):
-            return False
-        if node.op_type == "DequantizeLinear":
-            if node.domain not in ("", "ai.onnx"):
-                return False
-        elif op in folders:
-            return False
-        if node.op_type == "Cast" and node.input and node.input[0] in inits:
-            cast_of_constant.add(node.output[0])
-    # palettes: Gather(constant table, Cast(constant indices)), folded by _fold_palettes
-    return not any(n.op_type == "Gather" and len(n.input) == 2 and n.input[1] in cast_of_constant
-                   for n in graph.node)
+        if node.op_type == "DequantizeLinear" and node.input:
+            q = split.weights.get(node.input[0])
+            quantized[node.output[0]] = q.nbytes if q is not None else 0
+    total = sum(quantized.values())
+    if not total:
+        return True
+    unshared = {o.name for o in graph.output if o.name in quantized}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name in quantized and index not in SHAREABLE_CONSUMERS.get((node.domain or "", node.op_type), ()):
+                unshared.add(name)
+    shareable = sum(size for name, size in quantized.items() if name not in unshared)
+    return shareable <= SHARED_FOLD_MIN_SHARE * total
 
 
 def gather_dequantized_rows(split: SplitModel) -> list:
@@ -140,6 +187,9 @@ def gather_dequantized_rows(split: SplitModel) -> list:
     the largest weight (MiniLM: 11.7 M of its 22 M weights). The table stays 8-bit in memory; a
     run dequantizes only the rows it reads."""
     graph = split.skeleton.graph
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output}
+    if not any(n.op_type == "Gather" and n.input and n.input[0] in dequantized for n in graph.node):
+        return []  # (most models: the reader map below costs several times these two walks)
     readers = main_graph_uses(graph)  # subgraph reads and graph outputs count: the table stays then
     outputs = {o.name for o in graph.output}
     inits = split.initializer_names()

@@ -59,12 +59,15 @@ def _map_file(path: Path):
 
 
 def _cut_skeleton(buf, name: str):
-
+    """(skeleton, stripped tensors, whether any tensor may name an external data file)."""
     try:
         skeleton_bytes, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)
     except (WireError, IndexError, ValueError) as exc:
         raise InvalidModelError(f"{name} is not an ONNX model ({exc})") from None
-    return parse_model_bytes(skeleton_bytes, name), stripped
+    # a tensor can name a file only through an external_data entry keyed "location": without those
+    # bytes anywhere, the walk over every attribute and subgraph tensor can be skipped (onnx's
+    # walk cost more than the rest of the read of a 900-node graph)
+    return parse_model_bytes(skeleton_bytes, name), stripped, b"location" in skeleton_bytes
 
 
 def _assemble(model: onnx.ModelProto, stripped, arrays: dict) -> SplitModel:
@@ -86,9 +89,9 @@ def _assemble(model: onnx.ModelProto, stripped, arrays: dict) -> SplitModel:
 
 def read_onnx(path: Path) -> SplitModel:
     buf = _map_file(path)
-    model, stripped = _cut_skeleton(buf, str(path))
+    model, stripped, names_files = _cut_skeleton(buf, str(path))
     arrays = {s.name: s.view(buf) for s in stripped}
-    _map_external(model, path.parent, arrays)
+    _map_external(model, path.parent, arrays, attributes=names_files)
     return _assemble(model, stripped, arrays)
 
 
@@ -96,9 +99,10 @@ def _external_info(t: TensorProto) -> dict:
     return {e.key: e.value for e in t.external_data}
 
 
-def _map_external(model: onnx.ModelProto, base: Path, arrays: dict) -> None:
+def _map_external(model: onnx.ModelProto, base: Path, arrays: dict, attributes: bool = True) -> None:
     """Main-graph initializers in external data files become views of those files (mapped once);
-    tensors elsewhere (subgraphs, attributes) are read into the skeleton."""
+    tensors elsewhere (subgraphs, attributes) are read into the skeleton (attributes=False: the
+    caller knows none names a file)."""
     from ._fileio import external_tensors
 
     maps = {}
@@ -117,7 +121,7 @@ def _map_external(model: onnx.ModelProto, base: Path, arrays: dict) -> None:
     for t in model.graph.initializer:
         if t.name in arrays and t.data_location == TensorProto.EXTERNAL:
             t.CopyFrom(placeholder(t.name, arrays[t.name]))
-    for t in external_tensors(model):  # subgraph / attribute tensors: read into the skeleton
+    for t in external_tensors(model) if attributes else ():  # subgraph / attribute tensors: into the skeleton
         if is_placeholder(t):
             continue
         info = _external_info(t)

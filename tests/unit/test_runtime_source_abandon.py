@@ -77,7 +77,7 @@ def test_failed_session_load_stops_the_background_decode(slow_pack, monkeypatch)
         first.wait(5)
         raise InvalidModelError("test: the rewrite failed")
 
-    monkeypatch.setattr(runtime_fold, "has_foldable", failing_walk)
+    monkeypatch.setattr(runtime_fold, "fold_facts", failing_walk)
     with pytest.raises(InvalidModelError, match="rewrite failed"):
         passes.InferenceSession(packed)
     assert not [t for t in threading.enumerate() if t.name == DECODE_THREAD and t.is_alive()]
