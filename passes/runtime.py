@@ -38,7 +38,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError
-from .runtime_feed import EMBED_MAX_BYTES, SplitModel, serialise_with_weights, shareable_names
+from .runtime_feed import EMBED_MAX_BYTES, SplitModel, graph_reads, serialise_with_weights, shareable_names
 from .runtime_options import copy_session_options
 
 log = logging.getLogger("passes.runtime")
@@ -390,7 +390,8 @@ class InferenceSession(ort.InferenceSession):
 
             _wait_weights(split, self.source)
             convert_split(split, target, keep_io_types=s["keep_io_types"])
-        split.refresh_placeholders()
+        reads = graph_reads(split.skeleton.graph, split.weights)
+        split.refresh_placeholders(reads.used)
         self.weight_arrays = split.weights
         extra = None
         if mode != "fold":
@@ -399,7 +400,7 @@ class InferenceSession(ort.InferenceSession):
         # needs their bytes: sharing would only fail and be retried
         if self.dtype == np.float16 and not self.on_gpu and mode == "fold":
             share = False
-        self.shared_names = shareable_names(split, extra) if share and not self.on_gpu else set()
+        self.shared_names = shareable_names(split, extra, reads) if share and not self.on_gpu else set()
         self.shared_names |= set(device_values)
         self._device_values = device_values
         shared_bytes = sum(self.weight_arrays[n].nbytes for n in self.shared_names if n in self.weight_arrays)
@@ -408,10 +409,7 @@ class InferenceSession(ort.InferenceSession):
             # prepacking copies every MatMul weight into onnxruntime's own layout; a shared weight
             # cannot be freed after that, so a big model would be held twice
             options.add_session_config_entry("session.disable_prepacking", "1")
-        counts = {}
-        for node in split.skeleton.graph.node:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-        self.op_counts = counts
+        self.op_counts = reads.op_counts
         copied = [n for n in sorted(self.weight_arrays) if n not in self.shared_names and n not in device_values]
         copied_bytes = sum(self.weight_arrays[n].nbytes for n in copied)
         self.skeleton_bytes = split.skeleton.ByteSize()

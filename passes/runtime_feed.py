@@ -153,10 +153,12 @@ class SplitModel:
             if inits[i].name == name:
                 del inits[i]
 
-    def refresh_placeholders(self) -> None:
+    def refresh_placeholders(self, used: set | None = None) -> None:
         """Make every placeholder match the array that will be fed (dtype and shape may have
-        changed in a rewrite, e.g. a float16 conversion) and drop unused ones."""
-        used = _used_names(self.skeleton.graph)
+        changed in a rewrite, e.g. a float16 conversion) and drop unused ones. `used`: the names
+        the graph reads, when the caller has them (GraphReads.used)."""
+        if used is None:
+            used = _used_names(self.skeleton.graph)
         inits = self.skeleton.graph.initializer
         for i in range(len(inits) - 1, -1, -1):
             t = inits[i]
@@ -302,19 +304,48 @@ def consumers_shareable(graph, name: str, extra=None, readers=None) -> bool:
     return all(index in table.get((domain, op), ()) for domain, op, index in uses)
 
 
-def shareable_names(split: SplitModel, extra=None) -> set:
-    """Fed weights that every consumer reads only at kernel creation (safe to share, no copy)."""
-    table = {**SHAREABLE_CONSUMERS, **(extra or {})}
-    consumers: dict[str, list] = {}
-    for node in split.skeleton.graph.node:
-        for index, name in enumerate(node.input):
-            if name in split.weights:
-                consumers.setdefault(name, []).append((node.domain or "", node.op_type, index))
-    # names read inside subgraphs (outer-scope references) or returned as outputs stay copied
-    outputs = {o.name for o in split.skeleton.graph.output}
-    for node in split.skeleton.graph.node:
+@dataclasses.dataclass
+class GraphReads:
+    """What a graph reads, from one walk (graph_reads)."""
+
+    used: set     # every name read: node inputs of the main graph and its subgraphs, graph outputs
+    readers: dict  # name -> [(domain, op_type, input index)] over main-graph nodes, for the names asked
+    outer: set    # names read inside subgraphs (outer-scope references) or listed as graph outputs
+    op_counts: dict  # op_type -> number of main-graph nodes
+
+
+def graph_reads(graph, names) -> GraphReads:
+    """One walk over the main graph (and the subgraphs' reads) giving what the load's last steps
+    each walked the graph for (refresh_placeholders, shareable_names, the operator counts).
+    `names`: the names whose main-graph readers are listed (a set or dict)."""
+    used = {o.name for o in graph.output}
+    outer = set(used)
+    readers: dict = {}
+    counts: dict = {}
+    for node in graph.node:
+        op_type = node.op_type
+        counts[op_type] = counts.get(op_type, 0) + 1
+        inputs = node.input
+        used.update(inputs)
+        for index, name in enumerate(inputs):
+            if name in names:
+                readers.setdefault(name, []).append((node.domain or "", op_type, index))
         for g in subgraphs(node):
-            outputs |= _used_names(g)
+            inner = _used_names(g)
+            used |= inner
+            outer |= inner
+    return GraphReads(used, readers, outer, counts)
+
+
+def shareable_names(split: SplitModel, extra=None, reads: GraphReads | None = None) -> set:
+    """Fed weights that every consumer reads only at kernel creation (safe to share, no copy).
+    `reads`: graph_reads of the graph as it is, when the caller has it."""
+    table = {**SHAREABLE_CONSUMERS, **(extra or {})}
+    if reads is None:
+        reads = graph_reads(split.skeleton.graph, split.weights)
+    consumers = {name: uses for name, uses in reads.readers.items() if name in split.weights}
+    # names read inside subgraphs (outer-scope references) or returned as outputs stay copied
+    outputs = reads.outer
     shared = set()
     for name, uses in consumers.items():
         if name in outputs:

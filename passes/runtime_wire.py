@@ -50,10 +50,17 @@ def _fields(buf, start: int, end: int):
     pos = start
     while pos < end:
         fstart = pos
-        key, pos = read_varint(buf, pos, end)
+        key = buf[pos]  # (one-byte keys and lengths, the common case, read inline: a graph has
+        if key < 0x80:  # thousands of fields and a call per varint was most of this walk)
+            pos += 1
+        else:
+            key, pos = read_varint(buf, pos, end)
         number, wire = key >> 3, key & 7
         if wire == LEN:
-            n, vstart = read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                n, vstart = buf[pos], pos + 1
+            else:
+                n, vstart = read_varint(buf, pos, end)
             vend = vstart + n
         elif wire == VARINT:
             vstart = pos
