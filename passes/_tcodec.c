@@ -587,20 +587,25 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
  * have the same length but the last) one vector runs. */
 #define AVX2F __attribute__((target("avx2")))
 #define HL 8 /* lanes per vector */
+/* steps per gather of the renormalisation words and the raw bits: a lane takes at most one word a
+ * step, and its 32-bit gather holds two; the raw-bit window holds >= 25 bits at its first step, the
+ * rare tokens reaching past it are read again (avx2_raw_wide) */
+#define WIN_STEPS 2
 
 #define G32(base, idx, scale) _mm256_i32gather_epi32((const int *)(base), idx, scale)
 
-/* lanes (bitmask) of r: the 32 raw bits at (byte rb, shift sh) read as 8 bytes (> 25 raw bits) */
-AVX2F __attribute__((noinline, cold)) static __m256i avx2_raw_wide(const uint8_t *raw, __m256i r, __m256i rb,
-                                                                 __m256i sh, int lanes) {
+/* lanes (bitmask) of r: the 32 raw bits at bit rel of the lane's stream (from byte rbyte) read as 8
+ * bytes (the token's raw bits reach past the window) */
+AVX2F __attribute__((noinline, cold)) static __m256i avx2_raw_wide(const uint8_t *raw, __m256i r, __m256i rbyte,
+                                                                 __m256i rel, int lanes) {
     int32_t ar[HL], ab[HL], as[HL];
-    _mm256_storeu_si256((__m256i *)ar, r); _mm256_storeu_si256((__m256i *)ab, rb);
-    _mm256_storeu_si256((__m256i *)as, sh);
+    _mm256_storeu_si256((__m256i *)ar, r); _mm256_storeu_si256((__m256i *)ab, rbyte);
+    _mm256_storeu_si256((__m256i *)as, rel);
     for (int l = 0; l < HL; l++) {
         if (!((lanes >> l) & 1)) continue;
         uint64_t w;
-        memcpy(&w, raw + (uint32_t)ab[l], 8);
-        ar[l] = (int32_t)(uint32_t)(w >> as[l]);
+        memcpy(&w, raw + (uint32_t)ab[l] + ((uint32_t)as[l] >> 3), 8);
+        ar[l] = (int32_t)(uint32_t)(w >> (as[l] & 7));
     }
     return _mm256_loadu_si256((const __m256i *)ar);
 }
@@ -648,6 +653,8 @@ AVX2F static inline void avx2_flush8(SState *S, float *out, const int32_t *buf, 
 }
 
 /* the lanes of vectors h0 .. h0 + nh - 1 (nh: 1 or 2, a constant at each call site) */
+/* (the loops over the vectors are unrolled: their state stays in registers, and their steps
+ * interleave) */
 AVX2F static inline __attribute__((always_inline)) void
 avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, const int nh) {
     const int64_t unit_len = jb->unit_len;
@@ -663,7 +670,7 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
                   c8 = _mm256_set1_epi32(8), c7 = _mm256_set1_epi32(7), c2 = _mm256_set1_epi32(2),
                   c255 = _mm256_set1_epi32(255), zero = _mm256_setzero_si256();
     const __m256i qoff = _mm256_set1_epi32((int32_t)(jb->nb_ctx << PROB_BITS));
-    const __m256i c25 = _mm256_set1_epi32(jb->simd_wide ? 0 : 25); /* (0: the test hook, see py_decode) */
+    const __m256i c32 = _mm256_set1_epi32(jb->simd_wide ? 0 : 32); /* (0: the test hook, see py_decode) */
     const __m256i multv = _mm256_set1_epi32(jb->tcq ? 2 : 1);
     const __m256i tcqmask = _mm256_set1_epi32(jb->tcq ? -1 : 0);
     const __m256 stepv = _mm256_set1_ps(jb->step);
@@ -684,9 +691,9 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
     const __m256i boffv = _mm256_loadu_si256((const __m256i *)boff);
     int32_t buf[HL * SL] __attribute__((aligned(32)));
     __m256i x[2], wp[2], wend[2], rel[2], rlen[2], rbyte[2], st[2], col[2], rowbase[2], bad[2], act[2],
-        nextw[2], stoff[2], p1[2], p2[2];
+        wwin[2], wbase[2], rwin[2], rbase[2], stoff[2], p1[2], p2[2];
     int actb[2];
-    for (int h = h0; h < h0 + nh; h++) {
+    _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) {
 #define LD(F) _mm256_load_si256((const __m256i *)(S->v.F + HL * h))
         x[h] = LD(x); wp[h] = LD(wp); wend[h] = LD(wend); rel[h] = LD(rel); rlen[h] = LD(rlen);
         rbyte[h] = LD(rbyte); st[h] = LD(st); col[h] = LD(col); rowbase[h] = LD(rowbase);
@@ -697,28 +704,38 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
         for (int l = 0; l < HL; l++) a[l] = (actb[h] >> l) & 1 ? -1 : 0;
         act[h] = _mm256_loadu_si256((const __m256i *)a);
         /* the word a renormalisation would take next, loaded ahead (off the state's dependency chain) */
-        nextw[h] = _mm256_and_si256(G32(words, wp[h], 2), m16);
         stoff[h] = _mm256_and_si256(_mm256_sub_epi32(zero, _mm256_srli_epi32(st[h], 1)), qoff);
         p1[h] = p2[h] = zero;
     }
     int cnt = 0; /* steps in buf */
+    int phase = 0; /* steps since the windows were gathered */
 
-/* one symbol of every lane of vector h at context offset CTX (without the quantizer's); its value
- * into row cnt of buf; its magnitude (saturated at 4095) into MS */
-#define ASTEP(h, CTX, MS) do {                                                                       \
-        __m256i idx_ = _mm256_add_epi32(_mm256_add_epi32(CTX, stoff[h]), _mm256_and_si256(x[h], m4095)); \
-        __m256i e_ = G32(tab, idx_, 4);                                                                \
+/* the table entry of every lane of vector h at context offset CTX + LO (without the quantizer's;
+ * LO, the neighbour bucket's, comes last: the other terms are known earlier) */
+#define ENTRY(h, CTX, LO) G32(tab, _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(CTX, stoff[h]),     \
+                                                                     _mm256_and_si256(x[h], m4095)), LO), 4)
+/* one symbol of every lane of vector h, of table entries E; its value into row cnt of buf; its
+ * magnitude (saturated at 4095) into MS. (The entries of all vectors are gathered first: the
+ * step waits on them, and the vectors' waits overlap only when their gathers are issued together.) */
+#define ASTEP(h, E, MS) do {                                                                         \
+        if (phase == 0) { /* the windows, every WIN_STEPS steps */                                     \
+            wwin[h] = G32(words, wp[h], 2);                                                            \
+            wbase[h] = wp[h];                                                                          \
+            rwin[h] = G32(raw, _mm256_add_epi32(rbyte[h], _mm256_srli_epi32(rel[h], 3)), 1);           \
+            rbase[h] = _mm256_andnot_si256(c7, rel[h]);                                                \
+        }                                                                                              \
+        __m256i e_ = E;                                                                                \
         __m256i fr_ = _mm256_add_epi32(_mm256_srli_epi32(e_, 20), one);                                \
         __m256i bi_ = _mm256_and_si256(_mm256_srli_epi32(e_, 8), m12);                                 \
         __m256i xx_ = _mm256_add_epi32(_mm256_mullo_epi32(fr_, _mm256_srli_epi32(x[h], PROB_BITS)), bi_); \
         __m256i need_ = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(xx_, 16), zero), act[h]); \
-        x[h] = _mm256_blendv_epi8(xx_, _mm256_or_si256(_mm256_slli_epi32(xx_, 16), nextw[h]), need_);  \
+        __m256i w_ = _mm256_and_si256(_mm256_srlv_epi32(wwin[h],                                       \
+                                      _mm256_slli_epi32(_mm256_sub_epi32(wp[h], wbase[h]), 4)), m16);  \
+        x[h] = _mm256_blendv_epi8(xx_, _mm256_or_si256(_mm256_slli_epi32(xx_, 16), w_), need_);        \
         wp[h] = _mm256_sub_epi32(wp[h], need_);                                                        \
-        nextw[h] = _mm256_and_si256(G32(words, wp[h], 2), m16);                                        \
-        /* raw bits: 4 bytes from the lane's bit position (>= 25 bits after the shift) */              \
-        __m256i rb_ = _mm256_add_epi32(rbyte[h], _mm256_srli_epi32(rel[h], 3));                        \
-        __m256i sh_ = _mm256_and_si256(rel[h], c7);                                                    \
-        __m256i r_ = _mm256_srlv_epi32(G32(raw, rb_, 1), sh_);                                         \
+        /* raw bits: from the window (>= 25 bits at its first step; checked below) */                 \
+        __m256i off_ = _mm256_sub_epi32(rel[h], rbase[h]);                                             \
+        __m256i r_ = _mm256_srlv_epi32(rwin[h], off_);                                                 \
         /* token -> raw bits and smallest magnitude: t < 16: (t > 0, t); else                          \
          * q = (t - 16) >> 3: (q + 2, (8 + (t - 16) % 8) << (q + 1)) */                                \
         __m256i t_ = _mm256_and_si256(e_, mff);                                                        \
@@ -730,8 +747,8 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
             _mm256_sllv_epi32(_mm256_add_epi32(_mm256_and_si256(tb_, c7), c8), _mm256_add_epi32(tq_, one)), \
             t_, sm_);                                                                                  \
         int wide_ = _mm256_movemask_ps(_mm256_castsi256_ps(                                            \
-            _mm256_and_si256(_mm256_cmpgt_epi32(nb_, c25), act[h])));                                  \
-        if (__builtin_expect(wide_ != 0, 0)) r_ = avx2_raw_wide(raw, r_, rb_, sh_, wide_);             \
+            _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_add_epi32(off_, nb_), c32), act[h])));          \
+        if (__builtin_expect(wide_ != 0, 0)) r_ = avx2_raw_wide(raw, r_, rbyte[h], rel[h], wide_);     \
         __m256i bits_ = _mm256_and_si256(r_, _mm256_sub_epi32(_mm256_sllv_epi32(one, nb_), one));      \
         rel[h] = _mm256_add_epi32(rel[h], _mm256_and_si256(nb_, act[h]));                              \
         __m256i m_ = _mm256_add_epi32(mb_, _mm256_srli_epi32(bits_, 1));                               \
@@ -761,26 +778,29 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
     } while (0)
 /* after the steps of all vectors: a full buf goes out */
 #define AFLUSH() do {                                                                                  \
+        if (++phase == WIN_STEPS) phase = 0;                                                           \
         if (++cnt == HL) {                                                                             \
-            for (int h = h0; h < h0 + nh; h++) avx2_flush8(S, out, buf, h, actb[h]);                   \
+            _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) avx2_flush8(S, out, buf, h, actb[h]);                   \
             cnt = 0;                                                                                   \
         }                                                                                              \
     } while (0)
 #define ACHECK() do {                                                                                  \
-        for (int h = h0; h < h0 + nh; h++) {                                                           \
+        _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) {                                                           \
             __m256i kw_ = _mm256_cmpgt_epi32(wp[h], wend[h]);                                          \
             __m256i kr_ = _mm256_cmpgt_epi32(rel[h], rlen[h]);                                         \
             bad[h] = _mm256_or_si256(bad[h], _mm256_or_si256(kw_, kr_));                               \
             wp[h] = _mm256_blendv_epi8(wp[h], wend[h], kw_);                                           \
             rel[h] = _mm256_blendv_epi8(rel[h], rlen[h], kr_);                                         \
-            if (!_mm256_testz_si256(kw_, kw_)) nextw[h] = _mm256_and_si256(G32(words, wp[h], 2), m16); \
+            if (!_mm256_testz_si256(_mm256_or_si256(kw_, kr_), _mm256_or_si256(kw_, kr_))) phase = 0;  \
         }                                                                                              \
     } while (0)
     for (int64_t it = 0; it < n_units; it++) {
         const __m256i pos0 = _mm256_set1_epi32(pos32[0]);
-        for (int h = h0; h < h0 + nh; h++) {
+        __m256i e[2];
+        _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) e[h] = ENTRY(h, rowbase[h], pos0);
+        _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) {
             __m256i ms;
-            ASTEP(h, _mm256_add_epi32(rowbase[h], pos0), ms);
+            ASTEP(h, e[h], ms);
             p1[h] = p2[h] = ms;
         }
         AFLUSH();
@@ -788,7 +808,7 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
             int64_t j1 = j0 + BLOCK < unit_len ? j0 + BLOCK : unit_len;
             for (int64_t j = j0; j < j1; j++) {
                 const __m256i posj = _mm256_set1_epi32(pos32[j]);
-                for (int h = h0; h < h0 + nh; h++) {
+                _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) {
                     __m256i s = _mm256_min_epi32(_mm256_add_epi32(p1[h], p2[h]), m4095);
                     __m256i lo;
                     if (use_thr) {
@@ -801,9 +821,11 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
                     } else {
                         lo = G32(lutv, s, 4);
                     }
-                    __m256i c = _mm256_add_epi32(_mm256_add_epi32(rowbase[h], posj), lo);
+                    e[h] = ENTRY(h, _mm256_add_epi32(rowbase[h], posj), lo);
+                }
+                _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) {
                     __m256i m1;
-                    ASTEP(h, c, m1);
+                    ASTEP(h, e[h], m1);
                     p2[h] = p1[h];
                     p1[h] = m1;
                 }
@@ -812,7 +834,7 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
             if (j1 < unit_len) ACHECK();
         }
         ACHECK(); /* once per unit (and per BLOCK symbols within long ones) */
-        for (int h = h0; h < h0 + nh; h++) {
+        _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) {
             col[h] = _mm256_add_epi32(col[h], one);
             __m256i kr = _mm256_and_si256(_mm256_cmpeq_epi32(col[h], _mm256_set1_epi32((int32_t)jb->upr)), act[h]);
             if (!_mm256_testz_si256(kr, kr)) { /* next row (rare: the scalar way) */
@@ -832,9 +854,10 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
         }
     }
 #undef ASTEP
+#undef ENTRY
 #undef AFLUSH
 #undef ACHECK
-    for (int h = h0; h < h0 + nh; h++) {
+    _Pragma("GCC unroll 2") for (int h = h0; h < h0 + nh; h++) {
         for (int l = 0; l < HL; l++) { /* the steps left in buf */
             if (!((actb[h] >> l) & 1)) continue;
             for (int t = 0; t < cnt; t++) memcpy(&out[S->ob[HL * h + l] + t], &buf[SL * t + HL * h + l], 4);
