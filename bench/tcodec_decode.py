@@ -5,9 +5,9 @@ open_nsfw at 23 / 35 / 47 dB), measured by part (c)'s own helper (`lossy._decode
 
 What this adds to part (c), for work on the decoder: the blobs are cached (bench/out/tcodec_blobs/,
 keyed by the tensor and the encoder's source: encoding them takes ~8 CPU minutes, decoding
-milliseconds), the C decoder runs with its AVX-512 lanes and with its scalar lanes only, and each
-row says how many CPU seconds one decode costs, so that a loaded machine (the wall figures) can be
-told from a slow decoder (the CPU figures).
+milliseconds), the C decoder runs with its vector lanes (AVX-512, else AVX2: the row says which) and
+with its scalar lanes only, and each row says how many CPU seconds one decode costs, so that a
+loaded machine (the wall figures) can be told from a slow decoder (the CPU figures).
 
     python bench/tcodec_decode.py [--repeat 9] [--only word_embeddings|Conv_5831] [--no-scalar]
 
@@ -91,7 +91,9 @@ def main(argv=None) -> int:
     if tensorcodec._FAST is None:
         print("passes._tcodec is not built: nothing to measure here (see bench/lossy.py --parts c for numba)")
         return 1
-    modes = [("vector", tensorcodec.SIMD)] + ([] if args.no_scalar else [("scalar", 0)])
+    # the vector lanes this CPU runs (AVX-512, else AVX2), by the decoder's own dispatch
+    kind = getattr(tensorcodec._FAST, "vector_lanes", lambda simd: "vector")(tensorcodec.SIMD)
+    modes = [(kind, tensorcodec.SIMD)] + ([] if args.no_scalar else [("scalar", 0)])
     print(f"decode_array, MB/s of float32 output: wall best / median of {args.repeat}; CPU ms per decode "
           f"(fresh output, all threads); {os.cpu_count()} CPUs")
     print("2 threads, CPU ms of the calling thread / the other, and the MB/s they allow on 2 idle cores "
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
                       f"{main2 * 1e3:5.1f}/{(cpu2 - main2) * 1e3:<5.1f} {est2:5.0f} | {load:.1f}", flush=True)
     finally:
         tensorcodec.SIMD = saved
-    vec = [r for r in rows if r["lanes"] == "vector"]
+    vec = [r for r in rows if r["lanes"] == kind]
     if vec:
         worst = min(vec, key=lambda r: r["threads2"]["fresh"]["wall_best_MBps"])
         print(f"slowest, 2 threads, fresh output (best wall): {worst['threads2']['fresh']['wall_best_MBps']:.0f} MB/s "
