@@ -143,6 +143,38 @@ def test_fold_shares_weights_without_a_copy(files):
     assert passes.InferenceSession(files["dense"]["floatz"], mode="fold").fold_route is None  # nothing to fold
 
 
+def conv_with_small_matmul_model():
+    """Two Conv weights and a small MatMul weight after them (a classifier head, as in ResNet)."""
+    inits = [numpy_helper.from_array(_w((64, 32, 3, 3), 41), "W1"), numpy_helper.from_array(_w((64, 64, 3, 3), 42), "W2"),
+             numpy_helper.from_array(_w((64, 8), 43), "Wfc"), numpy_helper.from_array(np.array([1, 64], np.int64), "shape")]
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "W2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c2"], ["p"]), helper.make_node("Reshape", ["p", "shape"], ["f"]),
+             helper.make_node("MatMul", ["f", "Wfc"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 8, 8])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fold_of_nearly_all_conv_weights_is_left_to_onnxruntime(tmp_path, packed):
+    """float32 weights that are nearly all Conv weights (which onnxruntime folds itself, see
+    plan_fold): the whole fold is left to it (route "onnxruntime"), outputs identical to the
+    folded model's; mostly MatMul/Gemm weights are still folded here and shared (dense model)."""
+    m = conv_with_small_matmul_model()
+    q8 = passes.quantize_weights(m, bits=8, min_elements=256)
+    path = tmp_path / "convs.q8.onnx"
+    onnx.save(q8, str(path))
+    if packed:
+        passes.pack(str(path), str(tmp_path / "convs.q8.onnxz"))
+        path = tmp_path / "convs.q8.onnxz"
+    session = passes.InferenceSession(path, mode="fold")
+    assert session.fold_route == "onnxruntime" and session.op_counts.get("DequantizeLinear", 0) == 3
+    assert not session.shared_names
+    feeds = feeds_for(m)
+    for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
+        np.testing.assert_array_equal(got[0], want[0])
+
+
 def test_fold_of_blocked_int4(files):
     f = files["dense"]
     feeds = feeds_for(f["model"])
