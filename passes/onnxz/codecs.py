@@ -412,8 +412,16 @@ def check_params(codec: str, params) -> None:
         if type(params.get("sign")) is not bool or (params["sign"] and w == 1) or params.get("pairs", False) is not False:
             raise CorruptFileError("damaged index: bad ans_shared sign / pairs")
         tables = params.get("tables")
-        if not isinstance(tables, list) or len(tables) != w or any(type(t) is not int or t < -1 for t in tables) \
-                or max(tables) < 0:
+        # a loop, not any() over a generator: this runs once per small tensor when a file is opened
+        if type(tables) is not list or len(tables) != w:
+            raise CorruptFileError(f"damaged index: bad ans_shared tables {tables!r}")
+        top = -1
+        for t in tables:
+            if type(t) is not int or t < -1:
+                raise CorruptFileError(f"damaged index: bad ans_shared tables {tables!r}")
+            if t > top:
+                top = t
+        if top < 0:
             raise CorruptFileError(f"damaged index: bad ans_shared tables {tables!r}")
         return
     if codec in ("planes", "fplanes", "fpairs"):
