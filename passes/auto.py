@@ -82,7 +82,11 @@ GPTQ_ACT_ORDER = False  # 0.3-0.5 fewer bits/weight at equal held-out layer SNR,
 # covers. minilm_fp32, every MatMul weight int6/channel error-fed (first half of the corpus feeds -> second
 # half; 1 - cosine): damp 0.01 calibration 1.37e-3, held-out 6.31e-3 (unpadded held-out sentences 6.54e-3: no
 # better than nearest rounding's 6.19e-3, the gain was fitted to the calibration tokens); damp 0.3 2.11e-3 ->
-# 4.56e-3 (unpadded 3.51e-3); at int5 0.01: 4.83e-3 -> 1.94e-2, 0.3: 7.04e-3 -> 1.81e-2.
+# 4.56e-3 (unpadded 3.51e-3); at int5 0.01: 4.83e-3 -> 1.94e-2, 0.3: 7.04e-3 -> 1.81e-2. The auto mode (with
+# HALF_STEP_TABLES; calibrated on the first half of the corpus feeds, packed %, held-out half): minilm_fp32
+# 22.41 -> 20.81% (cosine 0.99915), at quantize_dynamic's fidelity 15.48 -> 14.12% (0.98866), minilm_fp16 44.40
+# -> 41.18% (0.99938), silero_vad_v6 17.92 -> 17.21% (0.99976), rapidocr_cls 28.90 -> 28.71% (top1 1.0),
+# open_nsfw 17.76 -> 17.76% (top1 1.0), open_nsfw_fp16 32.12 -> 32.10% (top1 1.0); all met.
 AUTO_ROUNDING = "nearest"  # the steps of every candidate form (quantize_weights' rounding; "rdo": rate-aware steps)
 CV_FOLDS = 1  # > 1: error-feedback levels judged on a feed are fitted on the other folds' activations only
 # (interleaved folds; the built model's levels on all feeds). Measured with 2 folds (held-out half of the
