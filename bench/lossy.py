@@ -158,6 +158,9 @@ def part_c():
     decoders = (["C"] if fast is not None else []) + ["numba"]
     if fast is None:
         print("passes._tcodec not built (pip install -e . with a C compiler): numba decoder only")
+    lanes = fast.vector_lanes(tensorcodec.SIMD) if fast is not None else None
+    if lanes:
+        print(f"C decoder lanes: {lanes} (avx512 / avx2 / scalar, as this CPU and build allow)")
     print(f"{'tensor':36s} {'SNR':>5s} {'bpw':>5s} {'decoder':>7s} thr | {'fresh wall best/med':>19s} {'per CPU-s':>9s} | "
           f"{'reuse wall best/med':>19s} {'per CPU-s':>9s} | load avg")
     res = []
@@ -171,7 +174,7 @@ def part_c():
                         sp = _decode_rates(blob, w.size, threads)
                         load = os.getloadavg()[0]
                         res.append({"tensor": name, "snr": target, "bpw": round(len(blob) * 8 / w.size, 3),
-                                    "decoder": dec, "threads": threads, "load_avg_1min": round(load, 2), **sp})
+                                    "decoder": dec, "lanes": lanes if dec == "C" else None, "threads": threads, "load_avg_1min": round(load, 2), **sp})
                         f, r = sp["fresh"], sp["reuse"]
                         print(f"{name:36s} {target:5.1f} {len(blob) * 8 / w.size:5.2f} {dec:>7s} {threads:3d} | "
                               f"{f['wall_best_MBps']:9.0f}/{f['wall_median_MBps']:<9.0f} {f['per_cpu_s_MBps']:9.0f} | "
