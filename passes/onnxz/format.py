@@ -289,19 +289,25 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
         data, batch_tables = got
         params = dict(params, table_data=list(data))  # a list of its own per stream, as before
         flags = 1 if params["sign"] else 0
+        plane_lo = 1
     elif codec == "ans":
         flags = (1 if params["sign"] else 0) | (2 if params.get("pairs") else 0)
+        plane_lo = 0
+    else:
+        inner = params.get("inner") if codec == "narrow" else None
+        plane_lo = 0 if isinstance(inner, dict) and inner.get("codec") == "ans" else 1
+    # plane_lo: an `ans` escapes plane may be empty (1.1, also inside `narrow`); every other
+    # plane holds at least one byte
     chunks_in = obj.get("chunks")
     if type(chunks_in) is not list:
         raise _bad(f"{what}: chunks")
     chunks = []
     total = 0
-    inner = params.get("inner") if codec == "narrow" else None
-    empty_ok = codec == "ans" or (isinstance(inner, dict) and inner.get("codec") == "ans")
-    # an `ans` escapes plane may be empty (1.1, also inside `narrow`); every other plane holds
-    # at least one byte
-    plane_lo, plane_hi = (0 if empty_ok else 1), MAX_CHUNK_BYTES + (1 << 16)
-    counts = {}  # planes per raw length (plane_sizes raises on lengths the codec cannot hold)
+    plane_hi = MAX_CHUNK_BYTES + (1 << 16)
+    # planes per raw length, of the previous chunk's length only (a stream's chunks share one
+    # length but the last): plane_sizes runs on each new length (it raises on lengths the codec
+    # cannot hold), no dict made per stream (most streams are one chunk)
+    last_raw = n_planes = -1
     lo, hi, spans = extents.lo, extents.hi, extents.spans
     for c in chunks_in:
         if type(c) is not list or len(c) != 4 or type(c[2]) is not list:
@@ -318,16 +324,16 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
             if type(p) is not int or not plane_lo <= p <= plane_hi:
                 raise _bad(f"plane length = {p!r}")
             stored += p
-        n = counts.get(raw)
-        if n is None:
-            n = counts[raw] = len(plane_sizes(codec, params, raw))
-        if len(planes) != n:
+        if raw != last_raw:
+            n_planes = len(plane_sizes(codec, params, raw))
+            last_raw = raw
+        if len(planes) != n_planes:
             raise _bad(f"{what}: {codec} chunk with {len(planes)} planes")
         if off < lo or off + stored > hi:  # _Extents.add, inline: the hot loop of opening a file
             raise _bad(f"chunk at {off} (+{stored}) outside the data area")
         spans.append((off, stored))
-        sizes = tuple(planes)
-        chunks.append(Chunk(off, raw, list(sizes), digest, None if flags is None else (off, stored, sizes, digest, flags)))
+        kept = list(planes)  # (a copy: the index's own list stays as read)
+        chunks.append(Chunk(off, raw, kept, digest, None if flags is None else (off, stored, tuple(kept), digest, flags)))
         total += raw
     return Stream(codec, params, chunks, total, batch_tables)
 
