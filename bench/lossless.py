@@ -7,7 +7,8 @@ the original size and, as % of it, zip -9 (deflate), zstd -19, ZipNN on the same
 payload the pack stage cuts out, ZipNN 0.5.4 `input_format="byte"` with the tensor's dtype; 1-byte
 and integer types as "float32"; the rest of the file counted at our skeleton size), `.onnxz`, and
 order-0 bounds per tensor (floats: sign/exponent o0 + raw rest, top-16-bit o0 + raw rest; other
-types: o0 of each byte plane), plus int8 tensors against the o0 bound of their bytes.
+types: o0 of each byte plane), plus int8 tensors against the o0 bound of their bytes. In the
+per-tensor ratios ours counts each tensor's stream and its share of the index's shared tables.
 
 Speeds, at 1 and 2 threads, ours and ZipNN interleaved round by round (--rounds, order alternating),
 reported as the median and the slowest-fastest round, as CPU time of the process (all threads;
@@ -39,6 +40,7 @@ zip/zstd sizes are cached in bench/out/lossless_cache.json by file sha256 (they 
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import os
@@ -173,6 +175,25 @@ def whole_file_sizes(files, cache: dict) -> dict:
     return cache[key]
 
 
+def shared_table_shares(idx, cut) -> dict:
+    """Bytes of the index's shared entropy tables (FORMAT.md 3.2) charged to the tensors that code
+    with them, id(entry) -> bytes: each table split over its users in proportion to their sizes.
+    A tensor's own stream holds its own tables, not these: without the share, the per-tensor
+    figures below would leave out every shared table and favour the tensors that use one."""
+    tables = [len(base64.b64decode(t)) for t in idx.raw.get("ans_tables", [])]
+    users: dict = {}
+    for t, data in cut:
+        if t.stream.codec == "ans_shared":
+            for table in {i for i in t.stream.params["tables"] if i >= 0}:
+                users.setdefault(table, []).append((id(t), data.size))
+    shares: dict = {}
+    for table, tensors in users.items():
+        total = sum(size for _, size in tensors)
+        for key, size in tensors:
+            shares[key] = shares.get(key, 0.0) + tables[table] * size / total
+    return shares
+
+
 def bench_model(name: str, path: Path, repeat: int, cache: dict, tmp: Path) -> dict:
     packed = tmp / f"{name}.onnxz"
     stats = passes.pack(path, packed, force=True, threads=2)
@@ -196,6 +217,7 @@ def bench_model(name: str, path: Path, repeat: int, cache: dict, tmp: Path) -> d
     # the same bounds over all the model's int8 (float32) weights pooled: one order-0 model for
     # the whole file, as a coder with one shared table would see them. The per-tensor sums above
     # are the stricter figure (they charge nothing for a table per tensor).
+    table_share = shared_table_shares(idx, cut)
     i8_hist = np.zeros(256, np.int64)
     f32_hist = np.zeros(65536, np.int64)
     with warnings.catch_warnings():
@@ -208,10 +230,10 @@ def bench_model(name: str, path: Path, repeat: int, cache: dict, tmp: Path) -> d
             if dtype in (INT8, UINT8):
                 i8_raw += data.size
                 i8_bound += o0
-                i8_ours += t.stream.stored
+                i8_ours += t.stream.stored + table_share.get(id(t), 0.0)
                 i8_hist += np.bincount(data, minlength=256)
             if dtype == FLOAT:
-                f32_ours += t.stream.stored
+                f32_ours += t.stream.stored + table_share.get(id(t), 0.0)
                 f32_t16 += t16
                 f32_raw += data.size
                 if data.size % 4 == 0:
