@@ -109,6 +109,14 @@ typedef struct {
     uint32_t st;       /* trellis state */
 } Lane;
 
+/* The float bits of a magnitude m >= 256 (beyond the vbits table) at quantizer q: the one formula
+ * every set of lanes uses (scalar, AVX2, AVX-512), so that they stay bit-identical. */
+static inline uint32_t big_value_bits(double mult, uint32_t m, uint32_t q, float step) {
+    union { float f; uint32_t i; } v;
+    v.f = (float)(mult * (double)m - (double)q) * step;
+    return v.i;
+}
+
 static int lane_start(const Job *jb, Lane *ln, int64_t ci) {
     int64_t w0 = jb->woff[ci], w1 = jb->woff[ci + 1];
     if (w1 - w0 < 2) return -1;
@@ -182,9 +190,7 @@ decode_lanes(const Job *jb, Lane *ln, const int k, int64_t n_units) {
         if (__builtin_expect(m_ < 256, 1)) {                                                 \
             vb_ = vbits[q_ * 256 + m_];                                                      \
         } else {                                                                             \
-            union { float f; uint32_t i; } big_;                                             \
-            big_.f = (float)(mult * (double)m_ - (double)q_) * step;                         \
-            vb_ = big_.i;                                                                    \
+            vb_ = big_value_bits(mult, m_, q_, step);                                        \
         }                                                                                    \
         union { uint32_t i; float f; } v_;                                                   \
         v_.i = vb_ ^ (bits_ << 31);                                                          \
@@ -379,10 +385,8 @@ AVX512 __attribute__((noinline, cold)) static void fix_big(const Job *jb, __mmas
     const double mult = jb->tcq ? 2.0 : 1.0;
     for (int l = 0; l < SL; l++) {
         if (!((k >> l) & 1)) continue;
-        union { float f; uint32_t i; } v;
-        v.f = (float)(mult * (double)am[l] - (double)aq[l]) * jb->step;
-        v.i ^= ab[l] << 31;
-        memcpy(&row[l], &v.i, 4);
+        uint32_t v = big_value_bits(mult, am[l], aq[l], jb->step) ^ (ab[l] << 31);
+        memcpy(&row[l], &v, 4);
     }
 }
 
@@ -619,10 +623,8 @@ AVX2F __attribute__((noinline, cold)) static void avx2_fix_big(const Job *jb, in
     const double mult = jb->tcq ? 2.0 : 1.0;
     for (int l = 0; l < HL; l++) {
         if (!((lanes >> l) & 1)) continue;
-        union { float f; uint32_t i; } v;
-        v.f = (float)(mult * (double)am[l] - (double)aq[l]) * jb->step;
-        v.i ^= ab[l] << 31;
-        memcpy(&row[l], &v.i, 4);
+        uint32_t v = big_value_bits(mult, am[l], aq[l], jb->step) ^ (ab[l] << 31);
+        memcpy(&row[l], &v, 4);
     }
 }
 
