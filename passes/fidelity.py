@@ -771,10 +771,18 @@ def parse_requirement(text: str) -> Requirement:
 def parse_requirements(text: str | Iterable[str]) -> list[Requirement]:
     """"cosine>=0.999,top1>=0.99" (or a list of such strings) -> list of Requirements."""
     items = [text] if isinstance(text, str) else list(text)
-    parts = [p for item in items for p in str(item).split(",")]
-    if not any(p.strip() for p in parts):
+    if not items:
         raise InvalidArgumentError("empty requirement: expected e.g. 'cosine>=0.999'")
-    return [parse_requirement(p) for p in parts if p.strip()]
+    requirements = []
+    for item in items:
+        parts = str(item).split(",")
+        # a stray comma ("top1>=0.9,") is refused rather than skipped: it usually means a
+        # requirement was lost when the expression was put together (a shell variable left empty)
+        if not all(part.strip() for part in parts):
+            where = "" if not str(item).strip() else f" in {str(item)!r} (a stray comma)"
+            raise InvalidArgumentError(f"empty requirement{where}: expected e.g. 'cosine>=0.999' or 'cosine>=0.999,top1>=0.99'")
+        requirements.extend(parse_requirement(part) for part in parts)
+    return requirements
 
 
 def enforce(result: FidelityResult, requirements: Iterable[Requirement]) -> None:

@@ -255,12 +255,21 @@ def test_output_must_not_be_the_input(tmp_path, capsys):
     assert sha256(copy) == before
 
 
-@pytest.mark.parametrize("expr", ["cosine", "cosine<=0.9", "accuracy>=0.5", "top1>=2", "maxabs>=1"])
-def test_bad_require_is_a_usage_error(tmp_path, capsys, expr):
-    code, out, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx", "--require", expr)
+@pytest.mark.parametrize("expr", ["cosine", "cosine<=0.9", "accuracy>=0.5", "top1>=2", "maxabs>=1",
+                                  "top1>=0.9,", ",top1>=0.9", "top1>=0.9,,cosine>=0.9", ""])
+@pytest.mark.parametrize("option", ["--require", "--target"])
+def test_bad_require_is_a_usage_error(tmp_path, capsys, expr, option):
+    code, out, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx", option, expr)
     assert code == 2
-    assert "--require" in err and "Traceback" not in err
+    assert_one_line_error(err, option)
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_stray_comma_in_require_is_named(tmp_path, capsys):
+    # a trailing comma was skipped, so 'top1>=0.9,' gated on top1 alone without a word
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx", "--require", "top1>=0.9,")
+    assert code == 2
+    assert_one_line_error(err, "empty requirement", "'top1>=0.9,'", "stray comma")
 
 
 def test_usage_errors_exit_2(capsys):

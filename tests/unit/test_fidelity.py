@@ -342,9 +342,17 @@ def test_parse_requirements_splits_commas_and_lists():
     reqs = F.parse_requirements("cosine>=0.999, top1>=0.99")
     assert [str(r) for r in reqs] == ["cosine>=0.999", "top1>=0.99"]
     assert [str(r) for r in F.parse_requirements(["snr>=30", "maxabs<=0.1,top1>=0.5"])] == ["snr>=30", "maxabs<=0.1", "top1>=0.5"]
-    with pytest.raises(InvalidArgumentError, match="empty"):
-        F.parse_requirements(" , ")
+    for empty in (" , ", "", [], ["snr>=30", " "]):
+        with pytest.raises(InvalidArgumentError, match="empty requirement"):
+            F.parse_requirements(empty)
     assert passes.parse_requirement("top1>=0.9") == F.Requirement("top1", ">=", 0.9)
+
+
+@pytest.mark.parametrize("text", ["top1>=0.9,", ",top1>=0.9", "top1>=0.9,,snr>=20", ["snr>=20", "top1>=0.9, "]])
+def test_parse_requirements_refuses_a_stray_comma(text):
+    # skipped before, so a requirement lost from the expression went unnoticed
+    with pytest.raises(InvalidArgumentError, match="stray comma"):
+        F.parse_requirements(text)
 
 
 def test_requirement_check_and_enforce():
