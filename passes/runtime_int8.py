@@ -2,8 +2,9 @@
 without dequantizing whole weights on every run.
 
 Weights written as Cast(levels) -> [Sub] -> Mul(scale) (passes.compress with a target, see
-cast_levels) are read as DequantizeLinear first (cast_levels.dequantize_graph, the same values):
-onnxruntime would fold them to float at load. Then per weight (a constant DequantizeLinear, or a
+cast_levels) are read as DequantizeLinear first (cast_levels.dequantize_graph, the same values;
+in If/Loop/Scan bodies too, where the DequantizeLinear runs in the body): onnxruntime would fold
+them to float at load. Then per weight (a constant DequantizeLinear, or a
 float weight quantized here at load):
 - consumed only as MatMul's B or Gemm's B -> com.microsoft MatMulNBits (bits 8 or 4, blocks along
   K; a per-channel or per-tensor scale is repeated over the blocks, so the values are exactly the
@@ -401,27 +402,40 @@ class _SplitValues:
 
 
 def _dequantize_cast_levels(split: SplitModel, notes: list) -> int:
-    """Main-graph weights written as Cast(levels) -> [Sub zero point] -> Mul(scale) (what
-    passes.compress with a target writes, see cast_levels) become DequantizeLinear again, so
-    they stay integer in memory and take the same forms as DequantizeLinear weights below;
-    onnxruntime would fold them to float at load. Returns how many."""
-    from .cast_levels import dequantize_graph, dequantize_opset, level_patterns
-    from .graph import NameAllocator, all_names, default_opset, read_counts
+    """Weights written as Cast(levels) -> [Sub zero point] -> Mul(scale) (what passes.compress
+    with a target writes, see cast_levels) become DequantizeLinear again, so they stay integer in
+    memory and take the same forms as DequantizeLinear weights below; onnxruntime would fold them
+    to float at load. Main graph and If/Loop/Scan bodies alike: in a body the levels stay inline
+    and its DequantizeLinear runs in the body, as for the weights _quantize_with_pass quantizes
+    there. Returns how many."""
+    from .cast_levels import _GraphValues, dequantize_graph, dequantize_opset, level_patterns
+    from .graph import NameAllocator, all_names, default_opset, iter_graphs, read_counts
 
-    found = level_patterns(split.skeleton.graph)
-    if not found:
+    found = {info.key: level_patterns(info.graph) for info in iter_graphs(split.skeleton)}
+    total = sum(len(patterns) for patterns in found.values())
+    if not total:
         return 0
-    need = max(dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in found)
-    opset = need if _opset_at_least(split, need) else default_opset(split.skeleton)
+    need = max(dequantize_opset(q_t, s_t) for patterns in found.values() for *_, q_t, _, s_t in patterns)
+    opset = need if _opset_at_least(split, need) else default_opset(split.skeleton)  # may replace the skeleton
     alloc = NameAllocator(all_names(split.skeleton))
-    done = dequantize_graph(split.skeleton.graph, _SplitValues(split), read_counts(split.skeleton), alloc, opset=opset)
+    reads = read_counts(split.skeleton)
+    done = in_bodies = 0
+    # children before parents: rewriting a graph's node list copies its nodes, so a body reached
+    # through the parent's old nodes would be edited after the copy was taken
+    for info in reversed(iter_graphs(split.skeleton)):
+        main = info.parent is None
+        values = _SplitValues(split) if main else _GraphValues(info.graph)  # a body's tensors stay inline
+        count = len(dequantize_graph(info.graph, values, reads, alloc, opset=opset))
+        done += count
+        in_bodies += 0 if main else count
     if done:
-        notes.append(f"{len(done)} weight(s) written as Cast+Mul of integer levels read as DequantizeLinear "
+        where = f", {in_bodies} of them in If/Loop/Scan bodies" if in_bodies else ""
+        notes.append(f"{done} weight(s) written as Cast+Mul of integer levels read as DequantizeLinear{where} "
                      f"(kept quantized in memory; onnxruntime would fold them to float)")
-    if len(done) < len(found):
-        notes.append(f"{len(found) - len(done)} Cast+Mul level weight(s) stay as they are (scale not per tensor "
+    if done < total:
+        notes.append(f"{total - done} Cast+Mul level weight(s) stay as they are (scale not per tensor "
                      f"or per axis, zero point not a level, or opset {need} out of reach): onnxruntime folds them to float")
-    return len(done)
+    return done
 
 
 # ---------------------------------------------------------------------- reading DequantizeLinear
