@@ -66,6 +66,7 @@ def load_feeds(path, model=None) -> list[Feed]:
     """Feeds from an `.npz`: keys "i/NAME" (input NAME of feed i; shapes may differ between
     feeds) or plain "NAME" (one feed). With `model`, the names are checked against its inputs."""
     p = check_readable(path)
+    _check_npz_magic(p)
     try:
         archive = np.load(p, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):
@@ -99,6 +100,23 @@ def load_feeds(path, model=None) -> list[Feed]:
     if model is not None:
         check_feeds(model, feeds, source=str(p))
     return feeds
+
+
+_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty zip's end record
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _check_npz_magic(path) -> None:
+    """Refuse a file that is neither a zip (.npz) nor an .npy before numpy reads it: numpy takes
+    any other file for a pickle, and its refusal then tells the user to load the file unsafely."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head[:4] in _ZIP_MAGICS:
+        return
+    if head == _NPY_MAGIC:
+        raise InvalidArgumentError(f"{path}: feeds must be an .npz archive of arrays, not a single .npy array")
+    raise InvalidArgumentError(f"{path}: not an .npz feeds file (it does not start with a zip header); "
+                               "write feeds with numpy.savez")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -643,6 +643,7 @@ def cmd_pack(args) -> int:
     from passes._fileio import check_readable
 
     check_readable(args.input)
+    _check_not_packed(args.input)
     _check_distinct(args.input, args.output)
     _check_output(args.output, args.force)
     with _progress("pack") as bar:
@@ -662,6 +663,17 @@ def cmd_pack(args) -> int:
         if args.verify:
             print(f"  verified   re-read {args.output}: restores {args.input} byte for byte")
     return EXIT_OK
+
+
+def _check_not_packed(path: str) -> None:
+    """pack reads an ONNX model: a pack given to it was reported as 'not an ONNX model' with the
+    protobuf parser's words, which did not say what the file is."""
+    from passes import InvalidArgumentError
+    from passes._fileio import looks_packed
+
+    if looks_packed(path):
+        raise InvalidArgumentError(f"{path} is an .onnxz pack already: pack reads an ONNX model "
+                                   f"(`{PROG} unpack` restores the one it holds)")
 
 
 def _check_is_pack(path: str, command: str) -> None:
@@ -763,6 +775,14 @@ def _target(text: str) -> str:
     return text
 
 
+def _path(text: str) -> str:
+    """A file argument: an empty one (a shell variable left unset) is a usage error; as a path it
+    meant the current folder, and the error then spoke of '.'."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
+    return text
+
+
 def _integer(text: str) -> int:
     try:
         return int(text)
@@ -827,7 +847,7 @@ def _non_negative_int(text: str) -> int:
 def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
     from passes.fidelity import METRICS
 
-    p.add_argument("--feeds", metavar="FEEDS.npz",
+    p.add_argument("--feeds", metavar="FEEDS.npz", type=_path,
                    help="inputs to compare on: .npz with keys INDEX/INPUT_NAME (or INPUT_NAME for one feed); "
                         "without it, random inputs are synthesised from the model's input specs")
     p.add_argument("--require", metavar="EXPR", type=_requirement, action=_ExtendRequirements, default=[],
@@ -874,14 +894,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p, output=True, output_required=True):
         if output:
-            p.add_argument("-o", "--output", required=output_required, metavar="OUT", help="output file (never overwritten without --force)")
+            p.add_argument("-o", "--output", required=output_required, metavar="OUT", type=_path,
+                           help="output file (never overwritten without --force)")
             p.add_argument("--force", action="store_true", help="replace OUT if it exists")
         p.add_argument("--json", action="store_true", help="print a machine-readable report on stdout")
 
     p = sub.add_parser("compress", help="float weights -> int8 (or fewer bits) + DequantizeLinear",
                        description="Quantize the float weights of IN and write OUT; with --require, write OUT only "
                                    "when the fidelity gate passes (exit 3 otherwise).")
-    p.add_argument("input", metavar="IN", help="ONNX model (.onnx or .onnxz)")
+    p.add_argument("input", metavar="IN", type=_path, help="ONNX model (.onnx or .onnxz)")
     common(p)
     p.add_argument("--bits", type=_bits, help=f"bits per weight, {MIN_BITS} to {MAX_BITS} (default 8)")
     p.add_argument("--target", metavar="EXPR", type=_target,
@@ -905,7 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fold", help="DequantizeLinear of constants -> float initializers",
                        description="Materialise float weights: every DequantizeLinear of constant inputs becomes an initializer.")
-    p.add_argument("input", metavar="IN")
+    p.add_argument("input", metavar="IN", type=_path)
     common(p)
     p.add_argument("--dtype", choices=("float16", "float32"), help="float type of the folded weights (default: what the node produced)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
@@ -913,7 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="weights by dtype and scheme, sizes, per-tensor table",
                        description="Describe a model's weights (.onnx; .onnxz also shows the packed tensor table).")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", type=_path)
     p.add_argument("--all", action="store_true", help="list every tensor, small ones too")
     common(p, output=False)
     max_bytes_option(p)
@@ -921,8 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="compare a candidate model's outputs with the original's",
                        description="Run ORIGINAL and CANDIDATE on the same feeds and print the metrics; with --require, exit 3 when not met.")
-    p.add_argument("original", metavar="ORIGINAL")
-    p.add_argument("candidate", metavar="CANDIDATE")
+    p.add_argument("original", metavar="ORIGINAL", type=_path)
+    p.add_argument("candidate", metavar="CANDIDATE", type=_path)
     common(p, output=False)
     max_bytes_option(p)
     _add_fidelity_options(p)
@@ -930,7 +951,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="lossless entropy-coded .onnxz of any ONNX file",
                        description="Pack IN into OUT.onnxz; unpack restores IN byte for byte.")
-    p.add_argument("input", metavar="IN")
+    p.add_argument("input", metavar="IN", type=_path)
     common(p)
     p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
     p.add_argument("--effort", choices=["default", "max"], default="default",
@@ -939,7 +960,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("unpack", help=".onnxz -> the original .onnx, byte for byte")
-    p.add_argument("input", metavar="IN.onnxz")
+    p.add_argument("input", metavar="IN.onnxz", type=_path)
     common(p, output_required=False)
     p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
     p.add_argument("--sha256", action="store_true",
@@ -953,8 +974,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_unpack)
 
     p = sub.add_parser("verify", help="check every checksum of a .onnxz (and compare with the original)")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("--against", metavar="ORIGINAL", help="the original .onnx: the unpacked bytes must equal it")
+    p.add_argument("file", metavar="FILE", type=_path)
+    p.add_argument("--against", metavar="ORIGINAL", type=_path, help="the original .onnx: the unpacked bytes must equal it")
     p.add_argument("--threads", type=_positive_int, metavar="N")
     common(p, output=False)
     max_bytes_option(p)

@@ -438,6 +438,15 @@ def test_eval_gate_and_metrics(tmp_path, capsys, compressed):
     (["compress", SAMPLE, "-o", "o.onnx", "--target", "top1"], ["--target", "METRIC>=NUMBER"]),
     (["compress", SAMPLE], ["-o/--output", "surgeon-compress compress --help"]),
     ([], ["COMMAND"]),
+    # an empty path (a shell variable left unset): '-o ""' was reported as the folder '.', and
+    # '--feeds ""' was taken for no feeds at all, so the gate ran on random inputs
+    (["compress", SAMPLE, "-o", ""], ["-o/--output", "empty path"]),
+    (["compress", SAMPLE, "-o", "o.onnx", "--feeds", "", "--require", "top1>=0.9"], ["--feeds", "empty path"]),
+    (["compress", "", "-o", "o.onnx"], ["IN", "empty path"]),
+    (["eval", SAMPLE, ""], ["CANDIDATE", "empty path"]),
+    (["info", ""], ["FILE", "empty path"]),
+    (["verify", "x.onnxz", "--against", ""], ["--against", "empty path"]),
+    (["unpack", "", "-o", "o.onnx"], ["IN.onnxz", "empty path"]),
 ])
 def test_usage_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, words):
     # argparse printed its usage block first: the error was the last of 4 to 15 lines.
@@ -535,6 +544,11 @@ def test_a_model_or_pack_in_the_wrong_place_is_named(tmp_path, capsys, compresse
     assert code == 1
     assert_one_line_error(err, f"--against {packed} is an .onnxz pack", "original ONNX model")
     assert not (tmp_path / "u.onnx").exists()
+    # a pack given to pack: was 'not an ONNX model (Error parsing message ...: Wire format was corrupt)'
+    code, _, err = run(capsys, "pack", packed, "-o", tmp_path / "again.onnxz")
+    assert code == 1
+    assert_one_line_error(err, f"{packed} is an .onnxz pack already", "surgeon-compress unpack")
+    assert not (tmp_path / "again.onnxz").exists()
 
 
 # ------------------------------------------------------------------------------ progress bar

@@ -71,8 +71,18 @@ def test_load_feeds_errors(tmp_path):
         F.load_feeds(tmp_path / "absent.npz")
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"this is not a zip archive")
+    # numpy takes any non-zip file for a pickle and its refusal says to load it unsafely
+    from conftest import MODELS
+
+    for wrong in (garbage, MODELS / "rapidocr_cls.onnx"):
+        with pytest.raises(InvalidArgumentError, match="does not start with a zip header") as err:
+            F.load_feeds(wrong)
+        assert "pickle" not in str(err.value)
+    truncated = tmp_path / "truncated.npz"
+    np.savez(truncated, x=np.zeros(100))
+    truncated.write_bytes(truncated.read_bytes()[:60])
     with pytest.raises(InvalidArgumentError, match="not a readable .npz"):
-        F.load_feeds(garbage)
+        F.load_feeds(truncated)
     npy = tmp_path / "one.npy"
     np.save(npy, np.zeros(3))
     with pytest.raises(InvalidArgumentError, match="not a single .npy"):
