@@ -143,18 +143,23 @@ def check_feeds(model, feeds: Sequence[Feed], source: str = "feeds") -> None:
     if not feeds:
         raise InvalidArgumentError(f"{source}: no feeds")
     for i, feed in enumerate(feeds):
-        unknown = sorted(set(feed) - allowed)
-        missing = [name for name in required if name not in feed]
-        if unknown or missing:
-            parts = []
-            if missing:
-                parts.append(f"missing input(s) {', '.join(map(repr, missing))}")
-            if unknown:
-                parts.append(f"unknown input(s) {', '.join(map(repr, unknown))}")
-            raise InvalidArgumentError(
-                f"{source}: feed {i} does not match the model: {'; '.join(parts)} "
-                f"(model inputs: {', '.join(map(repr, required)) or 'none'})"
-            )
+        _check_feed_names(feed, required, allowed, f"{source}: feed {i}")
+
+
+def _check_feed_names(feed: Feed, required: Sequence[str], allowed: set, label: str) -> None:
+    """InvalidArgumentError "<label> does not match the model: missing ...; unknown ..." when the
+    feed lacks a required input or names one outside `allowed`."""
+    unknown = sorted(set(feed) - allowed)
+    missing = [name for name in required if name not in feed]
+    if not unknown and not missing:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing input(s) {', '.join(map(repr, missing))}")
+    if unknown:
+        parts.append(f"unknown input(s) {', '.join(map(repr, unknown))}")
+    raise InvalidArgumentError(f"{label} does not match the model: {'; '.join(parts)} "
+                               f"(model inputs: {', '.join(map(repr, required)) or 'none'})")
 
 
 # Synthesised inputs: dynamic dimensions get small sizes that most models accept.
@@ -419,21 +424,11 @@ def run_outputs(model_or_path, feeds: Sequence[Feed], *, providers=None, sess_op
     session = _session(model_or_path, providers, sess_options)
     run_options = ort.RunOptions()
     run_options.log_severity_level = 4  # a failing run raises; its log line would only repeat it
-    required = {i.name for i in session.get_inputs()}
-    allowed = required | {i.name for i in session.get_overridable_initializers()}
+    required = [i.name for i in session.get_inputs()]
+    allowed = set(required) | {i.name for i in session.get_overridable_initializers()}
     results = []
     for index, feed in enumerate(feeds):
-        unknown = sorted(set(feed) - allowed)
-        missing = sorted(required - set(feed))
-        if unknown or missing:
-            raise InvalidArgumentError(
-                f"feed {index} does not match the model: "
-                + "; ".join(filter(None, [
-                    f"missing input(s) {', '.join(map(repr, missing))}" if missing else "",
-                    f"unknown input(s) {', '.join(map(repr, unknown))}" if unknown else "",
-                ]))
-                + f" (model inputs: {', '.join(sorted(required))})"
-            )
+        _check_feed_names(feed, required, allowed, f"feed {index}")
         feed = _conform(feed, session, index)
         try:
             results.append([_as_array(o) for o in session.run(None, feed, run_options)])
@@ -808,7 +803,3 @@ def enforce(result: FidelityResult, requirements: Iterable[Requirement]) -> None
     failed = [req.describe(result) for req in requirements if not req.check(result)]
     if failed:
         raise FidelityError("fidelity gate failed: " + "; ".join(failed))
-
-
-def metrics_needed(requirements: Iterable[Requirement]) -> set[str]:
-    return {r.metric for r in requirements}

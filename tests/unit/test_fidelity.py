@@ -293,6 +293,10 @@ def test_evaluate_with_feeds_file_checks_names(model, tmp_path):
     np.savez(path, **{"0/wrong": np.zeros((1, 8), np.float32)})
     with pytest.raises(InvalidArgumentError, match="does not match the model"):
         F.evaluate(model, model, feeds=str(path))
+    # run_outputs checks against the session's inputs, with the same message
+    with pytest.raises(InvalidArgumentError, match=r"^feed 0 does not match the model: missing input\(s\) 'x'; "
+                                                   r"unknown input\(s\) 'wrong' \(model inputs: 'x'\)$"):
+        F.run_outputs(model, [{"wrong": np.zeros((1, 8), np.float32)}])
     with pytest.raises(InvalidArgumentError, match="unknown metric"):
         F.evaluate(model, model, metric="accuracy")
 
