@@ -658,7 +658,7 @@ AVX2F static inline void avx2_flush8(SState *S, float *out, const int32_t *buf, 
 /* (the loops over the vectors are unrolled: their state stays in registers, and their steps
  * interleave) */
 AVX2F static inline __attribute__((always_inline)) void
-avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, const int nh) {
+avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, const int nh, const int full) {
     const int64_t unit_len = jb->unit_len;
     const int32_t *restrict pos32 = jb->pos_off32;
     const int32_t *restrict tab = (const int32_t *)jb->tab;
@@ -709,6 +709,8 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
         stoff[h] = _mm256_and_si256(_mm256_sub_epi32(zero, _mm256_srli_epi32(st[h], 1)), qoff);
         p1[h] = p2[h] = zero;
     }
+    /* the lanes' masks; all ones when every lane of the vectors decodes (the compiler drops them) */
+#define ACT(h) (full ? _mm256_set1_epi32(-1) : act[h])
     int cnt = 0; /* steps in buf */
     int phase = 0; /* steps since the windows were gathered */
 
@@ -730,7 +732,7 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
         __m256i fr_ = _mm256_add_epi32(_mm256_srli_epi32(e_, 20), one);                                \
         __m256i bi_ = _mm256_and_si256(_mm256_srli_epi32(e_, 8), m12);                                 \
         __m256i xx_ = _mm256_add_epi32(_mm256_mullo_epi32(fr_, _mm256_srli_epi32(x[h], PROB_BITS)), bi_); \
-        __m256i need_ = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(xx_, 16), zero), act[h]); \
+        __m256i need_ = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(xx_, 16), zero), ACT(h)); \
         __m256i w_ = _mm256_and_si256(_mm256_srlv_epi32(wwin[h],                                       \
                                       _mm256_slli_epi32(_mm256_sub_epi32(wp[h], wbase[h]), 4)), m16);  \
         x[h] = _mm256_blendv_epi8(xx_, _mm256_or_si256(_mm256_slli_epi32(xx_, 16), w_), need_);        \
@@ -749,10 +751,10 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
             _mm256_sllv_epi32(_mm256_add_epi32(_mm256_and_si256(tb_, c7), c8), _mm256_add_epi32(tq_, one)), \
             t_, sm_);                                                                                  \
         int wide_ = _mm256_movemask_ps(_mm256_castsi256_ps(                                            \
-            _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_add_epi32(off_, nb_), c32), act[h])));          \
+            _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_add_epi32(off_, nb_), c32), ACT(h))));          \
         if (__builtin_expect(wide_ != 0, 0)) r_ = avx2_raw_wide(raw, r_, rbyte[h], rel[h], wide_);     \
         __m256i bits_ = _mm256_and_si256(r_, _mm256_sub_epi32(_mm256_sllv_epi32(one, nb_), one));      \
-        rel[h] = _mm256_add_epi32(rel[h], _mm256_and_si256(nb_, act[h]));                              \
+        rel[h] = _mm256_add_epi32(rel[h], _mm256_and_si256(nb_, ACT(h)));                              \
         __m256i m_ = _mm256_add_epi32(mb_, _mm256_srli_epi32(bits_, 1));                               \
         __m256i q_ = _mm256_srli_epi32(st[h], 1);                                                      \
         /* value: centroid below 16, (mult * m - q) * step below 256 (as the table holds them) */      \
@@ -770,7 +772,7 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
         v_ = _mm256_xor_si256(v_, _mm256_slli_epi32(bits_, 31));                                       \
         _mm256_store_si256((__m256i *)(buf + SL * cnt + HL * h), v_);                                  \
         int big_ = _mm256_movemask_ps(_mm256_castsi256_ps(                                             \
-            _mm256_and_si256(_mm256_cmpgt_epi32(m_, c255), act[h])));                                  \
+            _mm256_and_si256(_mm256_cmpgt_epi32(m_, c255), ACT(h))));                                  \
         if (__builtin_expect(big_ != 0, 0)) avx2_fix_big(jb, big_, m_, q_, bits_, buf + SL * cnt + HL * h); \
         /* trellis: next state ((s & 1) ^ parity) << 1 | s >> 1 (always 0 without it) */                \
         st[h] = _mm256_and_si256(tcqmask, _mm256_or_si256(                                             \
@@ -856,6 +858,7 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
         }
     }
 #undef ASTEP
+#undef ACT
 #undef ENTRY
 #undef AFLUSH
 #undef ACHECK
@@ -873,9 +876,10 @@ avx2_lanes(const Job *jb, SState *S, int64_t n_units, int kact, const int h0, co
 }
 
 AVX2F static void decode_avx2(const Job *jb, SState *S, int64_t n_units, int kact) {
-    if (!(kact & 0xFF00)) avx2_lanes(jb, S, n_units, kact, 0, 1);
-    else if (!(kact & 0xFF)) avx2_lanes(jb, S, n_units, kact, 1, 1);
-    else avx2_lanes(jb, S, n_units, kact, 0, 2);
+    if (kact == 0xFFFF) avx2_lanes(jb, S, n_units, kact, 0, 2, 1);
+    else if (!(kact & 0xFF00)) avx2_lanes(jb, S, n_units, kact, 0, 1, 0);
+    else if (!(kact & 0xFF)) avx2_lanes(jb, S, n_units, kact, 1, 1, 0);
+    else avx2_lanes(jb, S, n_units, kact, 0, 2, 0);
 }
 
 static int run_simd(Job *jb, Lane *ln) {
