@@ -134,20 +134,23 @@ def _input_files(src: str) -> list[Path]:
     return model_files(src)
 
 
-def _check_distinct(src: str, dst: str, dst_data_files: Sequence[str] = ()) -> None:
+def _check_distinct(src: str, dst: str, dst_data_files: Sequence[str] = (), feeds: str | None = None) -> None:
     """Refuse an output that would replace a file the input is read from: the model file itself or,
-    with --force, one of its external data files (the input model then read the new bytes).
-    `dst_data_files`: names of the data files written beside `dst` (unpack restores them)."""
+    with --force, one of its external data files (the input model then read the new bytes), or
+    the --feeds file. `dst_data_files`: names of the data files written beside `dst` (unpack
+    restores them)."""
     from passes import InvalidArgumentError
     from passes._fileio import same_file
 
-    inputs = _input_files(src)
+    inputs = [(path, "the input file" if k == 0 else f"an external data file of the input {src}")
+              for k, path in enumerate(_input_files(src))]
+    if feeds:
+        inputs.append((Path(feeds), "the --feeds file"))
     folder = Path(dst).parent
     for out in [Path(dst)] + [folder / name for name in dst_data_files]:
-        for k, used in enumerate(inputs):
+        for used, what in inputs:
             if not same_file(used, out):
                 continue
-            what = "the input file" if k == 0 else f"an external data file of the input {src}"
             shown = dst if out == Path(dst) else f"{dst} writes {out}, which"
             raise InvalidArgumentError(f"output {shown} is {what}; the input is never modified: choose another -o")
 
@@ -388,7 +391,7 @@ def cmd_compress(args) -> int:
     from passes._fileio import check_readable
 
     check_readable(args.input)
-    _check_distinct(args.input, args.output)
+    _check_distinct(args.input, args.output, feeds=args.feeds)
     _check_output(args.output, args.force)  # fail before the long work, not after
     _check_option_combinations(args)
     pack = _wants_pack(args.output, args.pack)

@@ -255,6 +255,19 @@ def test_output_must_not_be_the_input(tmp_path, capsys):
     assert sha256(copy) == before
 
 
+def test_output_must_not_be_the_feeds_file(tmp_path, capsys):
+    # the feeds file is an input too: -o naming it with --force replaced it with the model
+    feeds = tmp_path / "f.npz"
+    shutil.copyfile(FEEDS, feeds)
+    before = sha256(feeds)
+    (tmp_path / "link.npz").symlink_to(feeds)
+    for out in (feeds, tmp_path / "link.npz"):
+        code, _, err = run(capsys, "compress", SAMPLE, "-o", out, "--force", "--feeds", feeds, "--require", "top1>=0.9")
+        assert code == 1
+        assert_one_line_error(err, f"output {out} is the --feeds file", "choose another -o")
+    assert sha256(feeds) == before
+
+
 @pytest.mark.parametrize("expr", ["cosine", "cosine<=0.9", "accuracy>=0.5", "top1>=2", "maxabs>=1",
                                   "top1>=0.9,", ",top1>=0.9", "top1>=0.9,,cosine>=0.9", ""])
 @pytest.mark.parametrize("option", ["--require", "--target"])
