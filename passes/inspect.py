@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 
 from ._fileio import load_model
+from .graph import type_name as dtype_name  # numpy-style: float32, float16, bfloat16, int8, int4, ...
 
 FLOAT_TYPES = {
     onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE,
@@ -52,12 +53,6 @@ INTEGER_WEIGHT_OPS = {
     "DynamicQuantizeLSTM": {1, 2, 9, 10, 11}, "QGemm": {3, 5}, "MatMulIntegerToFloat": {1, 5},
     "DynamicQuantizeMatMul": {1, 4}, "MatMulNBits": {1, 3}, "GatherBlockQuantized": {0, 3},
 }
-
-
-def dtype_name(elem_type: int) -> str:
-    """numpy-style name: float32, float16, bfloat16, int8, int4, ..."""
-    name = onnx.TensorProto.DataType.Name(elem_type).lower()
-    return {"float": "float32", "double": "float64"}.get(name, name)
 
 
 def tensor_nbytes(tensor: onnx.TensorProto) -> int:
