@@ -45,13 +45,21 @@ def _describe_os_error(path: PathLike, exc: OSError, action: str) -> str:
     return f"cannot {action} {os.fspath(path)}: {reason}"
 
 
+def named_path(path: PathLike) -> Path:
+    """`path` as a Path; FileAccessError for an empty one (Path("") is the current folder, which
+    the checks below would report as "'.': is a folder", not what the caller got wrong)."""
+    if os.fspath(path) in ("", b""):
+        raise FileAccessError("empty path: name a file")
+    return Path(path)
+
+
 def check_readable(path: PathLike) -> Path:
     """Path of an existing regular file, or FileAccessError saying why not.
 
     Devices, pipes and sockets are refused: inputs are read more than once (the first bytes
     tell a pack from a model, then the whole file is read), which a pipe cannot give, and a
     device such as /dev/zero never ends."""
-    p = Path(path)
+    p = named_path(path)
     if not p.exists():
         raise FileAccessError(f"{p}: no such file")
     if p.is_dir():
@@ -83,7 +91,7 @@ def _special_kind(mode: int) -> str | None:
 
 def check_writable(path: PathLike, force: bool = False) -> Path:
     """Fail early, before any long work, when `path` cannot be written."""
-    p = Path(path)
+    p = named_path(path)
     if p.is_dir():
         raise FileAccessError(f"{p}: is a folder, not a file")
     if p.exists() and not force:

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 import xxhash
 
-from .._fileio import atomic_output, check_readable, check_writable, load_external_data, parse_model_bytes, same_file
+from .._fileio import atomic_output, check_readable, check_writable, load_external_data, named_path, parse_model_bytes, same_file
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError, SurgeonError
 from . import codecs
 from .protowire import write_varint
@@ -977,8 +977,8 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
         if dst is None:
             raise InvalidArgumentError("unpack from bytes in memory needs a destination path")
     else:
-        src = Path(src)
-    dst = _default_dst(src) if dst is None else Path(dst)
+        src = named_path(src)
+    dst = _default_dst(src) if dst is None else named_path(dst)
     if not in_memory and same_file(src, dst):  # force=True would rename the model over the pack
         raise FileAccessError(f"cannot write {dst}: it is the input file {src}; the input is never modified: "
                               "choose another destination")

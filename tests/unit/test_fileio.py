@@ -147,3 +147,31 @@ def test_same_file_by_inode_or_resolved_spelling(tmp_path):
     assert same_file(tmp_path / "new.onnx", tmp_path / "." / "new.onnx")  # not there yet: by spelling
     (tmp_path / "b.onnx").write_bytes(b"x")
     assert not same_file(a, tmp_path / "b.onnx") and not same_file(a, tmp_path / "new.onnx")
+
+
+@pytest.mark.parametrize("empty", ["", b""])
+def test_empty_path_is_named_as_such(tmp_path, empty, monkeypatch):
+    """Path("") is the current folder: an empty path was reported as "'.': is a folder"."""
+    import passes
+    from passes._fileio import check_readable, check_writable
+
+    monkeypatch.chdir(tmp_path)
+    calls = [lambda: check_readable(empty), lambda: check_writable(empty, force=True)]
+    if isinstance(empty, str):  # (the API's path arguments; bytes are refused as models before any path check)
+        calls += [lambda: load_model(empty), lambda: save_model(_model(), empty, force=True), lambda: passes.load_feeds(empty)]
+    for call in calls:
+        with pytest.raises(FileAccessError, match="empty path"):
+            call()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unpack_names_an_empty_path(tmp_path, monkeypatch):
+    import passes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.onnx").write_bytes(_model().SerializeToString())
+    passes.pack(tmp_path / "m.onnx", tmp_path / "m.onnxz")
+    for src, dst in (("", tmp_path / "r.onnx"), (tmp_path / "m.onnxz", ""), ((tmp_path / "m.onnxz").read_bytes(), "")):
+        with pytest.raises(FileAccessError, match="empty path"):
+            passes.unpack(src, dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnxz"]
