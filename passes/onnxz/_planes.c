@@ -637,7 +637,10 @@ static PyObject *stream_ans(PyObject *self, PyObject *args) {
         PyObject *data = kept_params ? PyList_GetSlice(PyTuple_GET_ITEM(got, 0), 0, PY_SSIZE_T_MAX) : NULL;
         int bad = !data || PyDict_SetItem(kept_params, K_TABLE_DATA, data) < 0;
         Py_XDECREF(data);
-        if (bad) goto done;
+        if (bad) {
+            Py_XDECREF(kept_params);
+            goto done;
+        }
     } else {
         Py_INCREF(kept_params);
     }
