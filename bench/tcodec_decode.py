@@ -10,6 +10,13 @@ with its scalar lanes only, and each row says how many CPU seconds one decode co
 loaded machine (the wall figures) can be told from a slow decoder (the CPU figures).
 
     python bench/tcodec_decode.py [--repeat 9] [--only word_embeddings|Conv_5831] [--no-scalar]
+    python bench/tcodec_decode.py --ab OLD.so [--rounds 150] [--only ...]
+
+--ab compares the built decoder with another build of passes/_tcodec.c (e.g. the .so before a
+change, compiled out of tree): both loaded in this process, the C decode call alone (1 thread,
+reused output) alternating between them call by call in a shuffled order, so that both see the
+same machine load; prints CPU ms min / median and the median of the per-round ratios new/old,
+and checks that both decode every blob to the same bits.
 
 Prints a table, writes bench/out/tcodec_decode.json.
 """
@@ -82,15 +89,85 @@ def _cpu_per_decode(blob, n, threads, repeat):
     return float(np.median(cpus)), float(np.median(mains))
 
 
+def _load_decoder(path):
+    """Another build of passes/_tcodec.c, as a module (its init function is PyInit__tcodec)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_tcodec", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _decode_call(blob):
+    """The arguments decode_array passes to the C decoder for this blob (captured from one call)."""
+    fast, seen = tensorcodec._FAST, {}
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(fast, name)
+
+        def decode(self, *args):
+            seen["args"] = list(args)
+            return fast.decode(*args)
+
+    tensorcodec._FAST = Spy()
+    try:
+        passes.decode_array(blob)
+    finally:
+        tensorcodec._FAST = fast
+    return seen["args"]
+
+
+def ab_rows(old_path, rounds, only=None):
+    """The built decoder against OLD_PATH, interleaved call by call (see --ab)."""
+    import random
+
+    decoders = {"old": _load_decoder(old_path), "new": tensorcodec._FAST}
+    print(f"C decode call alone, 1 thread, reused output, CPU ms; {rounds} rounds, old = {old_path}")
+    rows = []
+    for (name, snr), (blob, n) in blobs(only).items():
+        args = _decode_call(blob)
+        args[-3] = 1  # threads
+        outs = {k: np.empty(n, np.float32) for k in decoders}
+        cpu = {k: [] for k in decoders}
+        for _ in range(rounds):
+            for k in random.sample(list(decoders), len(decoders)):
+                call = list(args)
+                call[5] = outs[k]
+                c0 = time.thread_time()
+                decoders[k].decode(*call)
+                cpu[k].append(time.thread_time() - c0)
+        same = np.array_equal(outs["old"].view(np.uint32), outs["new"].view(np.uint32))
+        ratio = float(np.median(np.array(cpu["new"]) / np.array(cpu["old"])))
+        row = {"tensor": name, "snr": snr, "same_output": same, "ratio_new_old_median": round(ratio, 4),
+               **{f"{k}_cpu_ms_min": round(min(v) * 1e3, 3) for k, v in cpu.items()},
+               **{f"{k}_cpu_ms_median": round(float(np.median(v)) * 1e3, 3) for k, v in cpu.items()},
+               "load_avg_1min": round(os.getloadavg()[0], 2)}
+        rows.append(row)
+        print(f"{name + f' {snr:g} dB':22s} old {row['old_cpu_ms_min']:8.3f} / {row['old_cpu_ms_median']:8.3f}  "
+              f"new {row['new_cpu_ms_min']:8.3f} / {row['new_cpu_ms_median']:8.3f}  new/old {ratio:.3f}  "
+              f"{'same output' if same else 'OUTPUTS DIFFER'}  load {row['load_avg_1min']:.1f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=9, help="decodes per figure (best and median reported)")
     ap.add_argument("--only", nargs="*", default=None, help="word_embeddings and/or Conv_5831")
     ap.add_argument("--no-scalar", action="store_true", help="skip the scalar-lanes rows")
+    ap.add_argument("--ab", metavar="OLD.so", default=None,
+                    help="compare the built decoder with this build, interleaved call by call")
+    ap.add_argument("--rounds", type=int, default=150, help="calls per decoder and blob with --ab")
     args = ap.parse_args(argv)
     if tensorcodec._FAST is None:
         print("passes._tcodec is not built: nothing to measure here (see bench/lossy.py --parts c for numba)")
         return 1
+    if args.ab:
+        rows = ab_rows(args.ab, args.rounds, args.only)
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "tcodec_decode_ab.json").write_text(json.dumps({"old": args.ab, "rows": rows}, indent=1))
+        return 0 if all(r["same_output"] for r in rows) else 1
     # the vector lanes this CPU runs (AVX-512, else AVX2), by the decoder's own dispatch
     kind = getattr(tensorcodec._FAST, "vector_lanes", lambda simd: "vector")(tensorcodec.SIMD)
     modes = [(kind, tensorcodec.SIMD)] + ([] if args.no_scalar else [("scalar", 0)])
