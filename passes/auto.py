@@ -11,7 +11,10 @@
    activations, MatMul/Gemm/Conv weights at 4..8 bits also get error-feedback levels (passes.gptq),
    damping GPTQ_DAMP / GPTQ_CONV_DAMP; with CV_FOLDS > 1 they are judged out of fold (fitted on the
    other folds' feeds). Embedding tables (weights read only by Gather) also get the forms between
-   widths (HALF_STEP_TABLES: n-bit levels at 1.41x the n-bit step).
+   widths (HALF_STEP_TABLES: n-bit levels at 1.41x the n-bit step). MatMul/Gemm weights whose K is
+   a multiple of BLOCKED_SIZE also get blocked error-fed levels at BLOCKED_BITS (a scale per
+   BLOCKED_SIZE inputs; sensitivity.blocked_forms), written as Cast+Mul+Reshape
+   (cast_levels.as_blocked_cast_mul), which onnxruntime folds to a float weight at load.
    With feeds and bias_correction (BIAS_CORRECTION, off by default: measured no gain), every
    quantized form of a MatMul(+Add) / Gemm / Conv weight carries its bias correction
    (passes.bias_correction: the mean output shift E[x] @ (W - W_hat) folded into the layer's bias,
@@ -145,6 +148,13 @@ HALF_STEP_TABLES = True  # embedding tables (weights read only by Gather) also g
 # embedding is half of an NLP model's bytes and takes no error feedback; one width apart is ~0.95 bits per
 # weight of it, and the allocation landed far from its budget (minilm_fp32 at quantize_dynamic's fidelity:
 # int5, held-out 1 - cosine 0.0104 of the allowed 0.0156)
+BLOCKED_BITS = (4, 5, 6, 7)  # widths that MatMul/Gemm weights also get as blocked error-fed levels (a scale per
+# BLOCKED_SIZE inputs, scales of 8 mantissa bits: ~0.13 bit/weight packed; written as Cast+Mul+Reshape, which
+# onnxruntime folds to a float weight; sensitivity.blocked_forms). Why: minilm_fp32, every MatMul weight error-fed
+# (damp 0.3), packed bits/weight and held-out 1 - cosine (calibration): per channel int5 4.33 1.81e-2 (7.0e-3),
+# int6 5.24 4.56e-3 (2.1e-3), int7 6.21 4.01e-3 (6.2e-4); blocks of 64 int4 3.65 2.60e-2 (1.5e-2), int5 4.66
+# 6.70e-3 (4.0e-3), int6 5.67 1.64e-3 (9.4e-4); blocks of 32 int5 4.91 5.30e-3 (3.3e-3).
+BLOCKED_SIZE = 64
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
@@ -430,8 +440,21 @@ def gather_tables(model: onnx.ModelProto, names) -> list[str]:
     return [n for n in names if gathered.get(n, 0) and gathered[n] == counts.get(n, 0)]
 
 
+def _scale_pack_bytes(scale: np.ndarray) -> float:
+    """What the pack stores for a (blocked) scale tensor: its smallest encoding."""
+    from .onnxz import codecs
+
+    raw = np.ascontiguousarray(scale).view(np.uint8).reshape(-1)
+    elem = onnx.TensorProto.FLOAT if scale.dtype == np.float32 else onnx.TensorProto.FLOAT16
+    return float(codecs.encode_tensor(raw, elem, "raw_data").stored)
+
+
 def _form_label(key, opt, cast: bool) -> str:
-    """The report's form of a quantized option: int<n>/channel[/step1.41][/gptq][/cast]."""
+    """The report's form of a quantized option: int<n>/channel[/step1.41][/gptq][/cast], or
+    int<n>/block<B>[/gptq]/cast for the blocked forms (always Cast+Mul+Reshape)."""
+    blocked = sens.blocked_width(key)
+    if blocked is not None:
+        return f"int{blocked}/block{BLOCKED_SIZE}" + ("/gptq" if opt.rounding == "gptq" else "") + "/cast"
     bits, step = sens.half_width(key)
     return (f"int{bits}/channel" + (f"/step{step:.2f}" if step else "") + ("/gptq" if opt.rounding == "gptq" else "")
             + ("/cast" if cast else ""))
@@ -610,6 +633,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                          f"(levels at {sens.HALF_STEP:.2f}x the step of their width)")
     lap("forms")
     gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
+    blocked_levels = {}  # blocked form key -> name -> (levels, scale, axis, block) (sensitivity.blocked_forms)
     plain_ref = {n: i.options[ref_bits].dequantized for n, i in infos.items() if ref_bits in i.options}
     n_folds = CV_FOLDS if len(feeds) >= 2 * CV_FOLDS else 1
     hess, gptq_fit = {}, None
@@ -662,6 +686,15 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                     tuple(r[name][1] for r in per_fold) if n_folds > 1 else None)
                 if n_folds == 1:
                     gptq_levels[b][name] = per_fold[0][name][0]
+        if BLOCKED_BITS and n_folds == 1 and fused_matmul_form == "cast" and granularity == "channel":
+            widths = [b for b in BLOCKED_BITS if b in bits and GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS]
+            axes = sens.blocked_weights(probe, infos, [n for n in hess if n not in conv], BLOCKED_SIZE)
+            blocked_levels = sens.blocked_forms(infos, axes, hess, widths, BLOCKED_SIZE, damp=GPTQ_DAMP,
+                                                factors=factors[0], max_noise_gain=GPTQ_MAX_NOISE_GAIN,
+                                                scale_bytes=_scale_pack_bytes)
+            if blocked_levels:
+                notes.append(f"{len(axes)} MatMul/Gemm weight(s) also tried as blocked levels (int{'/'.join(map(str, widths))}, "
+                             f"a scale per {BLOCKED_SIZE} inputs; written as Cast+Mul+Reshape)")
         del fit_without, factors
         lap("gptq")
     plain_shift = {}
@@ -716,6 +749,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             names = [n for n, nb in plan.items() if nb == key]
             if names:
                 out = sens.half_step_quantize(out, key, names, min_elements=min_elements)
+        blocked = {n: blocked_levels[k][n] for n, k in plan.items() if n in blocked_levels.get(k, {})}
+        if blocked:
+            out = cast_levels.as_blocked_cast_mul(out, blocked)
         refined = final_levels(plan)
         if refined:
             from . import gptq as gq
@@ -961,6 +997,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         if info is None:
             continue
         opt = info.options[b]
+        blocked_form = sens.blocked_width(b) is not None
         form = "float" if b == sens.FLOAT else _form_label(b, opt, name in cast_names)
         rows.append({"name": name, "shape": list(info.shape), "form": form,
                      "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
@@ -970,7 +1007,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                      "act_error": info.act_error if info.act_switch is not None else None,
                      # the runtime consequence of the Cast+Mul form: onnxruntime holds and multiplies it as float
                      "runs_as": ("float weight (Cast+Mul folded at load: float memory and run time)"
-                                 if b != sens.FLOAT and name in cast_names else None),
+                                 if b != sens.FLOAT and (name in cast_names or blocked_form) else None),
                      "sensitivity": info.sensitivity})
         if report is not None:
             report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),

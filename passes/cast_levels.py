@@ -25,6 +25,16 @@ Graph form (standard ONNX, opset >= 13; int4/uint4 levels need opset 21, as for 
 Values: float(q - zp) * scale rounded once to W's type, what DequantizeLinear computes (the
 product of a level and a scale is exact in float32, so float16 rounds once either way).
 Blocked DequantizeLinear (block_size) and a scale or zero point read elsewhere are left as they are.
+
+Blocked form (as_blocked_cast_mul; the auto mode's blocked levels): one scale per block of B
+consecutive weights along an axis a whose length is a multiple of B, and per index of the
+other axes; standard ops that onnxruntime folds to a float weight at load (no opset raise):
+    W_quantized   int8 levels, W's shape with axis a split into (D / B, B)
+    W_scale       W's float type, W's shape with (D / B, 1) in place of axis a
+    W_shape       int64, W's shape
+    Cast(W_quantized) -> Mul(W_scale) -> Reshape(W_shape) -> W
+fold_cast_mul folds it to W bit for bit; dequantize_graph / as_dequantize write it as a blocked
+DequantizeLinear (axis a, block_size B, opset 21) for the int8 runtime.
 """
 from __future__ import annotations
 
@@ -127,6 +137,95 @@ def _replace(t: TensorProto, value: np.ndarray, elem_type: int | None = None) ->
     graph.fill_tensor(t, value, name, elem_type)
 
 
+def as_blocked_cast_mul(model, blocked: dict) -> onnx.ModelProto:
+    """A copy of `model` in which each named float main-graph initializer W is replaced by the
+    blocked form above. blocked: name -> (levels in W's shape (int8), scale in the layout of
+    forms.block_scale_shape in W's float type, axis, block), e.g. from forms.quantize_blocks.
+    The new nodes come first in the graph (they read initializers only)."""
+    from .errors import InvalidArgumentError
+    from .forms import block_scale_shape, block_split_shape
+
+    src = load_model(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    g = out.graph
+    inits = {t.name: t for t in g.initializer}
+    alloc = graph.NameAllocator(graph.all_names(out))
+    nodes, new_inits, replaced = [], [], set()
+    for name in sorted(blocked):
+        levels, scale, axis, block = blocked[name]
+        t = inits.get(name)
+        if t is None or t.data_type not in _OUT_TYPES:
+            raise InvalidArgumentError(f"{name!r} is not a float32/float16 main-graph initializer")
+        dims = tuple(t.dims)
+        axis %= len(dims)
+        if tuple(levels.shape) != dims or dims[axis] % block or tuple(scale.shape) != block_scale_shape(dims, axis, block):
+            raise InvalidArgumentError(f"blocked levels of {name!r} do not fit its shape {dims} (axis {axis}, block {block})")
+        lo, hi = _LEVEL_RANGES[TensorProto.INT8]
+        if levels.size and (levels.min() < lo or levels.max() > hi):
+            raise InvalidArgumentError(f"levels of {name!r} outside int8")
+        q_name, s_name, shape_name = (alloc.take(name + suffix) for suffix in ("_quantized", "_scale", "_shape"))
+        cast_out, mul_out = alloc.take(name + "_levels"), alloc.take(name + "_blocks")
+        new_inits += [graph.array_to_tensor(np.asarray(levels, np.int8).reshape(block_split_shape(dims, axis, block)),
+                                            q_name, TensorProto.INT8),
+                      graph.array_to_tensor(np.asarray(scale).astype(graph.NUMPY_TYPES[t.data_type]), s_name, t.data_type),
+                      graph.array_to_tensor(np.array(dims, np.int64), shape_name, TensorProto.INT64)]
+        nodes += [helper.make_node("Cast", [q_name], [cast_out], name=alloc.take(name + "_Cast"), to=t.data_type),
+                  helper.make_node("Mul", [cast_out, s_name], [mul_out], name=alloc.take(name + "_Mul")),
+                  helper.make_node("Reshape", [mul_out, shape_name], [name], name=alloc.take(name + "_Reshape"))]
+        replaced.add(name)
+    keep = [x for x in g.initializer if x.name not in replaced]
+    del g.initializer[:]
+    g.initializer.extend(keep + new_inits)
+    rest = list(g.node)
+    del g.node[:]
+    g.node.extend(nodes + rest)
+    return out
+
+
+def blocked_patterns(g: onnx.GraphProto):
+    """(Reshape node, Mul node, Cast node, levels, scale, shape initializer, axis, block) for each
+    blocked form of `g` (as_blocked_cast_mul): a level pattern without zero point whose levels
+    have W's shape with one axis split into (blocks, block), whose scale has (blocks, 1) there
+    and W's other dims, read by a Reshape alone whose constant shape merges the split back."""
+    inits = {t.name: t for t in g.initializer}
+    reads = _reads(g)
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    found = []
+    for mul, cast, sub, q_t, zp_t, s_t in level_patterns(g):
+        if sub is not None or q_t.data_type != TensorProto.INT8 or reads.get(mul.output[0], 0) != 1:
+            continue
+        users = readers.get(mul.output[0], [])
+        if len(users) != 1 or users[0].op_type != "Reshape" or users[0].domain not in ("", "ai.onnx"):
+            continue
+        reshape = users[0]
+        if len(reshape.input) != 2 or reshape.input[0] != mul.output[0] or reshape.input[1] not in inits:
+            continue
+        shape_t = inits[reshape.input[1]]
+        if shape_t.data_type != TensorProto.INT64 or _attr(reshape, "allowzero", 0):
+            continue
+        split = _split_axis(tuple(q_t.dims), tuple(s_t.dims), tuple(int(v) for v in graph.tensor_to_array(shape_t).reshape(-1)))
+        if split is not None:
+            found.append((reshape, mul, cast, q_t, s_t, shape_t) + split)
+    return found
+
+
+def _split_axis(q_dims: tuple, s_dims: tuple, target: tuple):
+    """(axis, block) when q_dims is target with one axis split into (blocks, block) and s_dims is
+    q_dims with 1 in place of the block; else None."""
+    if len(q_dims) != len(target) + 1 or len(s_dims) != len(q_dims) or any(d <= 0 for d in target):
+        return None
+    for a in range(len(target)):
+        nb, block = q_dims[a], q_dims[a + 1]
+        if (q_dims[:a] == target[:a] and q_dims[a + 2:] == target[a + 1:] and nb * block == target[a]
+                and s_dims == q_dims[:a + 1] + (1,) + q_dims[a + 2:] and block > 1):
+            return a, block
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # the fold
 
@@ -185,6 +284,8 @@ def _fold_graph(g: onnx.GraphProto, read_anywhere: dict[str, int], report) -> No
     found = level_patterns(g)
     if not found:
         return
+    # a blocked form's Reshape is folded with it: the float weight gets the Reshape's name and shape
+    reshaped = {mul.output[0]: (reshape, shape_t) for reshape, mul, _, _, _, shape_t, _, _ in blocked_patterns(g)}
     drop_nodes, drop_reads, added = set(), {}, []
     for mul, cast, sub, q_t, zp_t, s_t in found:
         q = graph.tensor_to_array(q_t).astype(np.float32)
@@ -192,14 +293,19 @@ def _fold_graph(g: onnx.GraphProto, read_anywhere: dict[str, int], report) -> No
             q = q - graph.tensor_to_array(zp_t).astype(np.float32)  # small integers: exact
         with np.errstate(over="ignore"):
             value = (q * graph.tensor_to_array(s_t).astype(np.float32)).astype(graph.NUMPY_TYPES[s_t.data_type])
-        added.append(graph.array_to_tensor(value, mul.output[0], s_t.data_type))
-        drop_nodes |= {n.output[0] for n in (mul, cast, sub) if n is not None}
-        for t in (q_t, zp_t, s_t):
+        out_name, reshape, shape_t = mul.output[0], None, None
+        if mul.output[0] in reshaped:
+            reshape, shape_t = reshaped[mul.output[0]]
+            out_name = reshape.output[0]
+            value = value.reshape(tuple(int(v) for v in graph.tensor_to_array(shape_t).reshape(-1)))
+        added.append(graph.array_to_tensor(value, out_name, s_t.data_type))
+        drop_nodes |= {n.output[0] for n in (mul, cast, sub, reshape) if n is not None}
+        for t in (q_t, zp_t, s_t, shape_t):
             if t is not None:
                 drop_reads[t.name] = drop_reads.get(t.name, 0) + 1
         if report is not None:
             before = sum(graph.tensor_nbytes(t) for t in (q_t, zp_t, s_t) if t is not None)
-            report.add(TensorChange(mul.output[0], tuple(value.shape), graph.type_name(q_t.data_type),
+            report.add(TensorChange(out_name, tuple(value.shape), graph.type_name(q_t.data_type),
                                     "folded levels (Cast+Mul)", before, value.nbytes, None))
     keep = [t for t in g.initializer if t.name not in drop_reads or read_anywhere.get(t.name, 0) > drop_reads[t.name]]
     nodes = [n for n in g.node if not (n.output and n.output[0] in drop_nodes)]
@@ -291,11 +397,24 @@ def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, n
     as DequantizeLinear(levels, scale, zero point) with the Mul's output name; `values` reads and
     writes initializer values (get(name), put(name, array, elem_type)); `reads` counts every
     reader of a name in the whole model; a pattern needing an opset above `opset` is left as it
-    is. Returns the rewritten weights' names."""
+    is. A blocked form (as_blocked_cast_mul) becomes a blocked DequantizeLinear named like its
+    Reshape's output (opset BLOCKED_OPSET). Returns the rewritten weights' names."""
     wanted = None if names is None else set(names)
-    by_mul, done = {}, []
+    by_mul, done, unread = {}, [], set()
+    blocked = {mul.output[0]: b for b in blocked_patterns(g) for mul in [b[1]]}
     for mul, cast, sub, q_t, zp_t, s_t in level_patterns(g):
         out_name = mul.output[0]
+        if out_name in blocked:
+            reshape, _, _, _, _, shape_t, axis, block = blocked[out_name]
+            w_name = reshape.output[0]
+            if (wanted is not None and w_name not in wanted) or BLOCKED_OPSET > opset:
+                continue
+            dq = _blocked_dequantize(values, reads, alloc, q_t, s_t, shape_t, w_name, axis, block)
+            by_mul[w_name] = (dq, {cast.output[0], mul.output[0]})
+            if reads.get(shape_t.name, 0) == 1:
+                unread.add(shape_t.name)
+            done.append(w_name)
+            continue
         if (wanted is not None and out_name not in wanted) or dequantize_opset(q_t, s_t) > opset:
             continue
         zp = None if zp_t is None else values.get(zp_t.name)
@@ -327,7 +446,36 @@ def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, n
                  for n in g.node if not (n.output and n.output[0] in dropped)]
         del g.node[:]
         g.node.extend(nodes)
+    if unread:  # the blocked forms' shapes, read by their Reshape alone
+        keep = [t for t in g.initializer if t.name not in unread]
+        del g.initializer[:]
+        g.initializer.extend(keep)
     return done
+
+
+BLOCKED_OPSET = 21  # DequantizeLinear's block_size attribute
+
+
+def patterns_opset(g: onnx.GraphProto) -> int:
+    """The opset dequantize_graph needs to rewrite every level pattern of `g` (blocked forms:
+    BLOCKED_OPSET); 0 when there is none."""
+    need = max((dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in level_patterns(g)), default=0)
+    return max(need, BLOCKED_OPSET) if blocked_patterns(g) else need
+
+
+def _blocked_dequantize(values, reads, alloc, q_t, s_t, shape_t, w_name: str, axis: int, block: int):
+    """A blocked form's DequantizeLinear (levels and scale re-laid in its layout: the same values)."""
+    dims = tuple(int(v) for v in values.get(shape_t.name).reshape(-1))
+    levels = values.get(q_t.name).reshape(dims)
+    scale = values.get(s_t.name)
+    scale = scale.reshape(scale.shape[:axis + 1] + scale.shape[axis + 2:])
+    # a tensor read elsewhere too keeps its own layout there: a new one here
+    q_name = q_t.name if reads.get(q_t.name, 0) == 1 else alloc.take(w_name + "_quantized")
+    s_name = s_t.name if reads.get(s_t.name, 0) == 1 else alloc.take(w_name + "_scale")
+    values.put(q_name, levels, q_t.data_type)
+    values.put(s_name, scale, s_t.data_type)
+    return helper.make_node("DequantizeLinear", [q_name, s_name], [w_name], name=alloc.take(w_name + "_DequantizeLinear"),
+                            axis=axis, block_size=block)
 
 
 def as_dequantize(model, names=None) -> onnx.ModelProto:
@@ -350,6 +498,8 @@ def as_dequantize(model, names=None) -> onnx.ModelProto:
     need = max((dequantize_opset(q_t, s_t) for info in graph.iter_graphs(out)
                 for mul, _, _, q_t, _, s_t in level_patterns(info.graph) if wanted is None or mul.output[0] in wanted),
                default=0)
+    if any(wanted is None or b[0].output[0] in wanted for info in graph.iter_graphs(out) for b in blocked_patterns(info.graph)):
+        need = max(need, BLOCKED_OPSET)
     if not need:
         return out
     opset = graph.default_opset(out)

@@ -675,3 +675,70 @@ def _kernel(qq, ss, zz, o, scratch, exact_small) -> None:
         bits = scratch.u16[:n]
         _round_to_half_bits(scratch.f32[:n], bits, scratch.t[:n])
         np.copyto(o.view(np.uint16), bits.reshape(o.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# blocked levels with coarse scales (the auto mode's blocked form, written as Cast+Mul+Reshape)
+
+
+def round_scale_mantissa(scale: np.ndarray) -> np.ndarray:
+    """float32 scales rounded (to nearest even) to 8 mantissa bits, still float32, never 0.
+
+    Why: a scale per block of 64 weights stored as float32 costs 0.5 bit per weight; a float32
+    whose 16 low bits are zero is a bfloat16 value, which the pack stores in two bytes (its
+    "narrow" codec), and 2**-9 of relative scale error is far below the levels' own error."""
+    u = np.ascontiguousarray(scale, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    out = u.astype(np.uint32).view(np.float32)
+    tiny = np.float32(2.0 ** -126)
+    return np.where(out > 0, out, tiny).astype(np.float32)
+
+
+def block_split_shape(shape: tuple, axis: int, block: int) -> tuple:
+    """The levels' stored shape: `axis` split into (blocks, block) (the axis must be a multiple)."""
+    return tuple(shape[:axis]) + (shape[axis] // block, block) + tuple(shape[axis + 1:])
+
+
+def block_scale_shape(shape: tuple, axis: int, block: int) -> tuple:
+    """The blocked scale's stored shape: (blocks, 1) in place of `axis`, the other dims kept."""
+    return tuple(shape[:axis]) + (shape[axis] // block, 1) + tuple(shape[axis + 1:])
+
+
+def quantize_blocks(w: np.ndarray, bits: int, axis: int, block: int) -> Quantized:
+    """Symmetric n-bit levels (int8 container) in blocks of `block` consecutive weights along
+    `axis` (a multiple of it), one scale per block and per index of the other axes, in the
+    layout of block_scale_shape; float32 weights get scales of 8 mantissa bits
+    (round_scale_mantissa), float16 weights float16 scales. The clip ratio of each block is
+    searched as for quantize_linear, then the levels are rounded at the stored scale. q has the
+    weight's shape; dequantize_blocks gives back what Cast+Mul computes."""
+    axis %= w.ndim
+    if bits < 2 or bits > 8:
+        raise InvalidArgumentError(f"bits must be 2..8, got {bits}")
+    if block < 2 or w.shape[axis] % block:
+        raise InvalidArgumentError(f"axis {axis} of shape {w.shape} is not a multiple of block {block}")
+    if w.dtype not in (np.float32, np.float16):
+        raise InvalidArgumentError(f"blocked levels take float32 or float16 weights, got {w.dtype}")
+    levels = Levels(bits, True)
+    found = quantize_linear(w, levels, axis, block)  # scale: (..., blocks, ...) in DequantizeLinear's layout
+    scale = found.scale.astype(np.float32)
+    if w.dtype == np.float32:
+        scale = round_scale_mantissa(scale)
+    scale = scale.astype(w.dtype)
+    split = block_split_shape(w.shape, axis, block)
+    s_split = scale.reshape(block_scale_shape(w.shape, axis, block))
+    q = np.clip(np.rint(w.astype(np.float32).reshape(split) / s_split.astype(np.float32)), levels.qmin, levels.qmax)
+    q = q.astype(np.int8).reshape(w.shape)
+    deq = dequantize_blocks(q, s_split, axis, block)
+    err = deq.astype(np.float64) - w.astype(np.float64)
+    return Quantized(q, s_split, None, axis, block, float(np.sum(err * err)), float(np.sum(w.astype(np.float64) ** 2)))
+
+
+def dequantize_blocks(q: np.ndarray, scale: np.ndarray, axis: int, block: int) -> np.ndarray:
+    """Cast(levels) * scale as onnxruntime computes it (float32 product of a small integer and a
+    scale, exact; rounded once to the scale's type), in the levels' shape. scale: the layout of
+    block_scale_shape."""
+    axis %= q.ndim
+    split = block_split_shape(q.shape, axis, block)
+    with np.errstate(over="ignore"):
+        prod = q.reshape(split).astype(np.float32) * scale.astype(np.float32)
+    return prod.astype(scale.dtype).reshape(q.shape)

@@ -421,3 +421,26 @@ def quantize_with_feedback(model, feeds, *, bits: int = 4, rounding: str = "rdo"
         report.note(f"error feedback (GPTQ, damp {damp:g}, Conv damp {conv_d:g}, act_order {act_order}) replaced "
                     f"the levels of {len(refined)} weights; their SNR in this report is before it")
     return write_levels(q, {n: lv for n, (lv, _) in refined.items()})
+
+
+def blocked_matrix_scale(scale: np.ndarray, axis: int) -> np.ndarray:
+    """A 2-D weight's blocked scale (forms.block_scale_shape layout) as (blocks, N) along the K
+    inputs of its matrix (as_matrix): axis 0 is a MatMul weight (K, N), axis 1 a Gemm transB
+    weight (N, K)."""
+    if axis == 0:
+        return scale.reshape(scale.shape[0], -1)
+    return scale.reshape(scale.shape[0], -1).T
+
+
+def blocked_levels(w: np.ndarray, h: np.ndarray, scale: np.ndarray, axis: int, block: int, bits: int,
+                   damp: float = DAMP, factor=None) -> np.ndarray:
+    """Error-feedback levels (int32, w's shape) of a 2-D weight w with symmetric blocked scales
+    (forms.quantize_blocks: blocks of `block` along `axis`, which must be the K inputs: 0 for a
+    MatMul weight, 1 for a Gemm transB weight); h: the (K, K) Hessian of its inputs."""
+    if w.ndim != 2 or axis not in (0, 1):
+        raise InvalidArgumentError(f"blocked error feedback takes a 2-D weight blocked along 0 or 1, got {w.shape} axis {axis}")
+    mat = w if axis == 0 else w.T
+    qmax = (1 << (bits - 1)) - 1
+    s = blocked_matrix_scale(np.asarray(scale, np.float64), axis)
+    lv = gptq_levels(mat, h, s, -qmax, qmax, damp=damp, factor=factor, block_size=block)
+    return lv if axis == 0 else lv.T

@@ -120,10 +120,81 @@ HALF_STEP = 2 ** 0.5  # the step factor of a half-width form: about half a bit l
 
 def half_width(key) -> tuple[int, float | None]:
     """(container width, step factor or None) of a form key: n for n-bit levels, n - 0.5 for n-bit
-    levels at HALF_STEP times the n-bit step (half_step_forms)."""
-    if float(key).is_integer():
-        return int(key), None
+    levels at HALF_STEP times the n-bit step (half_step_forms); a blocked key (n + BLOCKED_KEY) is
+    n-bit levels at their own steps."""
+    if float(key).is_integer() or blocked_width(key) is not None:
+        return int(math.floor(key)), None
     return int(math.ceil(key)), HALF_STEP
+
+
+BLOCKED_KEY = 0.25  # form key n + BLOCKED_KEY: n-bit levels with one scale per block (blocked_forms)
+
+
+def blocked_width(key) -> int | None:
+    """n for a blocked form key n + BLOCKED_KEY, else None."""
+    k = float(key)
+    return int(math.floor(k)) if k - math.floor(k) == BLOCKED_KEY else None
+
+
+def blocked_weights(model: onnx.ModelProto, infos: dict[str, TensorInfo], names, block: int) -> dict[str, int]:
+    """name -> the axis of its K inputs, for the named 2-D float32/float16 weights read by a single
+    MatMul (as B) or Gemm (as B, transA 0) whose K is a multiple of `block` and holds 2 blocks at
+    least: the weights the blocked form (cast_levels.as_blocked_cast_mul) and blocked error
+    feedback (gptq.blocked_levels) take."""
+    from . import gptq as gq
+
+    cons = gq.consumers(model, [n for n in names if n in infos])
+    out = {}
+    for name, (node, _) in cons.items():
+        w = infos[name].options[FLOAT].dequantized
+        if node.op_type not in ("MatMul", "Gemm") or w.ndim != 2 or w.dtype not in (np.float32, np.float16):
+            continue
+        axis = 1 if node.op_type == "Gemm" and gq._attr(node, "transB", 0) else 0
+        if w.shape[axis] % block == 0 and w.shape[axis] >= 2 * block:
+            out[name] = axis
+    return out
+
+
+def blocked_forms(infos: dict[str, TensorInfo], axes: dict[str, int], hessians: dict, bits_list, block: int, *,
+                  damp: float, factors: dict, max_noise_gain: float, scale_bytes) -> dict:
+    """Adds to infos, for the weights of `axes` (blocked_weights) with a Hessian, the blocked forms
+    n + BLOCKED_KEY for n in bits_list: n-bit levels in blocks of `block` along the K inputs
+    (forms.quantize_blocks), error-fed (gptq.blocked_levels, damping `damp`; nearest rounding
+    where error feedback's weight noise exceeds max_noise_gain x nearest's). Rate: the levels'
+    order-0 entropy plus scale_bytes(scale), the scales' packed bytes. factors: inverse Hessian
+    factors shared with gptq.refine (same keys). Returns key -> name -> (levels, scale, axis, block),
+    what cast_levels.as_blocked_cast_mul writes."""
+    from . import forms
+    from . import gptq as gq
+
+    out: dict = {}
+    for name, axis in axes.items():
+        h = hessians.get(name)
+        if h is None:
+            continue
+        info = infos[name]
+        w = info.options[FLOAT].dequantized
+        if h.shape != (w.shape[axis],) * 2:
+            continue
+        key_f = name if damp == gq.DAMP else (name, False, float(damp))
+        if key_f not in factors:
+            factors[key_f] = gq.inverse_factor(h, damp)
+        w64 = w.astype(np.float64)
+        for bits in bits_list:
+            qz = forms.quantize_blocks(w, bits, axis, block)
+            fed = gq.blocked_levels(w, h, qz.scale, axis, block, bits, damp=damp, factor=factors[key_f])
+            deq = forms.dequantize_blocks(fed.astype(np.int8), qz.scale, axis, block)
+            noise = float(np.sum((w64 - deq.astype(np.float64)) ** 2))
+            levels, rounding, plain = fed, "gptq", qz.noise
+            if noise > max_noise_gain * qz.noise:
+                levels, deq, noise, rounding, plain = qz.q, forms.dequantize_blocks(qz.q, qz.scale, axis, block), qz.noise, "nearest", None
+            lev_bytes = entropy_bytes(levels)
+            snr = 200.0 if noise == 0 else round(10 * math.log10(info.energy / noise), 3) if info.energy > 0 else -200.0
+            key = bits + BLOCKED_KEY
+            info.options[key] = TensorOption(key, lev_bytes + scale_bytes(qz.scale), noise, snr, deq, lev_bytes,
+                                             rounding, plain)
+            out.setdefault(key, {})[name] = (levels.astype(np.int8), qz.scale, axis, block)
+    return out
 
 
 def half_step_quantize(model: onnx.ModelProto, key, names, *, min_elements=1024, report=None) -> onnx.ModelProto:
