@@ -2,9 +2,9 @@
 without dequantizing whole weights on every run.
 
 Weights written as Cast(levels) -> [Sub] -> Mul(scale) (passes.compress with a target, see
-cast_levels) are read as DequantizeLinear first (cast_levels.dequantize_graph, the same values;
-in If/Loop/Scan bodies too, where the DequantizeLinear runs in the body): onnxruntime would fold
-them to float at load. Then per weight (a constant DequantizeLinear, or a
+cast_levels; the blocked form Cast -> Mul -> Reshape too, as a blocked DequantizeLinear) are read
+as DequantizeLinear first (cast_levels.dequantize_graph, the same values; in If/Loop/Scan bodies
+too, where the DequantizeLinear runs in the body): onnxruntime would fold them to float at load. Then per weight (a constant DequantizeLinear, or a
 float weight quantized here at load):
 - consumed only as MatMul's B or Gemm's B -> com.microsoft MatMulNBits (bits 8 or 4, blocks along
   K; a per-channel or per-tensor scale is repeated over the blocks, so the values are exactly the
@@ -408,15 +408,20 @@ def _dequantize_cast_levels(split: SplitModel, notes: list) -> int:
     to float at load. Main graph and If/Loop/Scan bodies alike: in a body the levels stay inline
     and its DequantizeLinear runs in the body, as for the weights _quantize_with_pass quantizes
     there. Returns how many."""
-    from .cast_levels import _GraphValues, dequantize_graph, dequantize_opset, level_patterns
+    from .cast_levels import _GraphValues, dequantize_graph, dequantize_opset, level_patterns, patterns_opset
     from .graph import NameAllocator, all_names, default_opset, iter_graphs, read_counts
 
-    found = {info.key: level_patterns(info.graph) for info in iter_graphs(split.skeleton)}
-    total = sum(len(patterns) for patterns in found.values())
-    if not total:
+    graphs = [info.graph for info in iter_graphs(split.skeleton)]
+    found = [pattern for g in graphs for pattern in level_patterns(g)]
+    if not found:
         return 0
-    need = max(dequantize_opset(q_t, s_t) for patterns in found.values() for *_, q_t, _, s_t in patterns)
-    opset = need if _opset_at_least(split, need) else default_opset(split.skeleton)  # may replace the skeleton
+    total = len(found)
+    # blocked forms (Cast+Mul+Reshape) need opset 21 (DequantizeLinear's block_size); where the
+    # model cannot be raised that far, the others still get theirs (13, or 19 for float16 scales)
+    need = max(patterns_opset(g) for g in graphs)
+    plain = max(dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in found)
+    opset = next((v for v in (need, plain) if _opset_at_least(split, v)),  # (may replace the skeleton)
+                 default_opset(split.skeleton))
     alloc = NameAllocator(all_names(split.skeleton))
     reads = read_counts(split.skeleton)
     done = in_bodies = 0
