@@ -99,13 +99,23 @@ def _check_providers(providers) -> list | None:
     return list(providers)
 
 
-def _read_split(path, threads, max_bytes=None, background=False) -> SplitModel:
-    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file
-    (`background`: see runtime_source.read_split; then call _wait_weights before reading values)."""
-    from .runtime_source import read_split
+def _start_read(path, threads, max_bytes=None):
+    """runtime_source.start_read, its big weights decoded aside (call _wait_weights before reading
+    values); then _finish_read."""
+    from .runtime_source import start_read
 
     try:
-        return read_split(path, threads=threads, max_bytes=max_bytes, background=background)
+        return start_read(path, threads=threads, max_bytes=max_bytes, background=True)
+    except SurgeonError:
+        raise
+    except Exception as exc:  # a damaged file that got past the structural checks
+        raise CorruptFileError(f"{path}: cannot read model ({type(exc).__name__}: {exc})") from None
+
+
+def _finish_read(reading, path) -> SplitModel:
+    """The skeleton and weights of a `.onnx` (external data included) or `.onnxz` file."""
+    try:
+        return reading.finish()
     except SurgeonError:
         raise
     except Exception as exc:  # a damaged file that got past the structural checks
@@ -173,11 +183,12 @@ def _streaming_supported() -> bool:
     return signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
 
 
-def parse_pieces(options, pieces: list, read_config: bool, ready=None):
+def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None):
     """onnxruntime's session object for the model made of `pieces` (buffers, concatenated), which
     the list gives up (it is emptied). `ready(piece, block=True) -> bool`, when given, is asked
     before each numpy piece is used (a weight still being decoded): onnxruntime parses what
-    precedes it meanwhile.
+    precedes it meanwhile. `stop` (a threading.Event), once set, ends the stream where it is:
+    onnxruntime then fails on the truncated model (a parse no longer wanted).
 
     Given as bytes, a model is held three times while onnxruntime parses it (our bytes, the
     std::string pybind makes of them, the parsed protobuf). Streamed through a pipe that
@@ -211,9 +222,14 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None):
         try:
             views = []
             for p in pieces:
+                if stop is not None and stop.is_set():
+                    return
                 if ready is not None and isinstance(p, np.ndarray) and not ready(p, block=False):
                     write_views(views)  # onnxruntime parses what it has while this piece decodes
+                    views = []
                     ready(p)
+                    if stop is not None and stop.is_set():
+                        return
                 views.append(memoryview(p).cast("B"))
             write_views(views)
         except OSError:  # onnxruntime stopped reading (a model it refused): nothing more to do
@@ -239,7 +255,7 @@ class InferenceSession(ort.InferenceSession):
     """An onnxruntime.InferenceSession built from a compressed `.onnx` or a packed `.onnxz`.
 
     `sess_options` and `providers` (and `provider_options`) are used as onnxruntime uses them; the
-    caller's SessionOptions is copied, never modified. `threads` sets intra-op threads (and the
+    caller's SessionOptions is never modified (copied where the load adds to it). `threads` sets intra-op threads (and the
     threads decoding a packed file). Attributes: `mode` (the mode used, "auto" resolved),
     `mode_reason`, `dtype` (numpy dtype of the float weights), `weight_arrays` (name -> array
     the session keeps: the shared weights, onnxruntime's own buffers), `shared_names`,
@@ -249,7 +265,10 @@ class InferenceSession(ort.InferenceSession):
     float weights stay float, with why; in fold mode, the embedding tables kept 8-bit; also
     logged at INFO on "passes.runtime"), `fold_route`
     (mode="fold": "here" — folded by us before onnxruntime saw the model, "here+onnxruntime",
-    "onnxruntime" — float16 weights on a CPU, left to its constant folding; None otherwise).
+    "onnxruntime" — float16 weights on a CPU, left to its constant folding; None otherwise),
+    `verbatim` (True: a packed file onnxruntime parsed as the file it is, while its weights
+    decoded and its graph was walked — a lossless pack with nothing to fold or share; see
+    runtime_verbatim).
     `max_bytes` caps the restored size of a packed file (LimitExceededError above it, checked
     before anything is decoded; None: the pack reader's default), for files from untrusted sources.
     """
@@ -304,25 +323,141 @@ class InferenceSession(ort.InferenceSession):
         whatever reads their values first waits for them (`_wait_weights`); a lossless model
         folded as it is reads none, and waits only when onnxruntime is about to read them."""
         s = self._settings
-        split = _read_split(self.source, s["threads"], s["max_bytes"], background=True)
+        reading = _start_read(self.source, s["threads"], s["max_bytes"])
+        options = self._speculation_options(sess_options) if share else None
+        pieces = None
+        if options is not None:
+            try:
+                pieces = reading.verbatim_pieces()
+            except BaseException:
+                reading.abandon()
+                raise
+        if pieces is not None:
+            split, resolved, kept = self._parse_while_walking(reading, pieces, options)
+        else:
+            split, resolved, kept = _finish_read(reading, self.source), None, None
         self._split = split
         try:
-            return self._rewrite(split, sess_options, share)
+            if kept is not None:
+                return self._verbatim_route(split, resolved, options, *kept)
+            return self._rewrite(split, sess_options, share, resolved)
         except BaseException:
             pending, split.pending = split.pending, None
             if pending is not None:  # the decode thread must not outlive a failed load: it stops
                 pending.abandon()    # after its current batch (see BackgroundDecode.abandon)
             raise
 
-    def _rewrite(self, split, sess_options, share):
+    def _session_options(self, sess_options):
+        """A copy of the caller's SessionOptions with this session's own settings."""
         s = self._settings
-        mode, target = s["mode"], s["target"]
+        options = copy_session_options(sess_options)
+        if s["threads"]:
+            options.intra_op_num_threads = s["threads"]
+        return options
+
+    def _speculation_options(self, sess_options):
+        """The SessionOptions onnxruntime may start parsing a packed file as it is with (see
+        runtime_verbatim), or None where the settings rule that out (a mode that rewrites every
+        model, a dtype conversion, a GPU, no streaming to onnxruntime)."""
+        s = self._settings
+        if s["mode"] not in ("fold", "auto") or s["target"] is not None or self.on_gpu or not _streaming_supported():
+            return None
+        if sess_options is None or isinstance(sess_options, ort.SessionOptions) and not s["threads"] \
+                and s["prepack"] is not False:
+            # nothing of ours to add: onnxruntime gets the caller's options as they are, as it would
+            # from its own class (it copies them; copying them here costs ~5 ms: copy_session_options)
+            return sess_options if sess_options is not None else ort.SessionOptions()
+        options = self._session_options(sess_options)
+        if s["prepack"] is False:
+            options.add_session_config_entry("session.disable_prepacking", "1")
+        return options
+
+    def _parse_while_walking(self, reading, pieces, options):
+        """onnxruntime parses the packed file as it is (`pieces`, fed as they decode) on this
+        thread, while a helper thread finishes the read and decides whether that parse is the one
+        to keep (runtime_verbatim); when not, the stream is cut and onnxruntime stops. Returns
+        (split, resolved mode, (ParsedModel, GraphReads) when the parse is kept, else None)."""
+        from .runtime_verbatim import ParsedModel
+
+        stop = threading.Event()
+        found = {}
+
+        def walk():
+            try:
+                found["split"] = split = _finish_read(reading, self.source)
+                found["resolved"], found["reads"] = self._verbatim_decision(split)
+            except BaseException as exc:  # raised on the calling thread
+                found["error"] = exc
+            if found.get("reads") is None:
+                stop.set()
+
+        walker = threading.Thread(target=walk, name="passes-graph-walk", daemon=True)
+        walker.start()
+        read_config = os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1"  # (as onnxruntime's own class reads it)
+        try:
+            parsed = ParsedModel(session=parse_pieces(options, pieces, read_config, ready=reading.ready, stop=stop))
+        except Exception as exc:  # (a weight that failed to decode, or a model onnxruntime refuses)
+            parsed = ParsedModel(error=exc)
+        except BaseException as exc:  # (Ctrl-C): nothing may outlive the load
+            found.setdefault("error", exc)
+        stop.set()
+        walker.join()
+        if "error" in found:
+            split = found.get("split")
+            if split is not None and split.pending is not None:
+                split.pending.abandon()
+            raise found["error"]
+        reads = found["reads"]
+        return found["split"], found["resolved"], (parsed, reads) if reads is not None else None
+
+    def _resolve_mode(self, split):
+        """(mode, the model's float dtype): mode="auto" resolved (and logged)."""
+        s = self._settings
+        mode = s["mode"]
         own_dtype = model_float_dtype(split)
         self.mode_reason = f"requested mode={mode}"
         if mode == "auto":
-            mode, self.mode_reason = choose_mode(split, s["providers"], target)
+            mode, self.mode_reason = choose_mode(split, s["providers"], s["target"])
             log.info("passes.InferenceSession(%s): mode=auto picked %s (%s)", self.source.name, mode, self.mode_reason)
         self.mode = mode
+        return mode, own_dtype
+
+    def _verbatim_decision(self, split):
+        """((mode, float dtype), the graph's GraphReads when onnxruntime gets the model as the file
+        it is — mode fold in the model's own dtype, nothing to fold, (nearly) nothing to share, see
+        runtime_verbatim — else None)."""
+        from .runtime_fold import fold_facts
+        from .runtime_verbatim import verbatim_fits
+
+        resolved = self._resolve_mode(split)
+        mode, own_dtype = resolved
+        target = self._settings["target"]
+        if mode != "fold" or (target is not None and target != own_dtype) or fold_facts(split)[0]:
+            return resolved, None
+        reads = graph_reads(split.skeleton.graph, split.weights)
+        # float16 weights on a CPU are never shared (see _rewrite)
+        return resolved, reads if verbatim_fits(split, reads, share=own_dtype != np.float16) else None
+
+    def _verbatim_route(self, split, resolved, options, parsed, reads):
+        """(options, disabled optimisers, the ParsedModel) for a model onnxruntime has parsed as
+        the file it is (see _verbatim_decision)."""
+        self.verbatim = True
+        self.fold_route = None
+        self.notes = []
+        self.dtype = np.dtype(resolved[1])
+        self.op_counts = reads.op_counts
+        self.skeleton_bytes = split.skeleton.ByteSize()
+        self.embedded_names = set(split.weights)  # every big weight travelled inside the model
+        self.weight_arrays, self.shared_names, self._device_values = {}, set(), {}
+        self.prepack = self._settings["prepack"] is not False
+        split.weights.clear()  # (onnxruntime has read the decoded payloads: nothing else uses them)
+        return options, set(), parsed
+
+    def _rewrite(self, split, sess_options, share, resolved=None):
+        s = self._settings
+        target = s["target"]
+        mode, own_dtype = resolved if resolved is not None else self._resolve_mode(split)
+        self.verbatim = False
         # how mode="fold" folded the DequantizeLinear nodes: "here" (this thread, before
         # onnxruntime; "here+onnxruntime" when the weights onnxruntime cannot share were left to
         # its constant folding), "onnxruntime" (its constant folding: float16 weights on a CPU),
@@ -331,9 +466,7 @@ class InferenceSession(ort.InferenceSession):
         # what the load said beyond the mode (int8/int4: weights quantized by the offline pass,
         # float weights left float and why); also logged (INFO, logger "passes.runtime")
         self.notes = []
-        options = copy_session_options(sess_options)
-        if s["threads"]:
-            options.intra_op_num_threads = s["threads"]
+        options = self._session_options(sess_options)
         disabled = set()
         device_values = {}
         if mode == "fold":
@@ -434,6 +567,8 @@ class InferenceSession(ort.InferenceSession):
         from onnxruntime.capi import _pybind_state as C
         from onnxruntime.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
 
+        from .runtime_verbatim import ParsedModel
+
         split, self._split = self.__dict__.get("_split"), None
         options = self._sess_options
         copied = {n: a for n, a in self.weight_arrays.items() if n not in self.shared_names and n not in self._device_values}
@@ -444,7 +579,8 @@ class InferenceSession(ort.InferenceSession):
         # over with add_external_initializers are waited for first
         pending = split.pending if split is not None else None
         ready = pending.ready if pending is not None and isinstance(model, list) and not copied else None
-        if ready is None and split is not None:
+        speculated = isinstance(model, ParsedModel)  # (parsed as the file it is, see _parse_while_walking)
+        if ready is None and split is not None and not speculated:
             _wait_weights(split, self.source)
         keep_values = []
         for name in sorted(self.shared_names):
@@ -461,7 +597,9 @@ class InferenceSession(ort.InferenceSession):
             providers, provider_options, C.get_available_providers()
         )
         try:
-            if isinstance(model, list):
+            if speculated:
+                sess = model.take()
+            elif isinstance(model, list):
                 sess = parse_pieces(options, model, self._read_config_from_model, ready=ready)
             else:
                 sess = C.InferenceSession(options, model if model is not None else self._model_bytes, False,

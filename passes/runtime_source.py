@@ -23,6 +23,7 @@ from ._fileio import _safe_external_path, check_readable, parse_model_bytes
 from .errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
 from .onnxz.protowire import WireError
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel, is_placeholder, placeholder
+from .runtime_verbatim import file_pieces, wants_verbatim
 # (imported with this module, not in the first session's clock: every read goes through it)
 from .runtime_wire import strip_main_graph_payloads
 
@@ -42,10 +43,35 @@ def read_split(path, threads=None, max_bytes=None, background=False) -> SplitMod
     default); a plain .onnx is read where it lies, nothing to cap. `background`: a packed file's
     big tensors may still be decoding on a worker thread when this returns (their arrays exist,
     their values do not): the caller must call `split.wait_weights()` before reading any value."""
+    return start_read(path, threads=threads, max_bytes=max_bytes, background=background).finish()
+
+
+def start_read(path, threads=None, max_bytes=None, background=False):
+    """read_split in two steps: this opens the file (a packed one: its index read, the big weights
+    decoding aside with `background`, its model file restored but for them), `.finish()` then
+    cuts and walks the graph into the SplitModel. In between, a packed file's `verbatim_pieces()`
+    can be handed to onnxruntime while another thread finishes (runtime_verbatim); on a failure
+    before finish(), `abandon()`."""
     p = check_readable(path)
     if is_packed(p):
-        return read_packed(p, threads=threads, max_bytes=max_bytes, background=background)
-    return read_onnx(p)
+        return PackedRead(p, threads=threads, max_bytes=max_bytes, background=background)
+    return _OnnxRead(p)
+
+
+class _OnnxRead:
+    """start_read of a plain .onnx: everything happens in finish()."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def verbatim_pieces(self):
+        return None
+
+    def finish(self) -> SplitModel:
+        return read_onnx(self.path)
+
+    def abandon(self) -> None:
+        pass
 
 
 def _map_file(path: Path):
@@ -155,43 +181,77 @@ def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
 # ---------------------------------------------------------------------- packed files
 
 def read_packed(path: Path, threads=None, max_bytes=None, background=False) -> SplitModel:
-    from .onnxz import open_packed
+    return PackedRead(path, threads=threads, max_bytes=max_bytes, background=background).finish()
 
-    packed = open_packed(path, threads=threads, max_bytes=max_bytes)
-    early = None
-    try:
-        pf = packed.packed_file  # the pack reader's public file layer (whole files, tensor bytes)
-        big = _big_entries(pf)
-        if background and big:
-            # the big payloads decode (C, GIL released) while this thread restores and walks
-            # the graph and the runtime plans the session; only the index is needed to start
-            early = BackgroundDecode(pf, [t for ts in big.values() for t in ts], packed)
-        model, stripped, buf = _packed_skeleton(pf, str(path), big.get(0, []))
-        entries = _entries(pf)
-        arrays, coded = {}, []
-        for s in stripped:
-            entry = entries.get((0, s.offset))
-            if entry is not None and entry.length == s.length:
-                coded.append((s.name, entry, helper.tensor_dtype_to_np_dtype(s.dtype), s.shape))
-            else:  # payload kept in the pack's skeleton: already restored in `buf`
-                arrays[s.name] = s.view(buf).copy()
-        del buf
-        _packed_external(model, pf, packed, entries, arrays, coded)
-        if early is not None:
-            coded = early.take(coded, arrays)
-        _decode_together(pf, coded, arrays)
-        split = _assemble(model, stripped, arrays)
-    except BaseException:
-        if early is not None:
-            early.abandon()
+
+class PackedRead:
+    """A packed file being read (see start_read): the index open, the big payloads decoding aside
+    (`background`), the model file restored but for them."""
+
+    def __init__(self, path: Path, threads=None, max_bytes=None, background=False):
+        from .onnxz import open_packed
+
+        self.path = path
+        self._packed = open_packed(path, threads=threads, max_bytes=max_bytes)
+        self._early = None
+        try:
+            self._pf = pf = self._packed.packed_file  # the pack reader's public file layer
+            self._big = _big_entries(pf)
+            if background and self._big:
+                # the big payloads decode (C, GIL released) while this thread restores and walks
+                # the graph and the runtime plans the session; only the index is needed to start
+                self._early = BackgroundDecode(pf, [t for ts in self._big.values() for t in ts], self._packed)
+            self._buf = _restored_model_file(pf, self._big.get(0, []))
+        except BaseException:
+            self.abandon()
+            raise
+
+    def verbatim_pieces(self) -> list | None:
+        """The restored model file as buffers in file order (its big payloads: the arrays they
+        decode into, `ready` says when), when the pack looks like a model that goes to onnxruntime
+        unchanged (runtime_verbatim.wants_verbatim) and decodes aside; else None."""
+        if self._early is None or not wants_verbatim(self._pf.index):
+            return None
+        return file_pieces(self._buf, self._big.get(0, []), self._early.outputs())
+
+    def ready(self, array, block: bool = True) -> bool:
+        """BackgroundDecode.ready of the decode aside (always True without one)."""
+        return True if self._early is None else self._early.ready(array, block)
+
+    def abandon(self) -> None:
+        """On a failure before finish() returned: the decode aside stops, the pack closes."""
+        if self._early is not None:
+            self._early.abandon()
         else:
-            packed.close()
-        raise
-    if early is None:
-        packed.close()
-    else:
-        split.pending = early
-    return split
+            self._packed.close()
+
+    def finish(self) -> SplitModel:
+        pf, early = self._pf, self._early
+        try:
+            model, stripped, buf = _packed_skeleton(pf, str(self.path), self._big.get(0, []), self._buf)
+            self._buf = None
+            entries = _entries(pf)
+            arrays, coded = {}, []
+            for s in stripped:
+                entry = entries.get((0, s.offset))
+                if entry is not None and entry.length == s.length:
+                    coded.append((s.name, entry, helper.tensor_dtype_to_np_dtype(s.dtype), s.shape))
+                else:  # payload kept in the pack's skeleton: already restored in `buf`
+                    arrays[s.name] = s.view(buf).copy()
+            del buf
+            _packed_external(model, pf, self._packed, entries, arrays, coded)
+            if early is not None:
+                coded = early.take(coded, arrays)
+            _decode_together(pf, coded, arrays)
+            split = _assemble(model, stripped, arrays)
+        except BaseException:
+            self.abandon()
+            raise
+        if early is None:
+            self._packed.close()
+        else:
+            split.pending = early
+        return split
 
 
 class BackgroundDecode:
@@ -238,6 +298,10 @@ class BackgroundDecode:
 
         self._thread = threading.Thread(target=run, name="passes-weight-decode", daemon=True)
         self._thread.start()
+
+    def outputs(self) -> dict:
+        """(file, offset) -> the array each tensor decodes into (values only once `ready`)."""
+        return {key: out for key, (_, out) in self._outs.items()}
 
     def take(self, coded, arrays) -> list:
         """Put the arrays being decoded here for the `coded` tensors they cover into `arrays`;
@@ -321,8 +385,16 @@ def _decode_together(pf, coded, arrays) -> None:
         arrays[name] = out.view(dtype).reshape(shape)
 
 
-def _packed_skeleton(pf, name: str, big):
-    """(skeleton ModelProto, stripped tensors, restored buffer) of the pack's model file.
+def _restored_model_file(pf, big) -> np.ndarray:
+    """The pack's model file, restored but for the payloads of the `big` tensors (see _packed_skeleton)."""
+    buf = _sparse_zeros(pf.index.files[0].size)
+    pf.restore_file(0, buf, skip=big)
+    return buf
+
+
+def _packed_skeleton(pf, name: str, big, buf=None):
+    """(skeleton ModelProto, stripped tensors, restored buffer) of the pack's model file (`buf`:
+    already restored by _restored_model_file).
 
     File 0 is restored into fresh zero pages without the payloads of its big tensors
     (`restore_file(skip=)`): untouched pages of anonymous memory (huge pages refused, see
@@ -330,9 +402,8 @@ def _packed_skeleton(pf, name: str, big):
     payload the walk keeps inline (in a subgraph, or a layout that cannot be viewed) is decoded
     into the buffer too and the walk repeated (rare)."""
 
-    size = pf.index.files[0].size
-    buf = _sparse_zeros(size)
-    pf.restore_file(0, buf, skip=big)
+    if buf is None:
+        buf = _restored_model_file(pf, big)
     for attempt in range(2):
         try:
             skeleton_bytes, stripped = strip_main_graph_payloads(buf, INLINE_MAX_BYTES)

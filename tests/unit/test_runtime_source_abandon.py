@@ -56,7 +56,7 @@ def slow_pack(tmp_path, monkeypatch):
 def test_failed_load_stops_the_background_decode(slow_pack, monkeypatch):
     packed, decoded, first = slow_pack
 
-    def failing_skeleton(pf, name, big):
+    def failing_skeleton(pf, name, big, *restored):
         first.wait(5)  # the decode has started
         raise CorruptFileError("damaged .onnxz file: its model does not parse (test)")
 
