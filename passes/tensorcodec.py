@@ -13,7 +13,9 @@ How it gets close to the rate-distortion bound:
     order, with the code lengths re-estimated twice);
   - context modelling: within a scan unit (a convolution kernel, or a row) the context of an
     element is a bucket of the two previous magnitudes; optionally times a class of its row (by
-    energy) and a class of its position in the unit (kernel tap, or column by energy);
+    energy) and a class of its position in the unit (kernel tap, or column by energy), kept only
+    when they save >= 1% of the bits over the layouts whose decode table fits 256 KiB (a larger
+    table is read from L3 and decodes ~1/3 slower);
   - rANS coding with 12-bit probabilities in chunks of 16-64 K elements, decoded in parallel
     (threads, and several chunks interleaved per thread in the C decoder passes/_tcodec.c: 16 in
     the lanes of one AVX-512 vector or two AVX2 vectors where the CPU has them, else 3).
@@ -375,7 +377,7 @@ def encode_array(array, *, snr_db: float | None = None, bits: int | None = None,
     sub = _subsample(w32, shape)
     w_sel, shape_sel = sub if sub is not None else (w32, shape)
     w_sel64 = w_sel.astype(np.float64).ravel()
-    best = None
+    estimates = []
     for cfg in configs:  # (on evenly spaced rows of a large tensor)
         lay_sel = _layout(w_sel, shape_sel, *cfg, mref, tcq)
         lv, q, rc, counts = _quantize(k, w_sel64 / step0, lay_sel, lam, max_level)
@@ -386,9 +388,8 @@ def encode_array(array, *, snr_db: float | None = None, bits: int | None = None,
             est += 8 * len(zlib.compress(lay.row_cls.tobytes(), 9))
         if snr_db is not None and np.isfinite(s):  # compare at equal distortion (6.02 dB/bit)
             est += (snr_db - s) / 6.02 * w_sel.size
-        if best is None or est < best[0]:
-            best = (est, lay)
-    lay = best[1]
+        estimates.append((est, lay))
+    lay = _cheapest_to_decode(estimates)
     if snr_db is not None:
         if sub is not None:
             # large tensor: search the step on evenly spaced rows, then refine on everything
@@ -411,6 +412,28 @@ def encode_array(array, *, snr_db: float | None = None, bits: int | None = None,
 
 
 FORMS = ("tcq", "rdo", "nearest")
+
+# The decoder looks up one 4-byte entry per (context, 12-bit slot): 16 KiB per context, read at
+# random. A table beyond ~half a 512 KiB L2 (Zen 3's) is read from L3 and the decode slows by a
+# third: onnx::Conv_5831 at 23 dB, one thread, CPU ms (bench/tcodec_decode.py's blob, AVX2 lanes):
+# 64 contexts (1 MiB) 3.62, 16 contexts (256 KiB) 2.37, for 0.24% more bits. So a layout with a
+# larger table is kept only when it saves at least LARGE_TABLE_GAIN of the estimated bits.
+DECODE_TABLE_BUDGET = 1 << 18  # bytes
+LARGE_TABLE_GAIN = 0.01
+
+
+def _decode_table_bytes(lay: _Layout) -> int:
+    return lay.n_ctx * PROB_SCALE * 4
+
+
+def _cheapest_to_decode(estimates: list) -> _Layout:
+    """The layout of least estimated bits among those whose decode table fits
+    DECODE_TABLE_BUDGET, unless a larger one saves at least LARGE_TABLE_GAIN more.
+    estimates: (estimated bits, layout), the one-table layout first (always within budget)."""
+    best = min(estimates, key=lambda e: e[0])
+    small = min((e for e in estimates if _decode_table_bytes(e[1]) <= DECODE_TABLE_BUDGET),
+                key=lambda e: e[0], default=best)
+    return best[1] if best[0] < small[0] * (1.0 - LARGE_TABLE_GAIN) else small[1]
 
 
 def _step_for_snr_plain(w: np.ndarray, snr_db: float) -> float:

@@ -260,3 +260,20 @@ def test_bad_thread_count():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InvalidArgumentError):
             decode_array(blob, threads=bad)
+
+
+def test_layouts_with_large_decode_tables_only_for_a_clear_gain():
+    """A layout whose decode table exceeds DECODE_TABLE_BUDGET is chosen only when its estimate
+    is at least LARGE_TABLE_GAIN below the best layout within the budget."""
+    from passes import tensorcodec as tc
+
+    def layout(nb_ctx, n_row):  # with dependent quantization: 2 * nb_ctx contexts per row class
+        return tc._Layout(9, 4, nb_ctx, np.zeros(4, np.uint8), n_row, np.zeros(9, np.uint8), 1, 1.0, True)
+
+    one, small, big = layout(1, 1), layout(8, 1), layout(8, 4)  # 2, 16 and 64 contexts
+    assert tc._decode_table_bytes(small) <= tc.DECODE_TABLE_BUDGET < tc._decode_table_bytes(big)
+    gain = tc.LARGE_TABLE_GAIN
+    assert tc._cheapest_to_decode([(110.0, one), (100.0, small), (100.0 * (1 - gain / 2), big)]) is small
+    assert tc._cheapest_to_decode([(110.0, one), (100.0, small), (100.0 * (1 - 2 * gain), big)]) is big
+    assert tc._cheapest_to_decode([(90.0, one), (100.0, small), (95.0, big)]) is one
+
