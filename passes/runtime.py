@@ -166,6 +166,14 @@ def choose_mode(split: SplitModel, providers, dtype) -> tuple[str, str]:
     return "int8", f"CPU: float weights {need / 2**20:.0f} MiB exceed half the free memory {free / 2**20:.0f} MiB"
 
 
+def _reads_gathered_dequantize(split: SplitModel) -> bool:
+    """Whether a Gather reads a DequantizeLinear output (an embedding table that
+    runtime_fold.gather_dequantized_rows may rewrite on the float16 route)."""
+    graph = split.skeleton.graph
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output}
+    return any(n.op_type == "Gather" and n.input and n.input[0] in dequantized for n in graph.node)
+
+
 def _streaming_supported() -> bool:
     """Whether a model can be streamed to onnxruntime through a pipe: Linux (/proc/self/fd), and an
     onnxruntime whose model loading releases the GIL (verified from 1.32 on: the writer thread must
@@ -324,16 +332,18 @@ class InferenceSession(ort.InferenceSession):
         folded as it is reads none, and waits only when onnxruntime is about to read them."""
         s = self._settings
         reading = _start_read(self.source, s["threads"], s["max_bytes"])
-        options = self._speculation_options(sess_options) if share else None
-        pieces = None
-        if options is not None:
-            try:
+        kind = options = None
+        try:
+            if share and self._may_speculate():
+                kind = reading.verbatim_kind()
+            if kind is not None:
+                options = self._speculation_options(sess_options, kind)
                 pieces = reading.verbatim_pieces()
-            except BaseException:
-                reading.abandon()
-                raise
-        if pieces is not None:
-            split, resolved, kept = self._parse_while_walking(reading, pieces, options)
+        except BaseException:
+            reading.abandon()
+            raise
+        if kind is not None:
+            split, resolved, kept = self._parse_while_walking(reading, pieces, options, kind)
         else:
             split, resolved, kept = _finish_read(reading, self.source), None, None
         self._split = split
@@ -355,28 +365,34 @@ class InferenceSession(ort.InferenceSession):
             options.intra_op_num_threads = s["threads"]
         return options
 
-    def _speculation_options(self, sess_options):
-        """The SessionOptions onnxruntime may start parsing a packed file as it is with (see
-        runtime_verbatim), or None where the settings rule that out (a mode that rewrites every
-        model, a dtype conversion, a GPU, no streaming to onnxruntime)."""
+    def _may_speculate(self) -> bool:
+        """Whether onnxruntime may start parsing a packed file as it is (see runtime_verbatim): not
+        where the settings rule that out (a mode that rewrites every model, a dtype conversion, a
+        GPU, no streaming to onnxruntime)."""
         s = self._settings
-        if s["mode"] not in ("fold", "auto") or s["target"] is not None or self.on_gpu or not _streaming_supported():
-            return None
-        if sess_options is None or isinstance(sess_options, ort.SessionOptions) and not s["threads"] \
-                and s["prepack"] is not False:
+        return s["mode"] in ("fold", "auto") and s["target"] is None and not self.on_gpu and _streaming_supported()
+
+    def _speculation_options(self, sess_options, kind):
+        """The SessionOptions onnxruntime parses a packed file as it is with (`kind`:
+        runtime_verbatim.verbatim_kind): those the usual route would make for it."""
+        s = self._settings
+        if kind == "float" and (sess_options is None or isinstance(sess_options, ort.SessionOptions)) \
+                and not s["threads"] and s["prepack"] is not False:
             # nothing of ours to add: onnxruntime gets the caller's options as they are, as it would
             # from its own class (it copies them; copying them here costs ~5 ms: copy_session_options)
             return sess_options if sess_options is not None else ort.SessionOptions()
         options = self._session_options(sess_options)
         if s["prepack"] is False:
             options.add_session_config_entry("session.disable_prepacking", "1")
+        if kind == "quantized":  # (fold_route "onnxruntime", see _rewrite)
+            options.add_session_config_entry("session.disable_quant_qdq", "1")
         return options
 
-    def _parse_while_walking(self, reading, pieces, options):
+    def _parse_while_walking(self, reading, pieces, options, kind):
         """onnxruntime parses the packed file as it is (`pieces`, fed as they decode) on this
         thread, while a helper thread finishes the read and decides whether that parse is the one
         to keep (runtime_verbatim); when not, the stream is cut and onnxruntime stops. Returns
-        (split, resolved mode, (ParsedModel, GraphReads) when the parse is kept, else None)."""
+        (split, resolved mode, (ParsedModel, GraphReads, kind) when the parse is kept, else None)."""
         from .runtime_verbatim import ParsedModel
 
         stop = threading.Event()
@@ -385,7 +401,7 @@ class InferenceSession(ort.InferenceSession):
         def walk():
             try:
                 found["split"] = split = _finish_read(reading, self.source)
-                found["resolved"], found["reads"] = self._verbatim_decision(split)
+                found["resolved"], found["reads"] = self._verbatim_decision(split, kind)
             except BaseException as exc:  # raised on the calling thread
                 found["error"] = exc
             if found.get("reads") is None:
@@ -408,7 +424,7 @@ class InferenceSession(ort.InferenceSession):
                 split.pending.abandon()
             raise found["error"]
         reads = found["reads"]
-        return found["split"], found["resolved"], (parsed, reads) if reads is not None else None
+        return found["split"], found["resolved"], (parsed, reads, kind) if reads is not None else None
 
     def _resolve_mode(self, split):
         """(mode, the model's float dtype): mode="auto" resolved (and logged)."""
@@ -422,27 +438,34 @@ class InferenceSession(ort.InferenceSession):
         self.mode = mode
         return mode, own_dtype
 
-    def _verbatim_decision(self, split):
+    def _verbatim_decision(self, split, kind):
         """((mode, float dtype), the graph's GraphReads when onnxruntime gets the model as the file
-        it is — mode fold in the model's own dtype, nothing to fold, (nearly) nothing to share, see
-        runtime_verbatim — else None)."""
-        from .runtime_fold import fold_facts
+        it is, else None): mode fold in the model's own dtype, (nearly) nothing to share, and
+        nothing to fold (`kind` "float") or every fold left to onnxruntime as the usual route
+        would leave it ("quantized": fold_route "onnxruntime" without a rewrite). See runtime_verbatim."""
+        from .runtime_fold import fold_facts, little_to_share
         from .runtime_verbatim import verbatim_fits
 
         resolved = self._resolve_mode(split)
         mode, own_dtype = resolved
         target = self._settings["target"]
-        if mode != "fold" or (target is not None and target != own_dtype) or fold_facts(split)[0]:
+        if mode != "fold" or (target is not None and target != own_dtype):
+            return resolved, None
+        float16 = own_dtype == np.float16  # (on a CPU: never shared, see _rewrite)
+        foldable, onnxruntime_folds_all = fold_facts(split)
+        if kind == "float" and foldable:
+            return resolved, None
+        if kind == "quantized" and not (foldable and onnxruntime_folds_all and (
+                not _reads_gathered_dequantize(split) if float16 else little_to_share(split))):
             return resolved, None
         reads = graph_reads(split.skeleton.graph, split.weights)
-        # float16 weights on a CPU are never shared (see _rewrite)
-        return resolved, reads if verbatim_fits(split, reads, share=own_dtype != np.float16) else None
+        return resolved, reads if verbatim_fits(split, reads, share=not float16) else None
 
-    def _verbatim_route(self, split, resolved, options, parsed, reads):
+    def _verbatim_route(self, split, resolved, options, parsed, reads, kind):
         """(options, disabled optimisers, the ParsedModel) for a model onnxruntime has parsed as
         the file it is (see _verbatim_decision)."""
         self.verbatim = True
-        self.fold_route = None
+        self.fold_route = "onnxruntime" if kind == "quantized" else None
         self.notes = []
         self.dtype = np.dtype(resolved[1])
         self.op_counts = reads.op_counts

@@ -23,7 +23,7 @@ from ._fileio import _safe_external_path, check_readable, parse_model_bytes
 from .errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
 from .onnxz.protowire import WireError
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel, is_placeholder, placeholder
-from .runtime_verbatim import file_pieces, wants_verbatim
+from .runtime_verbatim import file_pieces, verbatim_kind
 # (imported with this module, not in the first session's clock: every read goes through it)
 from .runtime_wire import strip_main_graph_payloads
 
@@ -64,7 +64,7 @@ class _OnnxRead:
     def __init__(self, path: Path):
         self.path = path
 
-    def verbatim_pieces(self):
+    def verbatim_kind(self):
         return None
 
     def finish(self) -> SplitModel:
@@ -206,12 +206,13 @@ class PackedRead:
             self.abandon()
             raise
 
-    def verbatim_pieces(self) -> list | None:
+    def verbatim_kind(self) -> str | None:
+        """runtime_verbatim.verbatim_kind of the pack when its big payloads decode aside, else None."""
+        return None if self._early is None else verbatim_kind(self._pf.index)
+
+    def verbatim_pieces(self) -> list:
         """The restored model file as buffers in file order (its big payloads: the arrays they
-        decode into, `ready` says when), when the pack looks like a model that goes to onnxruntime
-        unchanged (runtime_verbatim.wants_verbatim) and decodes aside; else None."""
-        if self._early is None or not wants_verbatim(self._pf.index):
-            return None
+        decode into, `ready` says when); only where verbatim_kind() is not None."""
         return file_pieces(self._buf, self._big.get(0, []), self._early.outputs())
 
     def ready(self, array, block: bool = True) -> bool:

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 import passes
 from passes.errors import CorruptFileError, InvalidModelError
 from passes.onnxz import open_packed
-from passes.runtime_verbatim import wants_verbatim
+from passes.runtime_verbatim import verbatim_kind
 
 from test_runtime import conv_model, damage_biggest_weight, dense_model, feeds_for, run, run_plain
 
@@ -66,24 +66,60 @@ def test_matmul_weights_are_shared_not_parsed(tmp_path):
     guessed verbatim from the index."""
     packed = _pack(dense_model(), tmp_path, "dense")
     with open_packed(packed) as pm:
-        assert not wants_verbatim(pm.packed_file.index)
+        assert verbatim_kind(pm.packed_file.index) is None
     session = passes.InferenceSession(packed, mode="fold")
     assert not session.verbatim and session.shared_names
 
 
-def test_quantized_pack_is_not_guessed_verbatim(tmp_path):
-    q8 = passes.quantize_weights(conv_model(), bits=8, min_elements=256)
+def test_quantized_matmul_pack_is_not_guessed_verbatim(tmp_path):
+    q8 = passes.quantize_weights(dense_model(), bits=8, min_elements=256)
+    packed = _pack(q8, tmp_path, "dense_q8")
+    with open_packed(packed) as pm:
+        assert verbatim_kind(pm.packed_file.index) is None
+    assert not passes.InferenceSession(packed, mode="fold").verbatim
+
+
+def test_quantized_conv_pack_is_folded_by_onnxruntime_as_it_is(tmp_path):
+    """Quantized float32 Conv weights (fold_route "onnxruntime"): parsed as the file it is, with
+    session.disable_quant_qdq=1; outputs bit-identical to the folded model's."""
+    model = conv_model()
+    q8 = passes.quantize_weights(model, bits=8, min_elements=256)
     packed = _pack(q8, tmp_path, "conv_q8")
     with open_packed(packed) as pm:
-        assert not wants_verbatim(pm.packed_file.index)
-    assert not passes.InferenceSession(packed, mode="fold").verbatim
+        assert verbatim_kind(pm.packed_file.index) == "quantized"
+    options = ort.SessionOptions()
+    session = passes.InferenceSession(packed, options, mode="fold")
+    assert session.verbatim and session.fold_route == "onnxruntime" and session.embedded_names == {"W_quantized"}
+    assert session.get_session_options().get_session_config_entry("session.disable_quant_qdq") == "1"
+    from passes.runtime_options import config_entry
+
+    assert config_entry(options, "session.disable_quant_qdq") is None  # (a copy was given)
+    assert not _our_threads()
+    feeds = feeds_for(model)
+    for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
+        np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_quantized_float16_pack_keeps_the_usual_route(tmp_path):
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = convert_float_to_float16(conv_model(), keep_io_types=True)
+    q8 = passes.quantize_weights(model, bits=8, min_elements=256)
+    packed = _pack(q8, tmp_path, "conv16_q8")
+    with open_packed(packed) as pm:
+        assert verbatim_kind(pm.packed_file.index) is None
+    session = passes.InferenceSession(packed, mode="fold")
+    assert not session.verbatim and session.fold_route == "onnxruntime"
+    feeds = feeds_for(model)
+    for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
+        np.testing.assert_array_equal(got[0], want[0])
 
 
 def test_walk_finding_something_to_fold_abandons_the_parse(tmp_path, capfd):
     model = _conv_with_dequantized_bias()
     packed = _pack(model, tmp_path, "dq_bias")
     with open_packed(packed) as pm:
-        assert wants_verbatim(pm.packed_file.index)
+        assert verbatim_kind(pm.packed_file.index) == "float"
     session = passes.InferenceSession(packed, mode="fold")
     assert not session.verbatim and session.fold_route is not None
     assert not _our_threads()
