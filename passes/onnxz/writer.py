@@ -331,8 +331,7 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
     decode time (fpairs "split"); "default" keeps decode fast.
     """
     t0 = time.perf_counter()
-    dst = Path(dst)
-    check_writable(dst, force)
+    dst = check_writable(dst, force)  # before Path(): Path('') would name the current folder
     if isinstance(model_or_path, (str, os.PathLike)) and Path(model_or_path).resolve() == dst.resolve():
         raise InvalidArgumentError("the packed file would replace its own source; choose another output name")
     if not (isinstance(chunk_bytes, int) and 64 <= chunk_bytes <= 4 << 20):

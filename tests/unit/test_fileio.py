@@ -165,7 +165,7 @@ def test_empty_path_is_named_as_such(tmp_path, empty, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_unpack_names_an_empty_path(tmp_path, monkeypatch):
+def test_pack_and_unpack_name_an_empty_path(tmp_path, monkeypatch):
     import passes
 
     monkeypatch.chdir(tmp_path)
@@ -174,4 +174,6 @@ def test_unpack_names_an_empty_path(tmp_path, monkeypatch):
     for src, dst in (("", tmp_path / "r.onnx"), (tmp_path / "m.onnxz", ""), ((tmp_path / "m.onnxz").read_bytes(), "")):
         with pytest.raises(FileAccessError, match="empty path"):
             passes.unpack(src, dst)
+    with pytest.raises(FileAccessError, match="empty path"):
+        passes.pack(tmp_path / "m.onnx", "", force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnxz"]
