@@ -394,7 +394,7 @@ def _nothing_quantizable(model: onnx.ModelProto, min_elements: int) -> str:
             reasons[reason] = reasons.get(reason, 0) + 1
     kept = ", ".join(f"{k} {r}" for r, k in sorted(reasons.items(), key=lambda rk: -rk[1]))
     text = (f"nothing to quantize: no float weight of at least {min_elements} elements (--min-elements) that "
-            f"quantize_weights takes; the model is unchanged")
+            f"quantize_weights takes; every weight keeps its float values")
     if kept:
         text += f" (tensors kept: {kept})"
     return "; ".join([text] + list(rep.notes))
