@@ -15,6 +15,8 @@ subgraphs (`If`/`Loop`/`Scan` bodies) too. Its scheme says how the model uses it
   palette(16)                         integer indices into a float look-up table via Gather
   palette-table                       that look-up table
   int8/cast-scale                     Cast to float then Mul by a scale (hand-made dequantization)
+  int8/cast-scale/block(64)           the same with a scale per block of 64 along one axis, then a
+                                      Reshape (the auto mode's blocked levels)
   uint8/MatMulInteger, int8/ConvInteger, ...
                                       weights of operators that compute on integers directly
   integer, bool, other                shapes, axes, masks: not weights in the compression sense
@@ -227,6 +229,19 @@ def _dequantize_scheme(weight: _Tensor, node: onnx.NodeProto, tensors: dict) -> 
     return f"{dtype_name(weight.dtype)}/{granularity}/{'sym' if symmetric else 'asym'}"
 
 
+def _cast_scale_block(weight: _Tensor, mul: onnx.NodeProto, tensors: dict, consumers: dict) -> int | None:
+    """The block size of a blocked Cast -> Mul -> Reshape weight (the auto mode's int<n>/block64
+    form: levels with the blocked axis split in two, one scale per block, a Reshape back to the
+    weight's shape), else None. The scale has the levels' rank with 1 on the in-block axis."""
+    if not any(n.op_type == "Reshape" for n, _ in consumers.get(mul.output[0], []) if mul.output):
+        return None
+    scale = next((tensors[i] for i in mul.input if i in tensors and tensors[i] is not weight), None)
+    if scale is None or len(scale.dims) != len(weight.dims):
+        return None
+    ones = [w for w, s in zip(weight.dims, scale.dims) if s == 1 and w > 1]
+    return int(ones[0]) if len(ones) == 1 else None
+
+
 def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict) -> str:
     dtype = dtype_name(weight.dtype)
     for node, index in uses:
@@ -247,8 +262,10 @@ def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict) -> str:
                     return "palette-table"
         if op == "Cast" and weight.dtype not in FLOAT_TYPES and weight.dtype != onnx.TensorProto.BOOL:
             to = _attr(node, "to")
-            if to in FLOAT_TYPES and any(n.op_type == "Mul" for n, _ in consumers.get(node.output[0], [])):
-                return f"{dtype}/cast-scale"
+            muls = [n for n, _ in consumers.get(node.output[0], []) if n.op_type == "Mul"]
+            if to in FLOAT_TYPES and muls:
+                block = _cast_scale_block(weight, muls[0], tensors, consumers)
+                return f"{dtype}/cast-scale" + (f"/block({block})" if block else "")
     if weight.dtype in FLOAT_TYPES:
         return "float"
     if weight.dtype == onnx.TensorProto.BOOL:

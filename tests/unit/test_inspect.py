@@ -156,3 +156,17 @@ def test_sparse_initializer_count_does_not_wrap_on_hostile_dims():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     (row,) = passes.describe_model(m).rows
     assert row.location == f"sparse initializer (1 of {2**64} values)"
+
+
+def test_blocked_cast_scale_names_its_block():
+    """The auto mode's blocked levels (Cast -> Mul by one scale per 64 inputs -> Reshape) are told
+    apart from a per-channel Cast -> Mul (test above) by their block size."""
+    from passes import cast_levels, forms
+
+    w = np.random.default_rng(2).standard_normal((128, 8)).astype(np.float32)
+    wi = numpy_helper.from_array(w, "W")
+    model = _model([helper.make_node("MatMul", ["x", "W"], ["y"])], [wi])
+    qz = forms.quantize_blocks(w, 5, 0, 64)
+    rows = _rows(cast_levels.as_blocked_cast_mul(model, {"W": (qz.q, qz.scale, 0, 64)}))
+    assert rows["W_quantized"].scheme == "int8/cast-scale/block(64)"
+    assert rows["W_quantized"].shape == (2, 64, 8)
