@@ -380,6 +380,20 @@ def _drop_zero_biases(model: onnx.ModelProto, names) -> onnx.ModelProto:
     return set_biases(model, {}, drop=zero) if zero else model
 
 
+def _synthesised_outputs_note(ref) -> str:
+    """What the float outputs on synthesised inputs looked like, for a search that kept every
+    weight float on them: random inputs can leave a model's outputs nearly constant (a text
+    detector's probability map on noise is 0 to 4e-6 everywhere), where any weight error is a
+    large relative one, so the target says nothing about real data."""
+    values = [o for outs in ref for o in outs if isinstance(o, np.ndarray) and o.size and o.dtype.kind == "f"]
+    if not values:
+        return "the outputs on the synthesised inputs are not floats: pass real feeds (--feeds)"
+    lo = min(float(np.nanmin(o)) for o in values)
+    hi = max(float(np.nanmax(o)) for o in values)
+    return (f"on the synthesised random inputs the float outputs lie in [{lo:.3g}, {hi:.3g}]: such inputs "
+            f"may not exercise the model as real data does; pass real feeds (--feeds)")
+
+
 def _nothing_quantizable(model: onnx.ModelProto, min_elements: int) -> str:
     """Why no weight has a quantized form: quantize_weights' reasons for keeping each tensor,
     counted (e.g. 3 small (<128 elements), 2 1-D), and its notes (weights in attributes, ...)."""
@@ -991,6 +1005,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     elif all_float and infos and not any("every weight kept float" in n for n in notes):
         notes.append("no quantized plan met the target on the feeds: every weight kept float "
                      "(the original weights; nothing is saved)")
+    if synthesized and all_float and infos:
+        notes.append(_synthesised_outputs_note([outs[:n_out] for outs in ref]))  # (the model's own outputs)
     rows = []
     for name, b in sorted(plan.items()):
         info = infos.get(name)

@@ -572,3 +572,21 @@ def test_auto_builds_the_half_step_form_it_chose(monkeypatch):
     got = {t.name: onnx.numpy_helper.to_array(t) for t in fold_dequantize(out).graph.initializer}
     assert np.array_equal(got["E"], onnx.numpy_helper.to_array(want.graph.initializer[0]))
     assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.99
+
+
+def test_without_feeds_a_search_that_keeps_float_shows_the_outputs_range():
+    """When nothing quantized meets the target on synthesised inputs, the report says what the
+    outputs looked like there (random inputs can leave them nearly constant: a text detector's
+    probability map on noise) and asks for real feeds; with real feeds it says nothing of it."""
+    m = dense_model()
+    out, rep = passes.compress(m, target="snr>=200")  # only the float weights reach 200 dB
+    assert rep["synthesized_feeds"] and rep["met_on_feeds"]
+    note = [n for n in rep["notes"] if "synthesised random inputs the float outputs lie in" in n]
+    assert len(note) == 1 and "pass real feeds (--feeds)" in note[0]
+    from passes.fidelity import run_outputs, runnable_feeds
+
+    lo, hi = (float(v) for v in note[0].split("[", 1)[1].split("]", 1)[0].split(", "))
+    outs = np.concatenate([o.ravel() for r in run_outputs(m, runnable_feeds(m, n=8)) for o in r])
+    assert lo == float(f"{outs.min():.3g}") and hi == float(f"{outs.max():.3g}")  # the model's outputs only
+    _, rep_real = passes.compress(m, target="snr>=200", feeds=feeds(m))
+    assert not any("synthesised random inputs" in n for n in rep_real["notes"])
