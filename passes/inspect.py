@@ -229,20 +229,7 @@ def _dequantize_scheme(weight: _Tensor, node: onnx.NodeProto, tensors: dict) -> 
     return f"{dtype_name(weight.dtype)}/{granularity}/{'sym' if symmetric else 'asym'}"
 
 
-def _cast_scale_block(weight: _Tensor, mul: onnx.NodeProto, tensors: dict, consumers: dict) -> int | None:
-    """The block size of a blocked Cast -> Mul -> Reshape weight (the auto mode's int<n>/block64
-    form: levels with the blocked axis split in two, one scale per block, a Reshape back to the
-    weight's shape), else None. The scale has the levels' rank with 1 on the in-block axis."""
-    if not any(n.op_type == "Reshape" for n, _ in consumers.get(mul.output[0], []) if mul.output):
-        return None
-    scale = next((tensors[i] for i in mul.input if i in tensors and tensors[i] is not weight), None)
-    if scale is None or len(scale.dims) != len(weight.dims):
-        return None
-    ones = [w for w, s in zip(weight.dims, scale.dims) if s == 1 and w > 1]
-    return int(ones[0]) if len(ones) == 1 else None
-
-
-def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict) -> str:
+def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict, blocks: dict) -> str:
     dtype = dtype_name(weight.dtype)
     for node, index in uses:
         op = node.op_type
@@ -262,9 +249,8 @@ def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict) -> str:
                     return "palette-table"
         if op == "Cast" and weight.dtype not in FLOAT_TYPES and weight.dtype != onnx.TensorProto.BOOL:
             to = _attr(node, "to")
-            muls = [n for n, _ in consumers.get(node.output[0], []) if n.op_type == "Mul"]
-            if to in FLOAT_TYPES and muls:
-                block = _cast_scale_block(weight, muls[0], tensors, consumers)
+            if to in FLOAT_TYPES and any(n.op_type == "Mul" for n, _ in consumers.get(node.output[0], [])):
+                block = blocks.get(weight.name)
                 return f"{dtype}/cast-scale" + (f"/block({block})" if block else "")
     if weight.dtype in FLOAT_TYPES:
         return "float"
@@ -273,6 +259,16 @@ def _scheme(weight: _Tensor, uses: list, tensors: dict, consumers: dict) -> str:
     if weight.dtype in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
         return "other"
     return "integer"
+
+
+def _blocked_levels(g: onnx.GraphProto) -> dict:
+    """levels name -> block size of the auto mode's blocked Cast -> Mul -> Reshape weights
+    (cast_levels.blocked_patterns; written in the main graph only)."""
+    from .cast_levels import blocked_patterns
+
+    if any(t.data_location == onnx.TensorProto.EXTERNAL and t.data_type == onnx.TensorProto.INT64 for t in g.initializer):
+        return {}  # (the patterns read their Reshape's shape values, which are not read here)
+    return {q_t.name: block for *_, q_t, _s, _shape, _axis, block in blocked_patterns(g)}
 
 
 def describe_model(model) -> ModelDescription:
@@ -286,6 +282,7 @@ def describe_model(model) -> ModelDescription:
     nodes: list = []
     _walk(model.graph, "", tensors, consumers, nodes)
     external = sorted(tensors.pop(_EXTERNAL_KEY, set()))
+    blocks = _blocked_levels(model.graph)
     rows = []
     for name, t in tensors.items():
         uses = consumers.get(name, [])
@@ -295,7 +292,7 @@ def describe_model(model) -> ModelDescription:
             if label not in labels:
                 labels.append(label)
         rows.append(WeightRow(name=name, dtype=dtype_name(t.dtype), shape=t.dims, bytes=t.nbytes,
-                              scheme=_scheme(t, uses, tensors, consumers), consumers=labels, location=t.location))
+                              scheme=_scheme(t, uses, tensors, consumers, blocks), consumers=labels, location=t.location))
     by_dtype: dict[str, dict[str, int]] = {}
     by_scheme: dict[str, dict[str, int]] = {}
     for r in rows:
