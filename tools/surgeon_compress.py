@@ -646,7 +646,6 @@ def cmd_pack(args) -> int:
     from passes._fileio import check_readable
 
     check_readable(args.input)
-    _check_not_packed(args.input)
     _check_distinct(args.input, args.output)
     _check_output(args.output, args.force)
     with _progress("pack") as bar:
@@ -666,17 +665,6 @@ def cmd_pack(args) -> int:
         if args.verify:
             print(f"  verified   re-read {args.output}: restores {args.input} byte for byte")
     return EXIT_OK
-
-
-def _check_not_packed(path: str) -> None:
-    """pack reads an ONNX model: a pack given to it was reported as 'not an ONNX model' with the
-    protobuf parser's words, which did not say what the file is."""
-    from passes import InvalidArgumentError
-    from passes._fileio import looks_packed
-
-    if looks_packed(path):
-        raise InvalidArgumentError(f"{path} is an .onnxz pack already: pack reads an ONNX model "
-                                   f"(`{PROG} unpack` restores the one it holds)")
 
 
 def _check_is_pack(path: str, command: str) -> None:

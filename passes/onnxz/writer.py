@@ -22,7 +22,7 @@ from .. import __version__
 from .._fileio import _safe_external_path, atomic_output, check_readable, check_writable, parse_model_bytes
 from ..errors import FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
-from .format import HEADER_SIZE, VERSION, check_data_name, encode_index, pack_header
+from .format import HEADER_SIZE, MAGIC, VERSION, check_data_name, encode_index, pack_header
 from .protowire import LEN, TensorRef, WireError, _skip, find_tensors, read_varint, write_varint
 
 MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhead would eat the gain
@@ -98,6 +98,9 @@ def _load_sources(model_or_path):
     elif isinstance(model_or_path, (str, os.PathLike)):
         p = check_readable(model_or_path)
         data = _read(p)
+        if data.startswith(MAGIC):  # (the protobuf parser's words would not say what the file is)
+            raise InvalidArgumentError(f"{p} is an .onnxz pack already: pack reads an ONNX model "
+                                       "(unpack restores the one it holds)")
         base, label, name = p.parent, str(p), p.name
     else:
         raise InvalidArgumentError(f"expected an onnx.ModelProto or a path, got {type(model_or_path).__name__}")

@@ -560,7 +560,7 @@ def test_a_model_or_pack_in_the_wrong_place_is_named(tmp_path, capsys, compresse
     # a pack given to pack: was 'not an ONNX model (Error parsing message ...: Wire format was corrupt)'
     code, _, err = run(capsys, "pack", packed, "-o", tmp_path / "again.onnxz")
     assert code == 1
-    assert_one_line_error(err, f"{packed} is an .onnxz pack already", "surgeon-compress unpack")
+    assert_one_line_error(err, f"{packed} is an .onnxz pack already", "unpack restores")
     assert not (tmp_path / "again.onnxz").exists()
 
 

@@ -1108,3 +1108,23 @@ def test_golden_digest_files_check_their_xxh3(tmp_path, monkeypatch):
     monkeypatch.setattr(PackedFile, "_fill", bad_fill)
     with pytest.raises(CorruptFileError, match="does not match its xxh3_128"):
         passes.load(GOLDEN_DIGEST[0])
+
+
+def test_pack_of_a_pack_says_what_the_file_is(tmp_path):
+    """passes.pack given an .onnxz (whatever its name) says it is a pack already; the protobuf
+    parser's 'Wire format was corrupt' did not say what the file is."""
+    src = tmp_path / "m.onnx"
+    onnx.save(_tiny_pack_model(), src)
+    packed = tmp_path / "m.bin"
+    passes.pack(src, packed)
+    with pytest.raises(passes.InvalidArgumentError, match=r"is an \.onnxz pack already"):
+        passes.pack(packed, tmp_path / "again.onnxz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.onnx"]
+
+
+def _tiny_pack_model():
+    w = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
