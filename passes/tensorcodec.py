@@ -628,8 +628,10 @@ def _decode(b: bytes, k, out, threads):
         raise CorruptFileError("decode_array: declared word count beyond the blob")
     # padded: the C decoder reads a little past a chunk's streams before it checks the bounds (the
     # values read there are never used). The raw section follows the words: where it is long enough
-    # to be the padding, the words are read in place (copying them cost ~3% of a 47 MB decode)
-    if pos % 2 == 0 and len(b) - (pos + 2 * n_words) >= 2 * _WORD_PAD:
+    # to be the padding, the words are read in place (copying them cost ~3% of a 47 MB decode), also
+    # at an odd offset (the zlib side information before them has any length) by the C decoder, which
+    # assumes no alignment; the numba one gets them aligned
+    if (_FAST is not None or pos % 2 == 0) and len(b) - (pos + 2 * n_words) >= 2 * _WORD_PAD:
         words = np.frombuffer(b, "<u2", n_words + _WORD_PAD, pos)
     else:
         words = np.empty(n_words + _WORD_PAD, np.uint16)

@@ -181,6 +181,55 @@ def test_c_decoder_equals_numba_decoder(shape, kwargs):
         tc.LANES, tc.SIMD = saved
 
 
+def _words_offset(blob) -> int:
+    """Byte offset of a blob's rANS words (after the header, the shape, the zlib side information
+    and the word count)."""
+    import passes.tensorcodec as tc
+
+    ndim = blob[6]
+    pos = 8 + 8 * ndim
+    side_len = tc._HEAD.unpack_from(blob, pos)[41]
+    return pos + tc._HEAD.size + side_len + 8
+
+
+def test_c_decoder_reads_the_words_in_place_at_an_odd_offset():
+    """The zlib side information before the words has any length, so the words may start at an odd
+    byte offset: the C decoder reads them in place there too (no aligned copy), with the scalar
+    and the vector lanes, to the numba decoder's values (which gets an aligned copy)."""
+    tc = _fast_or_skip()
+    seen = {}
+    for seed in range(12):  # a blob of each parity (the side information's length varies with the data)
+        blob = encode_array(_weights((64, 48, 3, 3), seed=seed), snr_db=30)
+        seen.setdefault(_words_offset(blob) % 2, blob)
+        if len(seen) == 2:
+            break
+    assert set(seen) == {0, 1}
+    fast, saved = tc._FAST, tc.SIMD
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(fast, name)
+
+        def decode(self, *args):
+            calls.append(args[0])
+            return fast.decode(*args)
+
+    try:
+        tc._FAST = Spy()
+        for parity, blob in seen.items():
+            ref = _numba_decode(blob, threads=1)
+            for simd in (0, 1):
+                tc.SIMD = simd
+                calls.clear()
+                got = decode_array(blob, threads=2)
+                assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (parity, simd)
+                words = calls[0]
+                assert words.base is blob and words.ctypes.data % 2 == parity, (parity, simd)  # in place
+    finally:
+        tc._FAST, tc.SIMD = fast, saved
+
+
 def test_c_crc32_equals_zlib():
     import zlib
 
