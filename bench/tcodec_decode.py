@@ -16,7 +16,9 @@ loaded machine (the wall figures) can be told from a slow decoder (the CPU figur
 change, compiled out of tree): both loaded in this process, the C decode call alone (1 thread,
 reused output) alternating between them call by call in a shuffled order, so that both see the
 same machine load; prints CPU ms min / median and the median of the per-round ratios new/old,
-and checks that both decode every blob to the same bits.
+and checks that both decode every blob to the same bits. Both builds get the call this
+decode_array makes: OLD.so must take the same arguments (builds before 2026-12-02's records
+argument, n_ctx, do not).
 
 Prints a table, writes bench/out/tcodec_decode.json.
 """
@@ -128,7 +130,7 @@ def ab_rows(old_path, rounds, only=None):
     rows = []
     for (name, snr), (blob, n) in blobs(only).items():
         args = _decode_call(blob)
-        args[-3] = 1  # threads
+        args[17] = 1  # threads (the 18th argument of _tcodec.decode)
         outs = {k: np.empty(n, np.float32) for k in decoders}
         cpu = {k: [] for k in decoders}
         for _ in range(rounds):

@@ -15,7 +15,8 @@
  * core on Zen 3).
  *
  * decode(words, woff, raw, roff, chunk_units, out, row_cls, pos_cls, lut, freq, recon,
- *        unit_len, units_per_row, n_pos_cls, nb_ctx, tcq, step, threads, lanes[, simd]) -> 0 | -1
+ *        unit_len, units_per_row, n_pos_cls, nb_ctx, tcq, step, threads, lanes[, simd[, n_ctx]])
+ *        -> 0 | -1
  *   simd    0 (default): scalar lanes only; 1..5: the vector lanes (below: AVX-512, else AVX2)
  *           where the CPU has them, while a thread has at least that many chunks; + 16: they read
  *           every token's raw bits the way they read the rare ones of > 25 bits (a test hook: same
@@ -23,7 +24,11 @@
  *   words   uint16 (any byte alignment), with WORD_PAD elements after the last chunk's (read, never used)
  *   woff, roff, chunk_units  int64[n_chunks + 1]   raw uint32   out float32 (written)
  *   row_cls uint8[rows]   pos_cls int32[unit_len]   lut int32[LUT_SIZE]
- *   freq    uint32[n_ctx * N_TOKENS], every row summing to PROB_SCALE
+ *   freq    uint32[n_ctx * N_TOKENS], every row summing to PROB_SCALE; or, where n_ctx >= 0 is
+ *           given, the blob's own records of the n_ctx contexts back to back (u8 n_tokens, then
+ *           n_tokens u16 little-endian frequencies), exactly those bytes: decode_array passes them
+ *           as they are (building the uint32 rows in numpy cost ~60-100 us a call, ~3% of the decode
+ *           of a 0.6 M-weight tensor on 2 threads)
  *   recon   float32[32] reconstruction (times step) of magnitudes < 16, Q0 then Q1
  * The caller (tensorcodec._decode) has validated the layout; the sizes are checked again here, so
  * a wrong call is an error, never an out-of-bounds access. Same output as the numba decoder,
@@ -91,7 +96,9 @@ typedef struct {
     uint32_t thr_delta[8];
     int n_thr, use_thr;          /* use_thr: the LUT is <= 8 steps up (else it is gathered) */
     /* the decode table, built by all threads (contexts in blocks) before any decodes */
-    const uint32_t *freq;
+    const uint32_t *freq;        /* the rows (rec == NULL), else: */
+    const uint8_t *rec;          /* the records, context c's at rec + rec_off[c] */
+    const int64_t *rec_off;
     int64_t n_ctx, next_ctx, ctx_done;
     int bad_table;
     pthread_mutex_t mu;
@@ -944,7 +951,7 @@ static int simd_supported(int prefer_avx2) {
 }
 #endif
 
-static int build_table(uint32_t *tab, const uint32_t *freq, int64_t n_ctx);
+static int build_table(const Job *jb, int64_t c0, int64_t n_ctx);
 
 #define CTX_BLOCK 8
 /* this thread's share of the decode table (1 MiB for 64 contexts: ~5% of a small tensor's decode
@@ -954,7 +961,7 @@ static int build_share(Job *jb) {
         int64_t c0 = __atomic_fetch_add(&jb->next_ctx, CTX_BLOCK, __ATOMIC_RELAXED);
         if (c0 >= jb->n_ctx) break;
         int64_t n = jb->n_ctx - c0 < CTX_BLOCK ? jb->n_ctx - c0 : CTX_BLOCK;
-        int bad = build_table((uint32_t *)jb->tab + (c0 << PROB_BITS), jb->freq + c0 * N_TOKENS, n);
+        int bad = build_table(jb, c0, n);
         pthread_mutex_lock(&jb->mu);
         if (bad) jb->bad_table = 1;
         jb->ctx_done += n;
@@ -996,12 +1003,15 @@ static void token_tables(Job *jb) {
     }
 }
 
-static int build_table(uint32_t *tab, const uint32_t *freq, int64_t n_ctx) {
-    for (int64_t c = 0; c < n_ctx; c++) {
-        uint32_t *row = tab + (c << PROB_BITS);
+/* the decode table rows of contexts c0 .. c0 + n_ctx - 1, from the uint32 rows or the records */
+static int build_table(const Job *jb, int64_t c0, int64_t n_ctx) {
+    for (int64_t c = c0; c < c0 + n_ctx; c++) {
+        uint32_t *row = (uint32_t *)jb->tab + (c << PROB_BITS);
         uint32_t slot = 0;
-        for (uint32_t t = 0; t < N_TOKENS; t++) {
-            uint32_t f = freq[c * N_TOKENS + t];
+        const uint8_t *rec = jb->rec ? jb->rec + jb->rec_off[c] : NULL;
+        const uint32_t n_tok = rec ? rec[0] : N_TOKENS; /* (<= N_TOKENS: checked in py_decode) */
+        for (uint32_t t = 0; t < n_tok; t++) {
+            uint32_t f = rec ? (uint32_t)rec[1 + 2 * t] | (uint32_t)rec[2 + 2 * t] << 8 : jb->freq[c * N_TOKENS + t];
             if (f == 0) continue;
             if (f > PROB_SCALE - slot) return -1;
             uint32_t hi = ((f - 1) << 20) | t;
@@ -1020,16 +1030,18 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
               b_row = {0}, b_pos = {0}, b_lut = {0}, b_freq = {0}, b_recon = {0};
     long long unit_len, upr, n_pos, nb_ctx;
     int tcq, threads, lanes, simd = 0;
+    long long n_rec_ctx = -1;
     double step;
     PyObject *result = NULL;
     uint64_t *pos_off = NULL;
     int32_t *pos_off32 = NULL;
     uint8_t *row_pad = NULL;
     uint32_t *tab = NULL;
+    int64_t *rec_off = NULL;
     Job *jb = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*y*y*y*y*y*LLLLpdii|i", &b_words, &b_woff, &b_raw, &b_roff,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*y*y*y*y*y*LLLLpdii|iL", &b_words, &b_woff, &b_raw, &b_roff,
                           &b_cu, &b_out, &b_row, &b_pos, &b_lut, &b_freq, &b_recon, &unit_len,
-                          &upr, &n_pos, &nb_ctx, &tcq, &step, &threads, &lanes, &simd))
+                          &upr, &n_pos, &nb_ctx, &tcq, &step, &threads, &lanes, &simd, &n_rec_ctx))
         return NULL;
     int64_t n_chunks = (int64_t)(b_cu.len / 8) - 1;
     int64_t nq = tcq ? 2 : 1;
@@ -1043,7 +1055,26 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < rows; i++)
         if (((const uint8_t *)b_row.buf)[i] + 1 > n_row) n_row = ((const uint8_t *)b_row.buf)[i] + 1;
     int64_t n_ctx = (int64_t)(b_freq.len / 4 / N_TOKENS);
-    NEED(b_freq.len == n_ctx * N_TOKENS * 4 && n_ctx >= n_row * n_pos * nq * nb_ctx, "bad frequency table");
+    if (n_rec_ctx >= 0) { /* the records: where each context's is, and that they fill the bytes */
+        NEED(n_rec_ctx <= (long long)b_freq.len, "bad frequency table"); /* a record takes >= 1 byte */
+        n_ctx = n_rec_ctx;
+        rec_off = malloc(sizeof(int64_t) * (size_t)(n_ctx + 1));
+        if (!rec_off) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        const uint8_t *rec = b_freq.buf;
+        int64_t at = 0;
+        for (int64_t c = 0; c < n_ctx; c++) {
+            NEED(at < (int64_t)b_freq.len && rec[at] <= N_TOKENS, "bad frequency table");
+            rec_off[c] = at;
+            at += 1 + 2 * (int64_t)rec[at];
+        }
+        NEED(at == (int64_t)b_freq.len, "bad frequency table");
+    } else {
+        NEED(b_freq.len == n_ctx * N_TOKENS * 4, "bad frequency table");
+    }
+    NEED(n_ctx >= n_row * n_pos * nq * nb_ctx, "bad frequency table");
     const int64_t *cu = (const int64_t *)b_cu.buf, *woff = (const int64_t *)b_woff.buf,
                   *roff = (const int64_t *)b_roff.buf;
     int64_t n_words = (int64_t)(b_words.len / 2);
@@ -1147,6 +1178,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     }
 #endif
     jb->freq = b_freq.buf;
+    jb->rec = rec_off ? b_freq.buf : NULL;
+    jb->rec_off = rec_off;
     jb->n_ctx = n_ctx;
     pthread_mutex_init(&jb->mu, NULL);
     pthread_cond_init(&jb->built, NULL);
@@ -1171,6 +1204,7 @@ done:
     free(pos_off32);
     free(row_pad);
     free(tab);
+    free(rec_off);
     free(jb);
     PyBuffer_Release(&b_words); PyBuffer_Release(&b_woff); PyBuffer_Release(&b_raw);
     PyBuffer_Release(&b_roff); PyBuffer_Release(&b_cu); PyBuffer_Release(&b_out);

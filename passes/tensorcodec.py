@@ -670,33 +670,16 @@ def _decode(b: bytes, k, out, threads):
             or pos_cls is not None and pos_cls.max() >= n_pos):
         raise CorruptFileError("decode_array: class out of range")
     n_ctx = n_row * n_pos * nb_ctx * (2 if tcq else 1)
-    # per context: u8 n_tokens, u16 freq[n_tokens]; the records split in Python (cheap), the values
-    # joined and placed in one go (a decode of a small tensor is ~2 ms: numpy calls count)
-    counts, values = [], []
-    for _ in range(n_ctx):
-        nt = side[sp]  # (IndexError past the end: malformed)
-        if nt > N_TOKENS:
-            raise CorruptFileError("decode_array: bad table")
-        counts.append(nt)
-        values.append(side[sp + 1:sp + 1 + 2 * nt])
-        sp += 1 + 2 * nt
-    if sp > len(side):
-        raise CorruptFileError("decode_array: bad table")
-    freq = np.zeros((n_ctx, N_TOKENS), np.uint32)
-    total = sum(counts)
-    if total:
-        nts = np.asarray(counts, np.int64)
-        first = np.cumsum(nts) - nts  # index of each context's first token among all tokens
-        # flat index in freq of every token: its index among all, moved to its context's row
-        at = np.arange(total) + np.repeat(np.arange(n_ctx) * N_TOKENS - first, nts)
-        freq.reshape(-1)[at] = np.frombuffer(b"".join(values), "<u2")
-    if (freq.sum(axis=1) != PROB_SCALE).any():
-        raise CorruptFileError("decode_array: bad probability table")
-    # chunk_units[n_chunks + 1], then words and raw words per chunk[n_chunks] (one read for the three)
-    chunk_table = np.frombuffer(side, "<u4", 3 * n_chunks + 1, sp).astype(np.int64)
-    sp += 4 * (3 * n_chunks + 1)
-    if sp != len(side):
+    # the chunk table closes the side information: chunk_units[n_chunks + 1], then words and raw
+    # words per chunk[n_chunks] (one read for the three); the context records fill the bytes between
+    tables_end = len(side) - 4 * (3 * n_chunks + 1)
+    if tables_end < sp:
         raise CorruptFileError("decode_array: bad side information length")
+    if _FAST is not None:
+        freq = memoryview(side)[sp:tables_end]  # the records as they are: the C decoder reads and checks them
+    else:
+        freq = _frequency_rows(side, sp, tables_end, n_ctx)
+    chunk_table = np.frombuffer(side, "<u4", 3 * n_chunks + 1, tables_end).astype(np.int64)
     chunk_units = chunk_table[:n_chunks + 1]
     wcnt, rcnt = chunk_table[n_chunks + 1:2 * n_chunks + 1], chunk_table[2 * n_chunks + 1:]
     if (chunk_units[0] != 0 or chunk_units[-1] != n_units or (np.diff(chunk_units) <= 0).any()
@@ -722,7 +705,8 @@ def _decode(b: bytes, k, out, threads):
         with np.errstate(over="ignore"):  # a crafted step beyond float32 decodes to inf, as in numba
             step32 = float(np.float32(step))
         status = _FAST.decode(words, woff, raw, roff, chunk_units, res, row_cls, pos_cls,
-                              lut, freq, recon, unit_len, upr, n_pos, nb_ctx, tcq, step32, n_threads, LANES, SIMD)
+                              lut, freq, recon, unit_len, upr, n_pos, nb_ctx, tcq, step32, n_threads, LANES, SIMD,
+                              n_ctx)
     else:
         status = _decode_numba(k, words, woff, raw, roff, chunk_units, res, unit_len, upr, row_cls,
                                pos_cls, n_pos, lut, nb_ctx, tcq, freq, recon, step, n_threads)
@@ -733,6 +717,33 @@ def _decode(b: bytes, k, out, threads):
         with np.errstate(over="ignore"):  # crafted values beyond float16 become inf
             return res.astype(dtype)
     return res if out is None else out
+
+
+def _frequency_rows(side: bytes, sp: int, end: int, n_ctx: int) -> np.ndarray:
+    """The frequencies of the numba decoder, uint32[n_ctx, N_TOKENS], from the context records
+    side[sp:end] (per context: u8 n_tokens, u16 freq[n_tokens]; they must fill those bytes)."""
+    # the records split in Python (cheap), the values joined and placed in one go
+    counts, values = [], []
+    for _ in range(n_ctx):
+        nt = side[sp]  # (IndexError past the end: malformed)
+        if nt > N_TOKENS:
+            raise CorruptFileError("decode_array: bad table")
+        counts.append(nt)
+        values.append(side[sp + 1:sp + 1 + 2 * nt])
+        sp += 1 + 2 * nt
+    if sp != end:
+        raise CorruptFileError("decode_array: bad side information length")
+    freq = np.zeros((n_ctx, N_TOKENS), np.uint32)
+    total = sum(counts)
+    if total:
+        nts = np.asarray(counts, np.int64)
+        first = np.cumsum(nts) - nts  # index of each context's first token among all tokens
+        # flat index in freq of every token: its index among all, moved to its context's row
+        at = np.arange(total) + np.repeat(np.arange(n_ctx) * N_TOKENS - first, nts)
+        freq.reshape(-1)[at] = np.frombuffer(b"".join(values), "<u2")
+    if (freq.sum(axis=1) != PROB_SCALE).any():
+        raise CorruptFileError("decode_array: bad probability table")
+    return freq
 
 
 def _decode_numba(k, words, woff, raw, roff, chunk_units, res, unit_len, upr, row_cls, pos_cls, n_pos,

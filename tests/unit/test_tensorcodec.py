@@ -297,6 +297,61 @@ def test_c_decoder_refuses_what_numba_refuses():
     assert refused > 100  # nearly every damaged stream is caught by the final state / length checks
 
 
+def _with_side(blob, side: bytes) -> bytes:
+    """The blob with other (uncompressed) side information: recompressed, its length and the CRC
+    rewritten (a crafted blob that passes the checksum)."""
+    import struct
+    import zlib
+
+    import passes.tensorcodec as tc
+
+    head_at = 8 + 8 * blob[6]
+    vals = list(tc._HEAD.unpack_from(blob, head_at))
+    old_len = vals[41]
+    packed = zlib.compress(side)
+    vals[41] = len(packed)
+    start = head_at + tc._HEAD.size
+    body = blob[:head_at] + tc._HEAD.pack(*vals) + packed + blob[start + old_len:-4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_damaged_context_records_are_refused_by_both_decoders():
+    """The context records (u8 n_tokens, u16 freq[n_tokens] each, between the classes and the chunk
+    table) are read by the C decoder as they are in the blob: a count beyond the tokens, records
+    that end before or run past the chunk table, frequencies that do not sum to 4096 are refused
+    like the numba decoder refuses them (CorruptFileError); the records untouched decode."""
+    import zlib
+
+    import passes.tensorcodec as tc
+
+    _fast_or_skip()
+    blob = encode_array(_weights((48, 32, 3, 3), seed=3), snr_db=30)
+    head_at = 8 + 8 * blob[6]
+    vals = tc._HEAD.unpack_from(blob, head_at)
+    start = head_at + tc._HEAD.size
+    side = zlib.decompress(blob[start:start + vals[41]])
+    n_row, n_pos, n_chunks = vals[5], vals[6], vals[40]
+    assert n_row == 1 and n_pos == 1  # (the records start the side information)
+    tables_end = len(side) - 4 * (3 * n_chunks + 1)
+    nt = side[0]
+    assert nt > 1
+    same = _with_side(blob, side)
+    assert np.array_equal(decode_array(same), decode_array(blob))
+    first_freq = int.from_bytes(side[1:3], "little")
+    damaged = {
+        "count beyond the tokens": bytes([233]) + side[1:],
+        "records end before the chunk table": side[:tables_end] + b"\x00" + side[tables_end:],
+        "records run into the chunk table": bytes([nt + 1]) + side[1:],
+        "frequencies do not sum to 4096": side[:1] + (first_freq ^ 1).to_bytes(2, "little") + side[3:],
+    }
+    for what, bad_side in damaged.items():
+        bad = _with_side(blob, bad_side)
+        for decode in (decode_array, _numba_decode):
+            with pytest.raises(CorruptFileError):
+                decode(bad, threads=2)
+                pytest.fail(f"{what}: decoded by {decode.__name__}")
+
+
 def test_numba_fallback_round_trips():
     w = _weights((30, 16, 3, 3))
     blob = encode_array(w, snr_db=30)
