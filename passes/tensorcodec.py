@@ -16,7 +16,7 @@ How it gets close to the rate-distortion bound:
     energy) and a class of its position in the unit (kernel tap, or column by energy), kept only
     when they save >= 1% of the bits over the layouts whose decode table fits 256 KiB (a larger
     table is read from L3 and decodes ~1/3 slower);
-  - rANS coding with 12-bit probabilities in chunks of 16-64 K elements, decoded in parallel
+  - rANS coding with 12-bit probabilities in chunks of 8-64 K elements, decoded in parallel
     (threads, and several chunks interleaved per thread in the C decoder passes/_tcodec.c: 16 in
     the lanes of one AVX-512 vector or two AVX2 vectors where the CPU has them, else 3).
 
@@ -52,6 +52,8 @@ _HEAD = struct.Struct("<dfIIBBBB32fII")
 CHUNK_ELEMENTS = 1 << 16  # largest chunk (elements); smaller tensors get smaller chunks:
 MIN_CHUNK_ELEMENTS = 1 << 14
 CHUNKS_WANTED = 32
+ROUNDS_WANTED = 2  # rounds of CHUNKS_WANTED chunks, where they keep >= MIN_ROUND_CHUNK_ELEMENTS
+MIN_ROUND_CHUNK_ELEMENTS = 1 << 13
 
 
 def _chunk_elements(n: int) -> int:
@@ -59,7 +61,15 @@ def _chunk_elements(n: int) -> int:
     At least CHUNKS_WANTED chunks where that keeps them >= MIN_CHUNK_ELEMENTS, so that the
     decoder's threads x lanes (passes/_tcodec.c) have work to share also on mid-size tensors;
     each chunk costs ~15 bytes (measured: 16K-element chunks instead of 64K add 0.1-0.2% to the
-    blob at 2.5 bits per weight)."""
+    blob at 2.5 bits per weight). From 512 K elements on, ROUNDS_WANTED x CHUNKS_WANTED chunks
+    (>= 8 K elements): each of the C decoder's 2 threads takes 16 chunks at a time (its lanes), so
+    with 32 chunks a thread that starts late or shares its core (a 2-core machine with other work)
+    holds half the tensor to the end while the other idles; with two rounds the thread on time takes
+    the second round of the late one's half (Conv_5831 of open_nsfw, 0.6 M weights, ~1.2 ms a thread:
+    32 -> 64 chunks; +285-350 bytes a tensor, +0.06-0.17% at 2.4-8.1 bits per weight)."""
+    per_round = n // (CHUNKS_WANTED * ROUNDS_WANTED)
+    if per_round >= MIN_ROUND_CHUNK_ELEMENTS:
+        return int(min(CHUNK_ELEMENTS, per_round))
     return int(min(CHUNK_ELEMENTS, max(MIN_CHUNK_ELEMENTS, n // CHUNKS_WANTED)))
 LUT_MAX = 4095
 N_TOKENS = 232  # = _tcodec_kernels.N_TOKENS (magnitude tokens)

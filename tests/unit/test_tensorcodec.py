@@ -384,11 +384,12 @@ def test_layouts_with_large_decode_tables_only_for_a_clear_gain():
 
 def test_many_chunks_come_in_multiples_of_chunks_wanted():
     """Beyond CHUNKS_WANTED chunks, a multiple of it (so that the decoder's threads x lanes end
-    together); chunks cover the units in order, none empty; fewer chunks are left as they were."""
+    together); from 512 K elements on two rounds of it (a late thread leaves its second round to
+    the other); chunks cover the units in order, none empty; fewer chunks are left as they were."""
     from passes import tensorcodec as tc
 
-    for shape, n_chunks in [((30522, 384), 192), ((512, 512, 3, 3), 64), ((256, 256, 3, 3), 32),
-                            ((70, 130), 1), ((1000,), 1)]:
+    for shape, n_chunks in [((30522, 384), 192), ((512, 512, 3, 3), 64), ((256, 256, 3, 3), 64),
+                            ((128, 128, 3, 3), 10), ((70, 130), 1), ((1000,), 1)]:
         unit_len, upr = tc._scan_shape(shape)
         lay = tc._Layout(unit_len, upr, 8, np.zeros(1, np.uint8), 1, np.zeros(unit_len, np.uint8), 1, 1.0)
         n = int(np.prod(shape))
