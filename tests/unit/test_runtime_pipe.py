@@ -1,0 +1,155 @@
+"""The pipe a model is streamed to onnxruntime through (runtime.model_pipe, runtime.write_to_pipe):
+every byte arrives in order, by vmsplice or writev, partial writes and refusals included."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import passes.runtime as runtime
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipes with vmsplice: Linux")
+
+
+def mixed_pieces():
+    """Bytes, arrays of several dtypes, slices that start and end inside pages, one big array."""
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 256, 3 * (1 << 20) + 17, dtype=np.uint8)
+    halves = rng.standard_normal(5000).astype(np.float16)
+    return [b"\x08\x07graph bytes", big[5:-3], halves, np.arange(7, dtype=np.int64), b"tail", big[:4095]]
+
+
+def read_all(fd, out):
+    with os.fdopen(fd, "rb") as f:
+        out.append(f.read())
+
+
+def streamed(pieces, **kwargs) -> bytes:
+    """What a reader gets from the pipe when `pieces` are written with write_to_pipe."""
+    read_end, write_end = runtime.model_pipe()
+    got = []
+    reader = threading.Thread(target=read_all, args=(read_end, got))
+    reader.start()
+    try:
+        runtime.write_to_pipe(write_end, [runtime.pipe_view(p) for p in pieces], **kwargs)
+    finally:
+        os.close(write_end)
+        reader.join()
+    return got[0]
+
+
+def joined(pieces) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+
+
+@pytest.mark.parametrize("splice", [True, False])
+def test_every_byte_arrives_in_order(splice):
+    pieces = mixed_pieces()
+    assert streamed(pieces, splice=splice) == joined(pieces)
+
+
+def test_more_pieces_than_one_call_takes():
+    """Over WRITEV_MAX_BUFFERS (IOV_MAX) pieces: several calls, nothing lost."""
+    pieces = [bytes([i % 256]) * (1 + i % 37) for i in range(3 * runtime.WRITEV_MAX_BUFFERS + 5)]
+    assert streamed(pieces) == joined(pieces)
+
+
+def test_the_views_list_is_emptied_and_the_pieces_untouched():
+    pieces = mixed_pieces()
+    before = joined(pieces)
+    views = [runtime.pipe_view(p) for p in pieces]
+    read_end, write_end = runtime.model_pipe()
+    got = []
+    reader = threading.Thread(target=read_all, args=(read_end, got))
+    reader.start()
+    runtime.write_to_pipe(write_end, views)
+    os.close(write_end)
+    reader.join()
+    assert views == [] and joined(pieces) == before == got[0]
+
+
+def test_pipe_view_shares_memory():
+    array = np.arange(10, dtype=np.float32)
+    view = runtime.pipe_view(array)
+    assert view.dtype == np.uint8 and view.nbytes == array.nbytes and np.shares_memory(view, array)
+
+
+def fake_splice(behaviour):
+    """A stand-in for libc's vmsplice: `behaviour(total bytes asked)` returns how many bytes of the
+    iovecs to write (then written with os.write), or -ERRNO to fail with that errno."""
+    calls = []
+
+    def function(fd, iov, count, flags):
+        vectors = ctypes.cast(iov, ctypes.POINTER(runtime._Iovec))
+        asked = sum(vectors[i].length for i in range(count))
+        calls.append(asked)
+        n = behaviour(asked)
+        if n < 0:
+            ctypes.set_errno(-n)
+            return -1
+        data = []
+        for i in range(count):  # the first n bytes of the vectors
+            take = min(n - sum(map(len, data)), vectors[i].length)
+            data.append(ctypes.string_at(vectors[i].base, take))
+        return os.write(fd, b"".join(data))
+
+    return function, calls
+
+
+def test_short_splices_are_resumed(monkeypatch):
+    """vmsplice may take part of what it is given (a full pipe, a signal): the rest follows."""
+    function, calls = fake_splice(lambda asked: min(asked, 100_003))
+    monkeypatch.setattr(runtime, "_VMSPLICE", function)
+    pieces = mixed_pieces()[:4]
+    assert streamed(pieces) == joined(pieces)
+    assert len(calls) > 10
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOSYS, errno.EFAULT])
+def test_a_refused_splice_falls_back_to_writev(monkeypatch, code):
+    function, calls = fake_splice(lambda asked: -code)
+    monkeypatch.setattr(runtime, "_VMSPLICE", function)
+    pieces = mixed_pieces()
+    assert streamed(pieces) == joined(pieces)
+    assert len(calls) == 1  # refused once, then writev for everything
+
+
+def test_an_interrupted_splice_is_retried(monkeypatch):
+    answers = iter([-errno.EINTR])
+    function, calls = fake_splice(lambda asked: next(answers, asked))
+    monkeypatch.setattr(runtime, "_VMSPLICE", function)
+    pieces = mixed_pieces()[:3]
+    assert streamed(pieces) == joined(pieces)
+    assert calls[0] == calls[1]  # the same bytes asked again
+
+
+def test_a_closed_reader_raises_broken_pipe():
+    """onnxruntime stopped reading (a model it refused): the writer gets an OSError and stops."""
+    read_end, write_end = runtime.model_pipe()
+    os.close(read_end)
+    try:
+        with pytest.raises(OSError) as raised:
+            runtime.write_to_pipe(write_end, [runtime.pipe_view(b"x" * 100)])
+        assert raised.value.errno == errno.EPIPE
+    finally:
+        os.close(write_end)
+
+
+def test_model_pipe_is_large_where_allowed():
+    try:
+        allowed = int(open("/proc/sys/fs/pipe-max-size").read())
+    except OSError:
+        pytest.skip("no /proc/sys/fs/pipe-max-size")
+    read_end, write_end = runtime.model_pipe()
+    try:
+        size = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert size == runtime.PIPE_BYTES or (allowed < runtime.PIPE_BYTES and size < runtime.PIPE_BYTES)
