@@ -13,7 +13,8 @@ metric: cosine or top-1; plus max |difference| against the folded model for fold
 Prints a table; writes bench/out/load.json. Ready time: "ready s", "cpu s" and their "x" are the
 best of the rounds, "med x" the ratio of the medians. Run time: "run ms" and its "x" are medians over all
 runs; "min x" sums, per feed, the fastest of the repeats (load from other processes only adds
-time) and compares those sums. The rounds of a model's variants are interleaved. Artefacts (compressed, packed, the big model) go to a
+time) and compares those sums. "sleeps": the median number of times the process's threads blocked
+(voluntary context switches) while the session was made. The rounds of a model's variants are interleaved. Artefacts (compressed, packed, the big model) go to a
 temporary folder, removed at the end. Subprocesses run one at a time (the big one needs room).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -69,6 +71,9 @@ def worker(spec: dict) -> dict:
     options.intra_op_num_threads = spec["threads"]
     providers = [spec["provider"]] + (["CPUExecutionProvider"] if spec["provider"] != "CPUExecutionProvider" else [])
     rss0, _ = _status_mb()
+    # voluntary context switches of all threads (a thread blocking on a pipe, a lock, an event):
+    # counts what the load waits on, much as on a quiet machine, where times at load 15 do not
+    sleeps0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
     c0 = time.process_time()  # CPU time of all threads: robust to other processes' load
     t0 = time.perf_counter()
     if spec["how"] == "plain":
@@ -78,6 +83,7 @@ def worker(spec: dict) -> dict:
                                           dtype=spec.get("dtype"))
     ready = time.perf_counter() - t0
     ready_cpu = time.process_time() - c0
+    sleeps = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sleeps0
     _, hwm = _status_mb()
     outputs = [session.run(None, f) for f in feeds]
     times = []
@@ -90,7 +96,7 @@ def worker(spec: dict) -> dict:
     np.savez(spec["outputs"], **{f"{i}/{j}": o for i, out in enumerate(outputs) for j, o in enumerate(out)})
     # per feed, the fastest of the repeats (load from other processes only ever adds time), summed
     per_feed = np.asarray(times).reshape(spec["repeat"], len(feeds)).min(axis=0)
-    return {"ready_s": ready, "ready_cpu_s": ready_cpu, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
+    return {"ready_s": ready, "ready_cpu_s": ready_cpu, "ready_sleeps": sleeps, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
             "run_ms": 1000 * float(np.mean(times)), "run_ms_median": 1000 * float(np.median(times)),
             "run_ms_min_sum": 1000 * float(per_feed.sum()), "mode": getattr(session, "mode", "plain"),
             "fold_route": getattr(session, "fold_route", None)}
@@ -228,8 +234,9 @@ def best_of_many(specs: list, rounds: int) -> list:
             best[key] = min(r[key] for r in ok)
         # the median beside the best: a fresh-process load on this kind of machine spreads by
         # +-40% round to round, so the best of a few rounds alone can land either side of a target
-        for key in ("ready_s", "ready_cpu_s"):
-            best[key + "_median"] = float(np.median([r[key] for r in ok]))
+        for key in ("ready_s", "ready_cpu_s", "ready_sleeps"):
+            if all(key in r for r in ok):
+                best[key + "_median"] = float(np.median([r[key] for r in ok]))
         # (the float16 fold's route depends on the machine's load: rounds may differ)
         best["fold_route"] = "+".join(sorted({str(r.get("fold_route")) for r in ok})) if ok[0].get("fold_route") else None
         out.append(best)
@@ -341,7 +348,8 @@ def _summarise(name, metric, results, rows):
             row["error"] = r["error"]
             rows.append(row)
             continue
-        row.update({k: r[k] for k in BEST_KEYS + ("mode", "ready_s_median", "ready_cpu_s_median") if k in r})
+        row.update({k: r[k] for k in BEST_KEYS + ("mode", "ready_s_median", "ready_cpu_s_median", "ready_sleeps_median")
+                    if k in r})
         row["mode"] = how if how != "auto" else f"auto->{r['mode']}"
         row["mode"] = row["mode"].replace("fold:float", "fold->f")
         if r.get("fold_route") and "here" not in r["fold_route"]:  # (float16 on a CPU: onnxruntime's constant folding)
@@ -407,7 +415,7 @@ def _fmt(v, spec):
 
 def _print_table(rows):
     head = f"{'model':<13} {'file':<15} {'mode':<12} {'ready s':>8} {'x':>5} {'med x':>5} {'cpu s':>6} {'x':>5} {'med x':>5} {'added MB':>9} {'x':>5} {'after MB':>9} " \
-           f"{'run ms':>8} {'x':>5} {'min x':>5} {'cosine':>8} {'top1':>6} {'vs fold':>8}"
+           f"{'run ms':>8} {'x':>5} {'min x':>5} {'cosine':>8} {'top1':>6} {'vs fold':>8} {'sleeps':>6}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -419,7 +427,7 @@ def _print_table(rows):
               f"{_fmt(r.get('ready_median_x'), '5.2f')} {r['ready_cpu_s']:6.2f} {_fmt(r.get('ready_cpu_x'), '5.2f')} "
               f"{_fmt(r.get('ready_cpu_median_x'), '5.2f')} {r['added_mb']:9.1f} {_fmt(r.get('added_x'), '5.2f')} {r['after_runs_mb']:9.1f} {r['run_ms_median']:8.2f} "
               f"{_fmt(r.get('run_x'), '5.2f')} {_fmt(r.get('run_min_x'), '5.2f')} {_fmt(r.get('cosine'), '8.5f')} {_fmt(r.get('top1'), '6.3f')} "
-              f"{_fmt(extra, '8.1e')}")
+              f"{_fmt(extra, '8.1e')} {_fmt(r.get('ready_sleeps_median'), '6.0f')}")
     for r in rows:
         if "added_over_weights" in r:
             print(f"{r['model']} {r['file']} {r['mode']}: weights {r['weights_mb']:.0f} MB, packed {r['packed_mb']:.0f} MB "
