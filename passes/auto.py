@@ -11,7 +11,9 @@
    activations, MatMul/Gemm/Conv weights at 4..8 bits also get error-feedback levels (passes.gptq),
    damping GPTQ_DAMP / GPTQ_CONV_DAMP; with CV_FOLDS > 1 they are judged out of fold (fitted on the
    other folds' feeds). Embedding tables (weights read only by Gather) also get the forms between
-   widths (HALF_STEP_TABLES: n-bit levels at 1.41x the n-bit step). MatMul/Gemm weights whose K is
+   widths (HALF_STEP_TABLES: n-bit levels at 1.41x the n-bit step). Embedding tables' and single-reader
+   MatMul/Gemm weights' forms then get one step for all their channels at the same rates (ONE_STEP_FORMS;
+   int8 levels, a channel's step wider only where its largest value would not fit). MatMul/Gemm weights whose K is
    a multiple of BLOCKED_SIZE also get blocked error-fed levels at BLOCKED_BITS (a scale per
    BLOCKED_SIZE inputs; sensitivity.blocked_forms), written as Cast+Mul+Reshape
    (cast_levels.as_blocked_cast_mul), which onnxruntime folds to a float weight at load.
@@ -155,6 +157,12 @@ BLOCKED_BITS = (4, 5, 6, 7)  # widths that MatMul/Gemm weights also get as block
 # int6 5.24 4.56e-3 (2.1e-3), int7 6.21 4.01e-3 (6.2e-4); blocks of 64 int4 3.65 2.60e-2 (1.5e-2), int5 4.66
 # 6.70e-3 (4.0e-3), int6 5.67 1.64e-3 (9.4e-4); blocks of 32 int5 4.91 5.30e-3 (3.3e-3).
 BLOCKED_SIZE = 64
+ONE_STEP_FORMS = True  # the quantized forms of embedding tables and MatMul/Gemm weights use one step for all
+# their channels (widened only where a channel's largest value would not fit int8) instead of a step per channel
+# from its largest value, at the same rates (sensitivity.one_step_forms; error feedback runs at those steps).
+# Why: minilm_fp32, held-out 1 - cosine at equal entropy: the word embedding alone at 3.81 bits/weight 4.50e-3
+# -> 1.21e-3; the 36 MatMul weights alone (nearest) at 5.10 bits/weight 1.54e-2 -> 5.95e-3.
+ONE_STEP_OPS = ("MatMul", "Gemm")  # besides tables (weights read only by Gather): the single readers taken
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
@@ -463,15 +471,29 @@ def _scale_pack_bytes(scale: np.ndarray) -> float:
     return float(codecs.encode_tensor(raw, elem, "raw_data").stored)
 
 
-def _form_label(key, opt, cast: bool) -> str:
-    """The report's form of a quantized option: int<n>/channel[/step1.41][/gptq][/cast], or
-    int<n>/block<B>[/gptq]/cast for the blocked forms (always Cast+Mul+Reshape)."""
+def _form_label(key, opt, cast: bool, one_step: bool = False) -> str:
+    """The report's form of a quantized option: int<n>/channel[/step1.41][/gptq][/cast],
+    int<n>/block<B>[/gptq]/cast for the blocked forms (always Cast+Mul+Reshape), or
+    one-step(as int<key>)/int8/channel[/gptq][/cast] for a one-step form (int8 levels) at the rate of key's."""
+    if one_step:
+        return (f"one-step(as int{key:g})/int8/channel" + ("/gptq" if opt.rounding == "gptq" else "")
+                + ("/cast" if cast else ""))
     blocked = sens.blocked_width(key)
     if blocked is not None:
         return f"int{blocked}/block{BLOCKED_SIZE}" + ("/gptq" if opt.rounding == "gptq" else "") + "/cast"
     bits, step = sens.half_width(key)
     return (f"int{bits}/channel" + (f"/step{step:.2f}" if step else "") + ("/gptq" if opt.rounding == "gptq" else "")
             + ("/cast" if cast else ""))
+
+
+def _one_step_axes(model: onnx.ModelProto, infos: dict, qmodel: onnx.ModelProto) -> dict[str, int]:
+    """name -> channel axis of the weights that get one-step forms (ONE_STEP_FORMS): embedding tables
+    and the weights read by a single MatMul/Gemm, per channel in qmodel (a quantize_weights model)."""
+    from . import gptq as gq
+
+    names = set(gather_tables(model, infos))
+    names |= {n for n, (node, _) in gq.consumers(model, list(infos)).items() if node.op_type in ONE_STEP_OPS}
+    return sens.channel_axes(qmodel, sorted(names))
 
 
 def _tighten(plan: dict, infos: dict, passes_check, tries: int, frozen=(), kept=None) -> dict:
@@ -645,11 +667,23 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         if half_models:
             notes.append(f"{len(tables)} embedding table(s) (read only by Gather) also tried between widths "
                          f"(levels at {sens.HALF_STEP:.2f}x the step of their width)")
+    n_folds = CV_FOLDS if len(feeds) >= 2 * CV_FOLDS else 1
+    one_step = {}  # name -> form key -> (levels, scales): forms with one step for all channels
+    if ONE_STEP_FORMS and granularity == "channel" and n_folds == 1:
+        one_step = sens.one_step_forms(infos, _one_step_axes(probe, infos, models[bits[-1]]), scale_bytes=_scale_pack_bytes)
+        if one_step:
+            notes.append(f"{len(one_step)} weight(s) (embedding tables, MatMul/Gemm) quantized with one step for "
+                         "all their channels (wider only where a channel's largest value would not fit int8)")
+    def one_step_model(key, names):
+        """The probe with the named weights in their one-step forms at `key` (int8 DequantizeLinear)."""
+        q = quantize_weights(probe, bits=8, granularity=granularity, min_elements=min_elements,
+                             include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING)
+        return sens.write_one_step_levels(q, {n: one_step[n][key] for n in names})
+
     lap("forms")
     gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
     blocked_levels = {}  # blocked form key -> name -> (levels, scale, axis, block) (sensitivity.blocked_forms)
     plain_ref = {n: i.options[ref_bits].dequantized for n, i in infos.items() if ref_bits in i.options}
-    n_folds = CV_FOLDS if len(feeds) >= 2 * CV_FOLDS else 1
     hess, gptq_fit = {}, None
     if gptq and infos:
         from . import gptq as gq
@@ -682,7 +716,13 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         for b in bits:
             if not GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS:
                 continue
-            per_fold = [gptq_fit(models[b], fit_without[f], b, factors[f]) for f in range(n_folds)]
+            stepped = {n for n in fit_without[0] if b in one_step.get(n, {})}  # (one fold only)
+            per_fold = [gptq_fit(models[b], {n: h for n, h in fit_without[f].items() if n not in stepped}, b, factors[f])
+                        for f in range(n_folds)]
+            if stepped:
+                # error feedback at the one-step forms' steps: int8 levels (refine's range) at their scales
+                qm = one_step_model(b, stepped)
+                per_fold[0].update(gptq_fit(qm, {n: fit_without[0][n] for n in stepped}, 8, factors[0]))
             gptq_levels[b] = {}
             for name in set.intersection(*(set(r) for r in per_fold)):
                 opt = infos[name].options.get(b)
@@ -754,15 +794,22 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
 
     def build(plan):
         out = probe
+        one_stepped = {n: one_step[n][nb] for n, nb in plan.items() if nb in one_step.get(n, {})}
         for b in bits:
-            names = [n for n, nb in plan.items() if nb == b]
+            names = [n for n, nb in plan.items() if nb == b and n not in one_stepped]
             if names:
                 out = quantize_weights(out, bits=b, granularity=granularity, min_elements=min_elements,
                                        include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING)
         for key in sorted(half_models):
-            names = [n for n, nb in plan.items() if nb == key]
+            names = [n for n, nb in plan.items() if nb == key and n not in one_stepped]
             if names:
                 out = sens.half_step_quantize(out, key, names, min_elements=min_elements)
+        if one_stepped:
+            # int8 per-channel DequantizeLinear nodes, then the one-step levels and scales in them (error-fed
+            # levels replace theirs below)
+            out = quantize_weights(out, bits=8, granularity=granularity, min_elements=min_elements,
+                                   include=[sens.pattern_for(n) for n in one_stepped], rounding=AUTO_ROUNDING)
+            out = sens.write_one_step_levels(out, one_stepped)
         blocked = {n: blocked_levels[k][n] for n, k in plan.items() if n in blocked_levels.get(k, {})}
         if blocked:
             out = cast_levels.as_blocked_cast_mul(out, blocked)
@@ -1014,7 +1061,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             continue
         opt = info.options[b]
         blocked_form = sens.blocked_width(b) is not None
-        form = "float" if b == sens.FLOAT else _form_label(b, opt, name in cast_names)
+        form = "float" if b == sens.FLOAT else _form_label(b, opt, name in cast_names, b in one_step.get(name, {}))
         rows.append({"name": name, "shape": list(info.shape), "form": form,
                      "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
                      "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),

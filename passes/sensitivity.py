@@ -197,6 +197,137 @@ def blocked_forms(infos: dict[str, TensorInfo], axes: dict[str, int], hessians: 
     return out
 
 
+ONE_STEP_SAMPLE = 1 << 20  # weights sampled to find a one-step form's rate (entropy to ~0.01 bit)
+
+
+def one_step_levels(w: np.ndarray, step: float, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 levels, per-channel scales along `axis` in w's dtype) of w quantized with one step for
+    every channel, widened only where a channel's largest value would not fit int8 at it:
+    scale_c = max(step, max|w_c| / 127). The scales are a plain per-channel DequantizeLinear's."""
+    scale = np.maximum(float(step), _channel_absmax(w, axis) / 127.0).astype(w.dtype)
+    s = scale.astype(np.float64).reshape(_channel_shape(w, axis))
+    levels = np.clip(np.rint(w.astype(np.float64) / s), -127, 127).astype(np.int8)
+    return levels, scale
+
+
+def _channel_absmax(w: np.ndarray, axis: int) -> np.ndarray:
+    moved = np.moveaxis(w, axis, 0)
+    return np.abs(moved.reshape(moved.shape[0], -1).astype(np.float64)).max(axis=1)
+
+
+def _channel_shape(w: np.ndarray, axis: int) -> list[int]:
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    return shape
+
+
+def _one_step_for_rate(w: np.ndarray, axis: int, bits: float, rng) -> float:
+    """The step at which one_step_levels' levels of w have about `bits` of order-0 entropy per
+    weight (bisection in log space, on a sample of the weights)."""
+    moved = np.moveaxis(w, axis, 0)
+    flat = moved.reshape(moved.shape[0], -1).astype(np.float64)
+    floor = np.abs(flat).max(axis=1) / 127.0
+    idx = rng.choice(flat.size, size=min(flat.size, ONE_STEP_SAMPLE), replace=False)
+    vals, floors = flat.reshape(-1)[idx], floor[idx // flat.shape[1]]
+
+    def rate(step):
+        q = np.clip(np.rint(vals / np.maximum(step, floors)), -127, 127).astype(np.int64) + 127
+        return entropy_bits(np.bincount(q, minlength=255))
+
+    lo, hi = float(np.abs(flat).max()) / 1e6, float(np.abs(flat).max())  # rate(lo) high, rate(hi) ~0
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        if rate(mid) > bits:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1.001:
+            break
+    return hi
+
+
+def one_step_forms(infos: dict[str, TensorInfo], axes: dict[str, int], *, scale_bytes) -> dict:
+    """Replaces, for the weights of `axes` (name -> channel axis), every quantized form with one of
+    about the same rate whose channels share one step (one_step_levels) instead of a step per
+    channel from the channel's largest value. Why: with entropy-coded levels the rate follows the
+    step, and a per-channel largest value gives the channels holding an outlier a coarser step than
+    the rest; where the channels weigh alike in the output (a word embedding's rows all feed one
+    LayerNorm; a MatMul's output columns), one step is the smaller output error at equal rate.
+    minilm_fp32, held-out 1 - cosine at equal order-0 entropy, per-channel steps -> one step: the
+    word embedding alone at 3.81 bits/weight 4.50e-3 -> 1.21e-3 (per-row RMS-proportional steps
+    1.45e-3); the 36 MatMul weights alone, nearest rounding, 5.10 bits/weight 1.54e-2 -> 5.95e-3.
+    Keys (and so the order of the forms by rate) stay those of the per-channel forms; the rate is
+    the levels' order-0 entropy plus scale_bytes(scales). Returns name -> key -> (levels, scales)."""
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for name, axis in axes.items():
+        info = infos.get(name)
+        if info is None or info.energy <= 0:
+            continue
+        w = info.options[FLOAT].dequantized
+        if w.ndim < 2 or w.dtype not in (np.float32, np.float16) or not 0 <= axis < w.ndim:
+            continue
+        w64 = w.astype(np.float64)
+        for key, opt in list(info.options.items()):
+            if key == FLOAT or opt.levels_entropy_bytes <= 0:
+                continue
+            bits = 8 * opt.levels_entropy_bytes / w.size
+            levels, scale = one_step_levels(w, _one_step_for_rate(w, axis, bits, rng), axis)
+            deq = (levels.astype(w.dtype) * scale.reshape(_channel_shape(w, axis))).astype(w.dtype)
+            noise = float(np.sum((w64 - deq.astype(np.float64)) ** 2))
+            lev_bytes = entropy_bytes(levels)
+            snr = 200.0 if noise == 0 else round(10 * math.log10(info.energy / noise), 3)
+            info.options[key] = TensorOption(key, lev_bytes + scale_bytes(scale), noise, snr, deq, lev_bytes)
+            out.setdefault(name, {})[key] = (levels, scale)
+    return out
+
+
+def channel_axes(qmodel: onnx.ModelProto, names) -> dict[str, int]:
+    """name -> the channel axis of its per-channel DequantizeLinear in a quantize_weights model
+    (main graph; per-tensor, blocked or absent weights left out)."""
+    inits = graph.unique_initializers(qmodel)
+    want = set(names)
+    out = {}
+    for node in qmodel.graph.node:
+        if node.op_type != "DequantizeLinear" or not node.output or node.output[0] not in want:
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        scale = inits.get(node.input[1]) if len(node.input) > 1 else None
+        if attrs.get("block_size", 0) or scale is None or len(scale.dims) != 1:
+            continue
+        out[node.output[0]] = attrs.get("axis", 1)
+    return out
+
+
+def write_one_step_levels(qmodel: onnx.ModelProto, levels_by_name: dict) -> onnx.ModelProto:
+    """A copy of a quantize_weights model (the named weights at int8 per channel) whose named
+    weights' levels and scales are replaced by one_step_forms' (levels, scales)."""
+    from . import gptq as gq
+
+    m = onnx.ModelProto()
+    m.CopyFrom(qmodel)
+    replace = {}
+    for name, (levels, scale) in levels_by_name.items():
+        node = gq._dq_node(m, name)
+        if node is None or len(node.input) < 2:
+            raise InvalidArgumentError(f"{name!r} is not a quantized weight of this model")
+        replace[node.input[0]] = levels
+        replace[node.input[1]] = scale
+    new = []
+    for t in m.graph.initializer:
+        arr = replace.get(t.name)
+        if arr is not None:
+            if int(np.prod(t.dims)) != arr.size or t.data_type not in (onnx.TensorProto.INT8, onnx.TensorProto.FLOAT,
+                                                                       onnx.TensorProto.FLOAT16):
+                raise InvalidArgumentError(f"{t.name!r}: an int8 per-channel form does not fit it ({list(t.dims)})")
+            new.append(graph.array_to_tensor(arr.reshape(tuple(t.dims)), t.name, t.data_type))
+        else:
+            new.append(t)
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(new)
+    return m
+
+
 def half_step_quantize(model: onnx.ModelProto, key, names, *, min_elements=1024, report=None) -> onnx.ModelProto:
     """The named weights of `model` quantized per channel in the half-width form `key` (n - 0.5):
     n-bit levels at HALF_STEP times the step of n bits, rounded to nearest (rdo with lambda 0 and the

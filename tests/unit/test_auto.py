@@ -395,7 +395,8 @@ def test_bias_correction_forms_are_measured_and_built_with_their_biases():
     _, plain = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False)
     assert not any(r["bias_corrected"] for r in plain["tensors"])  # off by default
     _, fixed = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False, bias_correction=True)
-    assert all(r["form"].removesuffix("/cast") == "int4/channel" for r in plain["tensors"] + fixed["tensors"])
+    assert all(r["form"].removesuffix("/cast") in ("int4/channel", "one-step(as int4)/int8/channel")
+               for r in plain["tensors"] + fixed["tensors"])
     assert 1 - fixed["fidelity"]["cosine"] < 0.8 * (1 - plain["fidelity"]["cosine"])
 
 
@@ -560,6 +561,7 @@ def test_auto_builds_the_half_step_form_it_chose(monkeypatch):
 
     m = gather_model()
     f = feeds(m, n=4)
+    monkeypatch.setattr(auto, "ONE_STEP_FORMS", False)  # the per-row forms (the one-step forms: below)
     # widths 2 and 8 give one form between them, 7.5 (8-bit levels at 1.41x the 8-bit step); every plan
     # the search makes takes it (uniform int2 misses the target, int8 is larger)
     monkeypatch.setattr(auto.sens, "allocate", lambda infos, mu: {n: 7.5 if 7.5 in i.options else 8 for n, i in infos.items()})
@@ -572,6 +574,115 @@ def test_auto_builds_the_half_step_form_it_chose(monkeypatch):
     got = {t.name: onnx.numpy_helper.to_array(t) for t in fold_dequantize(out).graph.initializer}
     assert np.array_equal(got["E"], onnx.numpy_helper.to_array(want.graph.initializer[0]))
     assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.99
+
+
+def _table_with_outlier_rows(dtype="float32"):
+    """gather_model whose table has two rows holding one large value each (trained embeddings
+    have such rows): a step per row from its largest value makes those rows coarse."""
+    from modelgen import gather_model
+
+    m = gather_model(dtype)
+    e = onnx.numpy_helper.to_array(m.graph.initializer[0]).copy()
+    e[3, 7], e[50, 0] = 12 * np.abs(e).max(), -9 * np.abs(e).max()
+    m.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(e, "E"))
+    return m, e
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_one_step_forms_of_a_table_have_the_per_row_forms_rates_and_less_noise(dtype):
+    from passes import sensitivity as sens
+
+    m, e = _table_with_outlier_rows(dtype)
+    infos, _ = sens.dequantized_forms(m, [4, 5, 6], min_elements=128)
+    sens.half_step_forms(m, infos, [4, 5, 6], ["E"], min_elements=128)
+    before = {k: (o.levels_entropy_bytes, o.noise) for k, o in infos["E"].options.items() if k != sens.FLOAT}
+    table = sens.one_step_forms(infos, {"E": 0}, scale_bytes=lambda s: s.nbytes)
+    assert sorted(table["E"]) == sorted(before) == [4, 4.5, 5, 5.5, 6]
+    for key, (lev_bytes, noise) in before.items():
+        opt = infos["E"].options[key]
+        levels, scale = table["E"][key]
+        assert levels.dtype == np.int8 and scale.dtype == e.dtype and scale.shape == (e.shape[0],)
+        # one step for every row but the two whose largest value does not fit int8 at it
+        rows_max = np.abs(e.astype(np.float64)).max(axis=1)
+        step = scale.min()
+        assert np.all(scale[rows_max / 127 <= step] == step)
+        assert scale[3] > step and scale[50] > step
+        assert abs(opt.levels_entropy_bytes / lev_bytes - 1) < 0.04  # the same rate (order-0 entropy)
+        assert opt.noise < noise  # less squared error at that rate
+        assert np.array_equal(opt.dequantized, (levels.astype(e.dtype) * scale[:, None]).astype(e.dtype))
+        assert opt.rate_bytes == opt.levels_entropy_bytes + scale.nbytes
+
+
+def test_one_step_forms_leave_other_weights_and_refuse_a_weight_not_quantized():
+    from passes import sensitivity as sens
+
+    m, _ = _table_with_outlier_rows()
+    infos, models = sens.dequantized_forms(m, [5], min_elements=128)
+    kept = dict(infos["E"].options)
+    assert sens.one_step_forms(infos, {"F": 0}, scale_bytes=lambda s: s.nbytes) == {}
+    assert infos["E"].options == kept
+    with pytest.raises(InvalidArgumentError, match="not a quantized weight"):
+        sens.write_one_step_levels(m, {"E": (np.zeros((100, 40), np.int8), np.ones(100, np.float32))})
+
+
+def test_auto_builds_the_one_step_table_form_it_chose(monkeypatch):
+    from passes import auto
+    from passes.fold import fold_dequantize
+
+    m, e = _table_with_outlier_rows()
+    f = feeds(m, n=4)
+    chosen = {}
+
+    def allocate(infos, mu):
+        chosen.update({n: i.options[7.5].dequantized for n, i in infos.items()})
+        return {n: 7.5 for n in infos}
+
+    monkeypatch.setattr(auto.sens, "allocate", allocate)
+    out, rep = passes.compress(m, target="cosine>=0.99", feeds=f, bits=(2, 8), tighten=0)
+    assert any("one step for" in n for n in rep["notes"])
+    row = next(r for r in rep["tensors"] if r["name"] == "E")
+    assert row["form"] == "one-step(as int7.5)/int8/channel"
+    onnx.checker.check_model(out, full_check=True)
+    # the built weight is the option measured, bit for bit
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in fold_dequantize(out).graph.initializer}
+    assert np.array_equal(got["E"], chosen["E"])
+    assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.99
+    assert np.array_equal(onnx.numpy_helper.to_array(m.graph.initializer[0]), e)  # input untouched
+
+
+def test_auto_builds_the_error_fed_one_step_forms_of_matmul_weights_it_chose(monkeypatch):
+    from passes import auto
+    from passes.fold import fold_dequantize
+
+    m = dense_model()
+    f = feeds(m, n=8)
+    chosen = {}
+
+    def allocate(infos, mu):
+        plan = {n: 5 if n in ("W2", "W3") else sens_float for n in infos}
+        chosen.update({n: infos[n].options[5] for n in ("W2", "W3")})
+        return plan
+
+    sens_float = auto.sens.FLOAT
+    monkeypatch.setattr(auto.sens, "allocate", allocate)
+    out, rep = passes.compress(m, target="cosine>=0.9", feeds=f, bits=(5, 8), tighten=0)
+    forms = {r["name"]: r["form"] for r in rep["tensors"]}
+    # W2 (Gemm, channels along axis 1) and W3 (Gemm transB, axis 0); W1 has two readers: per channel
+    assert forms["W2"].startswith("one-step(as int5)/int8/channel/gptq")
+    assert forms["W3"].startswith("one-step(as int5)/int8/channel/gptq")
+    for n in ("W2", "W3"):
+        assert chosen[n].rounding == "gptq"
+    onnx.checker.check_model(out, full_check=True)
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in fold_dequantize(out).graph.initializer}
+    for n in ("W2", "W3"):
+        assert np.array_equal(got[n], chosen[n].dequantized)  # the built weight is the option measured
+        # one step for every channel but those whose largest value does not fit int8 at it
+        w = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == n))
+        scale = onnx.numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == n + "_scale"))
+        axis = 1 if n == "W2" else 0
+        wide = np.abs(w).max(axis=1 - axis) / 127 > scale.min()
+        assert np.all(scale[~wide] == scale.min()) and wide.sum() < scale.size // 4
+    assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.9
 
 
 def test_without_feeds_a_search_that_keeps_float_shows_the_outputs_range():
