@@ -474,9 +474,9 @@ def _scale_pack_bytes(scale: np.ndarray) -> float:
 def _form_label(key, opt, cast: bool, one_step: bool = False) -> str:
     """The report's form of a quantized option: int<n>/channel[/step1.41][/gptq][/cast],
     int<n>/block<B>[/gptq]/cast for the blocked forms (always Cast+Mul+Reshape), or
-    one-step(as int<key>)/int8/channel[/gptq][/cast] for a one-step form (int8 levels) at the rate of key's."""
+    int8/channel/one-step(as int<key>)[/gptq][/cast] for a one-step form (int8 levels) at the rate of key's."""
     if one_step:
-        return (f"one-step(as int{key:g})/int8/channel" + ("/gptq" if opt.rounding == "gptq" else "")
+        return (f"int8/channel/one-step(as int{key:g})" + ("/gptq" if opt.rounding == "gptq" else "")
                 + ("/cast" if cast else ""))
     blocked = sens.blocked_width(key)
     if blocked is not None:

@@ -395,7 +395,7 @@ def test_bias_correction_forms_are_measured_and_built_with_their_biases():
     _, plain = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False)
     assert not any(r["bias_corrected"] for r in plain["tensors"])  # off by default
     _, fixed = passes.compress(m, target="cosine>=0.5", feeds=f, bits=(4,), tighten=0, gptq=False, bias_correction=True)
-    assert all(r["form"].removesuffix("/cast") in ("int4/channel", "one-step(as int4)/int8/channel")
+    assert all(r["form"].removesuffix("/cast") in ("int4/channel", "int8/channel/one-step(as int4)")
                for r in plain["tensors"] + fixed["tensors"])
     assert 1 - fixed["fidelity"]["cosine"] < 0.8 * (1 - plain["fidelity"]["cosine"])
 
@@ -641,7 +641,7 @@ def test_auto_builds_the_one_step_table_form_it_chose(monkeypatch):
     out, rep = passes.compress(m, target="cosine>=0.99", feeds=f, bits=(2, 8), tighten=0)
     assert any("one step for" in n for n in rep["notes"])
     row = next(r for r in rep["tensors"] if r["name"] == "E")
-    assert row["form"] == "one-step(as int7.5)/int8/channel"
+    assert row["form"] == "int8/channel/one-step(as int7.5)"
     onnx.checker.check_model(out, full_check=True)
     # the built weight is the option measured, bit for bit
     got = {t.name: onnx.numpy_helper.to_array(t) for t in fold_dequantize(out).graph.initializer}
@@ -668,8 +668,8 @@ def test_auto_builds_the_error_fed_one_step_forms_of_matmul_weights_it_chose(mon
     out, rep = passes.compress(m, target="cosine>=0.9", feeds=f, bits=(5, 8), tighten=0)
     forms = {r["name"]: r["form"] for r in rep["tensors"]}
     # W2 (Gemm, channels along axis 1) and W3 (Gemm transB, axis 0); W1 has two readers: per channel
-    assert forms["W2"].startswith("one-step(as int5)/int8/channel/gptq")
-    assert forms["W3"].startswith("one-step(as int5)/int8/channel/gptq")
+    assert forms["W2"].startswith("int8/channel/one-step(as int5)/gptq")
+    assert forms["W3"].startswith("int8/channel/one-step(as int5)/gptq")
     for n in ("W2", "W3"):
         assert chosen[n].rounding == "gptq"
     onnx.checker.check_model(out, full_check=True)
