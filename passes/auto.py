@@ -359,7 +359,7 @@ def _margin(req, cosine_margin=None):
         t = 1 - (1 - t) * (COSINE_MARGIN if cosine_margin is None else cosine_margin)
     elif req.metric in ("top1", "ctc"):
         t = min(1.0, t + (1 - t) * 0.5)
-    elif req.metric == "snr":
+    elif req.metric in ("snr", "snr_min"):
         t = t + 1.0
     elif req.metric == "maxabs":
         t = t * 0.8

@@ -30,6 +30,32 @@ def test_meets_target_on_feeds_and_is_smaller(target):
         assert row["form"] == "float" or row["form"].startswith("int")
 
 
+def _two_scale_model():
+    """Two outputs from one input: y_big = x @ (100 W1), y_small = x @ W2 (a detector's boxes and scores)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w1 = (100 * rng.standard_normal((64, 32))).astype(np.float32)
+    w2 = rng.standard_normal((64, 32)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W1"], ["y_big"]), helper.make_node("MatMul", ["x", "W2"], ["y_small"])],
+        "two_scales", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y_big", TensorProto.FLOAT, [2, 32]),
+         helper.make_tensor_value_info("y_small", TensorProto.FLOAT, [2, 32])],
+        [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_worst_output_snr_target_holds_for_the_small_output():
+    m = _two_scale_model()
+    f = feeds(m, n=6)
+    out, rep = passes.compress(m, target="snr_min>=35", feeds=f)
+    assert rep["met_on_feeds"]
+    res = evaluate(m, out, feeds=f)
+    assert res.metrics["snr_min"] >= 35 and res.metrics["snr"] >= res.metrics["snr_min"]
+    assert _quantized_bits(out), "something was quantized"
+
+
 def test_looser_target_gives_smaller_model():
     m = conv_model()
     f = feeds(m, n=4)

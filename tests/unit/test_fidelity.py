@@ -251,6 +251,24 @@ def test_maxabs_and_snr():
     assert F.output_snr_db(ref, [[np.array([np.nan, 2.0]), np.array([3.0])]]) == -math.inf
 
 
+def test_worst_output_snr_is_each_outputs_own():
+    # output 0 large and nearly exact, output 1 small and 10% off: pooled, output 0 hides output 1
+    ref = [[np.array([100.0, -100.0]), np.array([1.0])], [np.array([50.0, 0.0]), np.array([-1.0])]]
+    cand = [[np.array([100.1, -100.0]), np.array([1.1])], [np.array([50.0, 0.0]), np.array([-0.9])]]
+    pooled = 10 * math.log10((100**2 * 2 + 50**2 + 2) / (0.01 + 0.02))
+    assert F.output_snr_db(ref, cand) == pytest.approx(pooled)
+    assert F.worst_output_snr_db(ref, cand) == pytest.approx(10 * math.log10(2 / 0.02))  # output 1: 20 dB
+    m = F.compute_metrics(ref, cand)
+    assert m["snr_min"] == pytest.approx(20.0) and m["snr"] > 50
+    assert not F.parse_requirement("snr_min>=25").check(F.FidelityResult(metrics=m, n_feeds=2, synthesized=False))
+    assert F.parse_requirement("snr>=25").check(F.FidelityResult(metrics=m, n_feeds=2, synthesized=False))
+    assert F.worst_output_snr_db(ref, ref) == math.inf
+    # an output the reference leaves all zero and the candidate does not: no ratio can be met
+    assert F.worst_output_snr_db([[np.array([1.0]), np.zeros(2)]], [[np.array([1.0]), np.array([0.0, 1e-6])]]) == -math.inf
+    # what breaks the pooled figure breaks the worst one too
+    assert F.worst_output_snr_db(ref, [[np.array([1.0]), np.array([1.0])], cand[1]]) == -math.inf
+
+
 def test_compute_metrics_needs_axes_for_ctc():
     out = [[np.ones((2, 1, 3))]]
     with pytest.raises(InvalidArgumentError, match="time_axis"):
