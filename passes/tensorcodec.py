@@ -26,7 +26,7 @@ Blob layout (little endian), version 1:
   u8 row_classes | u8 pos_classes | u8 0 | f32 recon[32] (magnitudes 0..15 of Q0, then Q1) |
   u32 n_chunks | u32 side_len | side (zlib) |
   u64 n_words | words (u16) | u64 n_raw | raw (u32) | u32 crc32 of everything before
-side (after zstd): row_cls u8[rows] if row_classes > 1 | pos_cls u8[unit_len] if pos_classes > 1 |
+side (after zlib.decompress): row_cls u8[rows] if row_classes > 1 | pos_cls u8[unit_len] if pos_classes > 1 |
   per context: u8 n_tokens, u16 freq[n_tokens] | u32 chunk_units[n_chunks + 1] |
   u32 words per chunk[n_chunks] | u32 raw words per chunk[n_chunks]
 """
