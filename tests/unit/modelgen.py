@@ -194,3 +194,31 @@ def cosine(a, b):
     a = np.asarray(a, dtype=np.float64).ravel()
     b = np.asarray(b, dtype=np.float64).ravel()
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def initializer_array(model, name):
+    """The value of main-graph initializer `name`."""
+    return onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name))
+
+
+def onnxruntime_value(model, name, shape, elem):
+    """The value onnxruntime computes for tensor `name` of a one-input model (made a graph output,
+    the input fed zeros): what a folded weight must equal bit for bit."""
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.output.append(helper.make_tensor_value_info(name, elem, list(shape)))
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    inp = m.graph.input[0]
+    x = np.zeros([d.dim_value for d in inp.type.tensor_type.shape.dim],
+                 dtype=helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type))
+    return s.run([name], {inp.name: x})[0]
+
+
+def correlated_inputs(n, k, seed=0):
+    """n activation rows of width k with correlated components (a Hessian x'x far from diagonal,
+    where error feedback has something to exploit)."""
+    rng = np.random.default_rng(seed)
+    mix = rng.standard_normal((k, k)) / np.sqrt(k) + np.eye(k)
+    return rng.standard_normal((n, k)) @ mix

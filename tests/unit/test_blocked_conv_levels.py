@@ -12,6 +12,8 @@ import passes
 from passes import InvalidArgumentError, cast_levels, forms
 from passes import gptq as gq
 
+from modelgen import initializer_array, onnxruntime_value
+
 NP_TO_ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 
 
@@ -36,20 +38,6 @@ def _conv_model(w, opset=17, pads=1):
     return m
 
 
-def _init(model, name):
-    return onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name))
-
-
-def _ort_weight(model, name, shape, elem):
-    """The value onnxruntime computes for `name` (made a graph output)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    m.graph.output.append(helper.make_tensor_value_info(name, elem, list(shape)))
-    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-    inp = m.graph.input[0]
-    x = np.zeros([d.dim_value for d in inp.type.tensor_type.shape.dim],
-                 dtype=helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type))
-    return s.run([name], {inp.name: x})[0]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -114,10 +102,10 @@ def test_conv_cast_mul_reshape_folds_bit_exactly_and_runs(dtype):
     assert len(cast_levels.blocked_patterns(b.graph)) == 1
     expect = forms.dequantize_blocks(qz.q, qz.scale, 1, 16)
     elem = NP_TO_ONNX[dtype]
-    assert np.array_equal(_ort_weight(b, "W", w.shape, elem).view(np.uint8), expect.view(np.uint8))
+    assert np.array_equal(onnxruntime_value(b, "W", w.shape, elem).view(np.uint8), expect.view(np.uint8))
     folded = passes.fold_dequantize(b)
     assert [n.op_type for n in folded.graph.node] == ["Conv"]
-    assert np.array_equal(_init(folded, "W").view(np.uint8), expect.view(np.uint8))
+    assert np.array_equal(initializer_array(folded, "W").view(np.uint8), expect.view(np.uint8))
     x = np.random.default_rng(1).standard_normal((2, 32, 6, 6)).astype(dtype)
     run = lambda model: ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
     # float16: onnxruntime's CPU Conv sums in another order where the weight is not a constant (outputs ~4: 1 ulp 4e-3)
@@ -140,6 +128,6 @@ def test_conv_blocked_dequantize_linear_again_same_values():
     attrs = {a.name: helper.get_attribute_value(a) for a in dq[0].attribute}
     assert attrs == {"axis": 1, "block_size": 16}
     expect = forms.dequantize_blocks(qz.q, qz.scale, 1, 16)
-    assert np.array_equal(_init(passes.fold_dequantize(d), "W"), expect)
+    assert np.array_equal(initializer_array(passes.fold_dequantize(d), "W"), expect)
     # onnxruntime's blocked DequantizeLinear of the 4-D weight: the same values
-    assert np.array_equal(_ort_weight(d, "W", w.shape, TensorProto.FLOAT), expect)
+    assert np.array_equal(onnxruntime_value(d, "W", w.shape, TensorProto.FLOAT), expect)

@@ -11,6 +11,8 @@ import passes
 from passes import InvalidArgumentError, cast_levels, forms
 from passes import gptq as gq
 
+from modelgen import initializer_array, onnxruntime_value
+
 NP_TO_ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 
 
@@ -35,19 +37,6 @@ def _matmul_model(w, trans_b=False, opset=17):
     return m
 
 
-def _init(model, name):
-    return onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name))
-
-
-def _ort_weight(model, name, shape, elem):
-    """The value onnxruntime computes for `name` (made a graph output)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    m.graph.output.append(helper.make_tensor_value_info(name, elem, list(shape)))
-    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = np.zeros([d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim],
-                 dtype=helper.tensor_dtype_to_np_dtype(elem))
-    return s.run([name], {"x": x})[0]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -100,11 +89,11 @@ def test_cast_mul_reshape_form_folds_bit_exactly_and_runs(dtype, trans_b):
     assert len(cast_levels.blocked_patterns(b.graph)) == 1
     expect = forms.dequantize_blocks(qz.q, qz.scale, axis, 64)
     elem = NP_TO_ONNX[dtype]
-    assert np.array_equal(_ort_weight(b, "W", w.shape, elem).view(np.uint8), expect.view(np.uint8))
+    assert np.array_equal(onnxruntime_value(b, "W", w.shape, elem).view(np.uint8), expect.view(np.uint8))
     folded = passes.fold_dequantize(b)
     assert [n.op_type for n in folded.graph.node] == ["Gemm" if trans_b else "MatMul"]
     assert [t.name for t in folded.graph.initializer] == ["W"]
-    assert np.array_equal(_init(folded, "W").view(np.uint8), expect.view(np.uint8))
+    assert np.array_equal(initializer_array(folded, "W").view(np.uint8), expect.view(np.uint8))
     x = np.random.default_rng(1).standard_normal((3, w.shape[axis])).astype(dtype)
     run = lambda model: ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
     np.testing.assert_allclose(run(b).astype(np.float32), run(folded).astype(np.float32), rtol=1e-3, atol=1e-3)
@@ -123,8 +112,8 @@ def test_blocked_dequantize_linear_again_same_values():
     attrs = {a.name: helper.get_attribute_value(a) for a in dq[0].attribute}
     assert attrs == {"axis": 0, "block_size": 64}
     assert {t.name for t in d.graph.initializer} == {"W_quantized", "W_scale"}  # the shape went with its Reshape
-    assert _init(d, "W_quantized").shape == (256, 48) and _init(d, "W_scale").shape == (4, 48)
-    assert np.array_equal(_init(passes.fold_dequantize(d), "W"), forms.dequantize_blocks(qz.q, qz.scale, 0, 64))
+    assert initializer_array(d, "W_quantized").shape == (256, 48) and initializer_array(d, "W_scale").shape == (4, 48)
+    assert np.array_equal(initializer_array(passes.fold_dequantize(d), "W"), forms.dequantize_blocks(qz.q, qz.scale, 0, 64))
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
@@ -183,7 +172,7 @@ def test_auto_mode_picks_blocked_levels_where_blocks_differ(monkeypatch):
     # what the report measured is what the file computes: fold and onnxruntime agree bit for bit
     folded = passes.fold_dequantize(out)
     for t in blocked:
-        got = _ort_weight(out, t["name"], t["shape"], TensorProto.FLOAT)
-        assert np.array_equal(got, _init(folded, t["name"]))
+        got = onnxruntime_value(out, t["name"], t["shape"], TensorProto.FLOAT)
+        assert np.array_equal(got, initializer_array(folded, t["name"]))
     r = passes.evaluate(m, out, feeds=feeds, metric="cosine")
     assert r.metrics["cosine"] >= 0.999

@@ -9,17 +9,11 @@ import passes
 from passes import gptq
 
 
-def _correlated_inputs(n, k, seed=0):
-    rng = np.random.default_rng(seed)
-    mix = rng.standard_normal((k, k)) / np.sqrt(k) + np.eye(k)
-    return rng.standard_normal((n, k)) @ mix
-
-
 def test_error_feedback_beats_nearest_on_the_output():
     rng = np.random.default_rng(1)
     k, n = 96, 40
     w = rng.standard_normal((k, n)) * 0.1
-    x = _correlated_inputs(2000, k)
+    x = mg.correlated_inputs(2000, k)
     h = x.T @ x / len(x)
     qmax = 7  # 4 bits
     scale = np.abs(w).max(axis=0) / qmax
@@ -80,7 +74,7 @@ def test_compress_uses_error_feedback_for_conv():
 def _layer_case(seed=1, k=96, n=40, rows=2000):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)) * 0.1
-    x = _correlated_inputs(rows, k, seed) * rng.uniform(0.2, 3.0, size=k)  # uneven input energies
+    x = mg.correlated_inputs(rows, k, seed) * rng.uniform(0.2, 3.0, size=k)  # uneven input energies
     return w, x, x.T @ x / len(x)
 
 

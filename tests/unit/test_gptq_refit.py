@@ -10,17 +10,11 @@ import passes
 from passes import InvalidArgumentError, gptq
 
 
-def _correlated_inputs(n, k, seed=0):
-    rng = np.random.default_rng(seed)
-    mix = rng.standard_normal((k, k)) / np.sqrt(k) + np.eye(k)
-    return rng.standard_normal((n, k)) @ mix
-
-
 def test_refit_scale_is_the_least_squares_scale():
     rng = np.random.default_rng(3)
     k, n = 64, 12
     w = rng.standard_normal((k, n)) * 0.1
-    x = _correlated_inputs(1000, k, seed=1)
+    x = mg.correlated_inputs(1000, k, seed=1)
     h = x.T @ x / len(x)
     scale = np.abs(w).max(axis=0) / 7
     q = gptq.gptq_levels(w, h, scale, -7, 7)
