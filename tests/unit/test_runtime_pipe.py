@@ -153,3 +153,19 @@ def test_model_pipe_is_large_where_allowed():
         os.close(read_end)
         os.close(write_end)
     assert size == runtime.PIPE_BYTES or (allowed < runtime.PIPE_BYTES and size < runtime.PIPE_BYTES)
+
+
+def test_a_refusal_after_short_splices_sends_the_rest_by_writev(monkeypatch):
+    """vmsplice takes a part, then refuses: writev continues from the exact byte it stopped at,
+    inside a piece included."""
+    answers = iter([70_001, 5, -errno.EINVAL])
+    function, calls = fake_splice(lambda asked: next(answers, asked))
+    monkeypatch.setattr(runtime, "_VMSPLICE", function)
+    pieces = mixed_pieces()
+    assert streamed(pieces) == joined(pieces)
+    assert len(calls) == 3
+
+
+def test_empty_pieces_are_skipped():
+    pieces = [b"", b"head", np.zeros(0, np.uint8), np.arange(5, dtype=np.uint8), b""]
+    assert streamed(pieces) == joined(pieces)
