@@ -28,13 +28,16 @@ Modes
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import fcntl
 import logging
 import os
 import sys
+import termios
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -283,20 +286,37 @@ def _drop_written(views: list, written: int) -> None:
         views[0] = views[0][written:]
 
 
+# vmsplice flag: return EAGAIN instead of waiting for room in a full pipe
+SPLICE_F_NONBLOCK = 2
+
+
 def _splice_all(fd: int, views: list, function) -> None:
-    """write_to_pipe by vmsplice; on a refusal, returns with `views` holding what is left (for writev)."""
+    """write_to_pipe by vmsplice; on a refusal, returns with `views` holding what is left (for writev).
+
+    Not blocking in vmsplice: a writer blocked on a full pipe is woken by every read that frees
+    room, and onnxruntime reads 8 KiB at a time, so the writer woke, spliced two pages and slept
+    again ~1750 times per 24 MB model (strace: 8739 vmsplice calls in 5 loads of open_nsfw
+    float.onnxz, each a return to Python and the GIL); not blocking, it raced the reader the same way,
+    splicing the page or two each read had freed. Here a full pipe (a short write, or EAGAIN) makes
+    the writer sleep until about half of it has been read (_DrainPacer), then refill that half in
+    one call."""
     count = len(views)
     iov = (_Iovec * count)()
     for i, v in enumerate(views):
         iov[i].base, iov[i].length = _address(v), v.nbytes
     size = ctypes.sizeof(_Iovec)
     start = ctypes.addressof(iov)
+    pacer = _DrainPacer(fd)
     first = 0  # iov[first] is the first vector not yet written in full (its base moved past what was)
     while first < count:
-        written = function(fd, start + first * size, min(count - first, WRITEV_MAX_BUFFERS), 0)
+        end = first + min(count - first, WRITEV_MAX_BUFFERS)
+        written = function(fd, start + first * size, end - first, SPLICE_F_NONBLOCK)
         if written < 0:
             code = ctypes.get_errno()
             if code == errno.EINTR:
+                continue
+            if code == errno.EAGAIN:
+                pacer.wait()
                 continue
             if code in _SPLICE_REFUSALS:
                 break
@@ -311,6 +331,8 @@ def _splice_all(fd: int, views: list, function) -> None:
                 written = 0
         while first < count and not iov[first].length:  # (empty views: nothing to write)
             first += 1
+        if first < end:  # a short write: the pipe is full (or nearly: the reader took a page meanwhile)
+            pacer.wait()
     # what is left for writev: the views not written in full, the first one cut where it stopped
     if first < count:
         cut = views[first].nbytes - iov[first].length
@@ -318,6 +340,44 @@ def _splice_all(fd: int, views: list, function) -> None:
         views[:] = [views[first][cut:]] + rest
     else:
         views.clear()
+
+
+def _queued_bytes(fd: int) -> int:
+    """Bytes waiting in pipe `fd` (either end), or -1 where the pipe does not say."""
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, count, True)
+    except OSError:
+        return -1
+    return count[0]
+
+
+class _DrainPacer:
+    """Sleeps for the reader of a full pipe to take about half of what it holds, at the pace it
+    was last seen reading: one refill per half pipe instead of a wake-up per read."""
+
+    FIRST_RATE = 1e9      # bytes/s assumed before the first measurement (onnxruntime parses ~1-2 GB/s)
+    SHORTEST = 50e-6      # s: below this a sleep costs more than it saves
+    LONGEST = 2e-3        # s: a reader stalled longer is looked at again after this
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.rate = self.FIRST_RATE
+
+    def wait(self) -> None:
+        queued = _queued_bytes(self.fd)
+        if queued == 0:  # (the reader emptied it since the call): refill at once
+            return
+        if queued < 0:  # (the pipe does not say): a short pause, then try again
+            time.sleep(self.SHORTEST)
+            return
+        delay = min(max(queued / 2 / self.rate, self.SHORTEST), self.LONGEST)
+        before = time.perf_counter()
+        time.sleep(delay)
+        elapsed = time.perf_counter() - before
+        left = _queued_bytes(self.fd)
+        if 0 <= left < queued and elapsed > 0:
+            self.rate = (queued - left) / elapsed
 
 
 def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None):

@@ -8,6 +8,7 @@ import fcntl
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -169,3 +170,51 @@ def test_a_refusal_after_short_splices_sends_the_rest_by_writev(monkeypatch):
 def test_empty_pieces_are_skipped():
     pieces = [b"", b"head", np.zeros(0, np.uint8), np.arange(5, dtype=np.uint8), b""]
     assert streamed(pieces) == joined(pieces)
+
+
+def test_a_full_pipe_is_refilled_after_the_reader_took_some(monkeypatch):
+    """EAGAIN (a full pipe): the writer waits for the reader and goes on where it stopped."""
+    answers = iter([40_000, -errno.EAGAIN, -errno.EAGAIN, 3, -errno.EAGAIN])
+    function, calls = fake_splice(lambda asked: next(answers, asked))
+    monkeypatch.setattr(runtime, "_VMSPLICE", function)
+    pieces = mixed_pieces()
+    assert streamed(pieces) == joined(pieces)
+    assert len(calls) >= 6
+
+
+def test_a_slow_reader_gets_every_byte_in_order():
+    """The writer paces itself on what the reader takes (8 KiB reads, as onnxruntime's, with
+    pauses): nothing lost, nothing repeated."""
+    pieces = mixed_pieces()
+    read_end, write_end = runtime.model_pipe()
+    got = []
+
+    def slow_reader():
+        with os.fdopen(read_end, "rb", buffering=0) as f:
+            while True:
+                block = f.read(8192)
+                if not block:
+                    break
+                got.append(block)
+                if len(got) % 64 == 0:
+                    time.sleep(0.003)
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    try:
+        runtime.write_to_pipe(write_end, [runtime.pipe_view(p) for p in pieces])
+    finally:
+        os.close(write_end)
+        reader.join()
+    assert b"".join(got) == joined(pieces)
+
+
+def test_queued_bytes_reads_the_pipe_from_its_write_end():
+    read_end, write_end = runtime.model_pipe()
+    try:
+        assert runtime._queued_bytes(write_end) == 0
+        os.write(write_end, b"x" * 1000)
+        assert runtime._queued_bytes(write_end) == 1000
+    finally:
+        os.close(read_end)
+        os.close(write_end)
