@@ -38,6 +38,7 @@
 #define MAX_PLANES 8
 #define BLOCK 4096 /* elements per fused decode block: the decoded planes stay in L1 */
 #define NT_BYTES (512u << 10) /* chunks from this size are merged with non-temporal stores */
+#define READ_RUN ((size_t)256 << 10) /* ans_decode_batch reads chunks stored back to back in one pread, up to this many bytes */
 
 /* ---------------------------------------------------------------- frequency table */
 
@@ -1043,19 +1044,42 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
     int code = FAIL_NONE, err_no = 0;
     const char *msg = NULL;
     TableCache tables = {0};
+    /* file bytes [held_lo, held_hi) are in scratch: read for an earlier task of a run */
+    Py_ssize_t held_lo = 0, held_hi = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < count; k++) {
         BatchTask *t = &ts[k];
         const uint8_t *base;
         if (fd >= 0) {
-            size_t got = 0, want = (size_t)t->stored;
-            while (got < want) {
-                ssize_t r = pread(fd, (uint8_t *)scratch.buf + got, want - got, (off_t)(t->offset + (Py_ssize_t)got));
-                if (r < 0) { if (errno == EINTR) continue; err_no = errno; code = FAIL_OS; break; }
-                if (r == 0) { code = FAIL_TRUNCATED; break; }
-                got += (size_t)r;
+            if (t->offset < held_lo || t->offset + t->stored > held_hi) {
+                /* one pread for this chunk and the ones stored right after it that come next in
+                 * the batch (small tensors lie back to back: one system call instead of dozens,
+                 * ~1-2 us each), up to READ_RUN bytes and the scratch's size */
+                size_t want = (size_t)t->stored;
+                for (Py_ssize_t j = k + 1; j < count; j++) {
+                    const BatchTask *u = &ts[j];
+                    if (u->offset != t->offset + (Py_ssize_t)want || want + (size_t)u->stored > READ_RUN ||
+                        want + (size_t)u->stored > (size_t)scratch.len)
+                        break;
+                    want += (size_t)u->stored;
+                }
+                size_t got = 0;
+                while (got < want) {
+                    ssize_t r = pread(fd, (uint8_t *)scratch.buf + got, want - got, (off_t)(t->offset + (Py_ssize_t)got));
+                    if (r < 0) {
+                        if (errno == EINTR) continue;
+                        /* an error past this chunk's bytes is the later chunk's: it reads again */
+                        if (got < (size_t)t->stored) { err_no = errno; code = FAIL_OS; }
+                        break;
+                    }
+                    if (r == 0) break; /* end of file: the chunks it cut short are truncated */
+                    got += (size_t)r;
+                }
+                held_lo = t->offset;
+                held_hi = t->offset + (Py_ssize_t)got;
+                if (code == FAIL_NONE && got < (size_t)t->stored) code = FAIL_TRUNCATED;
             }
-            base = (const uint8_t *)scratch.buf;
+            base = (const uint8_t *)scratch.buf + (t->offset - held_lo);
         } else {
             if (t->offset > src.len || t->stored > src.len - t->offset) code = FAIL_TRUNCATED;
             base = (const uint8_t *)src.buf + (src.len ? t->offset : 0);

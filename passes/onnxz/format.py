@@ -175,15 +175,15 @@ class TensorEntry:
 class Index:
     """The parsed, checked index: `version`, `writer`, `files`, `raw` (the JSON object), `coded`
     (the TensorEntry of every coded tensor, by tensor index: what restoring a file reads) and
-    `tensors` (every TensorEntry in index order). `tensors` is made on first use from the rows
-    parse_index checked: unpacking reads only the coded entries, and making and freeing the
+    `tensors` (every TensorEntry in index order). `tensors` is made on first use from the tensor
+    objects parse_index checked: unpacking reads only the coded entries, and making and freeing the
     entries of the few hundred small tensors a small model keeps in its skeleton cost ~0.1 ms
     per open (~3% of its unpack)."""
 
-    def __init__(self, version: tuple, writer: str, files: List[FileEntry], rows: list, coded: Dict[int, TensorEntry], raw: dict):
+    def __init__(self, version: tuple, writer: str, files: List[FileEntry], entries: list, coded: Dict[int, TensorEntry], raw: dict):
         self.version, self.writer, self.files, self.raw = version, writer, files, raw
         self.coded = coded
-        self._rows = rows  # checked rows of TensorEntry's fields (the stream field as JSON)
+        self._entries = entries  # the index's tensor objects, checked by parse_index
         self._tensors: Optional[List[TensorEntry]] = None
         self._lock = threading.Lock()
 
@@ -195,7 +195,7 @@ class Index:
                 entries = self._tensors
                 if entries is None:
                     coded = self.coded
-                    entries = [coded[i] if i in coded else TensorEntry(*row[:8], None) for i, row in enumerate(self._rows)]
+                    entries = [coded[i] if i in coded else _entry_of(t) for i, t in enumerate(self._entries)]
                     self._tensors = entries
         return entries
 
@@ -265,6 +265,31 @@ def _shared_tables(obj: dict) -> List[str]:
     return tables
 
 
+def _shared_entry(ids: tuple, tables: List[str]) -> tuple:
+    """(the base64 tables, their bytes) named by an `ans_shared` table list (checked: every id
+    is -1 or an index into `tables`)."""
+    data = [tables[t] if t >= 0 else None for t in ids]
+    return data, tuple(None if t is None else _codecs._table_bytes(t) for t in data)
+
+
+def _resolve_shared(obj, tables: Optional[List[str]], resolved: dict) -> bool:
+    """Put the table list of `obj` into `resolved` when obj is an `ans_shared` stream whose list
+    is well-formed (codecs.check_params' rule: w ints >= -1, one >= 0), names only tables the index
+    holds, and is not there yet; whether it was added. Anything else is left to _stream's checks."""
+    if type(obj) is not dict or obj.get("codec") != "ans_shared":
+        return False
+    params = obj.get("params")
+    ids = params.get("tables") if type(params) is dict else None
+    if type(ids) is not list or not ids or any(type(t) is not int or t < -1 for t in ids):
+        return False
+    ids = tuple(ids)
+    top = max(ids)
+    if top < 0 or top >= len(tables or ()) or ids in resolved:
+        return False
+    resolved[ids] = _shared_entry(ids, tables)
+    return True
+
+
 def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = None, resolved: Optional[dict] = None) -> Stream:
     """One stream of the index, checked. `resolved`: a dict kept over one index's streams, the
     shared tables of each `ans_shared` table list already looked up (most small tensors name
@@ -274,6 +299,12 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
         stream = fast(obj, extents.lo, extents.hi, extents.spans, resolved, Chunk, Stream, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + (1 << 16))
         if stream is not None:
             return stream
+        if resolved is not None and _resolve_shared(obj, tables, resolved):
+            # the first stream of its table list: C again now that the list is resolved (the
+            # checks here cost ~10 us a stream; ~13 such streams in minilm_int8)
+            stream = fast(obj, extents.lo, extents.hi, extents.spans, resolved, Chunk, Stream, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + (1 << 16))
+            if stream is not None:
+                return stream
     if type(obj) is not dict:
         raise _bad(f"{what}: stream is not an object")
     codec = obj.get("codec")
@@ -288,8 +319,7 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
         if got is None:
             if max(ids) >= len(tables or ()):
                 raise _bad(f"{what}: ans_shared names a table the index does not hold")
-            data = [tables[t] if t >= 0 else None for t in ids]
-            got = (data, tuple(None if t is None else _codecs._table_bytes(t) for t in data))
+            got = _shared_entry(ids, tables)
             if resolved is not None:
                 resolved[ids] = got
         data, batch_tables = got
@@ -401,6 +431,35 @@ def _index_rows(tensors_in: list, last_file: int):
     return _rows_py(tensors_in, last_file)
 
 
+def _coded_rows(tensors_in: list, last_file: int):
+    """Every tensor entry checked as _index_rows does; returns ([(index, row) of the entries with
+    a stream], [largest offset + length of the entries of each file]) or the message of the first
+    failure. Rows of the other entries are not made (Index.tensors makes their records when asked):
+    opening a small model made and freed a tuple and a shape list for each of its few hundred
+    entries (~0.1 ms of a ~2.5 ms unpack). An extension built before coded_only: all rows made."""
+    fast = _codecs._fast
+    if fast is not None and hasattr(fast, "index_rows"):
+        try:
+            return fast.index_rows(tensors_in, last_file, _PAYLOAD_FIELDS, True)
+        except TypeError:  # an older extension: three arguments
+            rows = fast.index_rows(tensors_in, last_file, _PAYLOAD_FIELDS)
+    else:
+        rows = _rows_py(tensors_in, last_file)
+    if type(rows) is str:
+        return rows
+    ends = [0] * (last_file + 1)
+    for row in rows:  # (key, name, dtype, shape, field, file, offset, length, stream)
+        if row[6] + row[7] > ends[row[5]]:
+            ends[row[5]] = row[6] + row[7]
+    return [(i, row) for i, row in enumerate(rows) if row[8] is not None], ends
+
+
+def _entry_of(t: dict) -> "TensorEntry":
+    """The record of a tensor entry without a stream, from its index object (checked already)."""
+    return TensorEntry(t["key"], t.get("name", ""), t["dtype"], list(t["shape"]), t["field"], t["file"], t["offset"],
+                       t["length"], None)
+
+
 def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
     fmt = obj.get("format")
     if not (isinstance(fmt, list) and len(fmt) == 2 and all(type(v) is int for v in fmt)):
@@ -413,21 +472,20 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
     extents = _Extents(HEADER_SIZE, header.index_offset)
     tables = _shared_tables(obj)
     last_file = len(files_in) - 1
-    rows = _index_rows(tensors_in, last_file)
-    if type(rows) is str:
-        raise _bad(rows)
+    scanned = _coded_rows(tensors_in, last_file)
+    if type(scanned) is str:
+        raise _bad(scanned)
+    coded_rows, ends = scanned
     # rows: TensorEntry's fields, the stream still its JSON; entries are made here for the coded
     # tensors only (Index.tensors makes the others when asked)
     coded: Dict[int, TensorEntry] = {}
     resolved = {}
-    for ti, row in enumerate(rows):
-        s_in = row[8]
-        if s_in is not None:
-            key, length = row[0], row[7]
-            stream = _stream(s_in, extents, f"tensor {key!r}", tables, resolved)
-            if stream.raw_length != length:
-                raise _bad(f"tensor {key!r} stream decodes to {stream.raw_length} bytes, payload is {length}")
-            coded[ti] = TensorEntry(*row[:8], stream)
+    for ti, row in coded_rows:
+        key, length = row[0], row[7]
+        stream = _stream(row[8], extents, f"tensor {key!r}", tables, resolved)
+        if stream.raw_length != length:
+            raise _bad(f"tensor {key!r} stream decodes to {stream.raw_length} bytes, payload is {length}")
+        coded[ti] = TensorEntry(*row[:8], stream)
     files = []
     total = 0
     used = set()
@@ -459,7 +517,7 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
             raise _bad(f"file {i} cuts")
         cuts = []
         end = cut_bytes = 0
-        last_tensor = len(rows) - 1
+        last_tensor = len(tensors_in) - 1
         for c in cuts_in:  # _int's checks written out, same messages: one cut per coded tensor
             if not isinstance(c, list) or len(c) != 3:
                 raise _bad(f"file {i} cut")
@@ -474,7 +532,7 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
                 raise _bad(f"file {i} cuts out of order or outside the file")
             te = coded.get(ti)  # None: the tensor has no stream
             if te is None or te.file != i or te.offset != off or te.length != ln:
-                raise _bad(f"file {i} cut at {off} does not match tensor {rows[ti][0]!r}")
+                raise _bad(f"file {i} cut at {off} does not match tensor {tensors_in[ti]['key']!r}")
             end = off + ln
             cut_bytes += ln
             cuts.append((off, ln, ti))
@@ -482,9 +540,10 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
             raise _bad(f"file {i} skeleton length")
         files.append(FileEntry(name, size, sha, skeleton, cuts, fast))
     sizes = [f.size for f in files]
-    for row in rows:  # (key, name, dtype, shape, field, file, offset, length, stream)
-        if row[6] + row[7] > sizes[row[5]]:
-            raise _bad(f"tensor {row[0]!r} lies outside its file")
+    if any(end > size for end, size in zip(ends, sizes)):
+        for t in tensors_in:  # the first entry past its file's end (all checked by _coded_rows)
+            if t["offset"] + t["length"] > sizes[t["file"]]:
+                raise _bad(f"tensor {t['key']!r} lies outside its file")
     # each cut names a distinct coded tensor (a cut matches its tensor's file and offset, and the
     # cuts of a file are ordered and disjoint), so every coded tensor is placed exactly when there
     # are as many cuts as coded tensors
@@ -492,4 +551,4 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         raise _bad("a coded tensor is not placed in any file")
     extents.check()
     writer = obj.get("writer", "")
-    return Index(tuple(fmt), writer if isinstance(writer, str) else "", files, rows, coded, obj)
+    return Index(tuple(fmt), writer if isinstance(writer, str) else "", files, tensors_in, coded, obj)

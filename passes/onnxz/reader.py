@@ -66,6 +66,8 @@ def _batch_decoder():
 
 
 _decode_batch_c = _batch_decoder()
+# the skeleton's runs of a window copied in one call (an older extension lacks it: numpy slices)
+_copy_runs = getattr(codecs._fast, "copy_runs", None) if not os.environ.get("ONNXZ_NO_BATCH") else None
 
 
 def _streamed_xxh3_128() -> bool:
@@ -119,6 +121,7 @@ class _Xxh3_128:
 
     def hexdigest(self) -> str:
         return self._planes.xxh3_128_hexdigest(self.state)
+READ_RUN = 256 << 10  # _ans.c's READ_RUN: bytes of back-to-back chunks ans_decode_batch reads in one pread
 BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several threads share the work
 WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
 # small enough that hashing and writing find it still in cache (measured: 8 -> 4 MiB saves ~8% of unpack CPU)
@@ -442,7 +445,8 @@ class PackedFile:
         if self._buf is not None:
             failed = _decode_batch_c(self._buf, None, specs, *extra)
         else:
-            failed = _decode_batch_c(self._fd, codecs.scratch("input").get(max(s[1] for s in specs)), specs, *extra)
+            # room for READ_RUN: the C side reads chunks stored back to back in one pread
+            failed = _decode_batch_c(self._fd, codecs.scratch("input").get(max(READ_RUN, max(s[1] for s in specs))), specs, *extra)
         if failed is None or type(failed) is int:
             return failed
         i, code, message = failed
@@ -619,13 +623,19 @@ class PackedFile:
             yield start, used, items
 
     def _fill(self, window: np.ndarray, items, skel) -> list:
-        """Copy the skeleton parts of a window now; return the decode tasks of its chunks."""
-        jobs = []
+        """Copy the skeleton parts of a window now (in one C call where the extension has
+        copy_runs); return the decode tasks of its chunks."""
+        jobs, runs = [], []
         for woff, ln, src in items:
             if src[0] == "skel":
-                window[woff:woff + ln] = skel[src[1]:src[1] + ln]
+                runs.append((woff, src[1], ln))
             else:
                 jobs.append((src[1], src[2], window[woff:woff + ln]))
+        if _copy_runs is not None and codecs._fast is not None:  # (tests switch the C paths off there)
+            _copy_runs(window, skel, runs)
+        else:
+            for woff, at, ln in runs:
+                window[woff:woff + ln] = skel[at:at + ln]
         return self._tasks(jobs, cached=True)
 
     def _restore(self, fi: int, target, digest: str = "fast"):

@@ -32,6 +32,13 @@ def _both(tensors, last_file=0):
     c = _planes.index_rows(tensors, last_file, fmt._PAYLOAD_FIELDS)
     py = fmt._rows_py(tensors, last_file)
     assert c == py
+    # the coded-only mode parse_index uses: the same verdict, the coded rows and each file's end
+    coded = _planes.index_rows(tensors, last_file, fmt._PAYLOAD_FIELDS, True)
+    if isinstance(c, str):
+        assert coded == c
+    else:
+        ends = [max([r[6] + r[7] for r in c if r[5] == f], default=0) for f in range(last_file + 1)]
+        assert coded == ([(i, r) for i, r in enumerate(c) if r[8] is not None], ends)
     return c
 
 
@@ -101,3 +108,42 @@ def test_python_rows_are_used_without_the_extension(index, monkeypatch):
     without = fmt.parse_index(obj, header, 1 << 40)
     assert [(t.key, t.shape, t.offset, t.length, t.stream is None) for t in with_c.tensors] == \
         [(t.key, t.shape, t.offset, t.length, t.stream is None) for t in without.tensors]
+
+
+def test_coded_rows_without_the_coded_only_mode_are_the_same(index, monkeypatch):
+    """An extension built before coded_only (index_rows of three arguments): format._coded_rows
+    makes the same pairs and file ends from the full rows; so does the Python twin."""
+    obj, _ = index
+    want = _planes.index_rows(obj["tensors"], 0, fmt._PAYLOAD_FIELDS, True)
+    assert want[0] and len(want[0]) < len(obj["tensors"])  # coded and uncoded entries both
+
+    class Older:
+        @staticmethod
+        def index_rows(tensors, last_file, fields, *more):
+            if more:
+                raise TypeError("index_rows() takes exactly 3 arguments (4 given)")
+            return _planes.index_rows(tensors, last_file, fields)
+
+    monkeypatch.setattr(codecs, "_fast", Older)
+    assert fmt._coded_rows(obj["tensors"], 0) == want
+    monkeypatch.setattr(codecs, "_fast", None)
+    assert fmt._coded_rows(obj["tensors"], 0) == want
+
+
+def test_entry_past_its_file_is_named_and_uncoded_records_match_the_index(index):
+    obj, header = index
+    parsed = fmt.parse_index(obj, header, 1 << 40)
+    for rec, t in zip(parsed.tensors, obj["tensors"]):
+        assert (rec.key, rec.name, rec.dtype, rec.shape, rec.field, rec.file, rec.offset, rec.length) == \
+            (t["key"], t.get("name", ""), t["dtype"], t["shape"], t["field"], t["file"], t["offset"], t["length"])
+        assert rec.shape is not t["shape"]  # a copy: the record never aliases the JSON
+        assert (rec.stream is None) == (t.get("stream") is None)
+    size = obj["files"][0]["size"]
+    uncoded = [i for i, t in enumerate(obj["tensors"]) if t.get("stream") is None]
+    for first in (uncoded[0], uncoded[-1]):
+        bad = copy.deepcopy(obj)
+        for i in (first, uncoded[-1]):  # two past the end: the first in index order is named
+            bad["tensors"][i]["offset"] = size - bad["tensors"][i]["length"] + 1
+        key = bad["tensors"][first]["key"]
+        with pytest.raises(CorruptFileError, match=f"tensor {key!r} lies outside its file"):
+            fmt.parse_index(bad, header, 1 << 40)
