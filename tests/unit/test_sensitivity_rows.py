@@ -1,0 +1,108 @@
+"""Embedding tables whose rows the calibration mostly never gathers (sensitivity.gathered_row_counts,
+seen_row_levels, unseen_mass, seen_row_surrogate and one_step_forms(row_counts=...))."""
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from modelgen import _model, gather_model, tensor, weight
+from passes import sensitivity as sens
+
+
+def _ids(rows, shape=(2, 5)):
+    return {"ids": np.asarray(rows, np.int64).reshape(shape)}
+
+
+def test_row_counts_are_the_lookups_of_the_feeds():
+    m = gather_model()
+    feeds = [_ids([1, 1, 2, 3, 99, 1, 7, 7, 0, 5]), _ids([5, 5, 5, 5, 5, 1, 2, 3, 4, 6])]
+    counts = sens.gathered_row_counts(m, feeds, ["E"])["E"]
+    want = np.bincount(np.concatenate([f["ids"].ravel() for f in feeds]), minlength=100)
+    assert counts.shape == (100,) and np.array_equal(counts, want)
+
+
+def test_row_counts_of_computed_and_negative_indices():
+    """Indices made in the graph are read from a run of it; a negative index counts from the end."""
+    inits = [tensor("E", weight((100, 40), "float32", 5, 1.0)),
+             tensor("one", np.array(1, np.int64))]
+    nodes = [helper.make_node("Add", ["ids", "one"], ["ids1"]),
+             helper.make_node("Gather", ["E", "ids1"], ["y"], axis=0)]
+    m = _model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 5])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 40])], inits, 13)
+    counts = sens.gathered_row_counts(m, [_ids([0, 1, 2, 3, 4, -2, -2, 5, 6, 7])], ["E"])["E"]
+    want = np.zeros(100, np.int64)
+    for r in [1, 2, 3, 4, 5, 99, 99, 6, 7, 8]:
+        want[r] += 1
+    assert np.array_equal(counts, want)
+
+
+def test_row_counts_leave_out_a_table_also_read_along_another_axis():
+    inits = [tensor("E", weight((100, 40), "float32", 5, 1.0))]
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["y"], axis=0),
+             helper.make_node("Gather", ["E", "ids"], ["z"], axis=1)]
+    m = _model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 5])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 40]),
+                helper.make_tensor_value_info("z", TensorProto.FLOAT, [100, 2, 5])], inits, 13)
+    assert sens.gathered_row_counts(m, [_ids(range(10))], ["E"]) == {}
+
+
+def test_unseen_mass_is_the_share_of_lookups_seen_once():
+    counts = np.array([5, 1, 0, 1, 3, 0, 0])  # 10 lookups, 2 of rows gathered once
+    assert sens.unseen_mass(counts) == pytest.approx(0.2)
+    assert sens.unseen_mass(np.zeros(4, np.int64)) == 1.0
+
+
+def _forms(dtype="float32", counts=None):
+    m = gather_model(dtype)
+    infos, _ = sens.dequantized_forms(m, [4, 5], min_elements=128)
+    before = {k: o.levels_entropy_bytes for k, o in infos["E"].options.items() if k != sens.FLOAT}
+    table = sens.one_step_forms(infos, {"E": 0}, scale_bytes=lambda s: s.nbytes,
+                                row_counts=None if counts is None else {"E": counts})
+    return infos["E"], table["E"], before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_seen_rows_take_a_finer_step_and_the_trials_see_unseen_datas_error(dtype):
+    counts = np.zeros(100, np.int64)
+    counts[[3, 10, 11, 40]] = [4, 1, 2, 1]  # 8 lookups, 2 of rows seen once: unseen mass 0.25
+    seen = counts > 0
+    info, table, before = _forms(dtype, counts)
+    _, plain, _ = _forms(dtype)
+    w = info.options[sens.FLOAT].dequantized.astype(np.float64)
+    for key in before:
+        opt = info.options[key]
+        levels, scale = table[key]
+        step = float(np.max(scale[~seen]))  # no row of this table is widened by its largest value
+        assert np.allclose(scale[~seen], step, rtol=1e-3)
+        assert np.allclose(scale[seen], sens.SEEN_ROW_STEP * step, rtol=1e-3)
+        built = (levels.astype(w.dtype if dtype == "float32" else np.float16) * scale[:, None])
+        # the option's weight is the built one; the trials feed the surrogate
+        assert np.array_equal(opt.dequantized, built.astype(opt.dequantized.dtype))
+        trial = opt.trial_dequantized
+        assert trial is not None and trial.dtype == opt.dequantized.dtype
+        assert np.array_equal(trial[~seen], opt.dequantized[~seen])
+        coarse = np.rint(w / step).clip(-127, 127) * step
+        fine = opt.dequantized.astype(np.float64)
+        e_trial = np.sum((trial[seen].astype(np.float64) - w[seen]) ** 2)
+        e_mix = 0.25 * np.sum((coarse[seen] - w[seen]) ** 2) + 0.75 * np.sum((fine[seen] - w[seen]) ** 2)
+        assert e_trial == pytest.approx(e_mix, rel=0.35)  # independent roundings: energies add
+        assert opt.noise == pytest.approx(float(np.sum((trial.astype(np.float64) - w) ** 2)), rel=1e-6)
+        # the unseen rows keep the plain one-step form's step (the 4 finer rows cost a little more rate)
+        assert step == pytest.approx(float(np.min(plain[key][1])), rel=1e-3)
+        assert opt.levels_entropy_bytes > before[key] * 0.96
+        repl, _ = sens.replacements({"E": info}, {"E": key})
+        assert np.array_equal(repl["E"], trial)
+
+
+def test_a_table_the_calibration_covers_gets_the_plain_one_step_form():
+    """As many lookups as rows (a position table): no seen-row steps, the trials feed the built table."""
+    counts = np.ones(100, np.int64)
+    counts[:50] = 2
+    info, table, _ = _forms("float32", counts)
+    plain_info, plain_table, _ = _forms("float32")
+    for key, (levels, scale) in table.items():
+        assert np.array_equal(levels, plain_table[key][0]) and np.array_equal(scale, plain_table[key][1])
+        assert info.options[key].trial_dequantized is None
+
