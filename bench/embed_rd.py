@@ -12,7 +12,10 @@ byte, plus the scales / palette table through it), and three quality figures:
              each row (rows never gathered weigh 0)
 Forms: row = per-row scales (axis 0, what quantize_weights gives a Gather table), col = per
 column (axis 1), blk<B> = blocks of B along each row, palette = one k-means table of 2**bits
-values for the tensor (passes/palette.py), each with nearest and rdo rounding where it applies.
+values for the tensor (passes/palette.py), each with nearest and rdo rounding where it applies;
+onestep = one step for every row at the order-0 rate of the row form (sensitivity.one_step_levels,
+the auto mode's table form), seenrows = the same with the rows the calibration half of the feeds
+gathers at 1/4 of the step (sensitivity.seen_row_levels; the auto mode with row counts).
 
     python bench/embed_rd.py [--bits 3,4,5,6]
 
@@ -37,6 +40,7 @@ OUT = REPO / "bench" / "out"
 
 import passes  # noqa: E402
 from passes import forms, graph, palette  # noqa: E402
+from passes import sensitivity as sens  # noqa: E402
 from passes import rounding as rd  # noqa: E402
 from passes.onnxz import codecs  # noqa: E402
 
@@ -68,7 +72,7 @@ def quality(w, deq, freq):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", default="3,4,5,6")
-    ap.add_argument("--forms", default="row,row_rdo,col,col_rdo,blk64,blk64_rdo,palette")
+    ap.add_argument("--forms", default="row,row_rdo,col,col_rdo,blk64,blk64_rdo,palette,onestep,seenrows")
     args = ap.parse_args(argv)
     path = CORPUS / "minilm_fp32" / "minilm_fp32.onnx"
     model = passes.load_model(str(path))
@@ -76,6 +80,7 @@ def main(argv=None):
     w = graph.tensor_to_array(graph.unique_initializers(model)[NAME]).astype(np.float32)
     held = feeds[len(feeds) // 2:]
     freq = np.bincount(np.concatenate([f["input_ids"].ravel() for f in held]).astype(np.int64), minlength=w.shape[0])
+    seen = sens.gathered_row_counts(model, feeds[:len(feeds) // 2], [NAME]).get(NAME, np.zeros(w.shape[0])) > 0
     print(f"{NAME} {w.shape}: held-out feeds gather {np.count_nonzero(freq)} distinct rows", flush=True)
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
@@ -83,7 +88,15 @@ def main(argv=None):
         ltype = onnx.TensorProto.INT4 if bits <= 4 else onnx.TensorProto.INT8
         for form in args.forms.split(","):
             c0 = time.process_time()
-            if form == "palette":
+            if form in ("onestep", "seenrows"):
+                row = forms.quantize_linear(w, lv, 0, 0)
+                rate = sens.entropy_bytes(row.q) * 8 / w.size
+                step = sens._one_step_for_rate(w, 0, rate, np.random.default_rng(0))
+                q, scale = (sens.one_step_levels(w, step, 0) if form == "onestep"
+                            else sens.seen_row_levels(w, step, seen))
+                deq = q.astype(np.float64) * scale.astype(np.float64)[:, None]
+                nbits = coded_bits(q, onnx.TensorProto.INT8) + coded_bits(scale.view(np.uint8), onnx.TensorProto.FLOAT)
+            elif form == "palette":
                 if bits > 8:
                     continue
                 idx, table, _ = palette.palette_array(w.astype(np.float64), bits, None)
