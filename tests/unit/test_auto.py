@@ -727,3 +727,47 @@ def test_without_feeds_a_search_that_keeps_float_shows_the_outputs_range():
     assert lo == float(f"{outs.min():.3g}") and hi == float(f"{outs.max():.3g}")  # the model's outputs only
     _, rep_real = passes.compress(m, target="snr>=200", feeds=feeds(m))
     assert not any("synthesised random inputs" in n for n in rep_real["notes"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_auto_builds_the_error_fed_one_step_form_of_a_conv_weight_it_chose(monkeypatch, dtype):
+    from passes import auto
+    from passes.fold import fold_dequantize
+
+    monkeypatch.setattr(auto, "ONE_STEP_OPS", ("MatMul", "Gemm", "Conv"))
+    m = conv_model(dtype)
+    w = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "W"))
+    f = feeds(m, n=8)
+    chosen = {}
+
+    def allocate(infos, mu):
+        chosen.update({n: infos[n].options[6] for n in infos})
+        return {n: 6 for n in infos}
+
+    monkeypatch.setattr(auto.sens, "allocate", allocate)
+    out, rep = passes.compress(m, target="cosine>=0.9", feeds=f, bits=(6, 8), tighten=0)
+    forms = {r["name"]: r["form"] for r in rep["tensors"]}
+    # the Conv weight: one step, error-fed; the ConvTranspose weight (another op) keeps a step per channel
+    assert forms["W"] == "int8/channel/one-step(as int6)/gptq"
+    assert forms["W2"].startswith("int6/channel")
+    onnx.checker.check_model(out, full_check=True)
+    folded = {t.name: onnx.numpy_helper.to_array(t) for t in fold_dequantize(out).graph.initializer}
+    for n in ("W", "W2"):
+        assert folded[n].dtype == w.dtype
+        assert np.array_equal(folded[n], chosen[n].dequantized)  # the built weight is the option measured
+    # the built model runs as the trial session ran the measured weights, bit for bit
+    trial = onnx.ModelProto()
+    trial.CopyFrom(m)
+    for t in trial.graph.initializer:
+        if t.name in chosen:
+            t.CopyFrom(onnx.numpy_helper.from_array(chosen[t.name].dequantized, t.name))
+    from passes.fidelity import run_outputs
+    for a, b in zip(run_outputs(fold_dequantize(out), f), run_outputs(trial, f)):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    # one step for every output channel but those whose largest value does not fit int8 at it
+    scale = onnx.numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == "W_scale"))
+    assert scale.dtype == w.dtype and scale.shape == (16,)
+    wide = np.abs(w.astype(np.float64)).reshape(16, -1).max(axis=1) / 127 > float(scale.min())
+    assert np.all(scale[~wide] == scale.min()) and wide.sum() < 8
+    assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.9
+    assert np.array_equal(onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "W")), w)
