@@ -401,17 +401,10 @@ def _row_histogram(idx, n: int) -> np.ndarray:
 
 def _run_for(model: onnx.ModelProto, names, feeds) -> list[dict]:
     """Per feed, {name: value} of the named intermediate tensors (one onnxruntime session of a copy
-    of the model that also outputs them)."""
-    import onnxruntime as ort
+    of the model that also outputs them: gptq.activation_session)."""
+    from .gptq import activation_session
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    present = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.ValueInfoProto(name=x) for x in names if x not in present)
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    allowed = {i.name for i in sess.get_inputs()}
+    sess, allowed = activation_session(model, names)
     return [dict(zip(names, sess.run(list(names), {k: v for k, v in f.items() if k in allowed}))) for f in feeds]
 
 

@@ -121,6 +121,8 @@ class _Xxh3_128:
 
     def hexdigest(self) -> str:
         return self._planes.xxh3_128_hexdigest(self.state)
+
+
 READ_RUN = 256 << 10  # _ans.c's READ_RUN: bytes of back-to-back chunks ans_decode_batch reads in one pread
 BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several threads share the work
 WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
