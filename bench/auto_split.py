@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""The auto mode on both splits of a corpus model's feeds, and where the packed bytes go (issue 4; not a test).
+
+bench/lossy.py part b calibrates on the first half of the feeds and measures on the second. A change
+to the auto mode that shrinks a model there may be luck on that one split (open_nsfw's held-out
+crops sit near ties), so this runs the same measurement on both splits:
+
+    split "first":  passes.compress on the first half, packed and measured on the second (part b's)
+    split "second": passes.compress on the second half, packed and measured on the first
+
+and prints, for each packed auto model, the bytes per weight: its form (the auto report's), its
+bits per weight after packing (the stored bytes of its levels + scales in the .onnxz), its share
+of the file; and the bytes that are no weight's (graph skeleton and index, biases and other small
+tensors kept float).
+
+    SURGEON_CORPUS=/tmp/h2/corpus python bench/auto_split.py --only open_nsfw,rapidocr_cls \
+        [--splits first,second] [--top 12] [--json bench/out/auto_split.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import passes  # noqa: E402
+from passes.onnxz import reader  # noqa: E402
+
+CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/work/shared/corpus"))
+TARGETS = {"top1": "top1>=0.99", "cosine": "cosine>=0.999"}  # bench/lossy.py part b's targets
+# the tensors quantize_weights / cast_levels write for weight W (W_quantized, W_scale, ...)
+WEIGHT_SUFFIXES = ("_quantized", "_scale", "_zero_point", "_shape")
+
+
+def corpus_entries(only):
+    manifest = json.loads((CORPUS / "MANIFEST.json").read_text())
+    entries = manifest["entries"] if isinstance(manifest, dict) else manifest
+    return [e for e in entries if e["name"] in only and e["metric"] in TARGETS]
+
+
+def split_feeds(feeds, split):
+    """(calibration, held-out) halves: 'first' calibrates on the first half (bench/lossy.py's split)."""
+    half = len(feeds) // 2
+    first, second = feeds[:half], feeds[half:]
+    return (first, second) if split == "first" else (second, first)
+
+
+def owner_weight(tensor_name, weights):
+    """The auto mode's weight a packed tensor belongs to (its levels, scales, shape), else None."""
+    if tensor_name in weights:
+        return tensor_name
+    for suffix in WEIGHT_SUFFIXES:
+        if tensor_name.endswith(suffix) and tensor_name[: -len(suffix)] in weights:
+            return tensor_name[: -len(suffix)]
+    return None
+
+
+def byte_breakdown(packed_path, report):
+    """Stored bytes of the .onnxz by auto-mode weight, and the rest (graph + index, small float tensors)."""
+    forms = {t["name"]: t for t in report["tensors"]}
+    with reader.open_packed(str(packed_path)) as pm:
+        meta = pm.metadata()
+    total = meta["packed_bytes"]
+    per_weight, other_tensors = {}, 0
+    for t in meta["tensors"]:
+        stored = t["stored"] if t["stored"] is not None else 0
+        w = owner_weight(t["name"], forms)
+        if w is None:
+            other_tensors += stored
+        else:
+            per_weight[w] = per_weight.get(w, 0) + stored
+    rows = []
+    for name, stored in per_weight.items():
+        n = int(np.prod(forms[name]["shape"]))
+        rows.append({"name": name, "form": forms[name]["form"], "elements": n, "stored_bytes": stored,
+                     "bits_per_weight": 8 * stored / n, "share": stored / total,
+                     "est_bits_per_weight": forms[name]["bits_after_packing"]})
+    rows.sort(key=lambda r: -r["stored_bytes"])
+    rest = total - sum(per_weight.values()) - other_tensors
+    return {"packed_bytes": total, "weights": rows, "other_tensor_bytes": other_tensors,
+            "graph_and_index_bytes": rest}
+
+
+def run_split(entry, split, tmp):
+    from passes.fidelity import evaluate, load_feeds
+
+    name, metric = entry["name"], entry["metric"]
+    src = CORPUS / name / f"{name}.onnx"
+    feeds_path = CORPUS / entry.get("feeds", f"{name}/feeds.npz")
+    feeds = load_feeds(feeds_path if feeds_path.exists() else CORPUS / name / "feeds.npz")
+    calib, held = split_feeds(feeds, split)
+    margs = entry.get("metric_args")
+    target = TARGETS[metric]
+    c0 = time.process_time()
+    model, rep = passes.compress(str(src), target=target, feeds=calib, metric_args=margs)
+    cpu = time.process_time() - c0
+    packed = Path(tmp) / f"{name}_{split}.onnxz"
+    passes.pack(model, packed, force=True)
+    res = evaluate(str(src), model, feeds=held, metric=metric, metric_args=margs)
+    req = passes.fidelity.parse_requirement(target)
+    bd = byte_breakdown(packed, rep)
+    return {"model": name, "split": split, "target": target, "packed_bytes": bd["packed_bytes"],
+            "packed_pct": round(100 * bd["packed_bytes"] / src.stat().st_size, 2),
+            "held_value": res.metrics.get(metric), "held_metrics": res.metrics, "met": bool(req.check(res)),
+            "calib_metrics": rep["fidelity"], "cpu_s": round(cpu, 1), "breakdown": bd, "notes": rep["notes"]}
+
+
+def print_row(r, top):
+    bd = r["breakdown"]
+    print(f"\n{r['model']} split={r['split']}: {r['packed_pct']:.2f}% ({r['packed_bytes']} B), held-out "
+          f"{r['target'].split('>=')[0]} {r['held_value']:.5f} {'met' if r['met'] else 'MISSED'}, "
+          f"calibration {json.dumps({k: round(v, 5) for k, v in r['calib_metrics'].items() if isinstance(v, float)})}, "
+          f"auto CPU {r['cpu_s']} s")
+    print(f"  graph+index {bd['graph_and_index_bytes']} B ({100 * bd['graph_and_index_bytes'] / bd['packed_bytes']:.1f}%), "
+          f"other tensors (biases, small, float) {bd['other_tensor_bytes']} B "
+          f"({100 * bd['other_tensor_bytes'] / bd['packed_bytes']:.1f}%)")
+    forms = {}
+    for w in bd["weights"]:
+        f = forms.setdefault(w["form"], [0, 0, 0])
+        f[0] += 1
+        f[1] += w["stored_bytes"]
+        f[2] += w["elements"]
+    for form, (k, b, n) in sorted(forms.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {form:44s} {k:3d} weights {b:9d} B {100 * b / bd['packed_bytes']:5.1f}%  {8 * b / n:5.2f} bits/weight")
+    print(f"  {'weight':40s} {'form':40s} {'elements':>9s} {'bits/w':>6s} {'est':>6s} {'share':>6s}")
+    for w in bd["weights"][:top]:
+        print(f"  {w['name'][:40]:40s} {w['form'][:40]:40s} {w['elements']:9d} {w['bits_per_weight']:6.2f} "
+              f"{w['est_bits_per_weight']:6.2f} {100 * w['share']:5.1f}%")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="open_nsfw,rapidocr_cls,open_nsfw_fp16,silero_vad_v6")
+    ap.add_argument("--splits", default="first,second")
+    ap.add_argument("--top", type=int, default=12, help="largest weights listed per model")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    only = args.only.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for e in corpus_entries(only):
+            for split in args.splits.split(","):
+                r = run_split(e, split, tmp)
+                rows.append(r)
+                print_row(r, args.top)
+    print("\n| model | split | auto packed | held-out value | met | auto CPU s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['split']} | {r['packed_pct']:.2f}% | {r['held_value']:.5f} | "
+              f"{'yes' if r['met'] else 'NO'} | {r['cpu_s']} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
