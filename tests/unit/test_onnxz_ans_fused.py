@@ -1,7 +1,7 @@
 """Float `ans` chunks whose plane 0 alone is coded (nearly all float weights) are decoded and merged
-in one pass by the AVX2 decoder (_ans.c dec_merge_run), the block's remainder the usual way: the
-bytes match the scalar decoder and the original, for float16 and float32, every SIMD lane count,
-both AVX2 table lookups, sizes with tails, outputs large enough for non-temporal stores (aligned or
+in one pass by the AVX2 or AVX-512 decoder (_ans.c dec_merge_run), the block's remainder the usual
+way: the bytes match the scalar decoder and the original, for float16 and float32, every SIMD lane
+count, both AVX2 table lookups, the AVX-512 decoder where the CPU has it, sizes with tails, outputs large enough for non-temporal stores (aligned or
 not), and damaged blobs get the same verdict."""
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def _decoders():
     got = [(0, 0)]
     if C is not None and C.ans_simd() >= 1:
         got += [(1, 0), (1, 1)]
+    if C is not None and C.ans_simd() >= 2:
+        got += [(2, 0)]
     return got
 
 
