@@ -19,8 +19,8 @@
  *        -> 0 | -1
  *   simd    0 (default): scalar lanes only; 1..5: the vector lanes (below: AVX-512, else AVX2)
  *           where the CPU has them, while a thread has at least that many chunks; + 16: they read
- *           every token's raw bits the way they read the rare ones of > 25 bits (a test hook: same
- *           values); + 32: the AVX2 lanes also where the CPU has AVX-512 (a test hook: same values)
+ *           every token's raw bits the way they read the rare ones their windows do not hold (a
+ *           test hook: same values); + 32: the AVX2 lanes also where the CPU has AVX-512 (a test hook: same values)
  *   words   uint16 (any byte alignment), with WORD_PAD elements after the last chunk's (read, never used)
  *   woff, roff, chunk_units  int64[n_chunks + 1]   raw uint32   out float32 (written)
  *   row_cls uint8[rows]   pos_cls int32[unit_len]   lut int32[LUT_SIZE]
@@ -33,6 +33,7 @@
  * The caller (tensorcodec._decode) has validated the layout; the sizes are checked again here, so
  * a wrong call is an error, never an out-of-bounds access. Same output as the numba decoder,
  * bit for bit, and -1 exactly where it fails (damaged entropy-coded data). Releases the GIL.
+ * threads > 1: the calling thread and threads - 1 helpers kept between calls (see "helper threads").
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -106,6 +107,8 @@ typedef struct {
     /* work distribution and result */
     int64_t next_chunk;
     int failed;
+    /* helpers of the pool (below) that joined this job and that are done with it; guarded by its lock */
+    int want, joined, left;
 } Job;
 
 #define WORD_PAD 264        /* words readable after the last chunk's: > BLOCK + 1 */
@@ -308,8 +311,11 @@ static int run_scalar(Job *jb, Lane *ln, int k) {
 /* ---- AVX-512: 16 chunks per thread in the lanes of one vector ------------------------------
  * Why: the scalar lanes above wait on two loads per symbol (table entry, then the next context);
  * three interleaved chunks hide only part of that latency and run out of registers. Here one
- * vector lane per chunk decodes 16 chunks at once: the table entries, the renormalisation words
- * and the raw bits are gathered; the token's magnitude base and raw-bit count are computed, not
+ * vector lane per chunk decodes 16 chunks at once: the table entries are gathered, the
+ * renormalisation words and the raw bits come from windows of each lane's next 64 bits of either
+ * stream, read every WIN4 steps (a gather costs per element, ~16 cycles for 16 here: gathering a
+ * word and 4 raw bytes per lane every step, as this did before 2026-12-02, took ~15% of the
+ * decode on Zen 5); the token's magnitude base and raw-bit count are computed, not
  * looked up; the neighbour bucket is a sum of compares with the LUT's steps (when it has <= 8);
  * values below 256 are computed (centroids by a permute, others (mult*m - q) * step exactly as
  * the table holds them); the rare magnitudes >= 256 are fixed up one by one. Same output and the
@@ -321,6 +327,7 @@ static int run_scalar(Job *jb, Lane *ln, int k) {
 #include <immintrin.h>
 #define SL 16
 #define MAX_THR 8
+#define WIN4 4 /* steps between two reads of the AVX-512 lanes' windows */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define SIMD_AVX512 1 /* Job.simd: which vector lanes */
 #define SIMD_AVX2 2
@@ -377,7 +384,8 @@ static void slane_to_lane(const Job *jb, const SState *S, int l, Lane *ln) {
     ln->st = ((uint32_t)((s >> 1) * jb->nb_ctx) << PROB_BITS) | s;
 }
 
-/* lanes k of r: the 32 raw bits at (byte rb, shift sh) read as 8 bytes (tokens of > 25 raw bits) */
+/* lanes k of r: the 32 raw bits at (byte rb, shift sh) read as 8 bytes (tokens of more raw bits
+ * than the lane's window still holds) */
 AVX512 __attribute__((noinline, cold)) static __m512i raw_wide(const uint8_t *raw, __m512i r, __m512i rb,
                                                                __m512i sh, __mmask16 k) {
     __m512i lo = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)k, _mm512_castsi512_si256(rb), raw, 1);
@@ -449,7 +457,6 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
                   c255 = _mm512_set1_epi32(255), c256 = _mm512_set1_epi32(256),
                   rl = _mm512_set1_epi32(RANS_L), zero = _mm512_setzero_si512();
     const __m512i qoff = _mm512_set1_epi32((int32_t)(jb->nb_ctx << PROB_BITS));
-    const __m512i c25 = _mm512_set1_epi32(jb->simd_wide ? 0 : 25); /* (0: the test hook, see py_decode) */
     const __m512i multv = _mm512_set1_epi32(jb->tcq ? 2 : 1);
     const __m512i tcqmask = _mm512_set1_epi32(jb->tcq ? -1 : 0);
     const __m512i lut0 = _mm512_set1_epi32((int32_t)jb->lut_off[0]);
@@ -469,30 +476,35 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
             row = _mm512_load_si512(S->v.row), col = _mm512_load_si512(S->v.col),
             rowbase = _mm512_load_si512(S->v.rowbase);
     __mmask16 bad = _mm512_test_epi32_mask(_mm512_load_si512(S->v.bad), _mm512_load_si512(S->v.bad));
-    /* the word a renormalisation would take next, gathered ahead (off the state's dependency chain) */
-    __m512i nextw = _mm512_and_si512(_mm512_mask_i32gather_epi32(zero, kact, wp, words, 2), m16);
     __m512i stoff = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(st, c2), qoff);
     __m512i p1 = zero, p2 = zero;
     int cnt = 0; /* steps in buf */
+    /* each lane's next 4 renormalisation words (wlo: the next two, whi: the two after) and its next
+     * raw bits (rlo: the next 32, rhi: the 32 after; avail of them valid), read every WIN4 steps
+     * (a lane takes at most one word a step) or sooner where a lane's raw bits ran out */
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, one);
+    const __m512i c32 = _mm512_set1_epi32(32), c64 = _mm512_set1_epi32(64);
+    const __mmask16 kwide = jb->simd_wide ? kact : 0; /* (the test hook: every token read the rare way) */
+    __m512i wlo = zero, whi = zero, rlo = zero, rhi = zero, avail = zero;
+    int phase = 0, force = 0;
 
 /* one symbol of every lane at context offset CTX (without the quantizer's); its value into the
  * next row of buf (written out 16 steps at a time, transposed: no scatter);
  * its magnitude (saturated at 4095) into MS */
 #define SSTEP(CTX, MS) do {                                                                     \
+        if (phase == 0) SREFILL();                                                                 \
         __m512i idx_ = _mm512_add_epi32(_mm512_add_epi32(CTX, stoff), _mm512_and_si512(x, m4095)); \
         __m512i e_ = _mm512_i32gather_epi32(idx_, tab, 4);                                         \
         __m512i fr_ = _mm512_add_epi32(_mm512_srli_epi32(e_, 20), one);                            \
         __m512i bi_ = _mm512_and_si512(_mm512_srli_epi32(e_, 8), m12);                             \
         __m512i xx_ = _mm512_add_epi32(_mm512_mullo_epi32(fr_, _mm512_srli_epi32(x, PROB_BITS)), bi_); \
         __mmask16 need_ = _mm512_mask_cmplt_epu32_mask(kact, xx_, rl);                             \
-        x = _mm512_mask_mov_epi32(xx_, need_, _mm512_or_si512(_mm512_slli_epi32(xx_, 16), nextw)); \
+        x = _mm512_mask_mov_epi32(xx_, need_, _mm512_or_si512(_mm512_slli_epi32(xx_, 16),          \
+                                                              _mm512_and_si512(wlo, m16)));        \
+        wlo = _mm512_mask_or_epi32(wlo, need_, _mm512_srli_epi32(wlo, 16), _mm512_slli_epi32(whi, 16)); \
+        whi = _mm512_mask_srli_epi32(whi, need_, whi, 16);                                         \
         wp = _mm512_mask_add_epi32(wp, need_, wp, one);                                            \
-        nextw = _mm512_and_si512(_mm512_mask_i32gather_epi32(nextw, need_, wp, words, 2), m16);    \
-        /* raw bits: 4 bytes from the lane's bit position (>= 25 bits after the shift); a token  \
-         * of more raw bits (magnitudes >= 2**24: rare) takes 8 bytes, two gathers of 8 lanes */  \
-        __m512i rb_ = _mm512_add_epi32(rbyte, _mm512_srli_epi32(rel, 3));                          \
-        __m512i sh_ = _mm512_and_si512(rel, c7);                                                   \
-        __m512i r_ = _mm512_srlv_epi32(_mm512_mask_i32gather_epi32(zero, kact, rb_, raw, 1), sh_);  \
         /* token -> raw bits and smallest magnitude: t < 16: (t > 0, t); else                      \
          * q = (t - 16) >> 3: (q + 2, (8 + (t - 16) % 8) << (q + 1)) */                            \
         __m512i t_ = _mm512_and_si512(e_, mff);                                                    \
@@ -503,10 +515,20 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
         __m512i mb_ = _mm512_mask_mov_epi32(                                                       \
             _mm512_sllv_epi32(_mm512_add_epi32(_mm512_and_si512(tb_, c7), c8), _mm512_add_epi32(tq_, one)), \
             sm_, t_);                                                                              \
-        __mmask16 wide_ = _mm512_mask_cmpgt_epu32_mask(kact, nb_, c25);                            \
-        if (__builtin_expect(wide_ != 0, 0)) r_ = raw_wide(raw, r_, rb_, sh_, wide_);              \
+        /* raw bits: from the window; where it holds fewer than the token's, read at the lane's   \
+         * bit position (8 bytes), and all windows are read again at the next step */              \
+        __m512i r_ = rlo;                                                                          \
+        __mmask16 wide_ = _mm512_mask_cmpgt_epi32_mask(kact, nb_, avail) | kwide;                  \
+        if (__builtin_expect(wide_ != 0, 0)) {                                                     \
+            r_ = raw_wide(raw, r_, _mm512_add_epi32(rbyte, _mm512_srli_epi32(rel, 3)),             \
+                          _mm512_and_si512(rel, c7), wide_);                                       \
+            force = 1;                                                                             \
+        }                                                                                          \
         __m512i bits_ = _mm512_and_si512(r_, _mm512_sub_epi32(_mm512_sllv_epi32(one, nb_), one));  \
         rel = _mm512_mask_add_epi32(rel, kact, rel, nb_);                                          \
+        rlo = _mm512_or_si512(_mm512_srlv_epi32(rlo, nb_), _mm512_sllv_epi32(rhi, _mm512_sub_epi32(c32, nb_))); \
+        rhi = _mm512_srlv_epi32(rhi, nb_);                                                         \
+        avail = _mm512_sub_epi32(avail, nb_);                                                      \
         __m512i m_ = _mm512_add_epi32(mb_, _mm512_srli_epi32(bits_, 1));                           \
         __m512i q_ = _mm512_srli_epi32(st, 1);                                                     \
         /* value: centroid below 16, (mult * m - q) * step below 256 (as the table holds them) */   \
@@ -527,6 +549,24 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
             _mm512_slli_epi32(_mm512_and_si512(_mm512_xor_si512(st, m_), one), 1), q_));           \
         stoff = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(st, c2), qoff);                      \
         MS = _mm512_min_epu32(m_, m4095);                                                          \
+        phase = force ? 0 : (phase + 1) & (WIN4 - 1);                                              \
+        force = 0;                                                                                 \
+    } while (0)
+/* the windows, at the lanes' positions */
+#define SREFILL() do {                                                                             \
+        __m512i g0_ = _mm512_mask_i32gather_epi64(zero, (__mmask8)kact, _mm512_castsi512_si256(wp), words, 2); \
+        __m512i g1_ = _mm512_mask_i32gather_epi64(zero, (__mmask8)(kact >> 8), _mm512_extracti64x4_epi64(wp, 1), words, 2); \
+        wlo = _mm512_permutex2var_epi32(g0_, even, g1_);                                           \
+        whi = _mm512_permutex2var_epi32(g0_, odd, g1_);                                            \
+        __m512i rb_ = _mm512_add_epi32(rbyte, _mm512_srli_epi32(rel, 3));                          \
+        __m512i sh_ = _mm512_and_si512(rel, c7);                                                   \
+        __m512i h0_ = _mm512_mask_i32gather_epi64(zero, (__mmask8)kact, _mm512_castsi512_si256(rb_), raw, 1); \
+        __m512i h1_ = _mm512_mask_i32gather_epi64(zero, (__mmask8)(kact >> 8), _mm512_extracti64x4_epi64(rb_, 1), raw, 1); \
+        h0_ = _mm512_srlv_epi64(h0_, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sh_)));         \
+        h1_ = _mm512_srlv_epi64(h1_, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sh_, 1)));   \
+        rlo = _mm512_permutex2var_epi32(h0_, even, h1_);                                           \
+        rhi = _mm512_permutex2var_epi32(h0_, odd, h1_);                                            \
+        avail = _mm512_sub_epi32(c64, sh_);                                                        \
     } while (0)
 #define SCHECK() do {                                                                              \
         __mmask16 kw_ = _mm512_cmpgt_epi32_mask(wp, wend);                                         \
@@ -535,7 +575,7 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
         __mmask16 kr_ = _mm512_cmpgt_epu32_mask(rel, rlen);                                        \
         bad |= kr_;                                                                                \
         rel = _mm512_mask_mov_epi32(rel, kr_, rlen);                                               \
-        if (kw_) nextw = _mm512_and_si512(_mm512_mask_i32gather_epi32(zero, kact, wp, words, 2), m16); \
+        if (kw_ | kr_) phase = 0; /* (the windows, read again) */                                \
     } while (0)
     for (int64_t it = 0; it < n_units; it++) {
         __m512i ms;
@@ -573,6 +613,7 @@ AVX512 static void decode_simd(const Job *jb, SState *S, int64_t n_units, __mmas
         }
     }
 #undef SSTEP
+#undef SREFILL
 #undef SCHECK
     (void)rl;
     for (int l = 0; l < SL; l++) { /* the steps left in buf */
@@ -989,6 +1030,87 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* ---- the helper threads, kept between calls ---------------------------------------------------
+ * Why: a call used to start its helpers (pthread_create, ~35 us of the calling thread) and join
+ * them at the end, also a helper that had not run yet: on a busy machine a new thread may wait
+ * for a core for milliseconds, after the calling thread has decoded every chunk alone, and the
+ * call waited for it to start and find nothing to do (Conv_5831 at 47 dB, 2 threads, load ~9:
+ * the calling thread done at 1.6-1.8 ms, its helper started at 3.6-9.4 ms). Here the helpers
+ * wait in a pool; a call posts its job, and closes it when its own thread has run out of chunks:
+ * it waits only for the helpers that joined before that (they hold chunks), never for one that
+ * had not started. One job at a time: a call that finds the pool taken (a decode in another
+ * Python thread) starts its own helpers as before. After fork() the child has no helpers: its
+ * pool starts empty (pool_after_fork). */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;
+    Job *job;          /* the job helpers may join now, or NULL */
+    uint64_t gen;      /* bumped with every job posted */
+    int n_helpers;     /* helper threads started */
+    int taken;         /* a call owns the pool */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
+
+static void *worker(void *arg);
+
+static void *pool_helper(void *arg) {
+    (void)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.job == NULL || pool.gen == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+        seen = pool.gen;
+        Job *jb = pool.job;
+        if (jb->joined >= jb->want) continue;
+        jb->joined++;
+        pthread_mutex_unlock(&pool.mu);
+        worker(jb);
+        pthread_mutex_lock(&pool.mu);
+        if (++jb->left == jb->joined) pthread_cond_broadcast(&pool.done);
+    }
+    return NULL;
+}
+
+/* post jb for n_help helpers; 0 where the pool is taken (the caller starts its own threads) */
+static int pool_post(Job *jb, int n_help) {
+    pthread_mutex_lock(&pool.mu);
+    if (pool.taken) {
+        pthread_mutex_unlock(&pool.mu);
+        return 0;
+    }
+    pool.taken = 1;
+    while (pool.n_helpers < n_help) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, pool_helper, NULL) != 0) break;
+        pthread_detach(t);
+        pool.n_helpers++;
+    }
+    jb->want = n_help;
+    jb->joined = jb->left = 0;
+    pool.job = jb;
+    pool.gen++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    return 1;
+}
+
+/* no helper joins jb from now on; wait for those that did */
+static void pool_close(Job *jb) {
+    pthread_mutex_lock(&pool.mu);
+    pool.job = NULL;
+    while (jb->left < jb->joined) pthread_cond_wait(&pool.done, &pool.mu);
+    pool.taken = 0;
+    pthread_mutex_unlock(&pool.mu);
+}
+
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.job = NULL;
+    pool.n_helpers = 0;
+    pool.taken = 0;
+}
+
 static void token_tables(Job *jb) {
     memset(jb->tok, 0, sizeof jb->tok); /* tokens >= N_TOKENS never occur: the tables have none */
     for (int t = 0; t < N_TOKENS; t++) {
@@ -1187,12 +1309,13 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
     if (nt > n_chunks) nt = (int)n_chunks;
     pthread_t th[64];
-    int started = 0;
-    for (int i = 1; i < nt; i++) {
+    int started = 0, pooled = nt > 1 && pool_post(jb, nt - 1);
+    for (int i = 1; i < nt && !pooled; i++) {
         if (pthread_create(&th[started], NULL, worker, jb) != 0) break;
         started++;
     }
     worker(jb);
+    if (pooled) pool_close(jb);
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     Py_END_ALLOW_THREADS
     pthread_mutex_destroy(&jb->mu);
@@ -1333,6 +1456,8 @@ PyMODINIT_FUNC PyInit__tcodec(void) {
     int has_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
     if (has_clmul) clmul_init();
 #endif
+    static int forked_ok = 0;
+    if (!forked_ok && pthread_atfork(NULL, NULL, pool_after_fork) == 0) forked_ok = 1;
     PyObject *mod = PyModule_Create(&module);
 #ifdef TC_CLMUL
     if (mod && !has_clmul && PyObject_DelAttrString(mod, "crc32") < 0) {
