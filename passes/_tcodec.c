@@ -1125,6 +1125,13 @@ static void token_tables(Job *jb) {
     }
 }
 
+/* the table entries of one token: its f slots (a loop the compiler vectorises; written entry by
+ * entry through row[slot + i], which it did not, the 64 K entries of a 16-context table took a
+ * median 33 us of thread CPU a call, now 16 us: ~3% of a 0.6 M-weight tensor's decode) */
+static void fill_slots(uint32_t *restrict dst, uint32_t hi, uint32_t f) {
+    for (size_t i = 0; i < f; i++) dst[i] = hi | (uint32_t)(i << 8);
+}
+
 /* the decode table rows of contexts c0 .. c0 + n_ctx - 1, from the uint32 rows or the records */
 static int build_table(const Job *jb, int64_t c0, int64_t n_ctx) {
     for (int64_t c = c0; c < c0 + n_ctx; c++) {
@@ -1137,7 +1144,7 @@ static int build_table(const Job *jb, int64_t c0, int64_t n_ctx) {
             if (f == 0) continue;
             if (f > PROB_SCALE - slot) return -1;
             uint32_t hi = ((f - 1) << 20) | t;
-            for (uint32_t i = 0; i < f; i++) row[slot + i] = hi | (i << 8);
+            fill_slots(row + slot, hi, f);
             slot += f;
         }
         if (slot != PROB_SCALE) return -1;
