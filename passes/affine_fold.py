@@ -12,6 +12,7 @@ where they are a large part of what is left: in rapidocr_cls's auto model the gr
 same levels as W (its step per output channel scales with a), so the weight costs what it did.
 
     folded, n = fold_conv_affine(model)   # n: the nodes removed
+    folded, n = fold_conv_affine(model, ops=("BatchNormalization",))   # those alone
 
 Only what is exact is folded: a chain of nodes that each read the previous one's output alone
 (no other reader, no graph output, no subgraph reading it), made of Add / Sub / Mul / Div by a
@@ -26,10 +27,11 @@ import onnx
 from onnx import helper
 
 from . import graph
+from .errors import InvalidArgumentError
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
 _PASS_THROUGH = ("Transpose", "Identity", "Cast")
-_AFFINE = ("Add", "Sub", "Mul", "Div", "BatchNormalization")
+AFFINE_OPS = ("Add", "Sub", "Mul", "Div", "BatchNormalization")
 
 
 def _attr(node, name, default):
@@ -103,7 +105,7 @@ def _step(node, chain_in, consts, rank, axis, channels, a, c):
     return None
 
 
-def _affine_chain(conv, model, consts, counts, readers, outputs):
+def _affine_chain(conv, model, consts, counts, readers, outputs, ops):
     """(affine nodes to drop, a, c) for the nodes after `conv`, or None when nothing folds."""
     w = consts.get(conv.input[1])
     if w is None or w.ndim < 3:
@@ -122,7 +124,7 @@ def _affine_chain(conv, model, consts, counts, readers, outputs):
                 axis = perm.index(axis)
             elif node.op_type == "Cast" and _attr(node, "to", 0) not in _FLOAT_TYPES:
                 break
-        elif node.op_type in _AFFINE:
+        elif node.op_type in ops:
             step = _step(node, chain_in, consts, rank, axis, channels, a, c)
             if step is None:
                 break
@@ -136,9 +138,13 @@ def _affine_chain(conv, model, consts, counts, readers, outputs):
     return (dropped, a, c) if dropped else None
 
 
-def fold_conv_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+def fold_conv_affine(model: onnx.ModelProto, ops=AFFINE_OPS) -> tuple[onnx.ModelProto, int]:
     """(model with the per-channel affine nodes after its Convs folded into them, nodes removed).
+    ops: the affine node types folded (a subset of AFFINE_OPS); a chain ends at any other.
     The input model is not changed; without anything to fold it is returned as is."""
+    unknown = set(ops) - set(AFFINE_OPS)
+    if unknown:
+        raise InvalidArgumentError(f"fold_conv_affine: ops must be among {', '.join(AFFINE_OPS)}, got {sorted(unknown)}")
     consts = _Constants(model)
     counts = graph.read_counts(model)
     outputs = {o.name for o in model.graph.output}
@@ -154,7 +160,7 @@ def fold_conv_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         if len(node.input) > 2 and node.input[2] and (consts.get(node.input[2]) is None
                                                        or counts.get(node.input[2], 0) != 1):
             continue
-        chain = _affine_chain(node, model, consts, counts, readers, outputs)
+        chain = _affine_chain(node, model, consts, counts, readers, outputs, tuple(ops))
         if chain is not None:
             folds.append((index, chain))
     if not folds:

@@ -6,6 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from passes import affine_fold, graph
+from passes.errors import InvalidArgumentError
 
 C, K = 6, 3
 
@@ -151,3 +152,15 @@ def test_an_initializer_that_is_also_a_graph_input_is_not_a_constant():
     m.graph.input.append(helper.make_tensor_value_info("a1", TensorProto.FLOAT, [1, 1, 1, C]))
     folded, n = affine_fold.fold_conv_affine(m)
     assert n == 0
+
+
+def test_ops_choose_which_affine_nodes_fold():
+    folded, n = affine_fold.fold_conv_affine(_nhwc_model(), ops=("BatchNormalization",))
+    assert n == 0
+    folded, n = affine_fold.fold_conv_affine(_bn_model(), ops=("BatchNormalization",))
+    assert n == 1
+    folded, n = affine_fold.fold_conv_affine(_nhwc_model(), ops=("Add",))
+    assert n == 1  # the first Add; the chain ends at the Sub
+    np.testing.assert_allclose(_run(folded, _x())[0], _run(_nhwc_model(), _x())[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidArgumentError):
+        affine_fold.fold_conv_affine(_bn_model(), ops=("Relu",))
