@@ -15,7 +15,8 @@ same levels as W (its step per output channel scales with a), so the weight cost
     folded, n = fold_conv_affine(model, ops=("BatchNormalization",))   # those alone
 
 Only what is exact is folded: a chain of nodes that each read the previous one's output alone
-(no other reader, no graph output, no subgraph reading it), made of Add / Sub / Mul / Div by a
+(no other reader, no graph output, no subgraph reading it; a dropped node's own output is read by
+main-graph nodes only, which then read its input), made of Add / Sub / Mul / Div by a
 constant that broadcasts along the output channels (all other axes 1), BatchNormalization in
 inference form, and the Transpose / Identity / float Cast nodes between them (kept: only the
 affine nodes go). The Conv's weight (and bias, if any) must be constants read by it alone.
@@ -125,6 +126,11 @@ def _affine_chain(conv, model, consts, counts, readers, outputs, ops):
             elif node.op_type == "Cast" and _attr(node, "to", 0) not in _FLOAT_TYPES:
                 break
         elif node.op_type in ops:
+            out = node.output[0] if node.output else ""
+            # a dropped node's readers read its chain input instead: only main-graph nodes can be rewired
+            # (a graph output or a subgraph reading it by name would be left without a producer)
+            if not out or out in outputs or counts.get(out, 0) != len(readers.get(out, [])):
+                break
             step = _step(node, chain_in, consts, rank, axis, channels, a, c)
             if step is None:
                 break

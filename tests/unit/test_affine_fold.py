@@ -164,3 +164,26 @@ def test_ops_choose_which_affine_nodes_fold():
     np.testing.assert_allclose(_run(folded, _x())[0], _run(_nhwc_model(), _x())[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(InvalidArgumentError):
         affine_fold.fold_conv_affine(_bn_model(), ops=("Relu",))
+
+
+def test_a_graph_output_made_by_the_last_affine_node_keeps_its_producer():
+    m = _bn_model()
+    relu = m.graph.node[-1]
+    m.graph.node.remove(relu)  # the BatchNormalization's output "b" is the graph output
+    m.graph.output[0].name = "b"
+    _nothing_folds(m)
+
+
+def test_an_affine_output_read_inside_a_subgraph_keeps_its_producer():
+    m = _bn_model()
+    cond = helper.make_node("Constant", [], ["cond"], value=helper.make_tensor("cond", TensorProto.BOOL, [], [True]))
+    branch = lambda n: helper.make_graph(  # noqa: E731
+        [helper.make_node("Relu", ["b"], [n])], n, [], [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, C, 8, 8])])
+    m.graph.node.extend([cond, helper.make_node("If", ["cond"], ["z"], then_branch=branch("t"), else_branch=branch("e"))])
+    m.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, C, 8, 8]))
+    folded, n = affine_fold.fold_conv_affine(m)
+    assert n == 0
+    onnx.checker.check_model(folded)
+    ref = _run(m, _x())
+    for a, b in zip(_run(folded, _x()), ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
