@@ -16,6 +16,7 @@ data_location = 14.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -77,10 +78,11 @@ def _fields(buf, start: int, end: int):
         pos = vend
 
 
-def _tensor_info(buf, start, end):
-    """(name, dtype, dims, payload field, a, b, external) of a TensorProto."""
+def _tensor_info(buf, start, end, fields=None):
+    """(name, dtype, dims, payload field, a, b, external) of a TensorProto (`fields`: its
+    _fields, when the caller has listed them)."""
     name, dtype, dims, payload, external = "", 0, [], None, False
-    for number, wire, _, a, b in _fields(buf, start, end):
+    for number, wire, _, a, b in fields if fields is not None else _fields(buf, start, end):
         if number == 8 and wire == LEN:
             name = bytes(buf[a:b]).decode("utf-8", "replace")
         elif number == 2 and wire == VARINT:
@@ -99,6 +101,20 @@ def _tensor_info(buf, start, end):
     return name, dtype, dims, payload, external
 
 
+_ITEMSIZE: dict = {}  # TensorProto data type -> numpy item size (None: no numpy type)
+
+
+def _itemsize(dtype) -> int | None:
+    size = _ITEMSIZE.get(dtype, 0)
+    if size == 0:
+        try:
+            size = np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
+        except (KeyError, TypeError, ValueError):
+            size = None
+        _ITEMSIZE[dtype] = size
+    return size
+
+
 def _strippable(dtype, dims, payload, external, min_bytes) -> bool:
     if external or payload is None or any(d >= 1 << 63 for d in dims):
         return False
@@ -109,11 +125,12 @@ def _strippable(dtype, dims, payload, external, min_bytes) -> bool:
         return False
     if dtype in (TensorProto.STRING, TensorProto.UNDEFINED):
         return False
-    try:
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
-    except (KeyError, TypeError, ValueError):
+    itemsize = _itemsize(dtype)
+    if itemsize is None:
         return False
-    if dtype in (TensorProto.INT4, TensorProto.UINT4) or itemsize * int(np.prod(dims, dtype=np.int64)) != b - a:
+    # (math.prod of Python ints: numpy's prod per tensor cost more than the rest of this check;
+    # dims are below 2**63, the product is exact)
+    if dtype in (TensorProto.INT4, TensorProto.UINT4) or itemsize * math.prod(dims) != b - a:
         return False  # packed sub-byte types and odd layouts decode through onnx instead
     return True
 
@@ -153,16 +170,19 @@ def _strip_graph(mv, start, end, min_bytes, stripped) -> bytes:
 
 
 def _strip_tensor(mv, start, end, min_bytes, stripped, constant_output) -> bytes | None:
-    name, dtype, dims, payload, external = _tensor_info(mv, start, end)
+    fields = list(_fields(mv, start, end))  # (walked once: read, then copied without the payload)
+    name, dtype, dims, payload, external = _tensor_info(mv, start, end, fields)
     if not _strippable(dtype, dims, payload, external, min_bytes):
         return None
     field, pa, pb = payload
     stripped.append(StrippedTensor(constant_output or name, dtype, dims, field, pa, pb - pa, constant_output is not None))
     out = bytearray()
-    for number, wire, fstart, a, b in _fields(mv, start, end):
+    kept = start  # the fields around the payload, each side in one slice
+    for _, _, fstart, a, b in fields:
         if a == pa and b == pb:
-            continue
-        out += mv[fstart:b]
+            out += mv[kept:fstart]
+            kept = b
+    out += mv[kept:end]
     return bytes(out)
 
 

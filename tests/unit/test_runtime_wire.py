@@ -56,3 +56,27 @@ def test_nothing_to_strip_leaves_the_bytes_as_they_are():
     buf = model.SerializeToString()
     skeleton_bytes, stripped = strip_main_graph_payloads(buf, 1 << 20)
     assert stripped == [] and skeleton_bytes == buf
+
+
+def test_payload_between_other_fields_is_cut_out_alone():
+    """A payload with fields on both sides (float_data lies between data_type and name; a
+    doc_string follows raw_data): the fields around it are kept as protobuf writes them."""
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal((32, 64)).astype(np.float32)
+    packed = helper.make_tensor("P", TensorProto.FLOAT, values.shape, values.ravel().tolist())  # float_data
+    raw = numpy_helper.from_array(values, "R")
+    raw.doc_string = "after the payload"
+    graph = helper.make_graph([helper.make_node("Add", ["P", "R"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(values.shape))], [packed, raw])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    buf = model.SerializeToString()
+    skeleton_bytes, stripped = strip_main_graph_payloads(buf, 4096)
+    assert [(s.name, s.field) for s in stripped] == [("P", "float_data"), ("R", "raw_data")]
+    for s in stripped:
+        np.testing.assert_array_equal(s.view(buf), values)
+    want = onnx.ModelProto()
+    want.CopyFrom(model)
+    want.graph.initializer[0].ClearField("float_data")
+    want.graph.initializer[1].ClearField("raw_data")
+    assert skeleton_bytes == want.SerializeToString()
+    assert onnx.load_from_string(skeleton_bytes).graph.initializer[1].doc_string == "after the payload"
