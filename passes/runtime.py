@@ -44,7 +44,8 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError
-from .runtime_feed import EMBED_MAX_BYTES, SplitModel, graph_reads, serialise_with_weights, shareable_names
+from .runtime_feed import (EMBED_MAX_BYTES, GraphReads, SplitModel, graph_reads, operator_counts, serialise_with_weights,
+                           shareable_names)
 from .runtime_options import copy_session_options
 
 log = logging.getLogger("passes.runtime")
@@ -637,8 +638,10 @@ class InferenceSession(ort.InferenceSession):
         if kind == "quantized" and not (foldable and onnxruntime_folds_all and (
                 not _reads_gathered_dequantize(split) if float16 else little_to_share(split))):
             return resolved, None
+        if float16:  # nothing to share: only the operator counts are kept (a walk that reads no inputs)
+            return resolved, GraphReads(set(), {}, set(), operator_counts(split.skeleton.graph))
         reads = graph_reads(split.skeleton.graph, split.weights)
-        return resolved, reads if verbatim_fits(split, reads, share=not float16) else None
+        return resolved, reads if verbatim_fits(split, reads, share=True) else None
 
     def _verbatim_route(self, split, resolved, options, parsed, reads, kind):
         """(options, disabled optimisers, the ParsedModel) for a model onnxruntime has parsed as

@@ -196,6 +196,11 @@ def test_float16_pack_is_parsed_as_it_is(tmp_path):
     packed = _pack(model, tmp_path, "dense16")
     session = passes.InferenceSession(packed, mode="fold")
     assert session.verbatim and session.dtype == np.float16
+    # (counted without graph_reads: nothing is shared, so no weight's readers are listed)
+    counts = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    assert session.op_counts == counts and "Cast" in counts
     feeds = feeds_for(model)
     for got, want in zip(run(session, feeds), run_plain(model, feeds)):
         np.testing.assert_array_equal(got[0], want[0])
