@@ -187,3 +187,17 @@ def test_an_affine_output_read_inside_a_subgraph_keeps_its_producer():
     ref = _run(m, _x())
     for a, b in zip(_run(folded, _x()), ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_auto_mode_folds_batch_normalization_and_meets_its_target():
+    import passes
+
+    m = _bn_model()
+    feeds = [{"x": _arr((1, K, 8, 8), seed)} for seed in range(20, 26)]
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=feeds)
+    assert "BatchNormalization" not in {n.op_type for n in out.graph.node}
+    assert any("folded into the Conv" in n for n in rep["notes"])
+    assert rep["met_on_feeds"]
+    for f in feeds:
+        a, b = _run(out, f["x"])[0].ravel(), _run(m, f["x"])[0].ravel()
+        assert float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) >= 0.999
