@@ -18,6 +18,7 @@ Prints tables, writes bench/out/lossy.json and bench/out/lossy.png (matplotlib, 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -146,9 +147,41 @@ def _decode_rates(blob, n, threads, repeat=5):
     return res
 
 
+BLOB_CACHE = OUT / "tcodec_blobs"
+
+
+def _encoder_key() -> str:
+    """The encoder's source (the tensor codec's Python and numba code): a blob cached under another
+    key is encoded again."""
+    h = hashlib.sha256()
+    for f in ("tensorcodec.py", "_tcodec_kernels.py"):
+        h.update((REPO / "passes" / f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def short_name(name: str) -> str:
+    return name.split(".")[-2] if "embeddings" in name else name.split("::")[-1]
+
+
+def cached_blob(name: str, w, snr: float) -> bytes:
+    """encode_array(w, snr_db=snr), kept in bench/out/tcodec_blobs/ by the tensor's bytes and the
+    encoder's source (encoding part (c)'s six blobs takes ~8 CPU minutes, decoding them milliseconds;
+    bench/tcodec_decode.py shares the cache)."""
+    BLOB_CACHE.mkdir(parents=True, exist_ok=True)
+    wkey = hashlib.sha256(w.tobytes()).hexdigest()[:16]
+    path = BLOB_CACHE / f"{short_name(name)}-{snr:g}dB-{wkey}-{_encoder_key()}.sctc"
+    if not path.exists():
+        t0 = time.process_time()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(passes.encode_array(w, snr_db=snr))
+        tmp.replace(path)
+        print(f"encoded {short_name(name)} at {snr:g} dB in {time.process_time() - t0:.0f} CPU s", flush=True)
+    return path.read_bytes()
+
+
 def part_c():
     """Decode throughput of the C decoder (passes/_tcodec.c) and of the numba fallback (the
-    decoder before it) on the same blobs, in the same run."""
+    decoder before it) on the same blobs (cached_blob), in the same run."""
     from passes import tensorcodec
 
     print("\n(c) decode throughput, float32 output, MB/s: wall (best / median of 5) and per CPU second of this process"
@@ -166,7 +199,7 @@ def part_c():
     res = []
     for (model, name), w in tensors.items():
         for target in (23.0, 35.0, 47.0):
-            blob = passes.encode_array(w, snr_db=target)
+            blob = cached_blob(name, w, target)
             for dec in decoders:
                 tensorcodec._FAST = fast if dec == "C" else None
                 try:

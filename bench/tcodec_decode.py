@@ -25,7 +25,6 @@ Prints a table, writes bench/out/tcodec_decode.json.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -48,32 +47,16 @@ TENSORS = {"minilm_fp32": ["m.embeddings.word_embeddings.weight"], "open_nsfw": 
 SNRS = (23.0, 35.0, 47.0)
 
 
-def _encoder_key() -> str:
-    h = hashlib.sha256()
-    for f in ("tensorcodec.py", "_tcodec_kernels.py"):
-        h.update((REPO / "passes" / f).read_bytes())
-    return h.hexdigest()[:16]
-
-
 def blobs(only=None):
-    """{(tensor name, snr): (blob, n)}, encoded once per tensor and encoder version."""
-    cache = OUT / "tcodec_blobs"
-    cache.mkdir(parents=True, exist_ok=True)
-    key = _encoder_key()
+    """{(tensor name, snr): (blob, n)}, encoded once per tensor and encoder version (lossy.cached_blob)."""
     tensors = lossy.load_tensors(TENSORS)
     res = {}
     for (_, name), w in tensors.items():
-        short = name.split(".")[-2] if "embeddings" in name else name.split("::")[-1]
+        short = lossy.short_name(name)
         if only and short not in only:
             continue
-        wkey = hashlib.sha256(w.tobytes()).hexdigest()[:16]
         for snr in SNRS:
-            path = cache / f"{short}-{snr:g}dB-{wkey}-{key}.sctc"
-            if not path.exists():
-                t0 = time.process_time()
-                path.write_bytes(passes.encode_array(w, snr_db=snr))
-                print(f"encoded {short} at {snr:g} dB in {time.process_time() - t0:.0f} CPU s", flush=True)
-            res[(short, snr)] = (path.read_bytes(), w.size)
+            res[(short, snr)] = (lossy.cached_blob(name, w, snr), w.size)
     return res
 
 
