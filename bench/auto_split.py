@@ -9,9 +9,11 @@ crops sit near ties), so this runs the same measurement on both splits:
     split "second": passes.compress on the second half, packed and measured on the first
 
 and prints, for each packed auto model, the bytes per weight: its form (the auto report's), its
-bits per weight after packing (the stored bytes of its levels + scales in the .onnxz), its share
-of the file; and the bytes that are no weight's (graph skeleton and index, biases and other small
-tensors kept float).
+bits per weight after packing (the stored bytes of the tensors the pack codes apart for it: its
+levels, and its scales where they are coded apart), its share of the file; and the bytes that are
+no weight's: other coded tensors (biases, float vectors), and the graph skeleton + index, which
+also holds the tensors too small to be coded apart (per-channel scales, BatchNormalization
+parameters in Constant nodes, ...).
 
     SURGEON_CORPUS=/tmp/h2/corpus python bench/auto_split.py --only open_nsfw,rapidocr_cls \
         [--splits first,second] [--top 12] [--json bench/out/auto_split.json]
