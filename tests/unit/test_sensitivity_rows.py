@@ -68,6 +68,7 @@ def test_seen_rows_take_a_finer_step_and_the_trials_see_unseen_datas_error(dtype
     counts = np.zeros(100, np.int64)
     counts[[3, 10, 11, 40]] = [4, 1, 2, 1]  # 8 lookups, 2 of rows seen once: unseen mass 0.25
     seen = counts > 0
+    seen[0] = sens.PAD_ROW_SEEN  # row 0, what zero padding gathers, takes the fine step too
     info, table, before = _forms(dtype, counts)
     _, plain, _ = _forms(dtype)
     w = info.options[sens.FLOAT].dequantized.astype(np.float64)
@@ -106,3 +107,13 @@ def test_a_table_the_calibration_covers_gets_the_plain_one_step_form():
         assert np.array_equal(levels, plain_table[key][0]) and np.array_equal(scale, plain_table[key][1])
         assert info.options[key].trial_dequantized is None
 
+
+def test_the_padding_row_takes_the_seen_rows_step():
+    """Row 0 (zero padding's row), never gathered by batch-1 calibration feeds, gets the fine step."""
+    counts = np.zeros(100, np.int64)
+    counts[[3, 10]] = [2, 1]
+    _, table, before = _forms("float32", counts)
+    for key in before:
+        scale = table[key][1]
+        assert scale[0] == pytest.approx(scale[3], rel=1e-6)
+        assert scale[0] == pytest.approx(sens.SEEN_ROW_STEP * float(np.max(scale)), rel=1e-3)
