@@ -76,6 +76,7 @@ def test_damaged_blob_fails_and_the_pool_still_decodes(blobs):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # (3.12+: the helpers)
 def test_decode_in_a_forked_child(blobs):
     ref = decode_array(blobs[0], threads=2)  # the pool's helper is started in this process
     read, write = os.pipe()
