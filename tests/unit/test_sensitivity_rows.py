@@ -65,6 +65,7 @@ def _forms(dtype="float32", counts=None):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_seen_rows_take_a_finer_step_and_the_trials_see_unseen_datas_error(dtype):
+    """Seen rows at SEEN_ROW_STEP x the step; the trials feed the rows gathered once at the coarse step."""
     counts = np.zeros(100, np.int64)
     counts[[3, 10, 11, 40]] = [4, 1, 2, 1]  # 8 lookups, 2 of rows seen once: unseen mass 0.25
     seen = counts > 0
@@ -83,12 +84,12 @@ def test_seen_rows_take_a_finer_step_and_the_trials_see_unseen_datas_error(dtype
         assert np.array_equal(opt.dequantized, built.astype(opt.dequantized.dtype))
         trial = opt.trial_dequantized
         assert trial is not None and trial.dtype == opt.dequantized.dtype
-        assert np.array_equal(trial[~seen], opt.dequantized[~seen])
+        # leave one out: the rows gathered once are fed at the coarse step, as unseen data meets them
+        once = counts == 1
+        assert np.array_equal(trial[~once], opt.dequantized[~once])
         coarse = np.rint(w / step).clip(-127, 127) * step
-        fine = opt.dequantized.astype(np.float64)
-        e_trial = np.sum((trial[seen].astype(np.float64) - w[seen]) ** 2)
-        e_mix = 0.25 * np.sum((coarse[seen] - w[seen]) ** 2) + 0.75 * np.sum((fine[seen] - w[seen]) ** 2)
-        assert e_trial == pytest.approx(e_mix, rel=0.35)  # independent roundings: energies add
+        assert np.allclose(trial[once].astype(np.float64), coarse[once], rtol=1e-3, atol=1e-6)
+        assert not np.array_equal(trial[once], opt.dequantized[once])
         assert opt.noise == pytest.approx(float(np.sum((trial.astype(np.float64) - w) ** 2)), rel=1e-6)
         # the unseen rows keep the plain one-step form's step (the 4 finer rows cost a little more rate)
         assert step == pytest.approx(float(np.min(plain[key][1])), rel=1e-3)
