@@ -640,7 +640,7 @@ class InferenceSession(ort.InferenceSession):
             return resolved, None
         if float16:  # nothing to share: only the operator counts are kept (a walk that reads no inputs)
             return resolved, GraphReads(set(), {}, set(), operator_counts(split.skeleton.graph))
-        reads = graph_reads(split.skeleton.graph, split.weights)
+        reads = graph_reads(split.skeleton.graph, split.weights, collect_used=False)
         return resolved, reads if verbatim_fits(split, reads, share=True) else None
 
     def _verbatim_route(self, split, resolved, options, parsed, reads, kind):

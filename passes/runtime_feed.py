@@ -308,25 +308,32 @@ def consumers_shareable(graph, name: str, extra=None, readers=None) -> bool:
 class GraphReads:
     """What a graph reads, from one walk (graph_reads)."""
 
-    used: set     # every name read: node inputs of the main graph and its subgraphs, graph outputs
+    used: set | None  # every name read: node inputs of the main graph and its subgraphs, graph outputs
     readers: dict  # name -> [(domain, op_type, input index)] over main-graph nodes, for the names asked
     outer: set    # names read inside subgraphs (outer-scope references) or listed as graph outputs
     op_counts: dict  # op_type -> number of main-graph nodes
 
 
-def graph_reads(graph, names) -> GraphReads:
+def graph_reads(graph, names, collect_used: bool = True) -> GraphReads:
     """One walk over the main graph (and the subgraphs' reads) giving what the load's last steps
     each walked the graph for (refresh_placeholders, shareable_names, the operator counts).
-    `names`: the names whose main-graph readers are listed (a set or dict)."""
+    `names`: the names whose main-graph readers are listed (a set or dict). collect_used=False:
+    `used` is None (not gathered: adding every node's inputs to it was ~40% of the walk; the
+    verbatim route only judges sharing), and a node none of whose inputs is in `names` is not
+    looked at input by input."""
     used = {o.name for o in graph.output}
     outer = set(used)
     readers: dict = {}
     counts: dict = {}
+    keys = names.keys() if isinstance(names, dict) else names if isinstance(names, (set, frozenset)) else set(names)
     for node in graph.node:
         op_type = node.op_type
         counts[op_type] = counts.get(op_type, 0) + 1
         inputs = node.input
-        used.update(inputs)
+        if collect_used:
+            used.update(inputs)
+        elif keys.isdisjoint(inputs):
+            inputs = ()
         for index, name in enumerate(inputs):
             if name in names:
                 readers.setdefault(name, []).append((node.domain or "", op_type, index))
@@ -334,7 +341,7 @@ def graph_reads(graph, names) -> GraphReads:
             inner = _used_names(g)
             used |= inner
             outer |= inner
-    return GraphReads(used, readers, outer, counts)
+    return GraphReads(used if collect_used else None, readers, outer, counts)
 
 
 def operator_counts(graph) -> dict:
