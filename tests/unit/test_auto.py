@@ -772,3 +772,14 @@ def test_auto_builds_the_error_fed_one_step_form_of_a_conv_weight_it_chose(monke
     assert np.all(scale[~wide] == scale.min()) and wide.sum() < 8
     assert evaluate(m, out, feeds=f).metrics["cosine"] >= 0.9
     assert np.array_equal(onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "W")), w)
+
+
+def test_the_output_carries_no_value_info():
+    """value_info is shape hints onnxruntime infers again at load; the pack would store it as bytes."""
+    m = onnx.shape_inference.infer_shapes(subgraph_model())
+    assert any(len(g.value_info) for g in [m.graph])
+    f = [dict(d, cond=np.array(True)) for d in feeds(m, n=4)]
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f)
+    graphs = [out.graph] + [a.g for n in out.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    assert len(graphs) > 1 and not any(len(g.value_info) for g in graphs)
+    assert rep["met_on_feeds"] and evaluate(m, out, feeds=f).metrics["cosine"] >= 0.999
