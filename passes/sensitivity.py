@@ -333,14 +333,6 @@ def seen_row_levels(w: np.ndarray, step: float, seen: np.ndarray) -> tuple[np.nd
     return levels, scale
 
 
-def unseen_mass(counts: np.ndarray) -> float:
-    """Good-Turing estimate of the share of unseen data's lookups that fall on rows the calibration
-    never gathered: the share of calibration lookups whose row was gathered once (N1 / N). minilm:
-    0.338 on the first half of the corpus feeds (the held-out half's real tokens: 0.34 unseen)."""
-    n = float(np.sum(counts))
-    return float(np.sum(np.asarray(counts) == 1)) / n if n > 0 else 1.0
-
-
 def seen_row_surrogate(w: np.ndarray, step: float, once: np.ndarray, deq: np.ndarray):
     """(table the trials feed, noise energy charged) for a seen_row_levels form (`deq`: the built
     table). The trials run the calibration feeds, which gather only the seen rows: fed the built
@@ -349,7 +341,7 @@ def seen_row_surrogate(w: np.ndarray, step: float, once: np.ndarray, deq: np.nda
     trials see the table as a lookup of unseen data does, by leaving each lookup out: the rows the
     calibration gathers `once` (True per row) take the error they would have unseen (the coarse
     step), the others their own. The share of such lookups is the Good-Turing estimate of unseen
-    data's lookups on rows the calibration never gathered (unseen_mass), and they are rare words, as
+    data's lookups on rows the calibration never gathered (N1 / N of the calibration lookups), and they are rare words, as
     those lookups are. Why not every seen row with the average error (sqrt(p) x coarse + sqrt(1 - p) x
     fine, 925dd08): the model's output errs more for a rare token's error than for a frequent one's
     ([CLS], [SEP], punctuation). minilm_fp32's word embedding alone, one step, 1 - cosine on the

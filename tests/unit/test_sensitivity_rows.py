@@ -1,9 +1,7 @@
 """Embedding tables whose rows the calibration mostly never gathers (sensitivity.gathered_row_counts,
-seen_row_levels, unseen_mass, seen_row_surrogate and one_step_forms(row_counts=...))."""
-import math
+seen_row_levels, seen_row_surrogate and one_step_forms(row_counts=...))."""
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper
 
@@ -46,12 +44,6 @@ def test_row_counts_leave_out_a_table_also_read_along_another_axis():
                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 40]),
                 helper.make_tensor_value_info("z", TensorProto.FLOAT, [100, 2, 5])], inits, 13)
     assert sens.gathered_row_counts(m, [_ids(range(10))], ["E"]) == {}
-
-
-def test_unseen_mass_is_the_share_of_lookups_seen_once():
-    counts = np.array([5, 1, 0, 1, 3, 0, 0])  # 10 lookups, 2 of rows gathered once
-    assert sens.unseen_mass(counts) == pytest.approx(0.2)
-    assert sens.unseen_mass(np.zeros(4, np.int64)) == 1.0
 
 
 def _forms(dtype="float32", counts=None):
