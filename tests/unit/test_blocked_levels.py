@@ -161,7 +161,9 @@ def test_auto_mode_picks_blocked_levels_where_blocks_differ(monkeypatch):
     m = _blocky_model()
     rng = np.random.default_rng(1)
     feeds = [{"x": rng.standard_normal((16, 256)).astype(np.float32)} for _ in range(6)]
-    out, rep = passes.compress(m, target="cosine>=0.999", feeds=feeds)
+    # (a target close enough that per-channel steps do not meet it at their rates: since the cosine
+    # margin is 0.45, cosine>=0.999 is met here by int6/int7 per channel)
+    out, rep = passes.compress(m, target="cosine>=0.9998", feeds=feeds)
     assert rep["met_on_feeds"]
     blocked = [t for t in rep["tensors"] if "/block64" in t["form"]]
     assert blocked, [t["form"] for t in rep["tensors"]]
