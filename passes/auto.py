@@ -183,6 +183,8 @@ AFFINE_FOLD_OPS = ("BatchNormalization",)  # per-channel affine nodes after a Co
 # All of affine_fold.AFFINE_OPS (also open_nsfw's Add/Sub/Mul/Add by per-channel vectors after each Conv, 213 KB of
 # float32) measured mixed: open_nsfw 17.74 -> 17.30%, but calibrated on the second half 40.19 -> 40.59% (one more
 # Conv weight kept float, 38 vs 37, where the search ends at the TOP1_SNR_DB floor; the fold itself saved 127 KB there)
+AFFINE_FOLD_MIN_SNR_DB = 50.0  # the fold is kept only where the folded float model's worst output stays this close
+# to the model's on the feeds: well above the targets' floors (TOP1_SNR_DB), well below float32 rounding (125-136 dB)
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
@@ -337,6 +339,27 @@ def _without_value_info(model: onnx.ModelProto) -> onnx.ModelProto:
     for info in graph.iter_graphs(m):
         del info.graph.value_info[:]
     return m
+
+
+def _fold_affine(src: onnx.ModelProto, feeds, notes: list, run_outputs) -> onnx.ModelProto:
+    """src with the AFFINE_FOLD_OPS nodes after its Convs folded into them, where the folded float
+    model's outputs stay within AFFINE_FOLD_MIN_SNR_DB of src's on the feeds; else src. Why the
+    check: the search measures candidates against the folded model, so the fold's own change would
+    go uncharged; in float32 it is rounding (rapidocr_cls 136 dB), but on inputs that drive a model
+    into saturation the same fold measured 22 dB (ppocr4_det on random inputs: outputs ~1e-4)."""
+    folded, n_folded = affine_fold.fold_conv_affine(src, ops=AFFINE_FOLD_OPS)
+    if not n_folded:
+        return src
+    from .fidelity import worst_output_snr_db
+
+    snr = worst_output_snr_db(run_outputs(src, feeds), run_outputs(folded, feeds))
+    what = f"{n_folded} per-channel affine node(s) after Conv ({'/'.join(AFFINE_FOLD_OPS)})"
+    if snr < AFFINE_FOLD_MIN_SNR_DB:
+        notes.append(f"{what} not folded: the folded float model's outputs were {snr:.1f} dB from the model's "
+                     f"on the feeds (below {AFFINE_FOLD_MIN_SNR_DB:g} dB)")
+        return src
+    notes.append(f"{what} folded into the Conv's weight and bias")
+    return folded
 
 
 def padded_batches(model: onnx.ModelProto, feeds, size: int = 4) -> list[dict]:
@@ -654,11 +677,9 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     # to how close the decisions came: the (pre-softmax) outputs must also stay close
     floor = TOP1_SNR_DB if any(r.metric in ("top1", "ctc") and r.threshold >= 0.98 for r in reqs) else None
     src = _constants_to_initializers(src)
+    unfolded = src
     if AFFINE_FOLD_OPS:
-        src, n_folded = affine_fold.fold_conv_affine(src, ops=AFFINE_FOLD_OPS)
-        if n_folded:
-            notes.append(f"{n_folded} per-channel affine node(s) after Conv ({'/'.join(AFFINE_FOLD_OPS)}) folded into "
-                         "the Conv's weight and bias")
+        src = _fold_affine(src, feeds, notes, run_outputs)
     probe, n_out, proxy_plan = probe_outputs(src)
     bias_t, added_biases = {}, set()
     if bias_correction and not synthesized:
@@ -1083,9 +1104,11 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     final_outs = run_candidate(candidate)
     res, _ = check(ref, final_outs, reqs)
     met = _meets(res, reqs) and gate_subset_ok(ref, final_outs, reqs)
+    all_float = all(b == sens.FLOAT for b in plan.values())
+    if all_float:
+        candidate = unfolded  # nothing quantized: the model as given, not its folded form (float rounding apart)
     candidate = _without_value_info(strip_outputs(_drop_zero_biases(candidate, added_biases), n_out))
     lap("final")
-    all_float = all(b == sens.FLOAT for b in plan.values())
     if not met:
         notes.append("target not met on the feeds even with every weight float" if all_float
                      else "target not met on the feeds")

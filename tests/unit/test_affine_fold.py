@@ -201,3 +201,32 @@ def test_the_auto_mode_folds_batch_normalization_and_meets_its_target():
     for f in feeds:
         a, b = _run(out, f["x"])[0].ravel(), _run(m, f["x"])[0].ravel()
         assert float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) >= 0.999
+
+
+def test_the_auto_mode_keeps_batch_normalization_where_the_fold_changes_the_outputs(monkeypatch):
+    # (a fold whose float outputs move more than AFFINE_FOLD_MIN_SNR_DB from the model's would go
+    # uncharged by the search, which measures against the folded model: here any change is too much)
+    import passes
+    from passes import auto
+
+    monkeypatch.setattr(auto, "AFFINE_FOLD_MIN_SNR_DB", float("inf"))
+    m = _bn_model()
+    feeds = [{"x": _arr((1, K, 8, 8), seed)} for seed in range(20, 26)]
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=feeds)
+    assert "BatchNormalization" in {n.op_type for n in out.graph.node}
+    assert any("not folded" in n and "dB" in n for n in rep["notes"])
+    assert rep["met_on_feeds"]
+
+
+def test_an_all_float_plan_returns_the_model_unfolded():
+    # nothing quantized (the only weight is below min_elements): the model comes back as given, its
+    # outputs bit for bit, not the folded form (which differs by float rounding)
+    import passes
+
+    m = _bn_model()
+    feeds = [{"x": _arr((1, K, 8, 8), seed)} for seed in range(20, 26)]
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=feeds, min_elements=10**6)
+    assert "BatchNormalization" in {n.op_type for n in out.graph.node}
+    for f in feeds:
+        for a, b in zip(_run(out, f["x"]), _run(m, f["x"])):
+            np.testing.assert_array_equal(a, b)
