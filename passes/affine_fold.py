@@ -54,11 +54,21 @@ class _Constants:
                     and n.attribute[0].name == "value" and n.attribute[0].type == onnx.AttributeProto.TENSOR:
                 self.nodes[n.output[0]] = n.attribute[0].t
 
-    def get(self, name):
+    def _tensor(self, name):
         t = self.inits.get(name, self.nodes.get(name))
         if t is None or t.data_type not in _FLOAT_TYPES or t.data_location == onnx.TensorProto.EXTERNAL:
             return None
-        return graph.tensor_to_array(t).astype(np.float64)
+        return t
+
+    def get(self, name):
+        t = self._tensor(name)
+        return None if t is None else graph.tensor_to_array(t).astype(np.float64)
+
+    def shape(self, name):
+        """The constant's shape, without converting its values (a Conv weight is converted only
+        once an affine chain after it folds)."""
+        t = self._tensor(name)
+        return None if t is None else tuple(t.dims)
 
 
 def _channel_vector(k: np.ndarray, rank: int, axis: int, channels: int):
@@ -108,10 +118,10 @@ def _step(node, chain_in, consts, rank, axis, channels, a, c):
 
 def _affine_chain(conv, model, consts, counts, readers, outputs, ops):
     """(affine nodes to drop, a, c) for the nodes after `conv`, or None when nothing folds."""
-    w = consts.get(conv.input[1])
-    if w is None or w.ndim < 3:
+    w_shape = consts.shape(conv.input[1])
+    if w_shape is None or len(w_shape) < 3:
         return None
-    rank, axis, channels = w.ndim, 1, w.shape[0]
+    rank, axis, channels = len(w_shape), 1, w_shape[0]
     a, c = np.ones(channels), np.zeros(channels)
     dropped = []
     name = conv.output[0]
@@ -163,7 +173,7 @@ def fold_conv_affine(model: onnx.ModelProto, ops=AFFINE_OPS) -> tuple[onnx.Model
     for index, node in enumerate(model.graph.node):
         if node.op_type != "Conv" or len(node.input) < 2 or counts.get(node.input[1], 0) != 1:
             continue
-        if len(node.input) > 2 and node.input[2] and (consts.get(node.input[2]) is None
+        if len(node.input) > 2 and node.input[2] and (consts.shape(node.input[2]) is None
                                                        or counts.get(node.input[2], 0) != 1):
             continue
         chain = _affine_chain(node, model, consts, counts, readers, outputs, tuple(ops))
