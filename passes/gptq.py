@@ -21,8 +21,10 @@ Options (bench/layer_rd.py measures them on the corpus; packed bits at equal hel
              Conv along its input channels; refine() skips blocked models).
 
 Supported consumers: MatMul (weight as input B, 2-D), Gemm (input B, transB handled; transA=0),
-Conv (group 1, 1-D or 2-D kernels; patches by im2col on a sample of output positions). Weights read
-by anything else, or by several nodes, are left to plain rounding.
+Conv (group 1, 1-D or 2-D kernels; patches by im2col on a sample of output positions), in the main
+graph or inside If branches (their activations are brought out as outputs of the If nodes:
+with_branch_outputs). Weights read by anything else, by several nodes, or inside a Loop / Scan body,
+are left to plain rounding.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from .errors import InvalidArgumentError
 
 MAX_ROWS_PER_FEED = 2048  # activation rows (tokens or conv output positions) sampled per feed
 DAMP = 0.01  # relative diagonal damping of H
+SHRINK = 0.0  # H's off-diagonal part shrunk by this fraction before the damping (inverse_factor)
 
 
 def _attr(node, name, default):
@@ -44,26 +47,63 @@ def _attr(node, name, default):
     return default
 
 
-def consumers(model: onnx.ModelProto, names) -> dict[str, tuple[onnx.NodeProto, str]]:
-    """Weight name -> (its single supported consuming node, the activation input name)."""
-    want = set(names)
+def _branches(node):
+    """The subgraphs of an If node (then_branch, else_branch): those whose values can be brought out
+    as outputs of the node (a Loop / Scan body's values differ per iteration: not looked into)."""
+    if node.op_type != "If":
+        return []
+    return [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+
+
+def _defined(g) -> set:
+    return {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output if o}
+
+
+def _reads(model: onnx.ModelProto, want: set) -> dict[str, list]:
+    """Weight name -> every (node, input index, graph holding the node, supported) reading it, in the
+    main graph and in the subgraphs of its nodes (a subgraph sees the names around it). supported:
+    the node is in the main graph or reached through If branches only; a name a subgraph defines
+    again is that subgraph's own."""
     uses: dict[str, list] = {}
-    for node in model.graph.node:
-        for i, inp in enumerate(node.input):
-            if inp in want:
-                uses.setdefault(inp, []).append((node, i))
+
+    def walk(g, visible: set, supported: bool):
+        for node in g.node:
+            for i, inp in enumerate(node.input):
+                if inp in visible:
+                    uses.setdefault(inp, []).append((node, i, g, supported))
+            for a in node.attribute:
+                subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []
+                for sub in subs:
+                    walk(sub, visible - _defined(sub), supported and node.op_type == "If")
+
+    walk(model.graph, set(want), True)
+    return uses
+
+
+def _consumers(model: onnx.ModelProto, names) -> dict[str, tuple]:
+    """consumers(), with the graph holding each node: name -> (node, activation, graph)."""
     out = {}
-    for name, us in uses.items():
+    for name, us in _reads(model, set(names)).items():
         if len(us) != 1:
             continue
-        node, i = us[0]
+        node, i, g, supported = us[0]
+        if not supported:
+            continue
         if node.op_type == "MatMul" and i == 1:
-            out[name] = (node, node.input[0])
+            out[name] = (node, node.input[0], g)
         elif node.op_type == "Gemm" and i == 1 and not _attr(node, "transA", 0):
-            out[name] = (node, node.input[0])
+            out[name] = (node, node.input[0], g)
         elif node.op_type == "Conv" and i == 1 and _attr(node, "group", 1) == 1:
-            out[name] = (node, node.input[0])
+            out[name] = (node, node.input[0], g)
     return out
+
+
+def consumers(model: onnx.ModelProto, names) -> dict[str, tuple[onnx.NodeProto, str]]:
+    """Weight name -> (its single supported consuming node, the activation input name). The node may
+    sit in the main graph or inside If branches (nested too: the auto mode lifts silero_vad's weights
+    out of its If branches to main-graph initializers); collect_hessians brings such a node's input
+    out of the branch. A weight with a reader inside a Loop / Scan body is left out."""
+    return {n: (node, a) for n, (node, a, _) in _consumers(model, names).items()}
 
 
 def _im2col(x: np.ndarray, node, kshape, rng) -> np.ndarray:
@@ -109,14 +149,18 @@ def _as_conv2d(node) -> onnx.NodeProto:
                             auto_pad=_attr(node, "auto_pad", b"NOTSET"))
 
 
-def activation_session(model: onnx.ModelProto, activations):
+def activation_session(model: onnx.ModelProto, activations, dtypes: dict | None = None):
     """A CPU onnxruntime session of `model` with the named inner values added as graph outputs
     (those already outputs stay as they are), and the names of the inputs it takes: feeds may
-    carry more (a model whose initializers were listed as inputs at IR 3)."""
+    carry more (a model whose initializers were listed as inputs at IR 3).
+    A value defined inside an If branch (nested ones too) is brought out under its own name as a
+    new output of the If node (with_branch_outputs); where the other branch runs, that output is an
+    empty tensor. dtypes: value name -> TensorProto element type of such values (float32 if absent)."""
     import onnxruntime as ort
 
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    with_branch_outputs(m, activations, dtypes)
     present = {o.name for o in m.graph.output}
     for a in activations:
         if a not in present:
@@ -127,16 +171,133 @@ def activation_session(model: onnx.ModelProto, activations):
     return sess, {i.name for i in sess.get_inputs()}
 
 
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    return m
+
+
+def _rename(g, old: str, new: str) -> None:
+    """Every occurrence of value `old` in graph g (node inputs/outputs, graph outputs, value_info)
+    and the reads of it in g's subgraphs, as `new`."""
+    for n in g.node:
+        for i, v in enumerate(n.input):
+            if v == old:
+                n.input[i] = new
+        for i, v in enumerate(n.output):
+            if v == old:
+                n.output[i] = new
+        for a in n.attribute:
+            subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []
+            for sub in subs:
+                if old not in _defined(sub):
+                    _rename(sub, old, new)
+    for vi in list(g.output) + list(g.value_info):
+        if vi.name == old:
+            vi.name = new
+
+
+def _all_names(g, acc: set) -> set:
+    acc |= _defined(g) | {v for n in g.node for v in n.input}
+    for n in g.node:
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                _all_names(sub, acc)
+    return acc
+
+
+def with_branch_outputs(model: onnx.ModelProto, names, dtypes: dict | None = None) -> list[str]:
+    """Edits `model` in place so that each named value defined inside an If branch (through If
+    branches only, at any depth) is defined in the main graph under the same name: in the branch
+    that computes it the value is renamed and becomes a branch output, the other branch outputs an
+    empty tensor of its type (dtypes: name -> element type, float32 if absent), and the If node
+    gets the name as a new output. What the model computed before is unchanged. Returns the names
+    brought out; names defined in the main graph, nowhere or in a Loop / Scan body, or already a
+    branch output, are left as they are."""
+    dtypes = dtypes or {}
+    taken = _all_names(model.graph, set())
+    counter = [0]
+
+    def fresh(base: str) -> str:
+        while True:
+            counter[0] += 1
+            cand = f"{base}__branch_out{counter[0]}"
+            if cand not in taken:
+                taken.add(cand)
+                return cand
+
+    def where(g, name):
+        """The If node of g and the index of its branch whose subtree defines `name`, else None."""
+        for n in g.node:
+            for bi, b in enumerate(_branches(n)):
+                if name in _defined(b) or where(b, name) is not None:
+                    return n, bi
+        return None
+
+    def bring_out(g, name) -> bool:
+        """Make `name` (defined below g, through If branches) a value of g; True when done."""
+        hit = where(g, name)
+        if hit is None:
+            return False
+        node, _ = hit
+        branches = _branches(node)
+        if len(branches) != 2:
+            return False
+        outs = []
+        for b in branches:
+            if name in _defined(b) or where(b, name) is not None:
+                if name not in _defined(b) and not bring_out(b, name):
+                    return False
+                if name in {o.name for o in b.output} or name in {i.name for i in b.input}:
+                    return False
+                local = fresh(name)
+                _rename(b, name, local)
+                outs.append((b, local, None))
+            else:
+                outs.append((b, fresh(name), dtypes.get(name, onnx.TensorProto.FLOAT)))
+        for b, local, empty_type in outs:
+            if empty_type is not None:
+                b.node.append(helper.make_node("Constant", [], [local],
+                                               value=helper.make_tensor(local, empty_type, [0], [])))
+            b.output.append(helper.make_tensor_value_info(local, dtypes.get(name, onnx.TensorProto.FLOAT), None))
+        node.output.append(name)
+        return True
+
+    main = _defined(model.graph)
+    done = []
+    for name in dict.fromkeys(names):
+        if name not in main and bring_out(model.graph, name):
+            done.append(name)
+    return done
+
+
 def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0, rows: dict | None = None) -> dict[str, np.ndarray]:
     """H = X^T X / rows for every weight with a supported consumer, from onnxruntime runs of the
     model on the feeds with the consumers' activation inputs added as graph outputs.
     rows: a dict, filled with the number of activation rows (tokens, sampled conv output positions)
     each H was summed over: what sample_damp weighs H's reliability by."""
-    cons = consumers(model, names)
-    if not cons:
+    if not consumers(model, names):
         return {}
     inits = graph.unique_initializers(model)
-    sess, allowed = activation_session(model, sorted({a for _, a in cons.values()}))
+    # a weight read inside an If branch: its activation is copied there (Identity) and the copy brought
+    # out of the branch (activation_session): empty where the branch did not run, and left out of H
+    # then, even where the activation itself is a value of the graphs around the branch
+    model = _copy(model)
+    taken = _all_names(model.graph, set())
+    cons = {}
+    for name, (node, a, g) in _consumers(model, names).items():
+        if g is not model.graph:
+            local = f"{a}__read_in_branch"
+            k = 0
+            while local in taken:
+                k += 1
+                local = f"{a}__read_in_branch{k}"
+            taken.add(local)
+            g.node.append(helper.make_node("Identity", [a], [local]))
+            a = local
+        cons[name] = (node, a)
+    dtypes = {a: inits[n].data_type for n, (_, a) in cons.items() if n in inits}
+    sess, allowed = activation_session(model, sorted({a for _, a in cons.values()}), dtypes)
     out_names = [o.name for o in sess.get_outputs()]
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
@@ -145,6 +306,8 @@ def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0, rows: 
         res = dict(zip(out_names, sess.run(out_names, {k: v for k, v in feed.items() if k in allowed})))
         for name, (node, a) in cons.items():
             x = np.asarray(res[a])
+            if x.size == 0 or name not in inits:
+                continue
             dims = tuple(inits[name].dims)
             if node.op_type == "Conv":
                 if x.ndim == 3 and len(dims) == 3:  # Conv1d: a 2-D convolution of height 1
@@ -205,13 +368,20 @@ def activation_order(h: np.ndarray) -> np.ndarray:
     return np.argsort(-np.diag(h), kind="stable")
 
 
-def inverse_factor(h: np.ndarray, damp: float = DAMP, order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def inverse_factor(h: np.ndarray, damp: float = DAMP, order: np.ndarray | None = None,
+                   shrink: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(upper Cholesky factor U of the damped H^-1 = U^T U, mask of dead inputs). It depends on H
     (and the input order) only, so the auto mode computes it once per weight for all its
     candidate widths. order: a permutation of the inputs (activation_order), or None; the factor
-    and the mask are then in that order."""
+    and the mask are then in that order. shrink: H's off-diagonal part scaled by (1 - shrink)
+    before the damping (None: SHRINK)."""
     k = h.shape[0]
     h = h.astype(np.float64).copy()
+    shrink = SHRINK if shrink is None else float(shrink)
+    if shrink:
+        d = np.diag(h).copy()
+        h *= 1.0 - shrink
+        h[np.diag_indices(k)] = d
     if order is not None:
         h = h[np.ix_(order, order)]
     dead = np.diag(h) <= 0
