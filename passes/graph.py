@@ -742,6 +742,7 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
             e.key, e.value = "location", f"{_STASH}-{len(stash) - 1}"
     stubs = set(index)
     before = _typed_inputs_view(skeleton, stubs, stash)
+    prelu_ranks = _legacy_prelu_slopes(before, old, target)
     sparse = _stub_sparse_constants(skeleton)
     how = f"opset raised from {old} to {target} (onnx.version_converter)"
     try:
@@ -761,6 +762,7 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
             if op.domain in ("", "ai.onnx"):
                 op.version = target
         how = f"opset raised from {old} to {target} (no op of the model changed between those versions)"
+    _reshape_legacy_prelu_slopes(converted, prelu_ranks)
     need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
     if converted.ir_version < need_ir:
         converted.ir_version = need_ir
@@ -786,6 +788,79 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
     return converted, how
+
+
+def _legacy_prelu_slopes(view: onnx.ModelProto, old: int, target: int) -> dict[str, int]:
+    """PRelu output name -> rank of its input X, for the PRelu nodes whose slope must be reshaped
+    when the opset crosses 7 (`view`: the model before conversion, payloads aside).
+
+    Before opset 7 a PRelu slope of C values applies per channel (axis 1: what PyTorch exported
+    at opset 6 and computed); from opset 7 the slope broadcasts numpy-style, from the last axis.
+    onnx.version_converter keeps the slope as it is, so an X of rank >= 3 made onnxruntime fail
+    (4 by 5) or, where the last axis also has C entries, compute a wrong result silently. A 1-D
+    slope with an X of rank <= 2 already broadcasts along axis 1. Raises UnsupportedFormError where
+    the ranks cannot be known (the result would be a guess)."""
+    if not old < 7 <= target:
+        return {}
+    prelus = [n for info in iter_graphs(view) for n in info.graph.node
+              if n.op_type == "PRelu" and n.domain in ("", "ai.onnx") and len(n.input) >= 2]
+    if not prelus:
+        return {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(view)
+    except Exception:  # noqa: BLE001 - inference is a help here: the declared shapes remain
+        inferred = view
+    ranks: dict[str, int] = {}
+    for info in iter_graphs(inferred):
+        g = info.graph
+        for v in list(g.input) + list(g.value_info) + list(g.output):
+            if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+                ranks[v.name] = len(v.type.tensor_type.shape.dim)
+        for t in g.initializer:
+            ranks[t.name] = len(t.dims)
+        for n in g.node:
+            c = _constant_tensor(n)
+            if c is not None:
+                ranks[n.output[0]] = len(c[0].dims)
+    out = {}
+    for n in prelus:
+        x_rank, s_rank = ranks.get(n.input[0]), ranks.get(n.input[1])
+        if s_rank is not None and s_rank != 1:
+            continue  # laid out for numpy broadcasting already
+        if x_rank is not None and x_rank <= 2:
+            continue
+        if x_rank is None or s_rank is None:
+            raise UnsupportedFormError(
+                f"PRelu {n.name or n.output[0]!r}: raising the opset from {old} to {target} changes how its slope "
+                "broadcasts (per channel before opset 7, from the last axis after), and the rank of its "
+                f"{'input' if x_rank is None else 'slope'} is unknown, so the slope cannot be laid out for it")
+        out[n.output[0]] = x_rank
+    return out
+
+
+def _reshape_legacy_prelu_slopes(model: onnx.ModelProto, ranks: dict[str, int]) -> None:
+    """Feed each PRelu named in `ranks` (see _legacy_prelu_slopes) its slope reshaped to
+    (C, 1, ..., 1) by a Reshape node inserted before it (in place): the per-channel PRelu of opset
+    < 7 in the numpy broadcasting of opset >= 7. A one-value slope stays one value."""
+    if not ranks:
+        return
+    names = NameAllocator(all_names(model))
+    for info in reversed(iter_graphs(model)):  # children first: rewriting a node list copies its subgraphs
+        g = info.graph
+        nodes = []
+        for n in g.node:
+            if n.op_type == "PRelu" and n.domain in ("", "ai.onnx") and n.output and n.output[0] in ranks:
+                rank = ranks[n.output[0]]
+                shape = names.take(f"{n.input[1]}_per_channel_shape")
+                slope = names.take(f"{n.input[1]}_per_channel")
+                g.initializer.append(onnx.numpy_helper.from_array(np.array([-1] + [1] * (rank - 2), np.int64), shape))
+                nodes.append(onnx.helper.make_node("Reshape", [n.input[1], shape], [slope],
+                                                   name=names.take(f"{n.name or n.output[0]}_slope_Reshape")))
+                n.input[1] = slope
+            nodes.append(n)
+        if len(nodes) != len(g.node):
+            del g.node[:]
+            g.node.extend(nodes)
 
 
 def _stub_sparse_constants(skeleton: onnx.ModelProto) -> dict[tuple[int, str], onnx.AttributeProto]:
