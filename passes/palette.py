@@ -126,6 +126,14 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     densified = graph.densify_sparse_initializers(out)
     if densified and report is not None:
         report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are palettized)")
+    from .quantize import unlist_ir3_initializers
+
+    # as quantize_weights does: an IR 3 model lists every initializer as a graph input because it
+    # must (not to make it overridable); left listed, none of them was palettized, without a word
+    ir = out.ir_version
+    if ir < 4 and unlist_ir3_initializers(out) and report is not None:
+        report.note(f"IR version raised from {ir} to 4: initializers are no longer listed as graph inputs "
+                    "(IR 3 required it; from IR 4 it would make them overridable and keep them float)")
     # children before parents: rewriting a graph's node list copies the subgraphs inside it
     infos = graph.iter_graphs(out)
     hoisted = sum(_hoist_constants(info.graph, min_elements) for info in reversed(infos))
@@ -147,6 +155,12 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     weights = [w for w in graph.find_weights(out)[0] if w.node is None]
     consumers = {(w.graph_key, w.name): [(u.node.op_type, u.index) for u in w.uses] for w in weights}
     exact = {(w.graph_key, w.name) for w in weights if _exact_use(w)}  # indices, masks: no weights
+    if report is not None:
+        listed = sum(1 for info in infos for t in info.graph.initializer
+                     if t.name in {i.name for i in info.graph.input} and t.data_type in graph.FLOAT_TYPES
+                     and len(t.dims) >= 2 and int(np.prod(t.dims)) >= min_elements)
+        if listed:
+            report.note(f"{listed} float weight(s) also listed as graph inputs (overridable by the caller) stay float")
     names = graph.NameAllocator(graph.all_names(out))
     for info in reversed(infos):
         _palettize_graph(info, consumers, exact, names, bits, group_rows, min_elements, inc, exc, report)
