@@ -29,7 +29,8 @@ from . import codecs as _codecs
 from .codecs import MAX_CHUNK_BYTES, check_params, plane_sizes
 
 MAGIC = b"ONNXZ\r\n\x1a"
-VERSION = (1, 2)  # 1.1: codec `ans` (FORMAT.md 3.1); 1.2: `ans_shared` (3.2); 1.0 / 1.1 files still read
+VERSION = (1, 3)  # 1.1: codec `ans` (FORMAT.md 3.1); 1.2: `ans_shared` (3.2); 1.3: the catalog (4.1); older files still read
+FLAG_CATALOG = 2  # header flag (1.3): the index has a `catalog` (FORMAT.md 4.1); other flags are refused as newer
 MAX_SHARED_TABLES = 4096
 MAX_TABLE_BYTES = 1 + 32 + 256 * 3  # count, bitmap, 255 frequencies of at most 23 + 11 bits
 HEADER_SIZE = 64
@@ -51,11 +52,12 @@ class Header:
     index_raw_length: int
     file_length: int
     index_crc: int
+    flags: int = 0
 
 
 def pack_header(index_offset: int, index_length: int, index_raw_length: int, file_length: int, index_crc: int,
-                version: tuple = VERSION) -> bytes:
-    body = _HEADER.pack(MAGIC, version[0], version[1], 0, index_offset, index_length, index_raw_length,
+                version: tuple = VERSION, flags: int = 0) -> bytes:
+    body = _HEADER.pack(MAGIC, version[0], version[1], flags, index_offset, index_length, index_raw_length,
                         file_length, index_crc, b"\0" * 8)
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -72,7 +74,7 @@ def parse_header(data: bytes, real_size: int) -> Header:
         if major > VERSION[0]:
             raise NewerFormatError(f".onnxz format {major}.{minor} was written by a newer version (this reader: {VERSION[0]}.x)")
         raise CorruptFileError("damaged .onnxz file (header checksum mismatch)")
-    if major > VERSION[0] or flags:
+    if major > VERSION[0] or flags & ~FLAG_CATALOG:
         raise NewerFormatError(f".onnxz format {major}.{minor} (flags {flags}) was written by a newer version (this reader: {VERSION[0]}.{VERSION[1]})")
     if major < 1:
         raise CorruptFileError(f"damaged .onnxz file (format version {major}.{minor})")
@@ -81,7 +83,7 @@ def parse_header(data: bytes, real_size: int) -> Header:
         raise CorruptFileError(f"{what} .onnxz file: header says {flen} bytes, file has {real_size}")
     if ioff < HEADER_SIZE or ioff + ilen != flen or ilen == 0:
         raise CorruptFileError("damaged .onnxz file (index position)")
-    return Header((major, minor), ioff, ilen, iraw, flen, icrc)
+    return Header((major, minor), ioff, ilen, iraw, flen, icrc, flags)
 
 
 def check_index_size(header: Header, max_output_bytes: int) -> None:
@@ -180,12 +182,20 @@ class Index:
     entries of the few hundred small tensors a small model keeps in its skeleton cost ~0.1 ms
     per open (~3% of its unpack)."""
 
-    def __init__(self, version: tuple, writer: str, files: List[FileEntry], entries: list, coded: Dict[int, TensorEntry], raw: dict):
+    def __init__(self, version: tuple, writer: str, files: List[FileEntry], entries: list, coded: Dict[int, TensorEntry], raw: dict,
+                 catalog: Optional[tuple] = None):
         self.version, self.writer, self.files, self.raw = version, writer, files, raw
         self.coded = coded
         self._entries = entries  # the index's tensor objects, checked by parse_index
         self._tensors: Optional[List[TensorEntry]] = None
         self._lock = threading.Lock()
+        # 1.3 (FORMAT.md 4.1): (offset, stored, raw length, xxh3) of the catalog, whose stored bytes
+        # the reader hands over (attach_catalog) once it has checked their XXH3-64; parsed on first use
+        self.catalog = catalog
+        self._catalog_frame: Optional[bytes] = None
+
+    def attach_catalog(self, frame: bytes) -> None:
+        self._catalog_frame = frame
 
     @property
     def tensors(self) -> List[TensorEntry]:
@@ -194,9 +204,67 @@ class Index:
             with self._lock:  # one list for every thread: the entries' identity is stable
                 entries = self._tensors
                 if entries is None:
-                    coded = self.coded
-                    entries = [coded[i] if i in coded else _entry_of(t) for i, t in enumerate(self._entries)]
+                    if self.catalog is not None:
+                        entries = self._catalog_tensors()
+                    else:
+                        coded = self.coded
+                        entries = [coded[i] if i in coded else _entry_of(t) for i, t in enumerate(self._entries)]
                     self._tensors = entries
+        return entries
+
+    def _catalog_tensors(self) -> List[TensorEntry]:
+        """Every tensor entry from the catalog (1.3, FORMAT.md 4.1), checked here, on first use
+        (unpacking never needs it): its size and JSON; an integer names an entry of the index's
+        `tensors` (each at most once; those it does not name follow the catalog's, in index
+        order); an object is an entry without a stream, checked as parse_index checks a 1.2 entry;
+        keys unique across both; every entry inside its file."""
+        frame = self._catalog_frame
+        if frame is None:
+            raise _bad("catalog not read")
+        raw = self.catalog[2]
+        try:
+            if zstd.frame_content_size(frame) != raw:
+                raise _bad("catalog size")
+            text = _codecs._decompressor().decompress(frame, max_output_size=raw, allow_extra_data=False)
+            items = _orjson.loads(text) if _orjson is not None else json.loads(text.decode("utf-8"))
+        except (zstd.ZstdError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CorruptFileError(f"damaged .onnxz file (catalog unreadable: {exc})") from None
+        if len(text) != raw or type(items) is not list:
+            raise _bad("catalog")
+        main = self._entries
+        seen = bytearray(len(main))
+        others = []
+        for it in items:
+            if type(it) is int:
+                if not 0 <= it < len(main) or seen[it]:
+                    raise _bad(f"catalog names tensor {it!r}")
+                seen[it] = 1
+            elif type(it) is dict:
+                if it.get("stream") is not None:
+                    raise _bad("catalog entry with a stream")
+                others.append(it)
+            else:
+                raise _bad("catalog entry")
+        rows = _index_rows(others, len(self.files) - 1)
+        if type(rows) is str:
+            raise _bad(rows)
+        coded = self.coded
+        keys = {t["key"] for t in main}  # (unique: parse_index checked the index's entries)
+        sizes = [f.size for f in self.files]
+        rows_it = iter(rows)
+        entries = []
+        for it in items:
+            if type(it) is int:
+                entries.append(coded[it] if it in coded else _entry_of(main[it]))
+                continue
+            row = next(rows_it)
+            if row[0] in keys:
+                raise _bad(f"tensor key {row[0]!r} repeated")
+            keys.add(row[0])
+            if row[6] + row[7] > sizes[row[5]]:
+                raise _bad(f"tensor {row[0]!r} lies outside its file")
+            entries.append(TensorEntry(*row[:8], None))
+        entries += [coded[i] if i in coded else _entry_of(t) for i, t in enumerate(main) if not seen[i]]
         return entries
 
 
@@ -476,6 +544,7 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
     if type(scanned) is str:
         raise _bad(scanned)
     coded_rows, ends = scanned
+    catalog = _catalog_ref(obj, header, extents, max_output_bytes)
     # rows: TensorEntry's fields, the stream still its JSON; entries are made here for the coded
     # tensors only (Index.tensors makes the others when asked)
     coded: Dict[int, TensorEntry] = {}
@@ -551,4 +620,32 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
         raise _bad("a coded tensor is not placed in any file")
     extents.check()
     writer = obj.get("writer", "")
-    return Index(tuple(fmt), writer if isinstance(writer, str) else "", files, tensors_in, coded, obj)
+    return Index(tuple(fmt), writer if isinstance(writer, str) else "", files, tensors_in, coded, obj, catalog)
+
+
+def _catalog_ref(obj: dict, header: Header, extents: _Extents, max_output_bytes: int) -> Optional[tuple]:
+    """(offset, stored, raw length, xxh3) of the index's `catalog` (1.3, FORMAT.md 4.1), checked
+    (inside the data area, its declared size in proportion), or None when the file has none. The
+    header flag and the key go together."""
+    ref = obj.get("catalog")
+    if not header.flags & FLAG_CATALOG:
+        if ref is not None:
+            raise _bad("catalog without its header flag")
+        return None
+    if type(ref) is not list or len(ref) != 4 or any(type(v) is not int for v in ref):
+        raise _bad("catalog")
+    off, stored, raw, digest = ref
+    if not 1 <= stored <= MAX_INDEX_BYTES or not 0 <= digest <= _U64_MAX:
+        raise _bad(f"catalog {ref!r}")
+    limit = min(MAX_INDEX_BYTES, max(1 << 20, INDEX_RATIO * stored), max(1 << 20, max_output_bytes))
+    if not 2 <= raw <= limit:
+        raise LimitExceededError(f".onnxz catalog declares {raw} bytes from {stored} stored, above the limit of {limit}") \
+            if raw > limit else _bad(f"catalog {ref!r}")
+    extents.add(off, stored)
+    return off, stored, raw, digest
+
+
+def encode_catalog(items: list) -> tuple:
+    """(text, zstd frame) of a catalog (1.3): as the index, content size declared, checksum on."""
+    text = json.dumps(items, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return text, zstd.ZstdCompressor(level=INDEX_LEVEL, write_checksum=True, write_content_size=True).compress(text)

@@ -317,6 +317,9 @@ class PackedFile:
             check_index_size(header, limit)
             frame = self._buf[header.index_offset:header.index_offset + header.index_length]
             self.index: Index = _read_index(frame, header, limit)
+            if self.index.catalog is not None:
+                off, stored = self.index.catalog[:2]
+                self._attach_catalog(bytes(self._buf[off:off + stored]))
         else:
             if not isinstance(source, (str, os.PathLike)):
                 raise InvalidArgumentError(f"expected a path or the packed bytes, got {type(source).__name__}")
@@ -335,6 +338,9 @@ class PackedFile:
                 if len(frame) != header.index_length:
                     raise CorruptFileError("truncated .onnxz file (index)")
                 self.index = _read_index(frame, header, limit)
+                if self.index.catalog is not None:
+                    off, stored = self.index.catalog[:2]
+                    self._attach_catalog(os.pread(self._fd, stored, off))
             except BaseException as exc:
                 self._f.close()
                 if isinstance(exc, SurgeonError):
@@ -348,6 +354,15 @@ class PackedFile:
         self._hash_pool: Optional[ThreadPoolExecutor] = None
         self._skeletons: Dict[int, np.ndarray] = {}
         self.closed = False
+
+    def _attach_catalog(self, data: bytes) -> None:
+        """The catalog's stored bytes (1.3), checked now (every stored byte is checked by an unpack,
+        which never parses the catalog) and parsed when the entries are first asked for."""
+        if len(data) != self.index.catalog[1]:
+            raise CorruptFileError("truncated .onnxz file (catalog)")
+        if _chunk_xxh3(data) != self.index.catalog[3]:
+            raise CorruptFileError("damaged .onnxz file: the catalog fails its checksum (XXH3-64)")
+        self.index.attach_catalog(data)
 
     def _serial(self) -> None:
         """Decode on the calling thread only from now on (before any work: the pool has started

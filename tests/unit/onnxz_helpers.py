@@ -24,12 +24,22 @@ def ans_decoder(level: int, loads: int):
         c.ans_avx2_loads(before[1])
 
 
-def pack_and_read_index(folder, inits):
-    """A model holding `inits` packed in `folder`: (src, dst, decoded index object, header)."""
+def pack_and_read_index(folder, inits, catalog=False):
+    """A model holding `inits` packed in `folder`: (src, dst, decoded index object, header).
+    catalog=False: written with the whole tensor table in the index (as before format 1.3's
+    catalog: the index these tests check); True: as the writer does by default."""
     src = folder / "m.onnx"
     src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
     dst = folder / "m.onnxz"
-    passes.pack(src, dst, threads=1)
+    before = os.environ.pop("ONNXZ_NO_CATALOG", None)
+    try:
+        if not catalog:
+            os.environ["ONNXZ_NO_CATALOG"] = "1"
+        passes.pack(src, dst, threads=1)
+    finally:
+        os.environ.pop("ONNXZ_NO_CATALOG", None)
+        if before is not None:
+            os.environ["ONNXZ_NO_CATALOG"] = before
     size = os.path.getsize(dst)
     with open(dst, "rb") as f:
         header = fmt.parse_header(f.read(fmt.HEADER_SIZE), size)
