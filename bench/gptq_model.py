@@ -9,6 +9,7 @@ fidelity of uniform per-channel forms built with
   rdo_gptq_ao_d0.3  rounding="rdo" scales, then refine(damp=0.3, act_order=True)
   imp_rdo_gptq_ao_d0.3  the same with importance-weighted clip search (gptq.input_importance)
   qwf           gptq.quantize_with_feedback(model, calibration feeds, bits) with its defaults
+  ..._sh<a>     H's off-diagonal part shrunk by a (gptq.SHRINK) before the damping
   ..._sd<c>     Conv weights damped by gptq.sample_damp(inputs, calibration rows, floor d<x> or
                 0.01, per_input=c); other weights at d<x>
 Hessians come from the first half of the corpus feeds, fidelity is measured on the second half
@@ -68,7 +69,14 @@ def build(model, bits, method, hess, imp, cal=None, hess_rows=None):
             cons = gptq.consumers(model, hess)
             damp = {n: (gptq.sample_damp(h.shape[0], hess_rows.get(n, 0), damp, per_input)
                         if cons[n][0].op_type == "Conv" else damp) for n, h in hess.items()}
-        refined = gptq.refine(q, model, hess, bits, damp=damp, act_order="ao" in tok)
+        shrink = next((float(t[2:]) for t in tok if t.startswith("sh")), None)
+        saved = gptq.SHRINK
+        if shrink is not None:
+            gptq.SHRINK = shrink
+        try:
+            refined = gptq.refine(q, model, hess, bits, damp=damp, act_order="ao" in tok)
+        finally:
+            gptq.SHRINK = saved
         q = gptq.write_levels(q, {n: lv for n, (lv, _) in refined.items()})
     return q
 
