@@ -379,6 +379,8 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
             extra = {"effort": effort} if effort != "default" else {}
             if shared:
                 extra["shared"] = shared
+            if codecs.transpose_cols(r.shape, r.length) is not None:
+                extra["shape"] = r.shape
             enc = codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
         return enc, [_chunk_digest(c.planes) for c in enc.chunks]
 
@@ -437,7 +439,9 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         tables = _used_tables(tensor_streams, shared)
         # 1.2: every file carries `xxh3_128` (and `ans_tables` where a shared table is used); a 1.1
         # reader still reads those without `ans_shared` (it checks only the major version)
-        version, flags = (1, 2), 0
+        # 1.3: the codec `transpose`, or a catalog (header flag); else a file a 1.2 reader reads
+        version = VERSION if any(s["codec"] == "transpose" for s in tensor_streams.values()) else (1, 2)
+        flags = 0
         catalog = None
         if len(tensor_streams) < len(tensors) and not os.environ.get("ONNXZ_NO_CATALOG"):
             # 1.3 (FORMAT.md 4.1): the entries of the tensors left in the skeleton go to the

@@ -2,6 +2,7 @@
 
     python tests/golden/make_golden.py --dest tests/golden/v1.1   # writes v1.1/*.onnxz + MANIFEST.json
     python tests/golden/make_golden.py --dest tests/golden/v1.2   # ans_shared (format 1.2)
+    python tests/golden/make_golden.py --dest tests/golden/v1.3   # catalog, transpose (format 1.3)
     python tests/golden/make_golden.py --check                     # only checks that v1.0 decodes to its manifest
 
 v1.0/ was written by the 1.0 writer from `cases()`; v1.1/ (codec `ans`) from `cases_v11()`; v1.2/
@@ -178,6 +179,32 @@ def cases_v12():
     }
 
 
+def cases_v13():
+    """Format 1.3 (FORMAT.md 4.1, 3): the catalog (tensors left in the skeleton listed apart from
+    the index: small ones between coded ones, and a Constant in a subgraph) and the codec
+    `transpose` (an STFT basis stored column by column; one chunk, and several chunks of whole rows)."""
+    rng = np.random.default_rng(20261202)
+    n = 128
+    k, t = np.arange(n // 2 + 1)[:, None], np.arange(n)[None, :]
+    w = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)
+    basis = np.concatenate([np.cos(2 * np.pi * k * t / n) * w, -np.sin(2 * np.pi * k * t / n) * w]).astype(np.float32)[:, None, :]
+    small = [numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), f"b_{i}") for i, m in enumerate([3, 16, 40, 7])]
+    big = [numpy_helper.from_array(rng.standard_normal(3000).astype(np.float32), "w_f32"),
+           numpy_helper.from_array(np.clip(np.round(rng.laplace(0, 9, 5000)), -127, 127).astype(np.int8), "w_i8")]
+    then = helper.make_graph([helper.make_node("Constant", [], ["c_out"], value=numpy_helper.from_array(np.ones(400, np.float32), "c_out"))],
+                             "then", [], [helper.make_tensor_value_info("c_out", TensorProto.FLOAT, [400])])
+    other = helper.make_graph([helper.make_node("Constant", [], ["e_out"], value=numpy_helper.from_array(np.zeros(400, np.float32), "e_out"))],
+                              "else", [], [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, [400])])
+    cond = numpy_helper.from_array(np.array(True), "cond")
+    if_node = helper.make_node("If", ["cond"], ["if_out"], then_branch=then, else_branch=other)
+    return {
+        "catalog-mixed": ([small[0], big[0], small[1], small[2], big[1], small[3], cond], {"ans"},
+                          {"extra_nodes": [if_node]}, False),
+        "transpose-basis": ([numpy_helper.from_array(basis, "stft_basis"), small[0]], {"transpose"}, {}, False),
+        "transpose-chunks": ([numpy_helper.from_array(basis, "stft_basis")], {"transpose"}, {"chunk_bytes": 16384}, False),
+    }
+
+
 @contextlib.contextmanager
 def shared_long():
     """The writer with short blobs allowed to reach the plane's size once their table is put back."""
@@ -217,7 +244,7 @@ def build(dest: Path) -> dict:
     dest.mkdir(parents=True, exist_ok=True)
     version = dest.name.lstrip("v")
     manifest = {"format": version, "generator": "tests/golden/make_golden.py", "files": {}}
-    case_sets = {"1.1": cases_v11, "1.2": cases_v12}
+    case_sets = {"1.1": cases_v11, "1.2": cases_v12, "1.3": cases_v13}
     for name, (inits, want_codecs, opts, external) in case_sets.get(version, cases)().items():
         opts = dict(opts)
         model = _model(inits, opts.pop("extra_nodes", ()))

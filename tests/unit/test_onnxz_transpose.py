@@ -1,0 +1,133 @@
+"""The codec `transpose` (format 1.3, FORMAT.md 3): a payload's rows x last-dimension matrix stored
+column by column, LZ-coded, where that is smaller than every other coding (an STFT basis). Exact
+round trips (one and several chunks, raw_data and float_data), its parameters checked, damage refused."""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import zstandard as zstd
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes import CorruptFileError
+from passes.onnxz import codecs, format as fmt
+from passes.onnxz.reader import PackedFile
+
+
+def _basis(n=128):
+    """An STFT basis as silero-vad stores it: [n + 2, 1, n], cos and sin rows times a Hann window."""
+    k = np.arange(n // 2 + 1)[:, None]
+    t = np.arange(n)[None, :]
+    w = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)
+    return np.concatenate([np.cos(2 * np.pi * k * t / n) * w, -np.sin(2 * np.pi * k * t / n) * w]).astype(np.float32)[:, None, :]
+
+
+def _packed(tmp_path, inits, chunk_bytes=4 << 20, name="m"):
+    src = tmp_path / f"{name}.onnx"
+    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
+    dst = tmp_path / f"{name}.onnxz"
+    passes.pack(src, dst, chunk_bytes=chunk_bytes, threads=1)
+    return src, dst
+
+
+@pytest.mark.parametrize("chunk_bytes", [4 << 20, 4096, 5000])
+def test_basis_is_transposed_and_restored(tmp_path, chunk_bytes):
+    b = _basis()
+    inits = [numpy_helper.from_array(b, "basis"),
+             helper.make_tensor("basis_fd", TensorProto.FLOAT, b.shape, b.ravel().tolist())]  # float_data
+    src, dst = _packed(tmp_path, inits, chunk_bytes)
+    with PackedFile(dst) as pf:
+        assert pf.index.version == (1, 3)
+        streams = [t.stream for t in pf.index.tensors]
+        assert [s.codec for s in streams] == ["transpose", "transpose"]
+        assert streams[0].params == {"width": 4, "cols": 128}
+        for s in streams:
+            assert all(c.raw_length % (4 * 128) == 0 for c in s.chunks)
+            assert len(s.chunks) == (1 if chunk_bytes > b.nbytes else -(-b.nbytes // (chunk_bytes // 512 * 512)))
+        lz = codecs._encode_lz(np.frombuffer(b.tobytes(), np.uint8), chunk_bytes).stored
+        assert streams[0].stored < lz  # chosen because it is smaller
+    assert passes.unpack(dst, tmp_path / "r.onnx").read_bytes() == src.read_bytes()
+    with passes.open_packed(dst) as pm:
+        assert pm.get_tensor("basis").tobytes() == b.tobytes()
+        assert pm.get_tensor("basis_fd").tobytes() == b.tobytes()
+    assert passes.verify(dst).ok
+
+
+@pytest.mark.parametrize("width, dtype", [(1, np.int8), (2, np.float16), (8, np.float64)])
+def test_untranspose_every_width(width, dtype):
+    rng = np.random.default_rng(width)
+    a = rng.integers(-100, 100, (37, 11)).astype(dtype)
+    plane = np.ascontiguousarray(a.view(codecs._UINT[width]).T).view(np.uint8).ravel()
+    out = np.empty(a.nbytes, np.uint8)
+    codecs.untranspose(plane, width, 11, out)
+    assert out.tobytes() == a.tobytes()
+
+
+def test_no_transpose_where_it_does_not_pay_or_cannot(tmp_path):
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32), "noise"),
+             numpy_helper.from_array(np.tile(np.arange(300, dtype=np.float32), 8), "flat")]  # 1-D: no columns
+    _, dst = _packed(tmp_path, inits)
+    with PackedFile(dst) as pf:
+        assert "transpose" not in {t.stream.codec for t in pf.index.tensors if t.stream is not None}
+    assert codecs.transpose_cols([5], 20) is None and codecs.transpose_cols([1, 7], 28) is None
+    assert codecs.transpose_cols([3, 1, 7], 84) == (4, 7) and codecs.transpose_cols([3, 7], 85) is None
+
+
+def _rewrite(data: bytes, mutate) -> bytes:
+    """The file with its index changed (every checksum valid again)."""
+    fields = struct.unpack_from("<8sHHIQQQQI", data)
+    ioff, ilen = fields[4], fields[5]
+    obj = json.loads(zstd.ZstdDecompressor().decompress(data[ioff:ioff + ilen]))
+    mutate(obj)
+    text = json.dumps(obj).encode()
+    frame = zstd.ZstdCompressor(write_checksum=True, write_content_size=True).compress(text)
+    return fmt.pack_header(ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame), (1, 3), fields[3]) \
+        + data[64:ioff] + frame
+
+
+def _stream(obj):
+    return next(t["stream"] for t in obj["tensors"] if t.get("stream") and t["stream"]["codec"] == "transpose")
+
+
+@pytest.mark.parametrize("change", [
+    lambda s: s["params"].update(cols=3),        # rows no longer whole
+    lambda s: s["params"].update(cols=1),
+    lambda s: s["params"].update(cols="128"),
+    lambda s: s["params"].update(width=3),
+    lambda s: s["params"].pop("width"),
+    lambda s: s.update(codec="narrow", params={"from": 1, "to": 10, "inner": {"codec": "transpose", "params": s["params"]}}),
+])
+def test_bad_parameters_are_refused(tmp_path, change):
+    _, dst = _packed(tmp_path, [numpy_helper.from_array(_basis(), "basis")])
+    bad = tmp_path / "bad.onnxz"
+    bad.write_bytes(_rewrite(dst.read_bytes(), lambda o: change(_stream(o))))
+    with pytest.raises(CorruptFileError):
+        with passes.open_packed(bad) as pm:
+            pm.get_tensor("basis")
+
+
+def test_other_columns_decode_to_other_bytes_never_silently(tmp_path):
+    """A valid-looking cols (another divisor of the row count) decodes, but the restored file fails
+    its digest: the whole-file check catches what the per-chunk checksum cannot."""
+    src, dst = _packed(tmp_path, [numpy_helper.from_array(_basis(), "basis")])
+    bad = tmp_path / "bad.onnxz"
+    bad.write_bytes(_rewrite(dst.read_bytes(), lambda o: _stream(o)["params"].update(cols=64)))
+    with pytest.raises(CorruptFileError):
+        passes.unpack(bad, tmp_path / "r.onnx")
+
+
+def test_every_byte_flip_detected(tmp_path):
+    _, dst = _packed(tmp_path, [numpy_helper.from_array(_basis(32), "basis")])
+    data = dst.read_bytes()
+    bad = tmp_path / "bad.onnxz"
+    for pos in range(len(data)):
+        damaged = bytearray(data)
+        damaged[pos] ^= 0x41
+        bad.write_bytes(damaged)
+        with pytest.raises(CorruptFileError):
+            passes.unpack(bad, tmp_path / "r.onnx", force=True)
