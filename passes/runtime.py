@@ -381,12 +381,15 @@ class _DrainPacer:
             self.rate = (queued - left) / elapsed
 
 
-def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None):
+def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None, idle=None):
     """onnxruntime's session object for the model made of `pieces` (buffers, concatenated), which
     the list gives up (it is emptied). `ready(piece, block=True) -> bool`, when given, is asked
     before each numpy piece is used (a weight still being decoded): onnxruntime parses what
     precedes it meanwhile. `stop` (a threading.Event), once set, ends the stream where it is:
-    onnxruntime then fails on the truncated model (a parse no longer wanted).
+    onnxruntime then fails on the truncated model (a parse no longer wanted). `idle`, when given,
+    is called once by the thread that feeds onnxruntime, the first time it waits for a piece
+    (else once all is written): work done while the next weight decodes (the graph walk of
+    InferenceSession._parse_while_walking), not before onnxruntime starts.
 
     Given as bytes, a model is held three times while onnxruntime parses it (our bytes, the
     std::string pybind makes of them, the parsed protobuf). Streamed through a pipe that
@@ -395,7 +398,15 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
     """
     from onnxruntime.capi import _pybind_state as C
 
+    left = [idle]
+
+    def run_idle():
+        task, left[0] = left[0], None
+        if task is not None:
+            task()
+
     if not _streaming_supported():
+        run_idle()
         if ready is not None:
             for p in pieces:
                 if isinstance(p, np.ndarray):
@@ -406,6 +417,7 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
     read_end, write_end = model_pipe()
 
     def write_all():
+        go.wait()  # (not before the calling thread is in onnxruntime: see below)
         try:
             views = []
             for p in pieces:
@@ -413,6 +425,7 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
                     return
                 if ready is not None and isinstance(p, np.ndarray) and not ready(p, block=False):
                     write_to_pipe(write_end, views)  # onnxruntime parses what it has while this piece decodes
+                    run_idle()
                     ready(p)
                     if stop is not None and stop.is_set():
                         return
@@ -426,12 +439,19 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
             pass           # then reports the decode error
         finally:
             os.close(write_end)
+            run_idle()
 
+    # the writer waits for `go`, set just before onnxruntime is called: a thread that starts with
+    # Python work holds the GIL until the switch interval (5 ms) takes it back, and the calling
+    # thread, which only has to reach onnxruntime (which releases it), would wait that long
+    go = threading.Event()
     writer = threading.Thread(target=write_all, name="passes-model-writer", daemon=True)
     writer.start()
     try:
+        go.set()
         return C.InferenceSession(options, f"/proc/self/fd/{read_end}", True, read_config)
     finally:
+        go.set()
         os.close(read_end)  # a writer still blocked gets EPIPE and ends
         # (onnxruntime reads to the end or closes its descriptor: the writer is done at once; the
         # bound only keeps a pathological reader from hanging the caller, the thread is a daemon)
@@ -577,8 +597,11 @@ class InferenceSession(ort.InferenceSession):
 
         stop = threading.Event()
         found = {}
+        claim, walked = threading.Lock(), threading.Event()
 
         def walk():
+            if not claim.acquire(blocking=False):  # (run once: by the writer, else below)
+                return
             try:
                 found["split"] = split = _finish_read(reading, self.source)
                 found["resolved"], found["reads"] = self._verbatim_decision(split, kind)
@@ -586,18 +609,23 @@ class InferenceSession(ort.InferenceSession):
                 found["error"] = exc
             if found.get("reads") is None:
                 stop.set()
+            walked.set()
 
-        walker = threading.Thread(target=walk, name="passes-graph-walk", daemon=True)
-        walker.start()
+        # the walk runs on the thread that feeds onnxruntime, while the first weight it waits for
+        # decodes (parse_pieces' idle): onnxruntime starts parsing at once, instead of after a
+        # walker thread's start and its hold of the GIL (minilm_fp16 float pack: the parse began
+        # ~14 ms into the load, 3 ms after the file was restored)
         read_config = os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1"  # (as onnxruntime's own class reads it)
         try:
-            parsed = ParsedModel(session=parse_pieces(options, pieces, read_config, ready=reading.ready, stop=stop))
+            parsed = ParsedModel(session=parse_pieces(options, pieces, read_config, ready=reading.ready, stop=stop,
+                                                      idle=walk))
         except Exception as exc:  # (a weight that failed to decode, or a model onnxruntime refuses)
             parsed = ParsedModel(error=exc)
         except BaseException as exc:  # (Ctrl-C): nothing may outlive the load
             found.setdefault("error", exc)
         stop.set()
-        walker.join()
+        walk()  # (when the writer never ran it)
+        walked.wait()
         if "error" in found:
             split = found.get("split")
             if split is not None and split.pending is not None:

@@ -218,3 +218,72 @@ def test_queued_bytes_reads_the_pipe_from_its_write_end():
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def _small_model_bytes() -> bytes:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+                              [numpy_helper.from_array(w, "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def _halves(data: bytes) -> list:
+    """The model as [bytes, uint8 array, bytes]: the array stands for a weight still decoding."""
+    third = len(data) // 3
+    return [data[:third], np.frombuffer(data[third:2 * third], np.uint8).copy(), data[2 * third:]]
+
+
+@pytest.mark.skipif(not runtime._streaming_supported(), reason="models streamed through a pipe")
+def test_idle_runs_once_on_the_writer_while_a_piece_is_not_ready():
+    """parse_pieces(idle=): called once, by the thread that feeds onnxruntime, when it first waits
+    for a piece; onnxruntime has the bytes before that piece by then; the session parses."""
+    import onnxruntime as ort
+
+    pieces = _halves(_small_model_bytes())
+    held = pieces[1]
+    release, calls, written = threading.Event(), [], []
+    original = runtime.write_to_pipe
+
+    def counting_write(fd, views, splice=True):
+        written.append(sum(v.nbytes for v in views))
+        return original(fd, views, splice)
+
+    def ready(piece, block=True):
+        if piece is held and not release.is_set():
+            if not block:
+                return False
+            release.wait(5)
+        return True
+
+    def idle():
+        calls.append((threading.current_thread().name, sum(written)))
+        release.set()
+
+    runtime.write_to_pipe = counting_write
+    try:
+        session = runtime.parse_pieces(ort.SessionOptions(), pieces, False, ready=ready, idle=idle)
+    finally:
+        runtime.write_to_pipe = original
+    assert calls == [("passes-model-writer", len(_halves(_small_model_bytes())[0]))]
+    assert session is not None and not pieces
+
+
+@pytest.mark.skipif(not runtime._streaming_supported(), reason="models streamed through a pipe")
+def test_idle_runs_when_nothing_waits_and_when_onnxruntime_refuses():
+    """Every piece ready: idle runs once, after the last write; a model onnxruntime refuses (cut
+    short): idle still runs once before parse_pieces raises."""
+    import onnxruntime as ort
+
+    calls = []
+    data = _small_model_bytes()
+    runtime.parse_pieces(ort.SessionOptions(), _halves(data), False, ready=lambda p, block=True: True,
+                         idle=lambda: calls.append("ready"))
+    with pytest.raises(Exception):
+        runtime.parse_pieces(ort.SessionOptions(), [data[: len(data) // 2]], False,
+                             idle=lambda: calls.append("refused"))
+    assert calls == ["ready", "refused"]

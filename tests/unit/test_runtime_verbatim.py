@@ -220,3 +220,34 @@ def test_callers_options_go_to_onnxruntime_untouched(tmp_path):
     assert session.get_session_options().intra_op_num_threads == 1
     assert options.intra_op_num_threads == 1
     assert {k for k in KNOWN_CONFIG_KEYS if config_entry(options, k) is not None} == {"session.set_denormal_as_zero"}
+
+
+def test_the_walk_runs_on_the_writer_after_onnxruntime_has_bytes(tmp_path, monkeypatch):
+    """The graph walk that confirms the verbatim route runs on the thread feeding onnxruntime
+    (no walker thread of its own), after the first bytes were handed to onnxruntime."""
+    from passes import runtime
+
+    if not runtime._streaming_supported():
+        pytest.skip("models streamed through a pipe")
+    model = conv_model()
+    packed = _pack(model, tmp_path, "conv")
+    written, seen = [], []
+    original_write, original_decision = runtime.write_to_pipe, runtime.InferenceSession._verbatim_decision
+
+    def write(fd, views, splice=True):
+        written.append(sum(v.nbytes for v in views))
+        return original_write(fd, views, splice)
+
+    def decision(self, split, kind):
+        seen.append((threading.current_thread().name, sum(written)))
+        return original_decision(self, split, kind)
+
+    monkeypatch.setattr(runtime, "write_to_pipe", write)
+    monkeypatch.setattr(runtime.InferenceSession, "_verbatim_decision", decision)
+    session = passes.InferenceSession(packed, mode="fold")
+    assert session.verbatim and len(seen) == 1
+    assert seen[0][0] == "passes-model-writer" and seen[0][1] > 0
+    assert not _our_threads()
+    feeds = feeds_for(model)
+    for got, want in zip(run(session, feeds), run_plain(model, feeds)):
+        np.testing.assert_array_equal(got[0], want[0])
