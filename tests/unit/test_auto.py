@@ -151,9 +151,71 @@ def test_softmax_output_measured_on_its_logits():
     out, rep = passes.compress(m, target="top1>=0.99", feeds=f)
     onnx.checker.check_model(out, full_check=True)
     assert [o.name for o in out.graph.output] == ["y"], "the probe output is not left in the result"
-    # the saturation-free error (centred logits) is what the search held to its floor
-    assert rep["met_on_feeds"] and rep["fidelity"]["proxy_snr"] >= auto.TOP1_SNR_DB
+    # the saturation-free error (the logits' margins) is what the search held to its budget of expected flips
+    assert rep["met_on_feeds"] and rep["fidelity"]["top1_risk"] <= 1 - 0.995
+    assert any("expected flips" in n for n in rep["notes"])
     assert evaluate(m, out, feeds=f).metrics["top1"] >= 0.99
+
+
+def test_tie_risk_counts_the_flips_of_near_ties():
+    """TieRisk: the mean over decisions of min(1, sum_j Phi(-g_j / s)) for margins g_j to the other
+    classes and s = TOP1_ERROR_GROWTH x the RMS margin error, plus f0 * s / sqrt(2 pi) for ties the
+    feeds do not show (f0 = min(TOP1_TIE_DENSITY per nat, TOP1_TIE_DENSITY_REL / RMS top-1 margin))."""
+    from math import erfc, pi, sqrt
+
+    from passes import auto
+
+    logits = [np.array([[2.0, 0.0, -5.0]]), np.array([[0.0, 0.1, -5.0]]), np.array([[1.0, -1.0, 0.0]])]
+    risk = auto.TieRisk.of([[a] for a in logits], logits, nats=True)
+    assert risk.top.tolist() == [0, 1, 0]
+    gaps = [[2.0, 7.0], [0.1, 5.1], [2.0, 1.0]]
+    rms = sqrt((2.0 ** 2 + 0.1 ** 2 + 1.0 ** 2) / 3)
+    assert risk.density == pytest.approx(min(auto.TOP1_TIE_DENSITY, auto.TOP1_TIE_DENSITY_REL / rms))
+    sigma = 0.05
+    s = auto.TOP1_ERROR_GROWTH * sigma
+    seen = np.mean([min(1.0, sum(0.5 * erfc(g / (s * sqrt(2))) for g in row)) for row in gaps])
+    assert risk.risk(sigma) == pytest.approx(seen + risk.density * s / sqrt(2 * pi))
+    assert risk.risk(0.0) == 0.0 and risk.risk(float("inf")) == 1.0
+    # sigma: RMS change of the margins to the model's top class (only the moved feed's two margins change)
+    cand = [logits[0] + np.array([[0.0, 0.3, 0.0]]), logits[1], logits[2]]
+    assert risk.sigma([[c] for c in cand]) == pytest.approx(sqrt(0.3 ** 2 / 6))
+    # without nats (no softmax/sigmoid probed) the density is relative: logits x 10 and sigma x 10, same risk
+    plain = auto.TieRisk.of([[a] for a in logits], logits, nats=False)
+    scaled = auto.TieRisk.of([[10 * a] for a in logits], [10 * a for a in logits], nats=False)
+    assert plain.density == pytest.approx(auto.TOP1_TIE_DENSITY_REL / rms)
+    assert scaled.risk(10 * sigma) == pytest.approx(plain.risk(sigma))
+    # one class, a non-finite logit, or outputs whose argmax is not the logits': no risk model (the SNR floor)
+    assert auto.TieRisk.of([[np.ones((1, 1))]], [np.ones((1, 1))], nats=True) is None
+    assert auto.TieRisk.of([[np.array([[0.0, -np.inf]])]], [np.array([[1.0, 0.0]])], nats=True) is None
+    assert auto.TieRisk.of([[np.array([[0.0, 1.0]])]], [np.array([[1.0, 0.0]])], nats=True) is None
+
+
+def test_near_tie_density_decides_how_much_the_top1_search_keeps(monkeypatch):
+    """The search holds the expected held-out flips to the budget: the denser the near ties it must
+    assume beyond the feeds' own, the smaller the margin error it accepts (and never a smaller model)."""
+    from passes import auto
+
+    m = _softmax_model()
+    f = feeds(m, n=6)
+    results = {}
+    for density in (0.01, 10.0):
+        monkeypatch.setattr(auto, "TOP1_TIE_DENSITY", density)
+        monkeypatch.setattr(auto, "TOP1_TIE_DENSITY_REL", density)
+        out, rep = passes.compress(m, target="top1>=0.99", feeds=f, tighten=0)
+        assert rep["met_on_feeds"] and rep["fidelity"]["top1_risk"] <= 1 - 0.995
+        results[density] = (rep["fidelity"]["margin_sigma"], rep["est_packed_weight_bytes"])
+    assert results[10.0][0] < results[0.01][0]
+    assert results[10.0][1] >= results[0.01][1]
+
+
+def test_ctc_targets_keep_the_logit_snr_floor():
+    from passes import auto
+
+    m = _softmax_model()
+    f = feeds(m, n=4)
+    out, rep = passes.compress(m, target="ctc>=0.99", feeds=f, metric_args={"time_axis": 0, "class_axis": 1})
+    assert rep["met_on_feeds"] and rep["fidelity"]["proxy_snr"] >= auto.TOP1_SNR_DB
+    assert "top1_risk" not in rep["fidelity"]
 
 
 def test_weights_inside_subgraphs_are_allocated_per_tensor():
