@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -171,8 +173,16 @@ def cli(*args) -> None:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("backend_models")
+def workdir(tmp_path_factory):
+    """Where the module writes: a folder in /dev/shm where there is one (memory), else pytest's
+    tmp folder. Every write here is fsync'ed and renamed: the 140 pack + unpack round trips took
+    7.4-8.7 s of wall on /tmp against 2.4-3.1 s in /dev/shm (0.3-0.6 s of CPU; load 16)."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        with tempfile.TemporaryDirectory(prefix="backend_models_", dir=shm) as d:
+            yield Path(d)
+    else:
+        yield tmp_path_factory.mktemp("backend_models")
 
 
 _COMPRESSED: dict[tuple[int, str], Path] = {}
@@ -215,14 +225,22 @@ def test_original_runs_where_onnxruntime_can(i):
 
 
 @pytest.mark.parametrize("i", PARAMS, ids=IDS)
-def test_pack_unpack_is_byte_exact(i, tmp_path):
+def test_pack_unpack_is_byte_exact(i, workdir):
     c = case(i)
-    z = tmp_path / "m.onnxz"
+    folder = workdir / f"pack{i}"
+    folder.mkdir()
+    z = folder / "m.onnxz"
     passes.pack(c.path, z)
-    back = passes.unpack(z, tmp_path / "back.onnx")
+    back = passes.unpack(z, folder / "back.onnx")
     assert hashlib.sha256(Path(back).read_bytes()).hexdigest() == hashlib.sha256(c.path.read_bytes()).hexdigest()
     assert passes.load(z).SerializeToString() == c.model.SerializeToString()
     passes.verify(z)
+    with passes.open_packed(z) as packed:  # the tensors read one by one: each initializer's values
+        assert {t.name for t in c.model.graph.initializer} <= set(packed.keys())
+        for t in c.model.graph.initializer:
+            want, got = numpy_helper.to_array(t), packed.get_tensor(t.name)
+            assert got.dtype == want.dtype and got.shape == want.shape, t.name
+            assert np.array_equal(got, want, equal_nan=want.dtype.kind in "fc"), t.name
 
 
 @pytest.mark.parametrize("form", list(FORMS))
