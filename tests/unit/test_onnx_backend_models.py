@@ -185,18 +185,14 @@ def workdir(tmp_path_factory):
         yield tmp_path_factory.mktemp("backend_models")
 
 
-_COMPRESSED: dict[tuple[int, str], Path] = {}
-
-
 def compressed(i: int, form: str, workdir: Path) -> Path:
-    """The command's output for model i in `form` (made once per module)."""
-    if (i, form) not in _COMPRESSED:
-        folder = workdir / f"m{i}"
+    """The command's output for model i in `form` (made once per module run, in its workdir)."""
+    folder = workdir / f"m{i}"
+    out = folder / (f"{form}.onnxz" if form.endswith("packed") else f"{form}.onnx")
+    if not out.exists():
         folder.mkdir(exist_ok=True)
-        out = folder / (f"{form}.onnxz" if form.endswith("packed") else f"{form}.onnx")
         cli("compress", case(i).path, "-o", out, *FORMS[form][0])
-        _COMPRESSED[i, form] = out
-    return _COMPRESSED[i, form]
+    return out
 
 
 def _loaded(path: Path) -> onnx.ModelProto:
