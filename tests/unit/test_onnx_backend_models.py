@@ -163,13 +163,19 @@ def snr_db(ref, cand) -> float:
     return worst
 
 
-def cli(*args) -> None:
+def cli_result(*args) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the command run in this process."""
     from tools import surgeon_compress
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = surgeon_compress.main([str(a) for a in args])
-    assert rc == 0, f"surgeon-compress {' '.join(map(str, args))}: exit {rc}: {err.getvalue().strip()}"
+    return rc, out.getvalue(), err.getvalue()
+
+
+def cli(*args) -> None:
+    rc, _, err = cli_result(*args)
+    assert rc == 0, f"surgeon-compress {' '.join(map(str, args))}: exit {rc}: {err.strip()}"
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +303,38 @@ def test_fold_equals_onnxruntime_dequantize(i, workdir):
         assert mine.dtype == theirs.dtype and np.array_equal(mine.view(np.uint8), theirs.view(np.uint8)), n.output[0]
     s = snr_db(run_ort(q, c.feeds), run_ort(folded, c.feeds))
     assert s > 100, f"folded vs int8 model: {s:.1f} dB"
+    # float16 weights (11-bit significands: ~70 dB on a weight) keep the int8 floor
+    half = passes.fold_dequantize(q, dtype="float16")
+    onnx.checker.check_model(half, full_check=True)
+    s = snr_db(c.expected, c.run(half))
+    assert s >= FORMS["int8"][1], f"folded to float16: {s:.1f} dB"
+
+
+WEIGHTED = [i for i in PARAMS if matrix_weights(case(i))]
+
+
+@pytest.mark.parametrize("i", WEIGHTED, ids=[IDS[i] for i in WEIGHTED])
+def test_auto_mode_meets_its_target_on_the_shipped_inputs(i, workdir):
+    """--target with the shipped inputs as feeds: the written model meets the target on them (the
+    gate pools signal and noise over every output: fidelity.output_snr_db). Where onnxruntime
+    cannot run the original (opset-6 kernels) the search has nothing to measure against: it
+    refuses, exit 1, with onnxruntime's reason, and writes nothing."""
+    c = case(i)
+    feeds = workdir / f"feeds{i}.npz"
+    np.savez(feeds, **{f"{j}/{k}": v for j, f in enumerate(c.feeds) for k, v in f.items()})
+    out = workdir / f"auto{i}.onnx"
+    rc, _, err = cli_result("compress", c.path, "-o", out, "--target", "snr>=30", "--min-elements", "0",
+                            "--feeds", feeds)
+    if c.ort_cannot == _OLD_OPSET:
+        assert rc == 1 and "onnxruntime cannot load model" in err and not out.exists(), err
+        return
+    assert rc == 0, err
+    q = onnx.load(str(out))
+    onnx.checker.check_model(q, full_check=True)
+    got, ref = c.run(q), run_ort(c.path, c.feeds)
+    noise = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for r, g in zip(ref, got) for a, b in zip(r, g))
+    sig = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for r in ref for a in r)
+    assert noise == 0 or 10 * np.log10(sig / noise) >= 30 - 1e-6
 
 
 @pytest.mark.parametrize("mode", ["fold", "int8"])
