@@ -47,7 +47,8 @@ def test_auto_holds_on_rapidocr_held_out_half(corpus):
     out, rep = passes.compress(model, target="top1>=0.99", feeds=calibration)
     from passes import auto
 
-    assert rep["met_on_feeds"] and rep["fidelity"]["proxy_snr"] >= auto.TOP1_SNR_DB  # the logits' floor
+    # the search's own bound on the held-out risk: expected top-1 flips from the logits' margin errors
+    assert rep["met_on_feeds"] and rep["fidelity"]["top1_risk"] <= 1 - 0.995  # (top1>=0.99 margined)
     assert evaluate(model, out, feeds=held_out, metric="top1").metrics["top1"] >= 0.99
 
 
