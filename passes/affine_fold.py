@@ -157,10 +157,21 @@ def _affine_chain(conv, model, consts, counts, readers, outputs, ops):
 def fold_conv_affine(model: onnx.ModelProto, ops=AFFINE_OPS) -> tuple[onnx.ModelProto, int]:
     """(model with the per-channel affine nodes after its Convs folded into them, nodes removed).
     ops: the affine node types folded (a subset of AFFINE_OPS); a chain ends at any other.
-    The input model is not changed; without anything to fold it is returned as is."""
+    The input model is not changed; without anything to fold it is returned as is.
+    An IR 3 model (every initializer also listed as a graph input, as IR 3 requires) is folded as
+    IR 4 with those inputs unlisted (quantize.unlist_ir3_initializers, as quantize_weights does):
+    at IR >= 4 a listed initializer is an overridable input, not a constant, and is left alone."""
     unknown = set(ops) - set(AFFINE_OPS)
     if unknown:
         raise InvalidArgumentError(f"fold_conv_affine: ops must be among {', '.join(AFFINE_OPS)}, got {sorted(unknown)}")
+    if model.ir_version < 4 and {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}:
+        from .quantize import unlist_ir3_initializers
+
+        ir4 = onnx.ModelProto()
+        ir4.CopyFrom(model)
+        unlist_ir3_initializers(ir4)
+        folded, n = fold_conv_affine(ir4, ops)
+        return (folded, n) if n else (model, 0)
     consts = _Constants(model)
     counts = graph.read_counts(model)
     outputs = {o.name for o in model.graph.output}

@@ -230,3 +230,37 @@ def test_an_all_float_plan_returns_the_model_unfolded():
     for f in feeds:
         for a, b in zip(_run(out, f["x"]), _run(m, f["x"])):
             np.testing.assert_array_equal(a, b)
+
+
+def _ir3(model, opset=9):
+    """The model as IR 3 writes it: every initializer also listed as a graph input."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in m.graph.initializer)
+    del m.opset_import[:]
+    m.opset_import.append(helper.make_opsetid("", opset))
+    m.ir_version = 3
+    return m
+
+
+def test_an_ir3_model_folds_with_its_initializers_unlisted():
+    """IR 3 lists every initializer as an input (classic model-zoo CNNs, PyTorch <= 1.0): they are the
+    model's constants there, not overridable inputs (H3's repro: BatchNormalization kept)."""
+    inits = [onnx.numpy_helper.from_array(_arr((C, K, 3, 3), 5), "W")] + [
+        onnx.numpy_helper.from_array(_arr((C,), seed, lo, hi), n)
+        for n, seed, lo, hi in (("s", 1, 0.5, 2.0), ("o", 2, -1.0, 1.0), ("m", 3, -1.0, 1.0), ("v", 4, 0.1, 2.0))]
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "s", "o", "m", "v"], ["b"], epsilon=1e-3),
+             helper.make_node("Relu", ["b"], ["y"])]
+    m = _ir3(_model(nodes, inits, [1, C, 8, 8]))
+    onnx.checker.check_model(m, full_check=True)
+    before = m.SerializeToString()
+    folded, n = affine_fold.fold_conv_affine(m)
+    assert n == 1 and [x.op_type for x in folded.graph.node] == ["Conv", "Relu"]
+    assert folded.ir_version == 4 and [i.name for i in folded.graph.input] == ["x"]
+    onnx.checker.check_model(folded, full_check=True)
+    np.testing.assert_allclose(_run(folded, _x())[0], _run(m, _x())[0], rtol=1e-4, atol=1e-5)
+    assert m.SerializeToString() == before  # the input model is not changed
+    # nothing to fold: the IR 3 model itself comes back
+    plain = _ir3(_model([helper.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1])], inits[:1], [1, C, 8, 8]))
+    assert affine_fold.fold_conv_affine(plain) == (plain, 0)
