@@ -80,6 +80,10 @@ GPTQ_MAX_NOISE_GAIN = 4.0  # error feedback moves weights where the calibration 
 # factor the levels fit the calibration span rather than the model, and nearest rounding stays.
 GPTQ_DAMP = 0.3  # error feedback's diagonal loading (relative to H's mean diagonal) for MatMul/Gemm weights,
 GPTQ_CONV_DAMP = 0.01  # ... for Conv weights, and act-order (False / True / "conv"). Damped (1.0 / 0.3 / "conv",
+GPTQ_CONV_DAMP_PER_INPUT = None  # not None: a Conv weight's damping is gptq.sample_damp (per_input x inputs / rows
+# its Hessian was summed over, at least GPTQ_CONV_DAMP; H5's ask). Measured at 0.5 and left off (bench/auto_split.py's
+# run_split, first / reversed split, all met held out; load 11-17): silero_vad_v6 15.95 / 16.23% -> 15.02 / 15.96%,
+# but rapidocr_cls 23.08 / 27.20% -> 24.09 / 27.38% and open_nsfw 17.58 / 19.53% -> 17.87 / 19.75%
 GPTQ_ACT_ORDER = False  # 0.3-0.5 fewer bits/weight at equal held-out layer SNR, bench/layer_rd.py) measured in the
 # auto mode on the held-out half: open_nsfw 17.92 -> 17.53%, rapidocr_cls 28.90 -> 28.65%, open_nsfw_fp16
 # 31.81 -> 34.96%, minilm_fp32 22.41 -> 25.97% (cosine 0.99927 -> 0.99973), minilm_fp16 44.40 -> 48.08%, and
@@ -864,6 +868,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     blocked_levels = {}  # blocked form key -> name -> (levels, scale, axis, block) (sensitivity.blocked_forms)
     plain_ref = {n: i.options[ref_bits].dequantized for n, i in infos.items() if ref_bits in i.options}
     hess, gptq_fit = {}, None
+    hess_rows = {}  # name -> activation rows its Hessian was summed over (gptq.sample_damp)
     if gptq and infos:
         from . import gptq as gq
 
@@ -877,7 +882,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                             for n in names_h} for f in range(n_folds)]
             del fold_hess
         else:
-            hess = gq.collect_hessians(probe, feeds, list(infos))
+            hess = gq.collect_hessians(probe, feeds, list(infos), rows=hess_rows)
             fit_without = [hess]
         cons = gq.consumers(probe, hess)
         conv = {n for n in hess if n in cons and cons[n][0].op_type == "Conv"}
@@ -886,8 +891,12 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             """Error-feedback levels, damped as measured best held out (quantize_with_feedback)."""
             out = gq.refine(qmodel, probe, {n: h for n, h in hs.items() if n not in conv}, b,
                             damp=GPTQ_DAMP, factors=factors, act_order=GPTQ_ACT_ORDER)
+            conv_damp = GPTQ_CONV_DAMP
+            if GPTQ_CONV_DAMP_PER_INPUT is not None:
+                conv_damp = {n: gq.sample_damp(h.shape[0], hess_rows.get(n, 0), GPTQ_CONV_DAMP, GPTQ_CONV_DAMP_PER_INPUT)
+                             for n, h in hs.items() if n in conv}
             out.update(gq.refine(qmodel, probe, {n: h for n, h in hs.items() if n in conv}, b,
-                                 damp=GPTQ_CONV_DAMP, factors=factors, act_order=GPTQ_ACT_ORDER))
+                                 damp=conv_damp, factors=factors, act_order=GPTQ_ACT_ORDER))
             return out
 
         gptq_fit = fit_with_feedback

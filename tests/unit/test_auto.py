@@ -845,3 +845,37 @@ def test_the_output_carries_no_value_info():
     graphs = [out.graph] + [a.g for n in out.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
     assert len(graphs) > 1 and not any(len(g.value_info) for g in graphs)
     assert rep["met_on_feeds"] and evaluate(m, out, feeds=f).metrics["cosine"] >= 0.999
+
+
+def test_conv_damping_by_the_rows_its_hessian_saw(monkeypatch):
+    """GPTQ_CONV_DAMP_PER_INPUT: each Conv weight's error feedback is damped by gptq.sample_damp of
+    its inputs and the activation rows its Hessian was summed over (at least GPTQ_CONV_DAMP); None:
+    GPTQ_CONV_DAMP for every Conv weight."""
+    from passes import auto, gptq
+
+    m = conv_model()
+    f = feeds(m, n=3)
+    seen = []
+    real = gptq.refine
+
+    def refine(qmodel, src, hessians, bits, damp=gptq.DAMP, **kw):
+        if hessians:
+            seen.append((dict(hessians), damp))
+        return real(qmodel, src, hessians, bits, damp=damp, **kw)
+
+    monkeypatch.setattr(gptq, "refine", refine)
+    monkeypatch.setattr(auto, "GPTQ_CONV_DAMP_PER_INPUT", 0.5)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f, tighten=0)
+    assert rep["met_on_feeds"]
+    rows = {}
+    hess = gptq.collect_hessians(auto._constants_to_initializers(m), f, ["W"], rows=rows)
+    conv = [damp for hs, damp in seen if "W" in hs]
+    assert conv and all(isinstance(d, dict) for d in conv)
+    expected = gptq.sample_damp(hess["W"].shape[0], rows["W"], auto.GPTQ_CONV_DAMP, 0.5)
+    assert expected > auto.GPTQ_CONV_DAMP  # 72 inputs over 3 x 100 rows: 0.12, the rows' rule, not the floor
+    assert all(d["W"] == pytest.approx(expected) for d in conv)
+    seen.clear()
+    monkeypatch.setattr(auto, "GPTQ_CONV_DAMP_PER_INPUT", None)
+    passes.compress(m, target="cosine>=0.999", feeds=f, tighten=0)
+    assert [damp for hs, damp in seen if "W" in hs] and all(
+        damp == auto.GPTQ_CONV_DAMP for hs, damp in seen if "W" in hs)
