@@ -24,13 +24,9 @@ def ans_decoder(level: int, loads: int):
         c.ans_avx2_loads(before[1])
 
 
-def pack_and_read_index(folder, inits, catalog=False):
-    """A model holding `inits` packed in `folder`: (src, dst, decoded index object, header).
-    catalog=False: written with the whole tensor table in the index (as before format 1.3's
-    catalog: the index these tests check); True: as the writer does by default."""
-    src = folder / "m.onnx"
-    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
-    dst = folder / "m.onnxz"
+def pack_as(src, dst, *, catalog: bool):
+    """passes.pack(src, dst) at 1 thread, with (True: the writer's default) or without format 1.3's
+    catalog (ONNXZ_NO_CATALOG, the variable restored after); returns dst."""
     before = os.environ.pop("ONNXZ_NO_CATALOG", None)
     try:
         if not catalog:
@@ -40,6 +36,16 @@ def pack_and_read_index(folder, inits, catalog=False):
         os.environ.pop("ONNXZ_NO_CATALOG", None)
         if before is not None:
             os.environ["ONNXZ_NO_CATALOG"] = before
+    return dst
+
+
+def pack_and_read_index(folder, inits, catalog=False):
+    """A model holding `inits` packed in `folder`: (src, dst, decoded index object, header).
+    catalog=False: written with the whole tensor table in the index (as before format 1.3's
+    catalog: the index these tests check); True: as the writer does by default."""
+    src = folder / "m.onnx"
+    src.write_bytes(helper.make_model(helper.make_graph([], "g", [], [], inits)).SerializeToString())
+    dst = pack_as(src, folder / "m.onnxz", catalog=catalog)
     size = os.path.getsize(dst)
     with open(dst, "rb") as f:
         header = fmt.parse_header(f.read(fmt.HEADER_SIZE), size)

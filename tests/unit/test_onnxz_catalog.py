@@ -5,7 +5,6 @@ written without it; every damaged or inconsistent catalog refused with CorruptFi
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 
@@ -14,6 +13,7 @@ import pytest
 import xxhash
 import zstandard as zstd
 from onnx import TensorProto, helper, numpy_helper
+from onnxz_helpers import pack_as
 
 import passes
 from passes import CorruptFileError, LimitExceededError, NewerFormatError
@@ -37,16 +37,7 @@ def _model():
 
 
 def _pack(path, src, catalog=True):
-    before = os.environ.pop("ONNXZ_NO_CATALOG", None)
-    try:
-        if not catalog:
-            os.environ["ONNXZ_NO_CATALOG"] = "1"
-        passes.pack(src, path, threads=1)
-    finally:
-        os.environ.pop("ONNXZ_NO_CATALOG", None)
-        if before is not None:
-            os.environ["ONNXZ_NO_CATALOG"] = before
-    return path
+    return pack_as(src, path, catalog=catalog)
 
 
 @pytest.fixture(scope="module")
