@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import tempfile
 from functools import lru_cache
@@ -317,21 +318,21 @@ WEIGHTED = [i for i in PARAMS if matrix_weights(case(i))]
 def test_auto_mode_meets_its_target_on_the_shipped_inputs(i, workdir):
     """--target with the shipped inputs as feeds: the written model meets the target on them (the
     gate pools signal and noise over every output: fidelity.output_snr_db). Where onnxruntime
-    cannot run the original (opset-6 kernels) the search has nothing to measure against: it
-    refuses, exit 1, with onnxruntime's reason, and writes nothing."""
+    cannot run the original (opset-6 kernels) the search measures the original raised to opset 13,
+    checked against onnx's reference evaluator (tools/legacy_opset.py; the report says so): the
+    written model is held to the target against the reference evaluator's outputs of the original."""
     c = case(i)
     feeds = workdir / f"feeds{i}.npz"
     np.savez(feeds, **{f"{j}/{k}": v for j, f in enumerate(c.feeds) for k, v in f.items()})
     out = workdir / f"auto{i}.onnx"
-    rc, _, err = cli_result("compress", c.path, "-o", out, "--target", "snr>=30", "--min-elements", "0",
-                            "--feeds", feeds)
-    if c.ort_cannot == _OLD_OPSET:
-        assert rc == 1 and "onnxruntime cannot load model" in err and not out.exists(), err
-        return
+    rc, stdout, err = cli_result("compress", c.path, "-o", out, "--target", "snr>=30", "--min-elements", "0",
+                                 "--feeds", feeds)
     assert rc == 0, err
+    assert (c.ort_cannot == _OLD_OPSET) == ("it was measured at opset 13" in stdout), stdout
     q = onnx.load(str(out))
     onnx.checker.check_model(q, full_check=True)
-    got, ref = c.run(q), run_ort(c.path, c.feeds)
+    got = c.run(q)
+    ref = c.run(c.path) if c.ort_cannot == _OLD_OPSET else run_ort(c.path, c.feeds)
     noise = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for r, g in zip(ref, got) for a, b in zip(r, g))
     sig = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for r in ref for a in r)
     assert noise == 0 or 10 * np.log10(sig / noise) >= 30 - 1e-6
@@ -384,3 +385,25 @@ def test_palettize_and_fold_palettes(i):
             x, y = np.asarray(x), np.asarray(y)
             assert np.array_equal(x, y, equal_nan=x.dtype.kind in "fc")
     assert snr_db(c.expected, a) >= 8.0  # 16 k-means levels: no worse than 4-bit uniform blocks
+
+
+OLD_OPSET = [i for i in PARAMS if case(i).ort_cannot == _OLD_OPSET]
+
+
+@pytest.mark.parametrize("i", OLD_OPSET, ids=[IDS[i] for i in OLD_OPSET])
+def test_eval_measures_an_old_opset_original_raised(i, workdir):
+    """eval of the int8 model against an original onnxruntime has no opset-6 kernels for: the
+    original is measured raised to opset 13 (checked against onnx's reference evaluator first, and
+    the report says so), and the SNR it reports is the one against the reference evaluator's
+    outputs of the original, within 0.1 dB."""
+    c = case(i)
+    feeds = workdir / f"eval_feeds{i}.npz"
+    np.savez(feeds, **{f"{j}/{k}": v for j, f in enumerate(c.feeds) for k, v in f.items()})
+    q = compressed(i, "int8_all", workdir)
+    rc, stdout, err = cli_result("eval", c.path, q, "--feeds", feeds, "--json")
+    assert rc == 0, err
+    fidelity = json.loads(stdout)["fidelity"]
+    assert any("it was measured at opset 13" in n for n in fidelity["notes"]), fidelity["notes"]
+    direct = snr_db(c.run(c.path), c.run(q))
+    reported = float(fidelity["metrics"]["snr_min"])  # worst output, as snr_db measures
+    assert reported == direct or abs(reported - direct) < 0.1, (reported, direct)
