@@ -150,13 +150,16 @@ def _limits(dtype: np.dtype) -> tuple[np.ndarray, float]:
     return np.array(info.smallest_subnormal, dtype=dtype), float(info.max)
 
 
-def _stored(scale: np.ndarray, dtype: np.dtype, top: int) -> np.ndarray:
+def _stored(scale: np.ndarray, dtype: np.dtype, top: int, mantissa_bits: int | None = None) -> np.ndarray:
     """Scale as the model will store it (weight dtype), back in float32.
 
     Never zero, and never so large that `top` (the largest level distance) times it overflows
     the dtype: rounding 65504/127 up to a float16 scale would make the top level dequantize to
-    inf, so such scales step down by one unit in the last place.
+    inf, so such scales step down by one unit in the last place. mantissa_bits (float32 weights
+    only): the scale rounded to that many explicit mantissa bits first (round_scale_mantissa).
     """
+    if mantissa_bits is not None and dtype == np.float32:
+        scale = round_scale_mantissa(scale, mantissa_bits)
     s = scale.astype(dtype)
     tiny, largest = _limits(dtype)
     s = np.where(s > 0, s, tiny)
@@ -178,8 +181,10 @@ _FINE = (-2, -1, 1, 2)
 class _Rows:
     """One chunk of rows (in cache) with the scratch buffers the error evaluations share."""
 
-    def __init__(self, rows: np.ndarray, levels: Levels, dtype: np.dtype, importance: np.ndarray | None = None):
+    def __init__(self, rows: np.ndarray, levels: Levels, dtype: np.dtype, importance: np.ndarray | None = None,
+                 mantissa_bits: int | None = None):
         self.rows, self.levels, self.dtype = rows, levels, dtype
+        self.mantissa_bits = mantissa_bits  # scales rounded to this many mantissa bits (float32), or None
         self.importance = importance  # per element weight of the squared error (search only), or None
         self.y = np.empty_like(rows)  # rows / scale (+ zero point): the unrounded levels
         self.q = np.empty_like(rows)
@@ -196,14 +201,15 @@ class _Rows:
         """Scale and zero point (float32 per row) for clip `ratio` (scalar or per row)."""
         lv = self.levels
         if lv.symmetric:
-            return _stored(self.span * ratio / lv.qmax, self.dtype, lv.qmax), None
+            return _stored(self.span * ratio / lv.qmax, self.dtype, lv.qmax, self.mantissa_bits), None
         # (q - z) * s must stay finite for every level: with a span near twice the dtype's
         # largest value (float16 weights at +-65504) the rounded zero point could put the far
         # end one step past it (-128 * 513.5 = -65728 -> -inf). Capping the step at
         # largest / ceil(top / 2) leaves a zero point range within reach of both ends.
         largest = _limits(self.dtype)[1]
         half = (self.top + 1) // 2
-        s = _stored(np.minimum(self.span * ratio / self.top, np.float32(largest / half)), self.dtype, self.top)
+        s = _stored(np.minimum(self.span * ratio / self.top, np.float32(largest / half)), self.dtype, self.top,
+                    self.mantissa_bits)
         z = np.clip(np.rint(-self.lo * ratio / s), lv.qmin, lv.qmax)
         reach = np.floor(largest / s.astype(np.float64))
         z = np.clip(z, lv.qmax - reach, lv.qmin + reach).astype(np.float32)
@@ -285,7 +291,7 @@ def _search(part: _Rows, search: bool):
 
 def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size: int = 0,
                     search: bool = True, rounding: _rd.Rounding | None = None,
-                    importance: np.ndarray | None = None) -> Quantized:
+                    importance: np.ndarray | None = None, scale_mantissa_bits: int | None = None) -> Quantized:
     """Quantize float weights `w` (float32/float16/bfloat16) with scales in w's dtype.
 
     axis None: one scale; axis a without block_size: one scale per index of a; with block_size:
@@ -297,7 +303,13 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     activation of each weight's input, gptq.input_importance): the clip search then minimises
     sum importance * error**2 per channel / block -- the output error of a layer whose inputs are
     uncorrelated -- instead of the plain weight error. Only the scales change.
+    scale_mantissa_bits (float32 weights; None: full float32): every candidate scale is rounded to
+    that many mantissa bits (round_scale_mantissa; 8: a bfloat16 value, which the pack stores in two
+    bytes) before its levels are chosen and its error measured, so the search and the levels see
+    the scale the model stores. Other weight dtypes ignore it (their scales are already narrow).
     """
+    if scale_mantissa_bits is not None and not 1 <= int(scale_mantissa_bits) <= 24:
+        raise InvalidArgumentError(f"scale_mantissa_bits must be 1..24, got {scale_mantissa_bits}")
     if w.ndim == 0 and axis is not None:
         raise InvalidArgumentError("a scalar can only be quantized per tensor")
     if axis is not None and not -w.ndim <= axis < w.ndim:
@@ -327,7 +339,7 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     step = max(1, _SEARCH_CHUNK // max(rows.shape[1], 1))
     for start in range(0, rows.shape[0], step):
         part = _Rows(rows[start:start + step], levels, dtype,
-                     None if imp_rows is None else imp_rows[start:start + step])
+                     None if imp_rows is None else imp_rows[start:start + step], scale_mantissa_bits)
         with np.errstate(over="ignore", invalid="ignore"):  # extreme weights: inf errors just lose
             s, z = _search(part, search)
             scales[start:start + step] = s
@@ -343,7 +355,7 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
     if rounding is not None and rounding.rdo and rows.size:
         base_scales = scales
         found = _rate_distortion(rows, scales, zps, levels, dtype, rounding, noise, signal, step, tally,
-                                 _rd.entropy_bits(counts))
+                                 _rd.entropy_bits(counts), scale_mantissa_bits)
         if found is not None:
             q_rows, scales, zps, noise, signal, counts, choice = found
             m = scales.astype(np.float64) / np.maximum(base_scales.astype(np.float64), 1e-45)
@@ -383,7 +395,7 @@ class _Tally:
 
 
 def _rate_distortion(rows, scales, zps, levels: Levels, dtype, opts: "_rd.Rounding", noise: float,
-                     signal: float, step: int, tally: _Tally, rate_nearest: float):
+                     signal: float, step: int, tally: _Tally, rate_nearest: float, mantissa_bits: int | None = None):
     """Rate-distortion rounding of the rows (passes/rounding.py), or None when plain nearest
     rounding is what it chooses. The step and lambda come from a sample; when the whole tensor
     then falls short of the SNR bound, the bound is tightened by the shortfall and the choice
@@ -395,7 +407,7 @@ def _rate_distortion(rows, scales, zps, levels: Levels, dtype, opts: "_rd.Roundi
         choice = _rd.choose(rows, scales, zps, levels.qmin, levels.qmax, opts, weights)
         if choice.is_nearest:
             return None
-        found = _round_rd(rows, scales, zps, levels, dtype, choice, weights, step, tally)
+        found = _round_rd(rows, scales, zps, levels, dtype, choice, weights, step, tally, mantissa_bits)
         got = _snr(found[3], found[4])
         if got >= floor - 0.005:
             if opts.rd_lambda is None and _rd.entropy_bits(found[5]) >= rate_nearest:
@@ -409,7 +421,7 @@ def _rate_distortion(rows, scales, zps, levels: Levels, dtype, opts: "_rd.Roundi
 
 
 def _round_rd(rows: np.ndarray, scales: np.ndarray, zps, levels: Levels, dtype, choice: "_rd.Choice",
-              weights, step: int, tally: _Tally):
+              weights, step: int, tally: _Tally, mantissa_bits: int | None = None):
     """Rate-distortion quantization of all rows at the chosen lambda (passes/rounding.round_rows:
     a step factor per row, then the levels), with the code lengths of the sample's histogram.
 
@@ -439,7 +451,7 @@ def _round_rd(rows: np.ndarray, scales: np.ndarray, zps, levels: Levels, dtype, 
         z_new = None if z is None else _rd.shifted_zero(z, m, levels.qmin, levels.qmax)
         s_new = s * m * (_unit_gain(part, q, z_new, s * m) if choice.level_rdo else 1)
         # a step enlarged near the dtype's limit: the top level must still dequantize finite
-        s_new = _stored(np.minimum(s_new, np.float32(_limits(dtype)[1] / top)), dtype, top)
+        s_new = _stored(np.minimum(s_new, np.float32(_limits(dtype)[1] / top)), dtype, top, mantissa_bits)
         new_scales[start:start + step] = s_new
         if z_new is not None:
             new_zps[start:start + step] = z_new
@@ -681,14 +693,21 @@ def _kernel(qq, ss, zz, o, scratch, exact_small) -> None:
 # blocked levels with coarse scales (the auto mode's blocked form, written as Cast+Mul+Reshape)
 
 
-def round_scale_mantissa(scale: np.ndarray) -> np.ndarray:
-    """float32 scales rounded (to nearest even) to 8 mantissa bits, still float32, never 0.
+def round_scale_mantissa(scale: np.ndarray, bits: int = 8) -> np.ndarray:
+    """float32 scales rounded (to nearest even) to `bits` mantissa bits (the implicit leading one
+    counted: 8 is bfloat16's precision), still float32, never 0.
 
     Why: a scale per block of 64 weights stored as float32 costs 0.5 bit per weight; a float32
     whose 16 low bits are zero is a bfloat16 value, which the pack stores in two bytes (its
     "narrow" codec), and 2**-9 of relative scale error is far below the levels' own error."""
+    if not 1 <= bits <= 24:
+        raise InvalidArgumentError(f"mantissa bits must be 1..24, got {bits}")
+    drop = 24 - bits
+    if drop == 0:
+        return np.where(scale > 0, scale, np.float32(2.0 ** -126)).astype(np.float32)
     u = np.ascontiguousarray(scale, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    keep = (0xFFFFFFFF >> drop) << drop
+    u = (u + ((1 << (drop - 1)) - 1) + ((u >> drop) & 1)) & keep
     out = u.astype(np.uint32).view(np.float32)
     tiny = np.float32(2.0 ** -126)
     return np.where(out > 0, out, tiny).astype(np.float32)

@@ -385,6 +385,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                      rd_max_snr_loss_db: float | None = None, rd_target_snr_db: float | None = None,
                      rd_step_scale: float | None = None, rd_distortion: str | None = None,
                      rd_levels: str | None = None, importance: dict | None = None,
+                     scale_mantissa_bits: int | None = None,
                      report: Report | None = None, progress=None) -> onnx.ModelProto:
     """A new model whose float weights are n-bit integers expanded by DequantizeLinear nodes.
 
@@ -408,8 +409,16 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     activation of each weight's input): the clip search of those weights minimises the error
     weighted by it (about the layer's output error) instead of the plain weight error. Only the
     scales change; weights not named are unaffected. Measured in bench/layer_rd.py.
+
+    scale_mantissa_bits: float32 weights' scales rounded to that many mantissa bits before their
+    levels are chosen (forms.quantize_linear; 8: bfloat16 values, which the pack stores in two
+    bytes instead of four). None keeps full float32 scales.
     """
     block = _check_args(bits, granularity, block_size, min_elements)
+    if scale_mantissa_bits is not None and (not isinstance(scale_mantissa_bits, (int, np.integer))
+                                            or isinstance(scale_mantissa_bits, bool)
+                                            or not 1 <= scale_mantissa_bits <= 24):
+        raise InvalidArgumentError(f"scale_mantissa_bits must be an integer from 1 to 24, got {scale_mantissa_bits!r}")
     importance = _check_importance(importance)
     rounding_opts = _rounding.options(rounding, rd_lambda, rd_max_snr_loss_db, rd_target_snr_db, rd_step_scale,
                                       rd_distortion, rd_levels)
@@ -457,7 +466,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
         report.note(f"include {', '.join(map(repr, include_p))} matched no float weight (by name or by the op type "
                     "reading it): nothing quantized")
     jobs = [_Job(data_of(w), graph.choose_axis(w, consumers_of), granularity, block, levels, rounding_opts,
-                 importance.get(w.name))
+                 importance.get(w.name), scale_mantissa_bits)
             for w, reason in zip(weights, reasons) if reason is None]
     # a pool's threads keep their malloc arenas (~4-5 MB) for the process's life: not worth it for
     # a few MB of weights, which one thread quantizes in milliseconds
@@ -637,6 +646,7 @@ class _Job:
     levels: forms.Levels
     rounding: _rounding.Rounding = _rounding.Rounding()
     importance: np.ndarray | None = None
+    scale_mantissa_bits: int | None = None
 
     def run(self):
         """(axis, block size, forms.Quantized), or None when the weight holds inf or nan."""
@@ -659,7 +669,8 @@ class _Job:
             except ValueError:
                 raise InvalidArgumentError(f"importance of {self.tensor.name}: shape {np.shape(self.importance)} "
                                            f"does not broadcast to the weight's {arr.shape}") from None
-        return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk, rounding=self.rounding, importance=imp)
+        return axis, blk, forms.quantize_linear(arr, self.levels, axis, blk, rounding=self.rounding, importance=imp,
+                                                scale_mantissa_bits=self.scale_mantissa_bits)
 
 
     def _block_axis(self, arr: np.ndarray) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """Blocked levels (forms.quantize_blocks) written as Cast+Mul+Reshape (cast_levels.as_blocked_cast_mul):
 bounded error, bit-exact fold, onnx.checker, onnxruntime, blocked DequantizeLinear again, error
 feedback, and the auto mode choosing them."""
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -178,3 +179,29 @@ def test_auto_mode_picks_blocked_levels_where_blocks_differ(monkeypatch):
         assert np.array_equal(got, initializer_array(folded, t["name"]))
     r = passes.evaluate(m, out, feeds=feeds, metric="cosine")
     assert r.metrics["cosine"] >= 0.999
+
+
+@pytest.mark.parametrize("bits", [4, 8, 12, 24])
+def test_round_scale_mantissa_keeps_that_many_bits_nearest_even(bits):
+    """round_scale_mantissa(s, bits): the nearest float32 with `bits` significant bits (ties to even,
+    as ml_dtypes' bfloat16 cast at 8), never 0; 24 gives the scales back."""
+    rng = np.random.default_rng(bits)
+    s = np.abs(rng.standard_normal(4096)).astype(np.float32) * np.float32(1e-3)
+    s[:3] = [0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8]  # zero, and a tie each way at 8 bits
+    r = forms.round_scale_mantissa(s, bits)
+    assert r.dtype == np.float32 and np.all(r > 0)
+    drop = 24 - bits
+    assert not np.any(r[1:].view(np.uint32) & ((1 << drop) - 1))
+    rel = np.abs(r[1:].astype(np.float64) / s[1:] - 1)
+    assert np.all(rel <= 2.0 ** -bits * (1 + 1e-9))
+    if bits == 8:
+        assert np.array_equal(r[1:], s[1:].astype(ml_dtypes.bfloat16).astype(np.float32))
+        assert r[1] == 1.0 and r[2] == 1.0 + 2.0 ** -6  # ties to even
+    if bits == 24:
+        assert np.array_equal(r[1:], s[1:])
+
+
+@pytest.mark.parametrize("bits", [0, 25])
+def test_round_scale_mantissa_refuses_bits_out_of_range(bits):
+    with pytest.raises(InvalidArgumentError):
+        forms.round_scale_mantissa(np.ones(3, np.float32), bits)

@@ -71,7 +71,10 @@ def test_branch_outputs_leave_the_model_outputs_unchanged():
         y, act = sess.run(["y", "act"], f[0])
         np.testing.assert_array_equal(y, ref)
         if c and c2:  # the branch that computes it ran
-            np.testing.assert_array_equal(act, np.maximum(f[0]["x"] @ mg.initializer_array(m, "A"), 0))
+            # onnxruntime's MatMul sums in another order than numpy's (on this session's host ~13% of the
+            # values differ in the last bit or two, up to 1e-6): the branch's value, not a bit-exact product
+            np.testing.assert_allclose(act, np.maximum(f[0]["x"] @ mg.initializer_array(m, "A"), 0),
+                                       rtol=1e-5, atol=1e-6)
         else:
             assert act.size == 0
     assert m.graph.node[0].output == ["y"]  # the input model is not modified

@@ -432,3 +432,68 @@ def test_include_matching_nothing_says_so():
     report = Report()
     quantize_weights(mg.conv_model(), include=["Conv"], report=report)
     assert not any("matched no float weight" in n for n in report.notes)
+
+
+def _expanded(scale, node, shape):
+    """A DequantizeLinear's scale (or zero point) broadcast to the weight's shape."""
+    if scale.ndim == 0:
+        return np.broadcast_to(scale, shape)
+    axis = _attr(node, "axis", 1) % len(shape)
+    block = _attr(node, "block_size", 0)
+    if block:
+        return np.repeat(scale, block, axis=axis).take(range(shape[axis]), axis=axis)
+    view = [1] * len(shape)
+    view[axis] = -1
+    return np.broadcast_to(scale.reshape(view), shape)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(symmetric=False), dict(bits=4, granularity="block", block_size=16),
+                                dict(rounding="rdo")])
+def test_scale_mantissa_bits_stores_bfloat16_scales_and_levels_at_them(kw):
+    """scale_mantissa_bits=8: every float32 scale is a bfloat16 value (16 low bits zero); with nearest
+    rounding the levels are exactly those of the stored scale (clip(rint(w / s) + z)), so the fold is
+    within half a stored step of every weight the levels' range reaches; the weight SNR stays within
+    0.25 dB of full float32 scales (the step moves by at most 2**-9 relative; on these 3072-weight
+    tensors that reshuffles which weights round which way: 0.08-0.15 dB measured at 8 bits asymmetric)."""
+    m = mg.dense_model("float32", 13)
+    before = m.SerializeToString()
+    rep_full, rep_bf = Report(), Report()
+    full = quantize_weights(m, min_elements=64, report=rep_full, **kw)
+    bf = quantize_weights(m, min_elements=64, report=rep_bf, scale_mantissa_bits=8, **kw)
+    assert m.SerializeToString() == before
+    onnx.checker.check_model(bf, full_check=True)
+    scales = [tensor_to_array(t) for t in bf.graph.initializer if t.name.endswith("_scale")]
+    assert scales and all(s.dtype == np.float32 and not np.any(s.view(np.uint32) & 0xFFFF) for s in scales)
+    assert any(np.any(tensor_to_array(t).view(np.uint32) & 0xFFFF)
+               for t in full.graph.initializer if t.name.endswith("_scale"))  # the option did something
+    quantized = [(a, b) for a, b in zip(rep_full.tensors, rep_bf.tensors) if b.snr_db is not None]
+    # rdo: each tensor's rate-aware choice may move by as much as its own SNR bound (0.5 dB below nearest)
+    tol = 0.5 if kw.get("rounding") == "rdo" else 0.25
+    assert quantized and all(a.name == b.name and abs(a.snr_db - b.snr_db) < tol for a, b in quantized)
+    if kw.get("rounding") == "rdo":
+        return
+    inits = {t.name: tensor_to_array(t) for t in bf.graph.initializer}
+    orig = {t.name: tensor_to_array(t) for t in m.graph.initializer}
+    folded = {t.name: tensor_to_array(t) for t in fold_dequantize(bf).graph.initializer}
+    for node in _dq_nodes(bf):
+        name = node.input[0][: -len("_quantized")]
+        w = orig[name]
+        s = _expanded(inits[node.input[1]], node, w.shape)
+        z = _expanded(inits[node.input[2]], node, w.shape).astype(np.float32) if len(node.input) > 2 else 0
+        q = inits[node.input[0]].astype(np.float32)
+        lo, hi = (-7, 7) if kw.get("bits") == 4 else ((-127, 127) if kw.get("symmetric", True) else (0, 255))
+        assert np.array_equal(q, np.clip(np.rint(w / s + z), lo, hi))
+        inside = (q > lo) & (q < hi)
+        assert np.all(np.abs(folded[name] - w)[inside] <= 0.5 * s[inside] * (1 + 1e-6))
+
+
+def test_scale_mantissa_bits_leaves_float16_weights_alone():
+    m = mg.dense_model("float16", 13)
+    assert quantize_weights(m, min_elements=64, scale_mantissa_bits=8).SerializeToString() == \
+        quantize_weights(m, min_elements=64).SerializeToString()
+
+
+@pytest.mark.parametrize("bad", [0, 25, 8.0, True, "8"])
+def test_scale_mantissa_bits_out_of_range_is_refused(bad):
+    with pytest.raises(InvalidArgumentError, match="scale_mantissa_bits"):
+        quantize_weights(mg.dense_model(), scale_mantissa_bits=bad)
