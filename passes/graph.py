@@ -602,6 +602,52 @@ def choose_axis(weight: Weight, consumers_of) -> AxisChoice:
 
 
 # ---------------------------------------------------------------------------------------------
+# outputs onnxruntime cannot hand to numpy
+
+# Output element types onnxruntime's Python binding does not return as their values: bfloat16,
+# float8 (except e4m3fn), 4-bit and 2-bit types raise "No corresponding Numpy type", and
+# float8e4m3fn comes back as uint8 holding the bit patterns (comparing those as numbers measures
+# codes, not values: -0.001 and +0.001 differ by 128). Each is cast to a type that holds its values
+# exactly, which Cast supports from the opset that introduced the type.
+_OUTPUT_CASTS = {
+    TensorProto.BFLOAT16: TensorProto.FLOAT,
+    TensorProto.FLOAT8E4M3FN: TensorProto.FLOAT,
+    TensorProto.FLOAT8E4M3FNUZ: TensorProto.FLOAT,
+    TensorProto.FLOAT8E5M2: TensorProto.FLOAT,
+    TensorProto.FLOAT8E5M2FNUZ: TensorProto.FLOAT,
+    TensorProto.FLOAT4E2M1: TensorProto.FLOAT,
+    TensorProto.INT4: TensorProto.INT8,
+    TensorProto.UINT4: TensorProto.UINT8,
+    **{getattr(TensorProto, n): TensorProto.FLOAT for n in ("FLOAT8E8M0",) if hasattr(TensorProto, n)},
+    **{getattr(TensorProto, n): t for n, t in (("INT2", TensorProto.INT8), ("UINT2", TensorProto.UINT8))
+       if hasattr(TensorProto, n)},
+}
+
+
+def numpy_readable_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` itself when onnxruntime hands every graph output to numpy as its values; else a
+    copy whose outputs of the other types (_OUTPUT_CASTS) end in a Cast to a type that holds their
+    values exactly (float32, int8, uint8), in the same output positions, so that a comparison of
+    outputs measures values. The cast output is named after the original (NAME_as_float32, ...);
+    the caller's model is not modified."""
+    casts = [(i, o) for i, o in enumerate(model.graph.output)
+             if o.type.HasField("tensor_type") and o.type.tensor_type.elem_type in _OUTPUT_CASTS]
+    if not casts:
+        return model
+    out = copy_model(model)
+    names = NameAllocator(all_names(out))
+    for i, _ in casts:
+        entry = out.graph.output[i]
+        to = _OUTPUT_CASTS[entry.type.tensor_type.elem_type]
+        cast_name = names.take(f"{entry.name}_as_{type_name(to)}")
+        out.graph.node.append(onnx.helper.make_node("Cast", [entry.name], [cast_name], to=to,
+                                                    name=names.take(f"{entry.name}_cast_for_numpy")))
+        entry.name = cast_name
+        entry.type.tensor_type.elem_type = to
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # graph order
 
 

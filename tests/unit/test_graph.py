@@ -264,3 +264,61 @@ def test_read_counts_sees_subgraphs_and_graph_outputs():
     assert counts["x"] == 2  # Add and the else branch
     assert counts["c"] == 1 and counts["y"] == 1 and counts["z"] == 1
     assert "t" in counts and "e" in counts  # the branches' own outputs
+
+
+# outputs onnxruntime cannot hand to numpy as values
+
+_OUT_TYPES = [(TP.BFLOAT16, ml_dtypes.bfloat16, 13), (TP.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn, 19),
+              (TP.FLOAT8E4M3FNUZ, ml_dtypes.float8_e4m3fnuz, 19), (TP.FLOAT8E5M2, ml_dtypes.float8_e5m2, 19),
+              (TP.FLOAT8E5M2FNUZ, ml_dtypes.float8_e5m2fnuz, 19), (TP.INT4, ml_dtypes.int4, 21),
+              (TP.UINT4, ml_dtypes.uint4, 21)]
+
+
+def _cast_outputs_model(elem, opset):
+    """x (float32 [6]) -> Cast to `elem` -> output y, and x -> Relu -> output r (float32)."""
+    g = helper.make_graph([helper.make_node("Cast", ["x"], ["y"], to=elem), helper.make_node("Relu", ["x"], ["r"])],
+                          "g", [helper.make_tensor_value_info("x", TP.FLOAT, [6])],
+                          [helper.make_tensor_value_info("y", elem, [6]), helper.make_tensor_value_info("r", TP.FLOAT, [6])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("elem,dtype,opset", _OUT_TYPES, ids=[TP.DataType.Name(t[0]) for t in _OUT_TYPES])
+def test_numpy_readable_outputs_give_values(elem, dtype, opset):
+    """onnxruntime refuses these outputs to numpy (or, for float8e4m3fn, returns the bit patterns
+    as uint8); the view casts each to a type holding its values, in place, other outputs as they were."""
+    import onnxruntime as ort
+
+    model = _cast_outputs_model(elem, opset)
+    before = model.SerializeToString()
+    integer = elem in (TP.INT4, TP.UINT4)
+    x = np.array([0, 1, 2, 3, 5, 7] if integer else [-2.5, -0.001, 0.001, 0.5, 3.0, 7.0], np.float32)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    try:
+        raw = session.run(None, {"x": x})[0]
+        assert raw.dtype == np.uint8  # float8e4m3fn: codes, -0.001 and 0.001 128 apart
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's own
+        assert "No corresponding Numpy type" in str(exc)
+    view = graph.numpy_readable_outputs(model)
+    onnx.checker.check_model(view, full_check=True)
+    assert model.SerializeToString() == before
+    y, r = ort.InferenceSession(view.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert y.dtype == ({TP.INT4: np.int8, TP.UINT4: np.uint8}.get(elem, np.float32))
+    assert np.array_equal(y, x.astype(dtype).astype(y.dtype))  # the values, exactly
+    assert np.array_equal(r, np.maximum(x, 0))
+    assert [o.name for o in view.graph.output] == [f"y_as_{graph.type_name(graph._OUTPUT_CASTS[elem])}", "r"]
+
+
+def test_numpy_readable_outputs_leave_plain_models_alone():
+    model = _cast_outputs_model(TP.FLOAT16, 13)
+    assert graph.numpy_readable_outputs(model) is model
+
+
+def test_numpy_readable_outputs_names_stay_unique():
+    model = _cast_outputs_model(TP.BFLOAT16, 13)
+    model.graph.node.append(helper.make_node("Identity", ["r"], ["y_as_float32"]))
+    model.graph.output.append(helper.make_tensor_value_info("y_as_float32", TP.FLOAT, [6]))
+    view = graph.numpy_readable_outputs(model)
+    onnx.checker.check_model(view, full_check=True)
+    assert [o.name for o in view.graph.output] == ["y_as_float32_1", "r", "y_as_float32"]
