@@ -353,6 +353,87 @@ def all_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
+def _defined_names(g: onnx.GraphProto) -> set[str]:
+    """Names a graph defines: its inputs, initializers (dense and sparse) and node outputs."""
+    names = {v.name for v in g.input} | {t.name for t in g.initializer} | {t.values.name for t in g.sparse_initializer}
+    names.update(o for node in g.node for o in node.output)
+    return names
+
+
+def unshadow_initializers(model: onnx.ModelProto) -> int:
+    """Give every subgraph initializer whose name an enclosing graph also defines (an If / Loop /
+    Scan body's own weight named like an outer tensor: allowed for initializers, and onnx.checker
+    and onnxruntime accept it) a new unique name, renaming its reads in that subgraph and in the
+    subgraphs below it that do not define the name again. In place; returns how many were renamed.
+
+    Why: a pass that turns such an initializer into a node output (DequantizeLinear -> W) writes a
+    subgraph node output that shadows an outer name, which ONNX forbids (SSA: the checker and
+    onnxruntime refuse the model: "'W' has been used as output names multiple times")."""
+    allocate = NameAllocator(all_names(model))
+    renamed = 0
+
+    def walk(g: onnx.GraphProto, outer: set[str]) -> None:
+        nonlocal renamed
+        renames: dict[str, str] = {}  # old name -> new name
+        for tensor in itertools.chain(g.initializer, (sparse.values for sparse in g.sparse_initializer)):
+            if tensor.name in outer:
+                new_name = allocate.take(tensor.name)
+                renames[tensor.name] = new_name
+                tensor.name = new_name
+        if renames:
+            _rename_reads(g, renames)
+            renamed += len(renames)
+        visible = outer | _defined_names(g)
+        for node in g.node:
+            for sub in node_subgraphs(node):
+                walk(sub, visible)
+
+    walk(model.graph, set())
+    return renamed
+
+
+def shadowed_initializers(model: onnx.ModelProto) -> list[str]:
+    """Names of subgraph initializers that an enclosing graph also defines (see unshadow_initializers)."""
+    found: list[str] = []
+
+    def walk(g: onnx.GraphProto, outer: set[str]) -> None:
+        found.extend(t.name for t in itertools.chain(g.initializer, (s.values for s in g.sparse_initializer))
+                     if t.name in outer)
+        visible = outer | _defined_names(g)
+        for node in g.node:
+            for sub in node_subgraphs(node):
+                walk(sub, visible)
+
+    walk(model.graph, set())
+    return found
+
+
+def unshadowed(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` itself when no subgraph initializer shadows an outer name, else a copy with those
+    renamed (unshadow_initializers): what a pass that rewrites weights into node outputs starts from."""
+    if not shadowed_initializers(model):
+        return model
+    out = copy_model(model)
+    unshadow_initializers(out)
+    return out
+
+
+def _rename_reads(g: onnx.GraphProto, renames: dict[str, str]) -> None:
+    """Reads of the names in `renames` (old -> new) in `g` (node inputs, graph outputs,
+    value_info) and in its subgraphs, except below a subgraph that defines the name itself."""
+    for node in g.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+        for sub in node_subgraphs(node):
+            inner = {old: new for old, new in renames.items() if old not in _defined_names(sub)}
+            if inner:
+                _rename_reads(sub, inner)
+    for v in itertools.chain(g.output, g.value_info):
+        if v.name in renames:
+            v.name = renames[v.name]
+
+
 class NameAllocator:
     """Hands out names not yet used in the model: the wished name, else name_1, name_2, ..."""
 

@@ -322,3 +322,76 @@ def test_numpy_readable_outputs_names_stay_unique():
     view = graph.numpy_readable_outputs(model)
     onnx.checker.check_model(view, full_check=True)
     assert [o.name for o in view.graph.output] == ["y_as_float32_1", "r", "y_as_float32"]
+
+
+# subgraph initializers named like outer tensors
+
+
+def _shadowing_model():
+    """Main graph W [8, 4] read by MatMul and ReduceSum; an If whose branches hold their own
+    initializer named W (other values) and read it; the else branch also reads the outer Wsum, and
+    holds a Loop-free nested If whose own W is read there."""
+    rng = np.random.default_rng(3)
+    w = lambda k: (rng.normal(size=(8, 4)) * k).astype(np.float32)  # noqa: E731
+    vi = helper.make_tensor_value_info
+    nested = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["n"])], "nested", [], [vi("n", TP.FLOAT, [2, 4])],
+                               [graph.array_to_tensor(w(5), "W", TP.FLOAT)])
+    then_g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["t"])], "then", [], [vi("t", TP.FLOAT, [2, 4])],
+                               [graph.array_to_tensor(w(3), "W", TP.FLOAT)])
+    else_g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["e"]), helper.make_node("Add", ["e", "Wsum"], ["e2"]),
+                                helper.make_node("If", ["cond"], ["e3"], then_branch=nested, else_branch=nested),
+                                helper.make_node("Add", ["e2", "e3"], ["e4"])],
+                               "else", [], [vi("e4", TP.FLOAT, [2, 4])], [graph.array_to_tensor(w(-2), "W", TP.FLOAT)])
+    g = helper.make_graph(
+        [helper.make_node("ReduceSum", ["W", "ax"], ["Wsum"], keepdims=1),
+         helper.make_node("If", ["cond"], ["z"], then_branch=then_g, else_branch=else_g),
+         helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Add", ["z", "m"], ["y"])],
+        "shadow", [vi("x", TP.FLOAT, [2, 8]), vi("cond", TP.BOOL, [])], [vi("y", TP.FLOAT, [2, 4])],
+        [graph.array_to_tensor(w(1), "W", TP.FLOAT), graph.array_to_tensor(np.array([0], np.int64), "ax", TP.INT64)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_unshadow_initializers_keeps_the_function_and_makes_names_unique():
+    import onnxruntime as ort
+
+    model = _shadowing_model()
+    fixed = graph.copy_model(model)
+    assert graph.unshadow_initializers(fixed) == 4  # then's W, else's W, the nested If's two branches' W
+    onnx.checker.check_model(fixed, full_check=True)
+    inits = [t.name for info in graph.iter_graphs(fixed) for t in info.graph.initializer]
+    assert inits.count("W") == 1 and len([n for n in inits if n.startswith("W")]) == len(inits) - 1
+    x = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    a, b = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (model, fixed))
+    for cond in (True, False):
+        feed = {"x": x, "cond": np.array(cond)}
+        assert np.array_equal(a.run(None, feed)[0], b.run(None, feed)[0])
+    assert graph.unshadow_initializers(fixed) == 0
+    assert graph.shadowed_initializers(model) == ["W"] * 4 and graph.shadowed_initializers(fixed) == []
+    assert graph.unshadowed(fixed) is fixed
+    copy = graph.unshadowed(model)
+    assert copy is not model and copy.SerializeToString() == fixed.SerializeToString()
+    assert graph.shadowed_initializers(model) == ["W"] * 4  # the input is not modified
+
+
+def test_a_shadowing_weight_turned_into_a_node_output_is_valid_once_unshadowed():
+    """What a quantizing pass does to a weight (initializer -> DequantizeLinear output of the same
+    name) is refused by the checker in a branch whose initializer shadows an outer name, and
+    accepted once the initializers are unshadowed."""
+    def dequantize_in_place(m):
+        for info in graph.iter_graphs(m)[1:]:
+            g = info.graph
+            for t in list(g.initializer):
+                q = graph.array_to_tensor(np.ones(t.dims, np.int8), t.name + "_q", TP.INT8)
+                s = graph.array_to_tensor(np.array(0.5, np.float32), t.name + "_s", TP.FLOAT)
+                g.initializer.remove(t)
+                g.initializer.extend([q, s])
+                g.node.insert(0, helper.make_node("DequantizeLinear", [q.name, s.name], [t.name]))
+        return m
+
+    with pytest.raises(onnx.checker.ValidationError, match="single static assignment"):
+        onnx.checker.check_model(dequantize_in_place(_shadowing_model()), full_check=True)
+    fixed = _shadowing_model()
+    graph.unshadow_initializers(fixed)
+    onnx.checker.check_model(dequantize_in_place(fixed), full_check=True)
