@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import onnx
 
+from . import graph
 from ._fileio import check_readable, load_model, looks_packed
 from .errors import FidelityError, InvalidArgumentError, InvalidModelError, SurgeonError
 
@@ -99,13 +100,34 @@ def load_feeds(path, model=None) -> list[Feed]:
             f"{p}: feed keys mix 'INDEX/NAME' and plain 'NAME' forms "
             f"(e.g. {next(k for k, m in indexed.items() if m)!r} and {next(k for k, m in indexed.items() if not m)!r})"
         )
+    model = None if model is None else load_model(model)  # (once: a path is read here, not twice)
+    elem_types = None if model is None else _input_elem_types(model)
     for i, feed in enumerate(feeds):
         for name, value in feed.items():
-            if value.dtype == object or value.dtype.kind in "USV":
-                raise InvalidArgumentError(f"{p}: feed {i} input {name!r} has dtype {value.dtype}; only numeric and bool arrays are supported")
+            _check_feed_dtype(value, name, elem_types, f"{p}: feed {i} input {name!r}")
     if model is not None:
         check_feeds(model, feeds, source=str(p))
     return feeds
+
+
+def _input_elem_types(model: onnx.ModelProto) -> dict:
+    """Graph input name -> element type name ('FLOAT', 'STRING', ...; '?' for non-tensors)."""
+    return {vi.name: (onnx.TensorProto.DataType.Name(vi.type.tensor_type.elem_type)
+                      if vi.type.HasField("tensor_type") else "?") for vi in model.graph.input}
+
+
+def _check_feed_dtype(value: np.ndarray, name: str, elem_types, label: str) -> None:
+    """Numeric and bool arrays feed any input; numpy string arrays ('U' unicode, 'S' bytes: what
+    np.savez writes for strings, and onnxruntime takes as they are) feed STRING inputs (any input
+    when the model is not known). Other arrays (void records) are refused naming the input."""
+    kind = value.dtype.kind
+    if kind in "US" and (elem_types is None or elem_types.get(name, "STRING") == "STRING"):
+        return  # a name the model lacks is check_feeds' to refuse
+    if kind in "US":
+        raise InvalidArgumentError(f"{label} holds strings ({value.dtype}) but the input is {elem_types[name]} "
+                                   "(string arrays feed only STRING inputs)")
+    if value.dtype == object or kind == "V":
+        raise InvalidArgumentError(f"{label} has dtype {value.dtype}; only numeric, bool and string arrays are supported")
 
 
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty zip's end record
@@ -323,6 +345,10 @@ def _session(model_or_path, providers=None, sess_options=None):
         sess_options.log_severity_level = 4  # errors come back as exceptions; keep the terminal clean
     providers = resolve_providers(providers)
     label = "model"
+    if isinstance(model_or_path, onnx.ModelProto):
+        # outputs onnxruntime cannot hand to numpy as values (bfloat16, float8, int4, ...) end in an
+        # exact Cast (float8e4m3fn came back as its bit patterns: snr 27 dB where the values give 33)
+        model_or_path = graph.numpy_readable_outputs(model_or_path)
     try:
         if isinstance(model_or_path, onnx.ModelProto):
             if model_or_path.ByteSize() < INLINE_MODEL_LIMIT:
@@ -338,11 +364,24 @@ def _session(model_or_path, providers=None, sess_options=None):
         label = str(p)
         if looks_packed(p) or p.suffix == ".onnxz":  # load_model tells a pack by its magic, whatever its name
             return _session(load_model(p), providers, sess_options)
-        return ort.InferenceSession(str(p), sess_options, providers=providers)
+        session = ort.InferenceSession(str(p), sess_options, providers=providers)
+        if any(_numpy_unreadable(o.type) for o in session.get_outputs()):
+            return _session(load_model(p), providers, sess_options)  # (its outputs cast, below)
+        return session
     except SurgeonError:
         raise
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph / ... types
         raise InvalidModelError(f"onnxruntime cannot load {label}: {_first_line(exc)}") from None
+
+
+_NUMPY_TENSOR_TYPES = frozenset(f"tensor({t})" for t in ("float", "float16", "double", "bool", "string", "int8", "uint8",
+                                                           "int16", "uint16", "int32", "uint32", "int64", "uint64"))
+
+
+def _numpy_unreadable(ort_type: str) -> bool:
+    """Whether onnxruntime hands a tensor output of this type to numpy as something other than its
+    values (bfloat16 / float8 / int4 / ... : refused, or bit patterns); non-tensor types are not judged."""
+    return ort_type.startswith("tensor(") and ort_type not in _NUMPY_TENSOR_TYPES
 
 
 def _conform(feed: Feed, session, index: int) -> Feed:
@@ -479,6 +518,7 @@ def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence
         if broken:  # a NaN or infinity where the reference has something else
             values[i] = 0.0
             continue
+        a, b = _scaled_together(a, b)  # (float64 outputs past ~1e154 overflow the squares: NaN for equal runs)
         na, nb = np.linalg.norm(a), np.linalg.norm(b)
         if na == 0 or nb == 0:  # both zero: identical; one zero: nothing in common
             values[i] = float(na == nb)
@@ -554,7 +594,13 @@ def output_snr_db(ref, cand) -> float:
     energies = _output_energies(ref, cand)
     if energies is None:
         return -math.inf
-    return _snr_db(sum(s for s, _ in energies), sum(n for _, n in energies))
+    # each output's sums are in units of its own largest value squared: pooled in those of the largest
+    top = max((k for _, _, k in energies), default=0.0)
+    if top == 0:
+        return _snr_db(0.0, 0.0)  # every output zero on both sides
+    weights = [(k / top) ** 2 for _, _, k in energies]
+    return _snr_db(sum(s * w for (s, _, _), w in zip(energies, weights)),
+                   sum(n * w for (_, n, _), w in zip(energies, weights)))
 
 
 def worst_output_snr_db(ref, cand) -> float:
@@ -562,14 +608,15 @@ def worst_output_snr_db(ref, cand) -> float:
     energies = _output_energies(ref, cand)
     if energies is None:
         return -math.inf
-    return min((_snr_db(s, n) for s, n in energies), default=math.inf)
+    return min((_snr_db(s, n) for s, n, _ in energies), default=math.inf)
 
 
-def _output_energies(ref, cand) -> list[tuple[float, float]] | None:
-    """(sum original^2, sum (original - candidate)^2) per output position over every feed; None
-    when the runs cannot be compared (output counts or shapes differ, or non-finite values on
-    one side only)."""
-    energies: list[list[float]] = []
+def _output_energies(ref, cand) -> list[tuple[float, float, float]] | None:
+    """(sum original^2, sum (original - candidate)^2, k) per output position over every feed, the
+    sums in units of k^2, k the largest finite |value| of that output on either side (float64
+    outputs past ~1e154 overflowed the squares: NaN SNR for runs that were equal); None when the
+    runs cannot be compared (output counts or shapes differ, or non-finite values on one side only)."""
+    scales: list[float] = []  # first pass: each output's largest finite |value| (both sides)
     for r_outs, c_outs in zip(ref, cand):
         if len(r_outs) != len(c_outs):
             return None
@@ -580,11 +627,24 @@ def _output_energies(ref, cand) -> list[tuple[float, float]] | None:
             a64, b64, broken = _finite_pairs(a, b)
             if broken:
                 return None
-            if j == len(energies):
-                energies.append([0.0, 0.0])
-            energies[j][0] += float(np.square(a64).sum())
-            energies[j][1] += float(np.square(a64 - b64).sum())
-    return [(s, n) for s, n in energies]
+            if j == len(scales):
+                scales.append(0.0)
+            if a64.size:
+                scales[j] = max(scales[j], float(np.abs(a64).max()), float(np.abs(b64).max()))
+    energies = [[0.0, 0.0] for _ in scales]
+    for r_outs, c_outs in zip(ref, cand):
+        for j, (a, b) in enumerate(zip(r_outs, c_outs)):
+            a64, b64, _ = _finite_pairs(_as_array(a), _as_array(b))
+            unit = scales[j] if scales[j] > 0 else 1.0
+            energies[j][0] += float(np.square(a64 / unit).sum())
+            energies[j][1] += float(np.square((a64 - b64) / unit).sum())
+    return [(e[0], e[1], k) for e, k in zip(energies, scales)]
+
+
+def _scaled_together(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """a and b divided by their largest |value| (the same factor: cosine and SNR are scale-free)."""
+    k = max(float(np.abs(a).max()), float(np.abs(b).max())) if a.size else 0.0
+    return (a / k, b / k) if k > 0 else (a, b)
 
 
 def _snr_db(signal: float, noise: float) -> float:

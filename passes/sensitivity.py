@@ -99,9 +99,12 @@ def float_pack_bytes(arr: np.ndarray) -> float:
 
 
 def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel", block_size=None,
-                      exclude=None, min_elements=1024, progress=None, rounding: str = "nearest") -> tuple[dict[str, TensorInfo], dict[int, onnx.ModelProto]]:
+                      exclude=None, min_elements=1024, progress=None, rounding: str = "nearest",
+                      scale_mantissa_bits: int | None = None, scale_bytes=None) -> tuple[dict[str, TensorInfo], dict[int, onnx.ModelProto]]:
     """Quantize the whole model once per bit width and collect, per weight, each form's rate,
-    noise and dequantized array. Returns (infos by weight name, quantized model by bits)."""
+    noise and dequantized array. Returns (infos by weight name, quantized model by bits).
+    scale_mantissa_bits: quantize_weights' (float32 weights' scales rounded to that many mantissa
+    bits). scale_bytes: what a form's scale tensor costs packed (array -> bytes; None: its raw bytes)."""
     from .quantize import quantize_weights
 
     originals = graph.unique_initializers(model)
@@ -110,9 +113,10 @@ def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel
     for done, bits in enumerate(bits_list):
         rep = Report()
         q = quantize_weights(model, bits=bits, granularity=granularity, block_size=block_size,
-                             exclude=exclude, min_elements=min_elements, report=rep, rounding=rounding)
+                             exclude=exclude, min_elements=min_elements, report=rep, rounding=rounding,
+                             scale_mantissa_bits=scale_mantissa_bits)
         models[bits] = q
-        _collect_forms(q, rep, originals, infos, bits)
+        _collect_forms(q, rep, originals, infos, bits, scale_bytes=scale_bytes)
         if progress:
             progress(done + 1, len(bits_list))
     return infos, models
@@ -489,8 +493,9 @@ def half_step_forms(model: onnx.ModelProto, infos: dict[str, TensorInfo], bits_l
 
 
 def _collect_forms(q: onnx.ModelProto, rep: Report, originals: dict, infos: dict[str, TensorInfo], key,
-                   only=None) -> None:
-    """infos[name].options[key] for every weight quantize_weights changed in q (report rep)."""
+                   only=None, scale_bytes=None) -> None:
+    """infos[name].options[key] for every weight quantize_weights changed in q (report rep);
+    scale_bytes: array -> packed bytes of a scale tensor (None: its raw bytes)."""
     from .fold import fold_dequantize
 
     folded = graph.unique_initializers(fold_dequantize(q))
@@ -509,7 +514,8 @@ def _collect_forms(q: onnx.ModelProto, rep: Report, originals: dict, infos: dict
             continue
         levels = graph.tensor_to_array(levels_t)
         lev_bytes = entropy_bytes(levels)
-        rate = lev_bytes + graph.tensor_nbytes(scale_t)
+        rate = lev_bytes + (graph.tensor_nbytes(scale_t) if scale_bytes is None
+                            else scale_bytes(graph.tensor_to_array(scale_t)))
         noise = float(np.sum((w - w_hat.astype(np.float64)) ** 2))
         info = infos.get(name)
         if info is None:
@@ -546,7 +552,8 @@ class TrialRunner:
         import onnxruntime as ort
 
         self.names = list(names)
-        m = overridable(model, self.names)
+        # (outputs onnxruntime cannot hand to numpy as values end in an exact Cast: graph.numpy_readable_outputs)
+        m = graph.numpy_readable_outputs(overridable(model, self.names))
         so = ort.SessionOptions()
         so.log_severity_level = 4
         # the weights change between runs: nothing may be folded into constants

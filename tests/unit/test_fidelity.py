@@ -211,6 +211,36 @@ def test_cosine_per_feed_values():
     np.testing.assert_allclose(F.cosine_per_feed(ref, cand), [0.0, 1.0, 1.0, 0.0])  # shape change: 0
 
 
+def test_metrics_of_float64_outputs_past_the_square_range():
+    """cosine and SNR are scale-free: outputs near 1e228 (the onnx backend tests' float64 Add) gave
+    NaN for equal runs (the squares overflowed) and failed a cosine>=0.999 gate on a bit-equal candidate."""
+    a = np.array([1e228, 2e228, -3e227])
+    same = F.compute_metrics([[a]], [[a.copy()]])
+    assert same["cosine"] == 1.0 and same["snr"] == math.inf and same["snr_min"] == math.inf
+    close = F.compute_metrics([[a]], [[a * (1 + 1e-7)]])
+    assert close["snr"] == pytest.approx(140.0, abs=1e-6) and close["snr_min"] == pytest.approx(140.0, abs=1e-6)
+    assert close["cosine"] == pytest.approx(1.0)
+    # the same outputs at ordinary scale give the same figures (the units cancel)
+    small = F.compute_metrics([[a * 1e-228]], [[a * 1e-228 * (1 + 1e-7)]])
+    assert small["snr"] == pytest.approx(close["snr"], abs=1e-6)
+
+
+def test_pooled_snr_weighs_outputs_by_their_own_scale():
+    """Pooled SNR sums every output's energies in one unit; the worst output is each one's own."""
+    ref = [[np.array([1.0, 2.0]), np.array([100.0, 0.0])], [[3.0], [1.0]]]
+    cand = [[np.array([1.1, 2.0]), np.array([100.0, 1.0])], [[3.0], [1.5]]]
+    ref = [[np.asarray(o) for o in r] for r in ref]
+    cand = [[np.asarray(o) for o in c] for c in cand]
+    signal = 1 + 4 + 9 + 1e4 + 1
+    noise = 0.01 + 1 + 0.25
+    assert F.output_snr_db(ref, cand) == pytest.approx(10 * math.log10(signal / noise))
+    assert F.worst_output_snr_db(ref, cand) == pytest.approx(
+        min(10 * math.log10(14 / 0.01), 10 * math.log10(1e4 + 1) - 10 * math.log10(1.25)))
+    huge = [[o * 1e200 for o in r] for r in ref]
+    huge_c = [[o * 1e200 for o in c] for c in cand]
+    assert F.output_snr_db(huge, huge_c) == pytest.approx(F.output_snr_db(ref, cand))
+
+
 def test_top1_agreement_counts_positions_and_shape_changes():
     a = np.array([[[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]])  # 3 positions
     b = np.array([[[0.7, 0.3], [0.9, 0.1], [0.6, 0.4]]])  # position 1 flips
