@@ -313,3 +313,63 @@ def _attribute_floats(model: onnx.ModelProto) -> dict[str, dict[str, int]]:
     from .quantize import DEFAULT_MIN_ELEMENTS, attribute_weights
 
     return {op: {"nodes": n, "values": v} for op, (n, v) in attribute_weights(model, DEFAULT_MIN_ELEMENTS).items()}
+
+
+# operators whose outputs are random draws: two runs on the same inputs differ
+RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli")
+
+
+def random_nodes(model) -> dict[str, int]:
+    """Nodes whose outputs differ between two runs on the same inputs, by label -> count: the
+    RANDOM_OPS, and Dropout in training mode (its training_mode input a constant True, or a graph
+    input the caller may set; before opset 7 its is_test attribute 0). A training-mode export
+    (PyTorch's model.train()) has them: no fidelity measure can hold on such outputs, and the
+    reports say why instead of only failing (the auto mode found no plan meeting any target)."""
+    model = load_model(model)
+    from .graph import iter_graphs, tensor_to_array
+
+    constants: dict[str, Any] = {}
+    inputs: set[str] = set()
+    for info in iter_graphs(model):
+        g = info.graph
+        inputs.update(v.name for v in g.input)
+        for t in g.initializer:
+            if t.data_type == onnx.TensorProto.BOOL:
+                constants[t.name] = t
+        for node in g.node:
+            if node.op_type == "Constant" and node.output:
+                for a in node.attribute:
+                    if a.name == "value" and a.t.data_type == onnx.TensorProto.BOOL:
+                        constants[node.output[0]] = a.t
+    inputs -= set(constants)
+    found: dict[str, int] = defaultdict(int)
+    for info in iter_graphs(model):
+        for node in info.graph.node:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type in RANDOM_OPS:
+                found[node.op_type] += 1
+            elif node.op_type == "Dropout":
+                mode = node.input[2] if len(node.input) > 2 else ""
+                if mode in constants:
+                    try:
+                        training = bool(np.asarray(tensor_to_array(constants[mode])).any())
+                    except Exception:  # noqa: BLE001 - an unreadable flag: say it may be random
+                        training = True
+                    if training:
+                        found["Dropout (training_mode true)"] += 1
+                elif mode in inputs:
+                    found[f"Dropout (training_mode from input {mode!r})"] += 1
+                elif _attr(node, "is_test", 1) == 0:
+                    found["Dropout (is_test 0)"] += 1
+    return dict(found)
+
+
+def random_nodes_note(model) -> str | None:
+    """A report note naming the random nodes of `model`, None when it has none."""
+    found = random_nodes(model)
+    if not found:
+        return None
+    parts = ", ".join(f"{n} {label}" for label, n in sorted(found.items()))
+    return (f"the model draws random values ({parts}): two runs of it on the same inputs differ, so no fidelity "
+            "figure holds; export it in inference mode (PyTorch: model.eval()) to measure it")

@@ -295,6 +295,14 @@ def _measurable(model, feeds, what: str) -> tuple[Any, list[str]]:
     return raised, [note] if note else []
 
 
+def _random_notes(model) -> list[str]:
+    """The note that `model` draws random values (Dropout in training mode, RandomNormal, ...), if it does."""
+    from passes.inspect import random_nodes_note
+
+    note = random_nodes_note(model)
+    return [note] if note else []
+
+
 def _gate_checks(result, requirements) -> tuple[list[dict], bool]:
     checks = [{"requirement": str(r), "value": r.value(result), "passed": r.check(result)} for r in requirements]
     return checks, all(c["passed"] for c in checks)
@@ -410,9 +418,9 @@ def cmd_compress(args) -> int:
 
     report = passes.Report()
     auto = None
-    measured, notes = model, []
-    if args.require or args.feeds or args.metric or args.target:
-        measured, notes = _measurable(model, feeds, "the original")
+    measuring = bool(args.require or args.feeds or args.metric or args.target)
+    measured, notes = _measurable(model, feeds, "the original") if measuring else (model, [])
+    raised = bool(notes)  # the original is an old-opset model measured raised: the candidate may be one too
     if args.target:  # the search runs the original: an old-opset one is searched at the opset it was measured at
         compressed, auto, options = _search(measured, feeds, args, report)
         notes = [n + "; the written model is built from that one" for n in notes]
@@ -420,12 +428,14 @@ def cmd_compress(args) -> int:
         options = _quantize_options(args)
         with _progress("quantize") as bar:
             compressed = passes.quantize_weights(model, report=report, progress=bar, **options)
+    if measuring:
+        notes += _random_notes(model)
 
     result = None
     checks: list[dict] = []
     passed = True
     if args.require or args.feeds or args.metric:
-        candidate, candidate_notes = _measurable(compressed, feeds, "the candidate") if notes else (compressed, [])
+        candidate, candidate_notes = _measurable(compressed, feeds, "the candidate") if raised else (compressed, [])
         result = _evaluate(measured, candidate, args, feeds)
         result.notes[:0] = notes + candidate_notes
         checks, passed = _gate_checks(result, args.require or [])
@@ -486,6 +496,26 @@ def _print_compressed(args, pack: bool, in_bytes: int, out_bytes: int | None, st
         )
 
 
+def _left_quantized_note(folded) -> str | None:
+    """What fold leaves quantized, said: integer weights read by onnxruntime's own quantized ops
+    (MatMulNBits, QLinearConv, MatMulInteger, ...) are not DequantizeLinear and stay as they are,
+    run by onnxruntime as they were (a MatMulNBits model folded to the same bytes said nothing)."""
+    from passes.inspect import INTEGER_WEIGHT_OPS, describe_model
+
+    ops: dict[str, list[int]] = {}
+    for row in describe_model(folded).rows:
+        op = row.scheme.rsplit("/", 1)[-1]
+        if op in INTEGER_WEIGHT_OPS:
+            counted = ops.setdefault(op, [0, 0])
+            counted[0] += 1
+            counted[1] += row.bytes
+    if not ops:
+        return None
+    parts = ", ".join(f"{n} read by {op} ({b:,} bytes)" for op, (n, b) in sorted(ops.items()))
+    return (f"integer weights left as they are: {parts}; fold turns DequantizeLinear (and this tool's palette and "
+            "Cast+Mul forms) into float weights, not onnxruntime's own quantized operators, which run them as before")
+
+
 def cmd_fold(args) -> int:
     import passes
     from passes._fileio import check_readable
@@ -497,6 +527,9 @@ def cmd_fold(args) -> int:
     report = passes.Report()
     with _progress("fold") as bar:
         folded = passes.fold_dequantize(model, dtype=args.dtype, report=report, progress=bar)
+    note = _left_quantized_note(folded)
+    if note:
+        report.note(note)
     pack = _wants_pack(args.output, False)
     stats = _write_model(folded, args.output, args.force, pack)
     in_bytes, out_bytes = file_size(args.input), file_size(args.output)
@@ -648,7 +681,7 @@ def cmd_eval(args) -> int:
         candidate, candidate_notes = _measurable(passes.load_model(args.candidate), feeds, "the candidate")
         notes += candidate_notes
     result = _evaluate(original, candidate, args, feeds)
-    result.notes[:0] = notes
+    result.notes[:0] = notes + _random_notes(original)
     checks, passed = _gate_checks(result, args.require or [])
     if args.json:
         print_json({"command": "eval", "original": args.original, "candidate": args.candidate,
