@@ -7,6 +7,7 @@ crops sit near ties), so this runs the same measurement on both splits:
 
     split "first":  passes.compress on the first half, packed and measured on the second (part b's)
     split "second": passes.compress on the second half, packed and measured on the first
+    split "even" / "odd": on the feeds at even / odd positions, measured on the others (more draws)
 
 and prints, for each packed auto model, the bytes per weight: its form (the auto report's), its
 bits per weight after packing (the stored bytes of the tensors the pack codes apart for it: its
@@ -49,7 +50,14 @@ def corpus_entries(only):
 
 
 def split_feeds(feeds, split):
-    """(calibration, held-out) halves: 'first' calibrates on the first half (bench/lossy.py's split)."""
+    """(calibration, held-out) halves: 'first' calibrates on the first half (bench/lossy.py's split),
+    'second' on the second; 'even' / 'odd' on the feeds at even / odd positions (the other ones held
+    out): two more draws of the same size, to tell a change from the search's luck on one split."""
+    if split in ("even", "odd"):
+        even, odd = feeds[0::2], feeds[1::2]
+        return (even, odd) if split == "even" else (odd, even)
+    if split not in ("first", "second"):
+        raise SystemExit(f"unknown split {split!r} (first, second, even, odd)")
     half = len(feeds) // 2
     first, second = feeds[:half], feeds[half:]
     return (first, second) if split == "first" else (second, first)
