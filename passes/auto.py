@@ -202,6 +202,10 @@ AFFINE_FOLD_OPS = ("BatchNormalization",)  # per-channel affine nodes after a Co
 # Conv weight kept float, 38 vs 37, where the search ends at the TOP1_SNR_DB floor; the fold itself saved 127 KB there)
 AFFINE_FOLD_MIN_SNR_DB = 50.0  # the fold is kept only where the folded float model's worst output stays this close
 # to the model's on the feeds: well above the targets' floors (TOP1_SNR_DB), well below float32 rounding (125-136 dB)
+AUTO_SCALE_MANTISSA_BITS = None  # float32 weights' per-channel scales rounded to this many mantissa bits (8: bfloat16
+# values, which the pack stores in two bytes; forms.quantize_linear) in the search's forms and the built model, at the
+# widths of AUTO_SCALE_MANTISSA_WIDTHS (None: every width); None: full float32 scales
+AUTO_SCALE_MANTISSA_WIDTHS = None
 AUTO_MIN_ELEMENTS = 128  # rapidocr_cls: its depthwise kernels (144-1152 weights) kept float were 9% of the packed model
 
 
@@ -627,6 +631,13 @@ def _scale_pack_bytes(scale: np.ndarray) -> float:
     return float(codecs.encode_tensor(raw, elem, "raw_data").stored)
 
 
+def _scale_mantissa(bits: int) -> int | None:
+    """The scale_mantissa_bits quantize_weights takes at this width (AUTO_SCALE_MANTISSA_BITS / _WIDTHS)."""
+    if AUTO_SCALE_MANTISSA_WIDTHS is None or bits in AUTO_SCALE_MANTISSA_WIDTHS:
+        return AUTO_SCALE_MANTISSA_BITS
+    return None
+
+
 def _form_label(key, opt, cast: bool, one_step: bool = False) -> str:
     """The report's form of a quantized option: int<n>/channel[/step1.41][/gptq][/cast],
     int<n>/block<B>[/gptq]/cast for the blocked forms (always Cast+Mul+Reshape), or
@@ -840,7 +851,10 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         return res, ok and gate_subset_ok(ref_outs, outs, reqs_)
 
     infos, models = sens.dequantized_forms(probe, bits, granularity=granularity, min_elements=min_elements,
-                                           rounding=AUTO_ROUNDING)
+                                           rounding=AUTO_ROUNDING, scale_mantissa_bits=AUTO_SCALE_MANTISSA_BITS,
+                                           scale_mantissa_widths=AUTO_SCALE_MANTISSA_WIDTHS,
+                                           # (rounded scales are what the pack narrows: their rate is its bytes)
+                                           scale_bytes=_scale_pack_bytes if AUTO_SCALE_MANTISSA_BITS else None)
     half_models = {}
     if HALF_STEP_TABLES and granularity == "channel" and len(bits) > 1:
         tables = gather_tables(probe, infos)
@@ -987,7 +1001,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             names = [n for n, nb in plan.items() if nb == b and n not in one_stepped]
             if names:
                 out = quantize_weights(out, bits=b, granularity=granularity, min_elements=min_elements,
-                                       include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING)
+                                       include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING,
+                                       scale_mantissa_bits=_scale_mantissa(b))
         for key in sorted(half_models):
             names = [n for n, nb in plan.items() if nb == key and n not in one_stepped]
             if names:

@@ -100,11 +100,13 @@ def float_pack_bytes(arr: np.ndarray) -> float:
 
 def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel", block_size=None,
                       exclude=None, min_elements=1024, progress=None, rounding: str = "nearest",
-                      scale_mantissa_bits: int | None = None, scale_bytes=None) -> tuple[dict[str, TensorInfo], dict[int, onnx.ModelProto]]:
+                      scale_mantissa_bits: int | None = None, scale_mantissa_widths=None,
+                      scale_bytes=None) -> tuple[dict[str, TensorInfo], dict[int, onnx.ModelProto]]:
     """Quantize the whole model once per bit width and collect, per weight, each form's rate,
     noise and dequantized array. Returns (infos by weight name, quantized model by bits).
     scale_mantissa_bits: quantize_weights' (float32 weights' scales rounded to that many mantissa
-    bits). scale_bytes: what a form's scale tensor costs packed (array -> bytes; None: its raw bytes)."""
+    bits) for the widths in scale_mantissa_widths (None: every width). scale_bytes: what a form's scale
+    tensor costs packed (array -> bytes; None: its raw bytes)."""
     from .quantize import quantize_weights
 
     originals = graph.unique_initializers(model)
@@ -114,7 +116,8 @@ def dequantized_forms(model: onnx.ModelProto, bits_list, *, granularity="channel
         rep = Report()
         q = quantize_weights(model, bits=bits, granularity=granularity, block_size=block_size,
                              exclude=exclude, min_elements=min_elements, report=rep, rounding=rounding,
-                             scale_mantissa_bits=scale_mantissa_bits)
+                             scale_mantissa_bits=(scale_mantissa_bits if scale_mantissa_widths is None
+                                                  or bits in scale_mantissa_widths else None))
         models[bits] = q
         _collect_forms(q, rep, originals, infos, bits, scale_bytes=scale_bytes)
         if progress:

@@ -879,3 +879,24 @@ def test_conv_damping_by_the_rows_its_hessian_saw(monkeypatch):
     passes.compress(m, target="cosine>=0.999", feeds=f, tighten=0)
     assert [damp for hs, damp in seen if "W" in hs] and all(
         damp == auto.GPTQ_CONV_DAMP for hs, damp in seen if "W" in hs)
+
+
+@pytest.mark.parametrize("mantissa_bits", [None, 8])
+def test_scales_rounded_to_the_mantissa_bits_asked(monkeypatch, mantissa_bits):
+    """AUTO_SCALE_MANTISSA_BITS 8: every per-channel scale the built model stores is a bfloat16 value
+    (its 16 low bits zero: the pack stores it in two bytes), the levels are those of that scale (the
+    search measured what is built: the target is met on the feeds); None keeps full float32 scales."""
+    from passes import auto
+
+    monkeypatch.setattr(auto, "AUTO_SCALE_MANTISSA_BITS", mantissa_bits)
+    m = conv_model()
+    f = feeds(m, n=4)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f)
+    assert rep["met_on_feeds"] and evaluate(m, out, feeds=f).metrics["cosine"] >= 0.999
+    scales = [onnx.numpy_helper.to_array(t) for t in out.graph.initializer if t.name.endswith("_scale")]
+    assert scales, "something was quantized per channel"
+    low = np.concatenate([s.astype(np.float32).ravel().view(np.uint32) & 0xFFFF for s in scales])
+    if mantissa_bits == 8:
+        assert not low.any()
+    else:
+        assert low.any()
