@@ -473,7 +473,8 @@ class InferenceSession(ort.InferenceSession):
     float weights stay float, with why; in fold mode, the embedding tables kept 8-bit; also
     logged at INFO on "passes.runtime"), `fold_route`
     (mode="fold": "here" — folded by us before onnxruntime saw the model, "here+onnxruntime",
-    "onnxruntime" — float16 weights on a CPU, left to its constant folding; None otherwise),
+    "onnxruntime" — left to its constant folding: float16 weights on a CPU where the one-pass
+    kernel of passes/_fold.c is not vectorised, float32 weights nearly all Conv weights; None otherwise),
     `verbatim` (True: a packed file onnxruntime parsed as the file it is, while its weights
     decoded and its graph was walked — a lossless pack with nothing to fold or share; see
     runtime_verbatim).
@@ -693,7 +694,8 @@ class InferenceSession(ort.InferenceSession):
         self.verbatim = False
         # how mode="fold" folded the DequantizeLinear nodes: "here" (this thread, before
         # onnxruntime; "here+onnxruntime" when the weights onnxruntime cannot share were left to
-        # its constant folding), "onnxruntime" (its constant folding: float16 weights on a CPU),
+        # its constant folding), "onnxruntime" (its constant folding: float16 weights on a CPU
+        # without the vectorised one-pass kernel, float32 Conv weights),
         # or None (nothing to fold, another mode)
         self.fold_route = None
         # what the load said beyond the mode (int8/int4: weights quantized by the offline pass,
@@ -708,18 +710,23 @@ class InferenceSession(ort.InferenceSession):
 
                 _wait_weights(split, self.source)
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
-            from .runtime_fold import (constants_to_initializers, fold_facts, fold_into, gather_dequantized_rows,
-                                       little_to_share, plan_fold)
+            from .runtime_fold import (constants_to_initializers, fold_facts, fold_into, fold_kernel_fast,
+                                       gather_dequantized_rows, little_to_share, plan_fold)
 
             converting = target is not None and target != own_dtype  # the converter must see float weights
             # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
             share_planned = not (own_dtype == np.float16 and not self.on_gpu)
             foldable, onnxruntime_folds_all = fold_facts(split)
+            # float16 weights on a CPU, where the one-pass kernel runs vectorised: folded here (see
+            # runtime_dequantize), the embedding tables kept 8-bit as below; onnxruntime gets float16
+            # weights and no DequantizeLinear to fold
+            fold16_here = foldable and not (share_planned or converting or self.on_gpu) and fold_kernel_fast()
             if not foldable:  # (a lossless float model has nothing to fold: skip the walks)
                 pass
-            elif not (converting or self.on_gpu) and onnxruntime_folds_all and (
+            elif not (converting or self.on_gpu or fold16_here) and onnxruntime_folds_all and (
                     not share_planned or little_to_share(split)):
-                # ... the small ones too (float16 on a CPU; float32 whose foldable weights are nearly
+                # ... the small ones too (float16 on a CPU without the vectorised kernel; float32
+                # whose foldable weights are nearly
                 # all Conv weights, which onnxruntime folds anyway: open_nsfw q8.onnxz, 9 fresh
                 # processes interleaved at load 7-9, CPU to a ready session median 386 -> 348 ms,
                 # plain float .onnx 303; onnxruntime alone on the q8 .onnx 288): the
@@ -727,21 +734,26 @@ class InferenceSession(ort.InferenceSession):
                 # as they decode (session.disable_quant_qdq=1 makes its constant folding fold every
                 # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit).
                 # Folding them on a worker thread instead (float16 streamed as each is folded)
-                # was measured slower, quiet machine or loaded: see onnxruntime_folds_all
+                # was measured slower with numpy, quiet machine or loaded: see onnxruntime_folds_all
                 options.add_session_config_entry("session.disable_quant_qdq", "1")
                 self.fold_route = "onnxruntime"
-                # float16: embedding tables are not folded whole: their rows are dequantized as gathered
-                # (minilm_fp16 q8.onnxz, 3 interleaved A/Bs at load 6-8: CPU to a ready session
-                # 2-15% lower at the min, -5%..+9% at the median; peak RSS 182 -> 171 MB)
-                for table in (gather_dequantized_rows(split) if not share_planned else ()):
-                    self.notes.append(f"{table}: 8-bit embedding table kept, rows dequantized as gathered "
-                                      f"(bit-identical to the folded table)")
-                    log.info("passes.InferenceSession(%s): mode=fold: %s", self.source.name, self.notes[-1])
+                if not share_planned:
+                    self._keep_tables_8bit(split, gather_dequantized_rows)
             else:
-                _wait_weights(split, self.source)
+                # folded as the weights decode (FoldAhead) where nothing but DequantizeLinear nodes of
+                # the main graph is folded: nothing else here reads a weight's values
+                ahead = fold16_here and onnxruntime_folds_all and split.pending is not None
+                if not ahead:
+                    _wait_weights(split, self.source)
                 constants_to_initializers(split)
-                deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
-                fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True)
+                if fold16_here:
+                    if onnxruntime_folds_all:  # (the plain graphs the rewrite below was made for)
+                        self._keep_tables_8bit(split, gather_dequantized_rows)
+                    deferred = set()
+                else:
+                    deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
+                fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True,
+                          ahead=ahead)
                 self.fold_route = "here" if not deferred else "here+onnxruntime"
         else:
             from .runtime_int8 import prepare_quantized
@@ -793,6 +805,15 @@ class InferenceSession(ort.InferenceSession):
         else:
             model_bytes = split.skeleton.SerializeToString()
         return options, disabled, model_bytes
+
+    def _keep_tables_8bit(self, split, gather_dequantized_rows) -> None:
+        """float16 on a CPU: embedding tables are not folded whole: their rows are dequantized as
+        gathered (minilm_fp16 q8.onnxz, 3 interleaved A/Bs at load 6-8: CPU to a ready session 2-15%
+        lower at the min, -5%..+9% at the median; peak RSS 182 -> 171 MB)."""
+        for table in gather_dequantized_rows(split):
+            self.notes.append(f"{table}: 8-bit embedding table kept, rows dequantized as gathered "
+                              f"(bit-identical to the folded table)")
+            log.info("passes.InferenceSession(%s): mode=fold: %s", self.source.name, self.notes[-1])
 
     # onnxruntime's loader, with the weights attached to our private options: shared ones kept
     # alive with the session, copied ones dropped as soon as onnxruntime holds its copy

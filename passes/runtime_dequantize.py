@@ -59,22 +59,30 @@ def layout(q: np.ndarray, scale: np.ndarray, zero_point, axis: int, block_size: 
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None = None, axis: int = 1,
-               block_size: int = 0, out_dtype=None, *, portable: bool = False) -> np.ndarray:
+               block_size: int = 0, out_dtype=None, *, portable: bool = False, out: np.ndarray | None = None
+               ) -> np.ndarray:
     """forms.dequantize_linear(q, scale, zero_point, axis, block_size).astype(out_dtype) (default:
     the scale's type), in one pass where the C kernel takes the form. `portable`: the kernel's
-    scalar loop instead of its vector one (tests)."""
+    scalar loop instead of its vector one (tests). `out`: a C-contiguous array of q's shape and
+    out_dtype to write into (returned)."""
     q, scale = np.asarray(q), np.asarray(scale)
-    out_dtype = np.dtype(out_dtype or scale.dtype)
+    out_dtype = np.dtype(out_dtype or (out.dtype if out is not None else scale.dtype))
     form = layout(q, scale, zero_point, axis, block_size) if _fold is not None else None
     # float16 scales with a float32 result: numpy rounds to float16 first (the node's own output)
     if form is None or out_dtype not in FLOAT_TYPES or (scale.dtype == np.float16 and out_dtype == np.float32):
-        result = dequantize_linear(q, scale, zero_point, axis, block_size)
-        return result.astype(out_dtype, copy=False)
+        result = dequantize_linear(q, scale, zero_point, axis, block_size).astype(out_dtype, copy=False)
+        if out is None:
+            return result
+        out[...] = result
+        return out
     pre, d, post, block = form
     s32 = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
     z32 = None
     if zero_point is not None and np.any(zero_point):
         z32 = np.ascontiguousarray(zero_point, dtype=np.float32).reshape(-1)
-    out = np.empty(q.shape, out_dtype)
+    if out is None:
+        out = np.empty(q.shape, out_dtype)
+    elif out.shape != q.shape or out.dtype != out_dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {out_dtype} array of shape {q.shape}")
     _fold.dequantize(np.ascontiguousarray(q).reshape(-1), s32, z32, out.reshape(-1), pre, d, post, block, portable)
     return out

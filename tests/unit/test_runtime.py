@@ -344,9 +344,21 @@ def test_float16_weights_converted_as_onnxruntimes_converter_does(size):
     assert got.shape == h.shape and np.array_equal(got.view(np.uint32), h.astype(np.float32).view(np.uint32))
 
 
-def test_float16_fold_on_cpu_lets_onnxruntime_fold(tmp_path):
-    """float16 weights on a CPU: onnxruntime gets the integer levels and folds them itself (it
-    casts them to float32 anyway); outputs identical to the folded model's."""
+@pytest.fixture(params=["here", "onnxruntime"])
+def float16_route(request, monkeypatch):
+    """The fold route of float16 weights on a CPU: "here" where the one-pass kernel runs vectorised
+    (runtime_fold.fold_kernel_fast), else "onnxruntime"; both forced, whatever this CPU has (the
+    numpy path computes the kernel's bits)."""
+    import passes.runtime_fold
+
+    monkeypatch.setattr(passes.runtime_fold, "fold_kernel_fast", lambda: request.param == "here")
+    return request.param
+
+
+def test_float16_fold_on_cpu_lets_onnxruntime_fold(tmp_path, float16_route):
+    """float16 weights on a CPU: without the vectorised kernel onnxruntime gets the integer levels
+    and folds them itself (it casts them to float32 anyway); with it they are folded here as they
+    decode; outputs identical to the folded model's either way."""
     inits = [numpy_helper.from_array(_w((256, 384), 21).astype(np.float16), "W1"),
              numpy_helper.from_array(_w((384, 128), 22).astype(np.float16), "W2")]
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
@@ -357,17 +369,22 @@ def test_float16_fold_on_cpu_lets_onnxruntime_fold(tmp_path):
     path = tmp_path / "fp16.q8.onnx"
     onnx.save(q8, str(path))
     feeds = [{"x": np.random.default_rng(i).standard_normal((4, 256)).astype(np.float16)} for i in range(2)]
-    session = passes.InferenceSession(path, mode="fold")
-    assert session.dtype == np.float16
-    assert session.op_counts.get("DequantizeLinear", 0) >= 1  # left to onnxruntime's constant folding
-    assert session.fold_route == "onnxruntime"
-    for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
-        np.testing.assert_array_equal(got[0], want[0])
+    for source in (path, tmp_path / "fp16.q8.onnxz"):
+        if source.suffix == ".onnxz":
+            passes.pack(str(path), str(source))
+        session = passes.InferenceSession(source, mode="fold")
+        assert session.dtype == np.float16
+        assert session.fold_route == float16_route
+        # left to onnxruntime's constant folding, or none left
+        assert (session.op_counts.get("DequantizeLinear", 0) >= 1) == (float16_route == "onnxruntime")
+        for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(q8), feeds)):
+            np.testing.assert_array_equal(got[0], want[0])
 
 
-def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp_path):
-    """float16 on a CPU with only DequantizeLinear to fold: the model goes to onnxruntime as it is
-    (small weights and a Constant-node scale included); outputs identical to the folded model's."""
+def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp_path, float16_route):
+    """float16 on a CPU with only DequantizeLinear to fold: without the vectorised kernel the model
+    goes to onnxruntime as it is (small weights and a Constant-node scale included), with it every
+    one is folded here; outputs identical to the folded model's."""
     big = _w((256, 64), 31)
     big_scale = (np.abs(big).max(axis=0) / 127).astype(np.float16)
     big_q = np.clip(np.round(big / big_scale.astype(np.float32)), -127, 127).astype(np.int8)
@@ -384,8 +401,11 @@ def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp
     onnx.save(m, str(path))
     feeds = [{"x": np.random.default_rng(i).standard_normal((4, 256)).astype(np.float16)} for i in range(2)]
     session = passes.InferenceSession(path, mode="fold")
-    assert session.dtype == np.float16
-    assert session.op_counts.get("DequantizeLinear") == 2 and session.op_counts.get("Constant") == 1
+    assert session.dtype == np.float16 and session.fold_route == float16_route
+    if float16_route == "onnxruntime":
+        assert session.op_counts.get("DequantizeLinear") == 2 and session.op_counts.get("Constant") == 1
+    else:
+        assert not session.op_counts.get("DequantizeLinear") and not session.op_counts.get("Constant")
     for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(m), feeds)):
         np.testing.assert_array_equal(got[0], want[0])
 

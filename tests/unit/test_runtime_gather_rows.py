@@ -52,10 +52,17 @@ def _folded_outputs(model, feeds):
     return [session.run(None, f)[0] for f in feeds]
 
 
+@pytest.mark.parametrize("route", ["onnxruntime", "here"])
 @pytest.mark.parametrize("per", ["tensor", "row", "column"])
 @pytest.mark.parametrize("zero_point", [False, True])
 @pytest.mark.parametrize("ids_shape", [[2, 7], []])
-def test_rows_dequantized_as_gathered_match_the_folded_table(tmp_path, per, zero_point, ids_shape):
+def test_rows_dequantized_as_gathered_match_the_folded_table(tmp_path, per, zero_point, ids_shape, route,
+                                                             monkeypatch):
+    """On either fold route of float16 weights on a CPU (the other weights left to onnxruntime, or
+    folded here by the one-pass kernel: runtime_fold.fold_kernel_fast forced either way)."""
+    import passes.runtime_fold
+
+    monkeypatch.setattr(passes.runtime_fold, "fold_kernel_fast", lambda: route == "here")
     model = _table_model(per, zero_point, ids_shape)
     path = tmp_path / "emb.q8.onnx"
     onnx.save(model, str(path))
@@ -65,7 +72,7 @@ def test_rows_dequantized_as_gathered_match_the_folded_table(tmp_path, per, zero
     want = _folded_outputs(model, feeds)
     for source in (path, packed):
         session = passes.InferenceSession(source, mode="fold")
-        assert session.fold_route == "onnxruntime" and session.dtype == np.float16
+        assert session.fold_route == route and session.dtype == np.float16
         assert any("Eq: 8-bit embedding table kept" in line for line in session.notes)
         for f, expected in zip(feeds, want):
             got = session.run(None, f)[0]
