@@ -38,6 +38,8 @@ FLOAT_WIDTH = {FLOAT: 4, FLOAT16: 2, BFLOAT16: 2, DOUBLE: 8, COMPLEX64: 4, COMPL
 INT_WIDTH = {INT16: 2, UINT16: 2, INT32: 4, UINT32: 4, INT64: 8, UINT64: 8}
 WIDTHS = (2, 4, 8)
 ANS_WIDTHS = (1, 2, 4, 8)
+TRANSPOSE_OVER_ENTROPY = 0.9  # `transpose` (LZ) replaces an entropy coding only where 10% smaller than it
+TRANSPOSE_PROBE_BYTES = 1 << 20  # payloads up to this size get their columns probed where rows failed the LZ probe
 ANS_MIN_GAIN = 0.005  # an ans plane is stored coded only when that saves at least this share of it
 ANS_INT, ANS_FLOAT, ANS_PAIRS = 0, 1, 2  # `ans` variants in the writer's spec tuples
 ANS_PREFERENCE = 0.997  # the writer takes `ans` unless another codec is > 0.3% smaller
@@ -1431,25 +1433,36 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
     if try_lz is None:
         try_lz = data.size >= 1024 and _lz_promising(data, best.stored / max(1, data.size),
                                                       memo if narrowed is None else None, chunk_bytes)
+    lz = None
     if try_lz:
         lz = _encode_lz(data, chunk_bytes)
         if lz.stored < best.stored:
             best = lz
-        if best is lz:
-            # the LZ coding won: the same LZ on the columns (FORMAT.md 3, `transpose`), kept where
-            # smaller. Only there: an STFT basis in int8 (silero-vad) was 49% smaller by columns
-            # than its Huffman coding, but zstd's LZ decodes at ~0.5 GB/s against ~1.5 for
-            # Huffman alone (unpack +5% CPU there); the speed target is the one missed
-            # Two column widths: the elements (w bytes) of the last dimension, and the bytes of its
-            # rows (width 1, w * last dim columns: each byte of an element down the rows). silero-vad's
-            # float32 STFT basis [258, 1, 256]: 40824 bytes by float columns, 39697 by byte columns,
-            # and zstd decodes the byte columns 5x faster (38 against 200 us: one byte column is a few
-            # long runs and repeats, a float column a mix of short matches and literals)
-            tc = transpose_cols(shape, data.size) if _write_transpose and field in ("raw_data", "float_data", "double_data", "external") else None
-            for w, cols in ([tc] + ([(1, tc[0] * tc[1])] if tc[0] > 1 else [])) if tc is not None else []:
-                tr = _encode_transposed(data, w, cols, chunk_bytes)
-                if tr is not None and tr.stored < best.stored:
-                    best = tr
+    # The same LZ on the columns (FORMAT.md 3, `transpose`): against the LZ coding, kept where
+    # smaller; against an entropy coding (ans, Huffman planes: faster to decode than zstd's LZ)
+    # only where it saves TRANSPOSE_OVER_ENTROPY of it. Tried where LZ is, and on payloads up to
+    # TRANSPOSE_PROBE_BYTES whose LZ probe failed but whose columns pass it (a level-1 frame of them
+    # under the bar / LZ_QUICK_FLOOR): silero-vad's int8 STFT basis [258, 1, 256] looks hopeless
+    # to LZ by rows (57947 bytes of Huffman) and is 29784 by columns, decoded in about the same
+    # time (52-76 us against 51-58, with the C untranspose; numpy's byte transpose alone was ~0.3 ms).
+    # Two column widths: the elements (w bytes) of the last dimension, and the bytes of its rows
+    # (width 1, w * last dim columns: each byte of an element down the rows). silero-vad's float32
+    # STFT basis [258, 1, 256]: 40824 bytes by float columns, 39697 by byte columns, and zstd
+    # decodes the byte columns 5x faster (38 against 200 us: one byte column is a few long runs and
+    # repeats, a float column a mix of short matches and literals)
+    bar = best.stored if best is lz else best.stored * TRANSPOSE_OVER_ENTROPY
+    tc = transpose_cols(shape, data.size) if _write_transpose and field in ("raw_data", "float_data", "double_data", "external") else None
+    if tc is not None and not try_lz and not 1024 <= data.size <= TRANSPOSE_PROBE_BYTES:
+        tc = None
+    for w, cols in ([tc] + ([(1, tc[0] * tc[1])] if tc[0] > 1 else [])) if tc is not None else []:
+        if not try_lz:
+            t = _UINT[w]
+            columns = np.ascontiguousarray(data.view(t).reshape(-1, cols).T).view(np.uint8).ravel()
+            if len(_compressor("probe1").compress(columns)) * LZ_QUICK_FLOOR >= bar:
+                continue
+        tr = _encode_transposed(data, w, cols, chunk_bytes)
+        if tr is not None and tr.stored < bar:
+            best, bar = tr, tr.stored
     return best
 
 

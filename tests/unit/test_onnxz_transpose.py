@@ -174,3 +174,47 @@ def test_byte_columns_are_taken_where_smaller_and_read_without_the_extension(tmp
     monkeypatch.setattr(codecs, "_fast", None)
     with passes.open_packed(dst) as pm:
         assert pm.get_tensor("basis").tobytes() == b.tobytes()
+
+
+def _int8_basis():
+    return np.clip(np.round(_basis(256) * 127), -127, 127).astype(np.int8)
+
+
+def test_columns_are_probed_where_rows_look_hopeless_to_lz(monkeypatch):
+    """An int8 STFT basis (silero-vad's quantized one is [258, 1, 256]): by rows the LZ probe gives
+    up (an entropy coding is kept), by columns it repeats: the columns are probed and `transpose`
+    taken, as it saves more than TRANSPOSE_OVER_ENTROPY of the entropy coding."""
+    q = _int8_basis()
+    raw = np.frombuffer(q.tobytes(), np.uint8)
+    assert not codecs._lz_promising(raw, codecs.encode_tensor(raw, TensorProto.INT8, "raw_data").stored / raw.size)
+    monkeypatch.setattr(codecs, "_write_transpose", False)
+    entropy = codecs.encode_tensor(raw, TensorProto.INT8, "raw_data", shape=list(q.shape))
+    monkeypatch.setattr(codecs, "_write_transpose", True)
+    got = codecs.encode_tensor(raw, TensorProto.INT8, "raw_data", shape=list(q.shape))
+    assert entropy.codec != "transpose"
+    assert (got.codec, got.params) == ("transpose", {"width": 1, "cols": 256})
+    assert got.stored < codecs.TRANSPOSE_OVER_ENTROPY * entropy.stored
+    out = np.empty_like(raw)
+    codecs.decode_chunk(got.codec, got.params, [memoryview(p) for p in got.chunks[0].planes], raw.size, out)
+    assert np.array_equal(out, raw)
+
+
+def test_columns_replace_an_entropy_coding_only_past_the_bar(monkeypatch):
+    """TRANSPOSE_OVER_ENTROPY is the share of the entropy coding `transpose` must come under (zstd's LZ
+    decodes slower than ans / Huffman): at 0 never taken over it, at 1 wherever smaller."""
+    q = _int8_basis()
+    raw = np.frombuffer(q.tobytes(), np.uint8)
+    monkeypatch.setattr(codecs, "TRANSPOSE_OVER_ENTROPY", 0.0)
+    assert codecs.encode_tensor(raw, TensorProto.INT8, "raw_data", shape=list(q.shape)).codec != "transpose"
+    monkeypatch.setattr(codecs, "TRANSPOSE_OVER_ENTROPY", 1.0)
+    assert codecs.encode_tensor(raw, TensorProto.INT8, "raw_data", shape=list(q.shape)).codec == "transpose"
+    monkeypatch.setattr(codecs, "TRANSPOSE_PROBE_BYTES", raw.size - 1)  # too large to probe: rows' verdict stands
+    assert codecs.encode_tensor(raw, TensorProto.INT8, "raw_data", shape=list(q.shape)).codec != "transpose"
+
+
+def test_an_int8_basis_packs_by_columns_and_restores(tmp_path):
+    q = _int8_basis()
+    src, dst = _packed(tmp_path, [numpy_helper.from_array(q, "basis_q")])
+    with PackedFile(dst) as pf:
+        assert pf.index.tensors[0].stream.codec == "transpose"
+    assert passes.unpack(dst, tmp_path / "r.onnx").read_bytes() == src.read_bytes()
