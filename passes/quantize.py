@@ -734,3 +734,36 @@ def _ordered_map(fn, items: list, threads: int):
         finally:
             for f in pending:
                 f.cancel()
+
+
+_FLOAT16_MAX = 65504.0
+
+
+def float16_valued(model: onnx.ModelProto, names) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of `model` whose named float32 main-graph initializers hold the nearest float16 values
+    (still float32 tensors: the graph and every consumer are unchanged), and the names changed.
+
+    Why: the auto mode keeps a weight float when even its 8-bit levels cost too much fidelity, and a
+    float32 weight packs at ~25-27 bits per value (its mantissa bytes are noise). A float32 tensor
+    whose values are all float16 values is stored by the pack in two bytes a value (its narrow
+    codec), at a relative error of at most 2**-11 per value (~70 dB of weight SNR, 20 dB above int8
+    levels). Skipped, and left as they are: names that are not float32 initializers of the main graph,
+    tensors stored outside the model (external data), and tensors with a value float16 cannot hold
+    (non-finite, or beyond +-65504).
+    The input model is not modified."""
+    wanted = set(names)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    changed = []
+    for t in out.graph.initializer:
+        if t.name not in wanted or t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL:
+            continue
+        arr = graph.tensor_to_array(t)
+        if arr.size == 0 or not np.all(np.isfinite(arr)) or float(np.max(np.abs(arr))) > _FLOAT16_MAX:
+            continue
+        narrow = TensorProto()
+        graph.fill_tensor(narrow, arr.astype(np.float16).astype(np.float32), t.name, TensorProto.FLOAT)
+        narrow.doc_string = t.doc_string
+        t.CopyFrom(narrow)
+        changed.append(t.name)
+    return out, changed

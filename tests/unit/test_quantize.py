@@ -497,3 +497,56 @@ def test_scale_mantissa_bits_leaves_float16_weights_alone():
 def test_scale_mantissa_bits_out_of_range_is_refused(bad):
     with pytest.raises(InvalidArgumentError, match="scale_mantissa_bits"):
         quantize_weights(mg.dense_model(), scale_mantissa_bits=bad)
+
+
+def test_float16_valued_weights_pack_in_two_bytes_and_nothing_else_changes(tmp_path):
+    """quantize.float16_valued: the named float32 initializers hold float16 values (each the nearest,
+    relative error <= 2**-11), still float32, the graph and the other tensors bit-identical, the input
+    untouched; the pack stores the narrowed weight in about half the bytes of the float32 one."""
+    import passes
+    from passes.onnxz import reader
+    from passes.quantize import float16_valued
+
+    m = mg.dense_model("float32", 13)
+    before = m.SerializeToString()
+    out, changed = float16_valued(m, ["W1", "W2", "no_such_weight"])
+    assert m.SerializeToString() == before
+    assert changed == ["W1", "W2"]
+    orig = {t.name: tensor_to_array(t) for t in m.graph.initializer}
+    new = {t.name: tensor_to_array(t) for t in out.graph.initializer}
+    for name, w in orig.items():
+        assert new[name].dtype == w.dtype and new[name].shape == w.shape
+        if name in changed:
+            assert np.array_equal(new[name], w.astype(np.float16).astype(np.float32))
+            assert np.all(np.abs(new[name] - w) <= np.abs(w) * 2.0 ** -11 + 2.0 ** -25)
+            assert not np.array_equal(new[name], w)
+        else:
+            assert np.array_equal(new[name], w)
+    assert [n.SerializeToString() for n in out.graph.node] == [n.SerializeToString() for n in m.graph.node]
+    ref, got = mg.run(m, mg.feeds(m)), mg.run(out, mg.feeds(m))
+    assert all(mg.cosine(a, b) > 0.99999 for a, b in zip(ref, got))
+    stored = {}
+    for tag, model in (("f32", m), ("f16", out)):
+        path = tmp_path / f"{tag}.onnxz"
+        passes.pack(model, path, force=True)
+        with reader.open_packed(str(path)) as pm:
+            stored[tag] = {t["name"]: t["stored"] for t in pm.metadata()["tensors"]}
+    assert stored["f16"]["W1"] <= 0.55 * stored["f32"]["W1"]
+
+
+def test_float16_valued_leaves_what_float16_cannot_hold():
+    from passes.quantize import float16_valued
+
+    m = mg.dense_model("float32", 13)
+    inits = {t.name: t for t in m.graph.initializer}
+    big = tensor_to_array(inits["W1"]).copy()
+    big[0, 0] = 1e5  # beyond float16's range
+    inits["W1"].CopyFrom(onnx.numpy_helper.from_array(big, "W1"))
+    nan = tensor_to_array(inits["W2"]).copy()
+    nan[0, 0] = np.nan
+    inits["W2"].CopyFrom(onnx.numpy_helper.from_array(nan, "W2"))
+    out, changed = float16_valued(m, ["W1", "W2"])
+    assert changed == []
+    assert out.SerializeToString() == m.SerializeToString()
+    f16 = mg.dense_model("float16", 13)  # not float32: nothing to narrow
+    assert float16_valued(f16, [t.name for t in f16.graph.initializer])[1] == []
