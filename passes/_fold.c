@@ -10,8 +10,9 @@
        out = float16(y), rounded to nearest even         (float16 output: subnormals, inf kept)
 
    The subtraction and the product are separate float32 operations (never fused: -ffp-contract=off
-   and no a*b+c pattern), so the bits equal numpy's. AVX-512 (F + BW + VL: vcvtps2ph rounds to
-   nearest even) where the CPU has it, a portable scalar loop elsewhere; chosen at run time.
+   and no a*b+c pattern), so the bits equal numpy's. AVX-512 (F + BW + VL) or else AVX2 + F16C
+   (vcvtps2ph rounds to nearest even) where the CPU has them, a portable scalar loop elsewhere;
+   chosen at run time.
 
    Layout (the caller flattens the levels to [pre, d, post] around the quantization axis):
      per tensor  scale[0]
@@ -139,6 +140,52 @@ AVX512 static void run_each_avx512(const void *q, int u8, Py_ssize_t n, const fl
         store16(out, f16, i, m, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, s + i)));
     }
 }
+
+/* AVX2 + F16C (most x86-64 CPUs without AVX-512): 8 values per step, the tail by the scalar loop
+   (whose rounding equals vcvtps2ph's) */
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+AVX2 static inline __m256 levels8(const void *q, int u8, Py_ssize_t i)
+{
+    __m128i b = _mm_loadl_epi64((const __m128i *)((const char *)q + i));
+    return _mm256_cvtepi32_ps(u8 ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b));
+}
+
+AVX2 static inline void store8(void *out, int f16, Py_ssize_t i, __m256 y)
+{
+    if (f16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i),
+                         _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else
+        _mm256_storeu_ps((float *)out + i, y);
+}
+
+static inline void *out_at(void *out, int f16, Py_ssize_t i)
+{
+    return f16 ? (void *)((uint16_t *)out + i) : (void *)((float *)out + i);
+}
+
+AVX2 static void run_same_avx2(const void *q, int u8, Py_ssize_t n, float s, float z, void *out, int f16)
+{
+    __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        store8(out, f16, i, _mm256_mul_ps(_mm256_sub_ps(levels8(q, u8, i), vz), vs));
+    run_same_scalar((const char *)q + i, u8, n - i, s, z, out_at(out, f16, i), f16);
+}
+
+AVX2 static void run_each_avx2(const void *q, int u8, Py_ssize_t n, const float *s, const float *z, void *out,
+                               int f16)
+{
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 y = levels8(q, u8, i);
+        if (z)
+            y = _mm256_sub_ps(y, _mm256_loadu_ps(z + i));
+        store8(out, f16, i, _mm256_mul_ps(y, _mm256_loadu_ps(s + i)));
+    }
+    run_each_scalar((const char *)q + i, u8, n - i, s + i, z ? z + i : NULL, out_at(out, f16, i), f16);
+}
 #endif
 
 /* ------------------------------------------------------------------ dispatch */
@@ -146,19 +193,31 @@ AVX512 static void run_each_avx512(const void *q, int u8, Py_ssize_t n, const fl
 typedef void (*run_same_fn)(const void *, int, Py_ssize_t, float, float, void *, int);
 typedef void (*run_each_fn)(const void *, int, Py_ssize_t, const float *, const float *, void *, int);
 
-static run_same_fn run_same = run_same_scalar;
-static run_each_fn run_each = run_each_scalar;
-static const char *kernel_name = "scalar";
+/* the loops: 1 scalar, 2 AVX2 + F16C, 3 AVX-512; `best` the fastest this CPU runs */
+enum { LOOP_BEST = 0, LOOP_SCALAR = 1, LOOP_AVX2 = 2, LOOP_AVX512 = 3 };
+static const char *loop_names[] = {"best", "scalar", "avx2", "avx512"};
+static int loop_present[4] = {1, 1, 0, 0};
+static int best = LOOP_SCALAR;
 
-static void choose_kernels(void)
+static void find_loops(void)
 {
 #ifdef FOLD_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
-        run_same = run_same_avx512;
-        run_each = run_each_avx512;
-        kernel_name = "avx512";
-    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        loop_present[LOOP_AVX2] = 1, best = LOOP_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        loop_present[LOOP_AVX512] = 1, best = LOOP_AVX512;
+#endif
+}
+
+static void loop_functions(int loop, run_same_fn *same, run_each_fn *each)
+{
+    *same = run_same_scalar, *each = run_each_scalar;
+#ifdef FOLD_X86
+    if (loop == LOOP_AVX2)
+        *same = run_same_avx2, *each = run_each_avx2;
+    else if (loop == LOOP_AVX512)
+        *same = run_same_avx512, *each = run_each_avx512;
 #endif
 }
 
@@ -205,18 +264,25 @@ static void dequantize_job(const Job *job, run_same_fn same, run_each_fn each)
     }
 }
 
-/* dequantize(levels, scale, zero_point, out, pre, d, post, block, portable=False): see the top.
+/* dequantize(levels, scale, zero_point, out, pre, d, post, block, loop=0): see the top.
    levels: C-contiguous int8/uint8 (pre*d*post); scale, zero_point (or None): C-contiguous float32
    in the layout above; out: C-contiguous writable float32 or float16 of pre*d*post values (its
-   format given by the buffer: "f" or "e"). portable: use the scalar loop (tests). */
+   format given by the buffer: "f" or "e"). loop: 0 the fastest here, 1 scalar, 2 AVX2, 3 AVX-512
+   (tests; one this CPU lacks is refused). */
 static PyObject *py_dequantize(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *oq, *os, *oz, *oo;
     Py_ssize_t pre, d, post, block;
-    int portable = 0;
-    if (!PyArg_ParseTuple(args, "OOOOnnnn|p", &oq, &os, &oz, &oo, &pre, &d, &post, &block, &portable))
+    int loop = LOOP_BEST;
+    if (!PyArg_ParseTuple(args, "OOOOnnnn|i", &oq, &os, &oz, &oo, &pre, &d, &post, &block, &loop))
         return NULL;
+    if (loop < 0 || loop > LOOP_AVX512 || !loop_present[loop]) {
+        PyErr_Format(PyExc_ValueError, "loop %d is not available on this CPU", loop);
+        return NULL;
+    }
+    if (loop == LOOP_BEST)
+        loop = best;
     if (pre < 0 || d < 0 || post < 0 || block < 0) {
         PyErr_SetString(PyExc_ValueError, "negative dimension or block");
         return NULL;
@@ -270,11 +336,11 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args)
     }
     Job job = {bq.buf, u8, f16, pre, d, post, block, bs.buf, have_z ? bz.buf : NULL, scales, bo.buf};
     if (count) {
+        run_same_fn same;
+        run_each_fn each;
+        loop_functions(loop, &same, &each);
         Py_BEGIN_ALLOW_THREADS
-        if (portable)
-            dequantize_job(&job, run_same_scalar, run_each_scalar);
-        else
-            dequantize_job(&job, run_same, run_each);
+        dequantize_job(&job, same, each);
         Py_END_ALLOW_THREADS
     }
     Py_INCREF(Py_None);
@@ -293,7 +359,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS,
-     "dequantize(levels, scale, zero_point, out, pre, d, post, block, portable=False): DequantizeLinear of "
+     "dequantize(levels, scale, zero_point, out, pre, d, post, block, loop=0): DequantizeLinear of "
      "8-bit levels into float32/float16 `out` (see passes/_fold.c)."},
     {NULL, NULL, 0, NULL},
 };
@@ -302,9 +368,22 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fold", NULL, -1, me
 
 PyMODINIT_FUNC PyInit__fold(void)
 {
-    choose_kernels();
+    find_loops();
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddStringConstant(m, "KERNEL", kernel_name) < 0) {
+    if (!m)
+        return NULL;
+    /* KERNEL: the loop used by default; LOOPS: name -> number of each loop this CPU runs */
+    PyObject *loops = PyDict_New();
+    int failed = !loops || PyModule_AddStringConstant(m, "KERNEL", loop_names[best]) < 0;
+    for (int k = LOOP_SCALAR; !failed && k <= LOOP_AVX512; k++) {
+        if (!loop_present[k])
+            continue;
+        PyObject *number = PyLong_FromLong(k);
+        failed = !number || PyDict_SetItemString(loops, loop_names[k], number) < 0;
+        Py_XDECREF(number);
+    }
+    if (failed || PyModule_AddObject(m, "LOOPS", loops) < 0) {
+        Py_XDECREF(loops);
         Py_DECREF(m);
         return NULL;
     }

@@ -25,8 +25,13 @@ FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def kernel_name() -> str | None:
-    """"avx512" or "scalar" (the loop the C kernel runs on this CPU), None without the extension."""
+    """"avx512", "avx2" or "scalar" (the loop the C kernel runs on this CPU), None without the extension."""
     return None if _fold is None else _fold.KERNEL
+
+
+def kernel_loops() -> tuple:
+    """The C kernel's loops this CPU runs ("scalar", "avx2", "avx512"; empty without the extension)."""
+    return () if _fold is None else tuple(_fold.LOOPS)
 
 
 def layout(q: np.ndarray, scale: np.ndarray, zero_point, axis: int, block_size: int):
@@ -59,11 +64,11 @@ def layout(q: np.ndarray, scale: np.ndarray, zero_point, axis: int, block_size: 
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None = None, axis: int = 1,
-               block_size: int = 0, out_dtype=None, *, portable: bool = False, out: np.ndarray | None = None
+               block_size: int = 0, out_dtype=None, *, loop: str | None = None, out: np.ndarray | None = None
                ) -> np.ndarray:
     """forms.dequantize_linear(q, scale, zero_point, axis, block_size).astype(out_dtype) (default:
-    the scale's type), in one pass where the C kernel takes the form. `portable`: the kernel's
-    scalar loop instead of its vector one (tests). `out`: a C-contiguous array of q's shape and
+    the scale's type), in one pass where the C kernel takes the form. `loop`: one of
+    kernel_loops() instead of the fastest (tests). `out`: a C-contiguous array of q's shape and
     out_dtype to write into (returned)."""
     q, scale = np.asarray(q), np.asarray(scale)
     out_dtype = np.dtype(out_dtype or (out.dtype if out is not None else scale.dtype))
@@ -84,5 +89,6 @@ def dequantize(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None =
         out = np.empty(q.shape, out_dtype)
     elif out.shape != q.shape or out.dtype != out_dtype or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous {out_dtype} array of shape {q.shape}")
-    _fold.dequantize(np.ascontiguousarray(q).reshape(-1), s32, z32, out.reshape(-1), pre, d, post, block, portable)
+    _fold.dequantize(np.ascontiguousarray(q).reshape(-1), s32, z32, out.reshape(-1), pre, d, post, block,
+                     _fold.LOOPS[loop] if loop else 0)
     return out

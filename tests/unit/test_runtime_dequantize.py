@@ -1,6 +1,7 @@
 """passes.runtime_dequantize: the one-pass C DequantizeLinear kernel (passes/_fold.c) gives the bits
 of passes.forms.dequantize_linear followed by the cast to the output type, on every layout it
-takes, with its vector and its portable loop; the numpy path (no extension) gives the same."""
+takes, with each of its loops this CPU runs (scalar, AVX2, AVX-512); the numpy path (no
+extension) gives the same."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +14,7 @@ from passes import runtime_dequantize as rd
 from passes.forms import dequantize_linear
 
 needs_kernel = pytest.mark.skipif(rd._fold is None, reason="passes._fold not built")
+LOOPS = list(rd.kernel_loops()) or ["scalar"]  # (without the extension: the tests skip)
 
 
 def reference(q, scale, zp, axis, block, out_dtype):
@@ -67,19 +69,19 @@ def inputs(rng, shape, axis, block, level, sdtype, zp_kind, spread=20):
 
 
 @needs_kernel
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("shape,axis,block,level,sdtype,odtype,zp", list(cases()))
-def test_kernel_bits_equal_forms(shape, axis, block, level, sdtype, odtype, zp, portable):
+def test_kernel_bits_equal_forms(shape, axis, block, level, sdtype, odtype, zp, loop):
     rng = np.random.default_rng(zlib.crc32(repr((shape, axis, block, zp, np.dtype(level).name)).encode()))
     q, scale, z, axis, block = inputs(rng, shape, axis, block, level, sdtype, zp)
     want = reference(q, scale, z, axis, block, odtype)
-    got = rd.dequantize(q, scale, z, axis, block, odtype, portable=portable)
+    got = rd.dequantize(q, scale, z, axis, block, odtype, loop=loop)
     assert same_bits(got, want)
 
 
 @needs_kernel
-@pytest.mark.parametrize("portable", [False, True])
-def test_float16_edges_subnormal_overflow_and_ties(portable):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_float16_edges_subnormal_overflow_and_ties(loop):
     """Products in every float16 range: subnormal, the smallest normal, ties at each rounding
     boundary, 65504 and just past it (infinity), negative zero."""
     levels = np.arange(-128, 128, dtype=np.int8)
@@ -89,7 +91,7 @@ def test_float16_edges_subnormal_overflow_and_ties(portable):
     q = np.tile(levels, (scale.size, 1))
     for zp in (None, np.full(scale.shape, 3, np.int8)):
         want = reference(q, scale, zp, 0, 0, np.float16)
-        got = rd.dequantize(q, scale, zp, 0, 0, np.float16, portable=portable)
+        got = rd.dequantize(q, scale, zp, 0, 0, np.float16, loop=loop)
         assert same_bits(got, want)
         assert np.isinf(want.astype(np.float32)).any() and (want.view(np.uint16) == 0x8000).any()
         assert ((want.view(np.uint16) & 0x7C00) == 0).any()  # subnormal halves present
@@ -97,7 +99,7 @@ def test_float16_edges_subnormal_overflow_and_ties(portable):
 
 @needs_kernel
 def test_random_bits_many_sizes_both_loops_agree():
-    """Lengths around the vector width (tails), scales of random bits (no NaN): vector == portable == numpy."""
+    """Lengths around the vector widths (tails), scales of random bits (no NaN): every loop == numpy."""
     rng = np.random.default_rng(7)
     for n in (1, 15, 16, 17, 31, 32, 33, 63, 100, 1000, 4099):
         q = rng.integers(-128, 128, n, dtype=np.int8)
@@ -109,7 +111,8 @@ def test_random_bits_many_sizes_both_loops_agree():
         for out in (np.float16, np.float32):
             want = reference(q, scale, None, 1, 0, out)
             assert same_bits(rd.dequantize(q, scale, None, 1, 0, out), want)
-            assert same_bits(rd.dequantize(q, scale, None, 1, 0, out, portable=True), want)
+            for loop in LOOPS:
+                assert same_bits(rd.dequantize(q, scale, None, 1, 0, out, loop=loop), want)
 
 
 def test_numpy_path_when_the_extension_is_absent(monkeypatch):
@@ -160,3 +163,13 @@ def test_kernel_refuses_bad_buffers():
         rd._fold.dequantize(q, np.ones(1, np.float32), None, np.empty(8, np.float64), 1, 8, 1, 0)
     with pytest.raises(ValueError):
         rd._fold.dequantize(q, np.ones(1, np.float32), None, np.empty(8, np.float32), -1, 8, 1, 0)
+    with pytest.raises(ValueError):  # (no such loop)
+        rd._fold.dequantize(q, np.ones(1, np.float32), None, np.empty(8, np.float32), 1, 8, 1, 0, 9)
+
+
+@needs_kernel
+def test_loops_listed_and_the_default_the_fastest():
+    loops = rd.kernel_loops()
+    assert "scalar" in loops and rd.kernel_name() in loops
+    order = ["scalar", "avx2", "avx512"]
+    assert rd.kernel_name() == max(loops, key=order.index)
