@@ -166,11 +166,12 @@ def blocked_weights(model: onnx.ModelProto, infos: dict[str, TensorInfo], names,
 
 
 def blocked_forms(infos: dict[str, TensorInfo], axes: dict[str, int], hessians: dict, bits_list, block: int, *,
-                  damp: float, factors: dict, max_noise_gain: float, scale_bytes) -> dict:
+                  damp: float | dict, factors: dict, max_noise_gain: float, scale_bytes) -> dict:
     """Adds to infos, for the weights of `axes` (blocked_weights) with a Hessian, the blocked forms
     n + BLOCKED_KEY for n in bits_list: n-bit levels in blocks of `block` along the K inputs
     (forms.quantize_blocks), error-fed (gptq.blocked_levels, damping `damp`; nearest rounding
-    where error feedback's weight noise exceeds max_noise_gain x nearest's). Rate: the levels'
+    where error feedback's weight noise exceeds max_noise_gain x nearest's; a dict: name -> damp,
+    gptq.DAMP for names it lacks). Rate: the levels'
     order-0 entropy plus scale_bytes(scale), the scales' packed bytes. factors: inverse Hessian
     factors shared with gptq.refine (same keys). Returns key -> name -> (levels, scale, axis, block),
     what cast_levels.as_blocked_cast_mul writes."""
@@ -186,13 +187,14 @@ def blocked_forms(infos: dict[str, TensorInfo], axes: dict[str, int], hessians: 
         w = info.options[FLOAT].dequantized
         if h.shape != (w.shape[axis],) * 2:
             continue
-        key_f = name if damp == gq.DAMP else (name, False, float(damp))
+        d = damp.get(name, gq.DAMP) if isinstance(damp, dict) else damp
+        key_f = name if d == gq.DAMP else (name, False, float(d))
         if key_f not in factors:
-            factors[key_f] = gq.inverse_factor(h, damp)
+            factors[key_f] = gq.inverse_factor(h, d)
         w64 = w.astype(np.float64)
         for bits in bits_list:
             qz = forms.quantize_blocks(w, bits, axis, block)
-            fed = gq.blocked_levels(w, h, qz.scale, axis, block, bits, damp=damp, factor=factors[key_f])
+            fed = gq.blocked_levels(w, h, qz.scale, axis, block, bits, damp=d, factor=factors[key_f])
             deq = forms.dequantize_blocks(fed.astype(np.int8), qz.scale, axis, block)
             noise = float(np.sum((w64 - deq.astype(np.float64)) ** 2))
             levels, rounding, plain = fed, "gptq", qz.noise

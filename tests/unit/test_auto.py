@@ -900,3 +900,42 @@ def test_scales_rounded_to_the_mantissa_bits_asked(monkeypatch, mantissa_bits):
         assert not low.any()
     else:
         assert low.any()
+
+
+def test_matmul_damping_by_the_rows_its_hessian_saw(monkeypatch):
+    """GPTQ_DAMP_PER_INPUT: each MatMul/Gemm weight's error feedback (per channel and blocked) is damped
+    by gptq.sample_damp of its inputs and the activation rows its Hessian was summed over (at least
+    GPTQ_DAMP); None: GPTQ_DAMP for every one."""
+    from passes import auto, gptq
+    from passes import sensitivity as sens
+
+    m = dense_model()
+    f = feeds(m, n=3)
+    seen = []
+    real_refine, real_blocked = gptq.refine, sens.blocked_forms
+
+    def refine(qmodel, src, hessians, bits, damp=gptq.DAMP, **kw):
+        if hessians:
+            seen.append((dict(hessians), damp))
+        return real_refine(qmodel, src, hessians, bits, damp=damp, **kw)
+
+    def blocked_forms(infos, axes, hessians, bits_list, block, *, damp, **kw):
+        seen.append(({n: hessians[n] for n in axes if n in hessians}, damp))
+        return real_blocked(infos, axes, hessians, bits_list, block, damp=damp, **kw)
+
+    monkeypatch.setattr(gptq, "refine", refine)
+    monkeypatch.setattr(sens, "blocked_forms", blocked_forms)
+    monkeypatch.setattr(auto, "GPTQ_DAMP_PER_INPUT", 0.5)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f, tighten=0)
+    assert rep["met_on_feeds"]
+    rows = {}
+    hess = gptq.collect_hessians(m, f, ["W2"], rows=rows)
+    expected = gptq.sample_damp(hess["W2"].shape[0], rows["W2"], auto.GPTQ_DAMP, 0.5)
+    assert expected > auto.GPTQ_DAMP  # 48 inputs over 3 x 4 rows: 2.0, the rows' rule, not the floor
+    damps = [d for hs, d in seen if "W2" in hs]
+    assert damps and all(isinstance(d, dict) and d["W2"] == pytest.approx(expected) for d in damps)
+    seen.clear()
+    monkeypatch.setattr(auto, "GPTQ_DAMP_PER_INPUT", None)
+    passes.compress(m, target="cosine>=0.999", feeds=f, tighten=0)
+    damps = [d for hs, d in seen if "W2" in hs]
+    assert damps and all(d == auto.GPTQ_DAMP for d in damps)
