@@ -939,3 +939,26 @@ def test_matmul_damping_by_the_rows_its_hessian_saw(monkeypatch):
     passes.compress(m, target="cosine>=0.999", feeds=f, tighten=0)
     damps = [d for hs, d in seen if "W2" in hs]
     assert damps and all(d == auto.GPTQ_DAMP for d in damps)
+
+
+def test_weights_kept_float_hold_float16_values(monkeypatch):
+    """AUTO_FLOAT16_VALUED: a weight the plan keeps float (float32) comes out holding float16 values
+    (the pack stores them in two bytes), the target still met; off: its float32 values as given."""
+    from passes import auto
+
+    m = _two_scale_model()  # at snr>=52 the search keeps W1 (y_big's) float and quantizes W2
+    f = feeds(m, n=6)
+    given = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+    for on in (True, False):
+        monkeypatch.setattr(auto, "AUTO_FLOAT16_VALUED", on)
+        out, rep = passes.compress(m, target="snr>=52", feeds=f, tighten=0)
+        assert rep["met_on_feeds"] and evaluate(m, out, feeds=f).metrics["snr"] >= 52
+        kept = [r["name"] for r in rep["tensors"] if r["form"] == "float"]
+        assert kept and len(kept) < len(rep["tensors"]), "some weight kept float, not all"
+        values = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
+        for name in kept:
+            if on:
+                np.testing.assert_array_equal(values[name], values[name].astype(np.float16).astype(np.float32))
+                assert not np.array_equal(values[name], given[name])
+            else:
+                np.testing.assert_array_equal(values[name], given[name])
