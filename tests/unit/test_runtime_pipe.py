@@ -221,7 +221,6 @@ def test_queued_bytes_reads_the_pipe_from_its_write_end():
 
 
 def _small_model_bytes() -> bytes:
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
