@@ -261,8 +261,10 @@ def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
 
     def lift(g):
         if g is not m.graph:  # a subgraph's own initializers
+            returned = {o.name for o in g.output}  # a subgraph may not return an outer-scope value directly
             move = {i for i, t in enumerate(g.initializer)
-                    if t.data_type in (1, 10, 11, 16) and len(t.dims) >= 2 and defined.get(t.name) == 1}
+                    if t.data_type in (1, 10, 11, 16) and len(t.dims) >= 2 and defined.get(t.name) == 1
+                    and t.name not in returned}
             if move:
                 lifted.extend(_copy_tensor(g.initializer[i]) for i in sorted(move))
                 stay = [_copy_tensor(t) for i, t in enumerate(g.initializer) if i not in move]

@@ -523,7 +523,7 @@ def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence
         if na == 0 or nb == 0:  # both zero: identical; one zero: nothing in common
             values[i] = float(na == nb)
         else:
-            values[i] = float(a @ b / (na * nb))
+            values[i] = min(1.0, max(-1.0, float(a @ b / (na * nb))))  # (rounding may pass +-1)
     return values
 
 
@@ -594,7 +594,7 @@ def output_snr_db(ref, cand) -> float:
     energies = _output_energies(ref, cand)
     if energies is None:
         return -math.inf
-    # each output's sums are in units of its own largest value squared: pooled in those of the largest
+    # each output's sums are in its own unit squared: pooled in the largest unit
     top = max((k for _, _, k in energies), default=0.0)
     if top == 0:
         return _snr_db(0.0, 0.0)  # every output zero on both sides
@@ -612,9 +612,10 @@ def worst_output_snr_db(ref, cand) -> float:
 
 
 def _output_energies(ref, cand) -> list[tuple[float, float, float]] | None:
-    """(sum original^2, sum (original - candidate)^2, k) per output position over every feed, the
-    sums in units of k^2, k the largest finite |value| of that output on either side (float64
-    outputs past ~1e154 overflowed the squares: NaN SNR for runs that were equal); None when the
+    """(sum original^2, sum (original - candidate)^2, unit) per output position over every feed, the
+    sums in units of unit^2 (_unit of the largest finite |value| of that output on either side: 1
+    unless float64 would over/underflow the squares, as outputs past ~1e154 did: NaN SNR for runs
+    that were equal); None when the
     runs cannot be compared (output counts or shapes differ, or non-finite values on one side only)."""
     scales: list[float] = []  # first pass: each output's largest finite |value| (both sides)
     for r_outs, c_outs in zip(ref, cand):
@@ -635,16 +636,28 @@ def _output_energies(ref, cand) -> list[tuple[float, float, float]] | None:
     for r_outs, c_outs in zip(ref, cand):
         for j, (a, b) in enumerate(zip(r_outs, c_outs)):
             a64, b64, _ = _finite_pairs(_as_array(a), _as_array(b))
-            unit = scales[j] if scales[j] > 0 else 1.0
-            energies[j][0] += float(np.square(a64 / unit).sum())
-            energies[j][1] += float(np.square((a64 - b64) / unit).sum())
-    return [(e[0], e[1], k) for e, k in zip(energies, scales)]
+            unit = _unit(scales[j])
+            if unit != 1.0:
+                a64, b64 = a64 / unit, b64 / unit
+            energies[j][0] += float(np.square(a64).sum())
+            energies[j][1] += float(np.square(a64 - b64).sum())
+    return [(e[0], e[1], _unit(k)) for e, k in zip(energies, scales)]
+
+
+_SQUARE_SAFE = (1e-150, 1e150)  # |values| whose squares and products float64 holds without over/underflow
+
+
+def _unit(k: float) -> float:
+    """The unit a run of largest |value| k is measured in: 1 inside the range whose squares float64
+    holds (the sums bit for bit as before), else k itself."""
+    return k if k > 0 and not _SQUARE_SAFE[0] <= k <= _SQUARE_SAFE[1] else 1.0
 
 
 def _scaled_together(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """a and b divided by their largest |value| (the same factor: cosine and SNR are scale-free)."""
+    """a and b divided by one unit (_unit of their largest |value|: cosine and SNR are scale-free)."""
     k = max(float(np.abs(a).max()), float(np.abs(b).max())) if a.size else 0.0
-    return (a / k, b / k) if k > 0 else (a, b)
+    unit = _unit(k)
+    return (a / unit, b / unit) if unit != 1.0 else (a, b)
 
 
 def _snr_db(signal: float, noise: float) -> float:
