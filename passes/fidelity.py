@@ -337,6 +337,17 @@ def resolve_providers(providers) -> list[str]:
     return list(providers)
 
 
+def _fits_one_protobuf(model: onnx.ModelProto) -> bool:
+    """Whether `model` serialises as one protobuf: protobuf's ByteSize itself raises EncodeError
+    ('Failed to serialize proto') past 2 GiB, so it cannot be compared with the limit there."""
+    from google.protobuf.message import EncodeError
+
+    try:
+        return model.ByteSize() < INLINE_MODEL_LIMIT
+    except EncodeError:
+        return False
+
+
 def _session(model_or_path, providers=None, sess_options=None):
     import onnxruntime as ort
 
@@ -351,7 +362,7 @@ def _session(model_or_path, providers=None, sess_options=None):
         model_or_path = graph.numpy_readable_outputs(model_or_path)
     try:
         if isinstance(model_or_path, onnx.ModelProto):
-            if model_or_path.ByteSize() < INLINE_MODEL_LIMIT:
+            if _fits_one_protobuf(model_or_path):
                 return ort.InferenceSession(model_or_path.SerializeToString(), sess_options, providers=providers)
             # too big for one protobuf: onnxruntime must read it from a file with external data
             from ._fileio import save_model

@@ -484,3 +484,20 @@ def test_evaluate_run_as_fold_measures_the_folded_weights():
     assert any("folded" in n for n in folded.notes) and not any("folded" in n for n in as_file.notes)
     with pytest.raises(InvalidArgumentError, match="run_as"):
         F.evaluate(model, q, feeds=feeds, run_as="gpu")
+
+
+def test_a_model_past_one_protobuf_goes_through_external_data():
+    """protobuf's ByteSize raises EncodeError past 2 GiB (upb): such a model is not one protobuf, so the
+    session is built from a file with external data (H3: a 2.42 GB model's --require failed to load)."""
+    from google.protobuf.message import EncodeError
+
+    class Huge:
+        def ByteSize(self):
+            raise EncodeError("Failed to serialize proto")
+
+    class Small:
+        def ByteSize(self):
+            return 1000
+
+    assert F._fits_one_protobuf(Huge()) is False
+    assert F._fits_one_protobuf(Small()) is True
