@@ -302,7 +302,9 @@ def collect_hessians(model: onnx.ModelProto, feeds, names, seed: int = 0, rows: 
         cons[name] = (node, a)
     dtypes = {a: inits[n].data_type for n, (_, a) in cons.items() if n in inits}
     sess, allowed = activation_session(model, sorted({a for _, a in cons.values()}), dtypes)
-    out_names = [o.name for o in sess.get_outputs()]
+    # only the activations: the model's own outputs (a bfloat16 LLM's logits) may be of a type
+    # onnxruntime cannot hand to numpy, and nobody here reads them
+    out_names = sorted({a for _, a in cons.values()})
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
