@@ -121,6 +121,7 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     src = load_model(model)
     out = onnx.ModelProto()
     out.CopyFrom(src)
+    graph.unshadow_initializers(out)  # a subgraph table named like an outer tensor would break SSA
     if report is not None:
         report.pass_name = report.pass_name or "palettize"
     densified = graph.densify_sparse_initializers(out)

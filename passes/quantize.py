@@ -424,7 +424,8 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                                       rd_distortion, rd_levels)
     include_p = _patterns(include, "include")
     exclude_p = _patterns(exclude, "exclude")
-    source = load_model(model)
+    # a subgraph weight named like an outer tensor would become a node output shadowing it (not SSA)
+    source = graph.unshadowed(load_model(model))
     levels = forms.Levels(int(bits), bool(symmetric))
     # op names let include/exclude patterns name op types; onnx's schema list behind them costs
     # ~10 MB of resident memory that stays (an int8 session on a small model pays it at load)

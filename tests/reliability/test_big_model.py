@@ -84,7 +84,5 @@ def test_compress_fold_and_sessions(big, tmp_path):
         assert np.abs(y - expected).max() < 0.05
 
 
-@pytest.mark.xfail(reason="fidelity._session compares ByteSize() with the limit, and protobuf's ByteSize raises "
-                          "past 2 GiB (H2: .notes/H3_to_H2.md 5)", strict=False)
 def test_require_measures_it(big, tmp_path):
     assert main(["compress", str(big), "-o", str(tmp_path / "r.onnxz"), "--require", "snr>=30"]) == 0
