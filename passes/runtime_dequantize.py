@@ -81,10 +81,12 @@ def dequantize(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None =
         out[...] = result
         return out
     pre, d, post, block = form
-    s32 = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+    # aligned too: a scale viewed in place in a model's raw bytes may sit at any address, and its
+    # buffer then reads as standard-size '=f', which the kernel refuses (scales are small: a copy)
+    s32 = np.require(scale, np.float32, ["C", "A"]).reshape(-1)
     z32 = None
     if zero_point is not None and np.any(zero_point):
-        z32 = np.ascontiguousarray(zero_point, dtype=np.float32).reshape(-1)
+        z32 = np.require(zero_point, np.float32, ["C", "A"]).reshape(-1)
     if out is None:
         out = np.empty(q.shape, out_dtype)
     elif out.shape != q.shape or out.dtype != out_dtype or not out.flags.c_contiguous:

@@ -173,3 +173,25 @@ def test_loops_listed_and_the_default_the_fastest():
     assert "scalar" in loops and rd.kernel_name() in loops
     order = ["scalar", "avx2", "avx512"]
     assert rd.kernel_name() == max(loops, key=order.index)
+
+
+def _unaligned(a: np.ndarray) -> np.ndarray:
+    """`a`'s values viewed at an odd address, as a scale read in place from a model's raw bytes."""
+    raw = b"\0" + a.tobytes()
+    view = np.frombuffer(raw, a.dtype, count=a.size, offset=1).reshape(a.shape)
+    assert not view.flags.aligned
+    return view
+
+
+@pytest.mark.parametrize("odtype", [np.float32, np.float16])
+def test_unaligned_scale_and_zero_point(odtype):
+    # found by bench/load.py: a per-channel int8 MiniLM .onnx folded in mode="fold" raised TypeError
+    # ('scale and zero point must be float32') because its scales were unaligned views
+    rng = np.random.default_rng(11)
+    q = rng.integers(-128, 128, size=(64, 48), dtype=np.int8)
+    scale = (rng.random(64, dtype=np.float32) + 0.5) * 1e-2
+    for zp in (None, rng.integers(-3, 4, size=64).astype(np.int8)):
+        assert rd.layout(q, scale, zp, 0, 0) is not None  # the kernel's form, not numpy's
+        want = dequantize_linear(q, scale, zp, 0, 0).astype(odtype)
+        got = rd.dequantize(q, _unaligned(scale), zp, axis=0, out_dtype=odtype)
+        assert got.dtype == odtype and got.tobytes() == want.tobytes()
