@@ -962,3 +962,16 @@ def test_weights_kept_float_hold_float16_values(monkeypatch):
                 assert not np.array_equal(values[name], given[name])
             else:
                 np.testing.assert_array_equal(values[name], given[name])
+
+
+def test_tie_risk_erfc_matches_math_erfc():
+    # the table-interpolated erfc behind TieRisk.risk, against math.erfc on both signs and past 6
+    import math
+
+    from passes import auto
+
+    x = np.concatenate([np.linspace(-7, 7, 20001), np.random.default_rng(3).uniform(0, 6, 20000), [0.0, 6.0, np.inf]])
+    want = np.array([math.erfc(v) for v in x])
+    got = auto._erfc_array(x)
+    assert np.abs(got - want).max() < 2e-9
+    assert auto._erfc_array(np.zeros((2, 3))).shape == (2, 3)
