@@ -360,6 +360,21 @@ def _defined_names(g: onnx.GraphProto) -> set[str]:
     return names
 
 
+def _shadowing_initializers(model: onnx.ModelProto):
+    """Per graph, top-down: (graph, its initializers whose names an enclosing graph defines). A
+    caller may rename them (and their reads) before taking the next item: the names the graphs
+    below see are read after that."""
+    def walk(g: onnx.GraphProto, outer: set[str]):
+        yield g, [t for t in itertools.chain(g.initializer, (s.values for s in g.sparse_initializer))
+                  if t.name in outer]
+        visible = outer | _defined_names(g)
+        for node in g.node:
+            for sub in node_subgraphs(node):
+                yield from walk(sub, visible)
+
+    return walk(model.graph, set())
+
+
 def unshadow_initializers(model: onnx.ModelProto) -> int:
     """Give every subgraph initializer whose name an enclosing graph also defines (an If / Loop /
     Scan body's own weight named like an outer tensor: allowed for initializers, and onnx.checker
@@ -371,41 +386,22 @@ def unshadow_initializers(model: onnx.ModelProto) -> int:
     onnxruntime refuse the model: "'W' has been used as output names multiple times")."""
     allocate = NameAllocator(all_names(model))
     renamed = 0
-
-    def walk(g: onnx.GraphProto, outer: set[str]) -> None:
-        nonlocal renamed
+    for g, shadowing in _shadowing_initializers(model):
+        if not shadowing:
+            continue
         renames: dict[str, str] = {}  # old name -> new name
-        for tensor in itertools.chain(g.initializer, (sparse.values for sparse in g.sparse_initializer)):
-            if tensor.name in outer:
-                new_name = allocate.take(tensor.name)
-                renames[tensor.name] = new_name
-                tensor.name = new_name
-        if renames:
-            _rename_reads(g, renames)
-            renamed += len(renames)
-        visible = outer | _defined_names(g)
-        for node in g.node:
-            for sub in node_subgraphs(node):
-                walk(sub, visible)
-
-    walk(model.graph, set())
+        for tensor in shadowing:
+            new_name = allocate.take(tensor.name)
+            renames[tensor.name] = new_name
+            tensor.name = new_name
+        _rename_reads(g, renames)
+        renamed += len(renames)
     return renamed
 
 
 def shadowed_initializers(model: onnx.ModelProto) -> list[str]:
     """Names of subgraph initializers that an enclosing graph also defines (see unshadow_initializers)."""
-    found: list[str] = []
-
-    def walk(g: onnx.GraphProto, outer: set[str]) -> None:
-        found.extend(t.name for t in itertools.chain(g.initializer, (s.values for s in g.sparse_initializer))
-                     if t.name in outer)
-        visible = outer | _defined_names(g)
-        for node in g.node:
-            for sub in node_subgraphs(node):
-                walk(sub, visible)
-
-    walk(model.graph, set())
-    return found
+    return [t.name for _, shadowing in _shadowing_initializers(model) for t in shadowing]
 
 
 def unshadowed(model: onnx.ModelProto) -> onnx.ModelProto:
