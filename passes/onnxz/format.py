@@ -295,6 +295,18 @@ def check_data_name(name) -> str:
     return name
 
 
+def normal_data_name(location) -> str:
+    """The name the index gives an external data `location` (FORMAT.md 4, FILE): its "." and empty
+    path components dropped ("./w3.bin" and "w3.bin" name one file), so that a model whose
+    location says "./w3.bin" (valid, and what some exporters write) packs; the result passes
+    check_data_name (a ".." or an absolute path is still refused). The model's own bytes keep the
+    location as written: only the index's name is normal, and a reader looks a location up by its
+    normal name."""
+    if not isinstance(location, str) or location.startswith("/"):
+        return check_data_name(location)  # refused with the usual message
+    return check_data_name("/".join(p for p in location.split("/") if p not in ("", ".")) or location)
+
+
 class _Extents:
     """Detects chunks that overlap each other or leave the data area."""
 

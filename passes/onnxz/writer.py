@@ -22,7 +22,7 @@ from .. import __version__
 from .._fileio import _safe_external_path, atomic_output, check_readable, check_writable, parse_model_bytes
 from ..errors import FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
-from .format import FLAG_CATALOG, HEADER_SIZE, MAGIC, VERSION, check_data_name, encode_catalog, encode_index, pack_header
+from .format import FLAG_CATALOG, HEADER_SIZE, MAGIC, VERSION, encode_catalog, encode_index, normal_data_name, pack_header
 from .protowire import LEN, TensorRef, WireError, _skip, find_tensors, read_varint, write_varint
 
 MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhead would eat the gain
@@ -123,14 +123,15 @@ def _load_sources(model_or_path):
         location = ref.location or ""
         target = _safe_external_path(base, location)
         try:
-            check_data_name(location)
+            name = normal_data_name(location)
         except Exception:
             raise InvalidModelError(f"external data location {location!r} is not a plain relative path; not supported") from None
-        src = externals.get(location)
+        # keyed by the normal name: "./w3.bin" and "w3.bin" are one file, stored once
+        src = externals.get(name)
         if src is None:
             if not target.is_file():
                 raise InvalidModelError(f"external data file {location!r} of tensor {ref.name!r} is missing")
-            src = externals[location] = _Source(location, _read(target))
+            src = externals[name] = _Source(name, _read(target))
         if ref.length < 0:
             ref.length = len(src.data) - ref.offset
         if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > len(src.data):
