@@ -36,7 +36,7 @@ from .._fileio import atomic_output, check_readable, check_writable, load_extern
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError, SurgeonError
 from . import codecs
 from .protowire import write_varint
-from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, Index, Stream, decode_index, parse_header, parse_index
+from .format import DEFAULT_MAX_OUTPUT_BYTES, check_index_size, HEADER_SIZE, MAGIC, Index, Stream, decode_index, normal_data_name, parse_header, parse_index
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -1307,7 +1307,11 @@ def load(path, *, threads=None, max_bytes=None, digest: str = "fast") -> onnx.Mo
 
             for t in external_tensors(model):
                 info = {e.key: e.value for e in t.external_data}
-                blob = restored.get(info.get("location", ""))
+                # the index names each file by its normal name (FORMAT.md 4): "./w3.bin" is "w3.bin"
+                try:
+                    blob = restored.get(normal_data_name(info.get("location", "")))
+                except CorruptFileError:  # ".." or absolute: no file of the pack has that name
+                    blob = None
                 if blob is None:
                     raise InvalidModelError(f"tensor {t.name!r} references external data {info.get('location')!r} not in the packed file")
                 off = int(info.get("offset", 0) or 0)
