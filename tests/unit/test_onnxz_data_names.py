@@ -89,8 +89,6 @@ def test_location_outside_the_folder_still_refused(tmp_path):
     assert not (tmp_path / "x.onnxz").exists()
 
 
-@pytest.mark.xfail(reason="passes.load looks a location up as written; reader.py (H6) to look up normal_data_name(location)",
-                   strict=False)
 def test_load_finds_dot_slash_location(tmp_path):
     src_dir = tmp_path / "src"
     src_dir.mkdir()
