@@ -4,7 +4,9 @@ Each builder makes a small model of one pattern (recurrent weights, Gemm with tr
 a broadcast bias, batched MatMul weights, Einsum, a weight tied between Gather and MatMul,
 initializers listed as graph inputs, weights inside model-local functions, Constant nodes in
 their other spellings, Scan/Loop bodies, float64 and bfloat16 weights, opsets 11-21, external
-data, shape-only consumers). Every public path runs on each: quantize_weights at int8 /
+data, shape-only consumers, one weight read in the main graph and in If / Loop bodies, a tied
+table read by Gather and Gemm(transB), bidirectional LSTM / GRU, grouped and 1-D ConvTranspose,
+weights passed as arguments of a model-local function). Every public path runs on each: quantize_weights at int8 /
 4-bit blocks / 6 bits, palettize, fold_dequantize (bit for bit what onnxruntime computes from
 the DequantizeLinear nodes, float16/float32), pack / load / unpack round trip, open_packed,
 InferenceSession fold / int8 / auto. Results must pass onnx.checker(full_check), run in
@@ -293,6 +295,90 @@ def contrib_ops():
     return m, _feeds({"x": (4, 64), "img": (1, 8, 8, 8), "seq": (1, 10, h)})
 
 
+def shared_across_subgraphs():
+    """One outer weight W read by the main graph, by both branches of an If (as MatMul B and as
+    Gemm B) and by a Loop body: every reader must see the same (dequantized) W."""
+    w = _w((32, 32), 1)
+    then_g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["t"])], "then", [], [_vi("t", [4, 32])])
+    else_g = helper.make_graph([helper.make_node("Gemm", ["x", "W"], ["e"], alpha=0.5)], "else", [], [_vi("e", [4, 32])])
+    loop_body = helper.make_graph(
+        [helper.make_node("MatMul", ["v_in", "W"], ["mm"]), helper.make_node("Tanh", ["mm"], ["v_out"]),
+         helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "loop_body", [_vi("it", [], TensorProto.INT64), _vi("c_in", [], TensorProto.BOOL), _vi("v_in", [4, 32])],
+        [_vi("c_out", [], TensorProto.BOOL), _vi("v_out", [4, 32])])
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]),
+             helper.make_node("If", ["cond"], ["z"], then_branch=then_g, else_branch=else_g),
+             helper.make_node("Add", ["m", "z"], ["mz"]),
+             helper.make_node("Loop", ["n", "", "mz"], ["y"], body=loop_body)]
+    m = _model(nodes, [_vi("x", [4, 32]), _vi("cond", [], TensorProto.BOOL)], [_vi("y", [4, 32])],
+               [_t("W", w), numpy_helper.from_array(np.array(2, np.int64), "n")])
+    feeds = [dict(f, cond=np.array(c)) for f, c in zip(_feeds({"x": (4, 32)}), (True, False))]
+    return m, feeds
+
+
+def tied_gemm():
+    """A tied table E[V, D] read by Gather (embedding) and by Gemm(h, E, transB=1) (the output
+    projection without a Transpose node, as exporters that fold it write it)."""
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"]),
+             helper.make_node("Tanh", ["h"], ["ht"]),
+             helper.make_node("Gemm", ["ht", "E", "bias"], ["y"], transB=1)]
+    m = _model(nodes, [_vi("ids", [7], TensorProto.INT64)], [_vi("y", [7, 200])],
+               [_t("E", _w((200, 64), 1, 1.0)), _t("bias", _w((200,), 2, 0.1))])
+    return m, _feeds({"ids": (7,)}, ints=200)
+
+
+def bidirectional(op):
+    """A bidirectional LSTM / GRU (W[2, G*h, i], R[2, G*h, h]; the GRU with linear_before_reset,
+    as PyTorch exports it), sequence_lens left out ('') and an initial state stored as an
+    initializer."""
+    def build():
+        gates, h, i = {"LSTM": 4, "GRU": 3}[op], 40, 48
+        inits = [_t("W", _w((2, gates * h, i), 1)), _t("R", _w((2, gates * h, h), 2)),
+                 _t("B", _w((2, 2 * gates * h), 3, 0.1)), _t("H0", _w((2, 3, h), 4, 0.5))]
+        attrs = {"linear_before_reset": 1} if op == "GRU" else {}
+        outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+        nodes = [helper.make_node(op, ["x", "W", "R", "B", "", "H0"], outs, hidden_size=h, direction="bidirectional",
+                                  **attrs)]
+        m = _model(nodes, [_vi("x", [5, 3, i])],
+                   [_vi("Y", [5, 2, 3, h]), _vi("Y_h", [2, 3, h])] + ([_vi("Y_c", [2, 3, h])] if op == "LSTM" else []),
+                   inits)
+        return m, _feeds({"x": (5, 3, i)})
+    return build
+
+
+def conv_transpose():
+    """ConvTranspose as decoders and upsamplers use it: a grouped 2-D one (W[C_in, C_out/group,
+    k, k], group 2, stride 2, output_padding, bias) and a 1-D one (W[C_in, C_out, k])."""
+    inits = [_t("W", _w((16, 8, 3, 3), 1)), _t("B", _w((16,), 2, 0.1)), _t("W1", _w((16, 12, 4), 3))]
+    nodes = [helper.make_node("ConvTranspose", ["x", "W", "B"], ["up"], group=2, strides=[2, 2],
+                              pads=[1, 1, 1, 1], output_padding=[1, 1]),
+             helper.make_node("Relu", ["up"], ["r"]),
+             helper.make_node("Reshape", ["r", "shp"], ["seq"]),
+             helper.make_node("ConvTranspose", ["seq", "W1"], ["y"], strides=[2])]
+    inits.append(numpy_helper.from_array(np.array([1, 16, -1], np.int64), "shp"))
+    m = _model(nodes, [_vi("x", [1, 16, 5, 5])], [_vi("y", [1, 12, 202])], inits)
+    return m, _feeds({"x": (1, 16, 5, 5)})
+
+
+def function_weight_argument():
+    """Outer initializers passed into a model-local function call (an exporter that keeps each
+    module as a function takes its parameters as arguments): Linear(x, W, B) called twice, once
+    with a weight the main graph also reads."""
+    fn = helper.make_function(
+        "local", "Linear", ["a", "w", "b"], ["o"],
+        [helper.make_node("MatMul", ["a", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["o"])],
+        opset_imports=[helper.make_opsetid("", 17)])
+    nodes = [helper.make_node("Linear", ["x", "W1", "B1"], ["h"], domain="local"),
+             helper.make_node("Relu", ["h"], ["hr"]),
+             helper.make_node("Linear", ["hr", "W2", "B2"], ["h2"], domain="local"),
+             helper.make_node("MatMul", ["hr", "W2"], ["h3"]),
+             helper.make_node("Add", ["h2", "h3"], ["y"])]
+    inits = [_t("W1", _w((64, 48), 1)), _t("B1", _w((48,), 2, 0.1)), _t("W2", _w((48, 32), 3)), _t("B2", _w((32,), 4, 0.1))]
+    m = _model(nodes, [_vi("x", [4, 64])], [_vi("y", [4, 32])], inits,
+               functions=[fn], extra_opsets=[helper.make_opsetid("local", 1)])
+    return m, _feeds({"x": (4, 64)})
+
+
 def _feeds(shapes, n=2, ints=None):
     rng = np.random.default_rng(42)
     out = []
@@ -312,6 +398,9 @@ PATTERNS = {
     **{f"opset{o}": conv_at(o) for o in (11, 13, 17, 19, 21)},
     "shape_only": shape_only, "one_input_channel_conv": one_input_channel_conv, "float_indices": float_indices,
     "contrib_ops": contrib_ops,
+    "shared_across_subgraphs": shared_across_subgraphs, "tied_gemm": tied_gemm,
+    "bidirectional_lstm": bidirectional("LSTM"), "bidirectional_gru": bidirectional("GRU"),
+    "conv_transpose": conv_transpose, "function_weight_argument": function_weight_argument,
 }
 
 
@@ -440,6 +529,31 @@ def test_pack_round_trip_and_sessions(case, tmp_path):
         s = passes.InferenceSession(str(dst), mode=mode)
         assert _snr(ref, _run(s, feeds)) >= (INT8_MIN_SNR - 6 if mode == "int8" else INT8_MIN_SNR), mode
     assert _snr(ref, qout) >= INT8_MIN_SNR
+
+
+def test_a_float_pack_opens_in_int8_mode(case, tmp_path):
+    """InferenceSession(mode="int8") on a packed float model quantizes what it can as it loads
+    and leaves the rest float: it runs and stays close on every pattern."""
+    name, m, feeds, ref = case
+    src = tmp_path / "f.onnx"
+    src.write_bytes(m.SerializeToString())
+    passes.pack(str(src), str(tmp_path / "f.onnxz"))
+    s = passes.InferenceSession(str(tmp_path / "f.onnxz"), mode="int8")
+    assert _snr(ref, _run(s, feeds)) >= INT8_MIN_SNR - 6
+
+
+@pytest.mark.parametrize("name, quantized", [
+    ("shared_across_subgraphs", ["W"]), ("tied_gemm", ["E"]), ("bidirectional_lstm", ["R", "W"]),
+    ("bidirectional_gru", ["R", "W"]), ("conv_transpose", ["W"]), ("function_weight_argument", ["W1", "W2"])])
+def test_shared_and_argument_weights_are_quantized_once(name, quantized):
+    """A weight read in several graphs, by two ops or through a function call is one
+    DequantizeLinear whose output every reader takes (not a float copy, not two int8 copies)."""
+    m, _ = PATTERNS[name]()
+    q = passes.quantize_weights(m)
+    dq = sorted(n.output[0] for gi in graph.iter_graphs(q) for n in gi.graph.node if n.op_type == "DequantizeLinear")
+    assert dq == quantized
+    floats = {t.name for gi in graph.iter_graphs(q) for t in gi.graph.initializer if t.data_type == TensorProto.FLOAT}
+    assert not floats & set(quantized)
 
 
 def test_external_data(tmp_path):
