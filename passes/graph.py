@@ -701,6 +701,18 @@ _OUTPUT_CASTS = {
 }
 
 
+# the same types as onnxruntime names them in NodeArg.type ('tensor(bfloat16)', ...): a caller
+# holding a session (not the model) asks numpy_unreadable_output_type, so that this table stays
+# the one place that knows which outputs need a Cast
+_OUTPUT_CAST_ORT_TYPES = frozenset(f"tensor({TensorProto.DataType.Name(t).lower()})" for t in _OUTPUT_CASTS)
+
+
+def numpy_unreadable_output_type(ort_type: str) -> bool:
+    """Whether onnxruntime hands an output of this NodeArg type ('tensor(float8e4m3fn)', ...) to
+    numpy as something other than its values: the types numpy_readable_outputs casts."""
+    return ort_type in _OUTPUT_CAST_ORT_TYPES
+
+
 def numpy_readable_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` itself when onnxruntime hands every graph output to numpy as its values; else a
     copy whose outputs of the other types (_OUTPUT_CASTS) end in a Cast to a type that holds their

@@ -295,6 +295,8 @@ def test_numpy_readable_outputs_give_values(elem, dtype, opset):
     integer = elem in (TP.INT4, TP.UINT4)
     x = np.array([0, 1, 2, 3, 5, 7] if integer else [-2.5, -0.001, 0.001, 0.5, 3.0, 7.0], np.float32)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    # a caller holding only the session tells the same outputs by onnxruntime's type names
+    assert [graph.numpy_unreadable_output_type(o.type) for o in session.get_outputs()] == [True, False]
     try:
         raw = session.run(None, {"x": x})[0]
         assert raw.dtype == np.uint8  # float8e4m3fn: codes, -0.001 and 0.001 128 apart
@@ -308,6 +310,13 @@ def test_numpy_readable_outputs_give_values(elem, dtype, opset):
     assert np.array_equal(y, x.astype(dtype).astype(y.dtype))  # the values, exactly
     assert np.array_equal(r, np.maximum(x, 0))
     assert [o.name for o in view.graph.output] == [f"y_as_{graph.type_name(graph._OUTPUT_CASTS[elem])}", "r"]
+
+
+@pytest.mark.parametrize("ort_type", ["tensor(float)", "tensor(float16)", "tensor(double)", "tensor(bool)",
+                                      "tensor(string)", "tensor(int8)", "tensor(uint64)", "seq(tensor(float))",
+                                      "map(int64,tensor(float))"])
+def test_types_numpy_reads_as_values_need_no_cast(ort_type):
+    assert not graph.numpy_unreadable_output_type(ort_type)
 
 
 def test_numpy_readable_outputs_leave_plain_models_alone():
