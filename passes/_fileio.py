@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import stat
-import tempfile
 from pathlib import Path
 from typing import IO, Callable, Iterator, Union
 
@@ -90,38 +89,44 @@ def _special_kind(mode: int) -> str | None:
 
 
 def check_writable(path: PathLike, force: bool = False) -> Path:
-    """Fail early, before any long work, when `path` cannot be written."""
+    """Fail early, before any long work, when `path` cannot be written. One stat of the path (a
+    folder, an existing file without `force`, a device, pipe or socket are refused) and one access
+    check of its folder: this runs before every output, and pathlib's exists / is_dir / stat made
+    it five system calls and ~20 us."""
     p = named_path(path)
-    if p.is_dir():
-        raise FileAccessError(f"{p}: is a folder, not a file")
-    if p.exists() and not force:
-        raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
-    _refuse_special_file(p)
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise FileAccessError(f"cannot write {p}: folder {parent} does not exist")
+    _check_destination(p, force)
+    name = os.fspath(p)
+    parent = os.path.dirname(name) or "."
     if not os.access(parent, os.W_OK | os.X_OK):
+        if not os.path.isdir(parent):
+            raise FileAccessError(f"cannot write {p}: folder {parent} does not exist")
         raise FileAccessError(f"cannot write {p}: folder {parent} is not writable")
     return p
 
 
-def _refuse_special_file(p: Path) -> None:
-    """An existing output must be a regular file (or a link to one). Outputs are written to a
-    temporary file renamed over the path, so a device node, pipe or socket there would be
-    replaced by a regular file (run as root, `/dev/null` became one)."""
+def _check_destination(p: Path, force: bool) -> None:
+    """Refuse an output path that is a folder, that exists (unless `force`), or that is not a
+    regular file (or a link to one): outputs are written to a temporary file renamed over the
+    path, so a device node, pipe or socket there would be replaced by a regular file (run as
+    root, `/dev/null` became one)."""
     try:
         mode = os.stat(p).st_mode
     except OSError:
-        return  # absent, or a dangling link: a new file is made
+        return  # absent, a dangling link, or a folder we cannot look into (its check says so)
+    if stat.S_ISDIR(mode):
+        raise FileAccessError(f"{p}: is a folder, not a file")
+    if not force:
+        raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
     kind = _special_kind(mode)
     if kind:
         raise FileAccessError(f"{p} is {kind}, not a regular file: outputs replace the path whole, "
                               "so it is never written there; choose a file path")
 
 
-def _fsync_dir(folder: Path) -> None:
+def _fsync_dir(folder: PathLike) -> None:
+    """Make a rename in `folder` durable (the file's own fsync does not cover its new name)."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return
     try:
@@ -134,20 +139,25 @@ def _fsync_dir(folder: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
-    """Open a temporary file beside `path`; on success it replaces `path` in one rename.
+    """Open a temporary file beside `path`; on success it is flushed, fsynced and renamed over
+    `path` in one step, and the folder is fsynced (the new name is durable too).
 
     On any exception (or interruption) the temporary file is removed and `path` is untouched.
+    Durability costs: on the ext4 of our hosts the two fsyncs and the rename over an existing
+    file were ~0.5 ms of CPU per output (of a ~2 ms unpack of a 0.7 MB model), and most of its
+    wall time.
     """
-    p = check_writable(path, force)
-    folder = p.parent if str(p.parent) else Path(".")
-    fd, tmp, release = _make_temp_file(p, folder)
+    p = named_path(path)
+    _check_destination(p, force)  # the folder's checks: creating the temporary file makes them
+    folder = os.path.dirname(os.fspath(p)) or "."
+    fd, tmp, release = _make_temp_file(p, folder, force)
     try:
         release()
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        if not force and p.exists():  # appeared while we worked (not asked when replacing anyway)
+        if not force and os.path.exists(p):  # appeared while we worked (not asked when replacing anyway)
             raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
         os.replace(tmp, p)
         _fsync_dir(folder)
@@ -161,15 +171,37 @@ def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
         raise
 
 
-def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]]:
-    """mkstemp with SIGINT and SIGTERM held back: returns (fd, name, release).
+# O_EXCL: never an existing file (nor a link planted under the name); O_NOFOLLOW as mkstemp has it
+_TEMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_BINARY", 0))
+
+
+def _open_temp(p: Path, folder: PathLike) -> tuple[int, str]:
+    """A new hidden file `.NAME.<random>.part` in `folder`: (fd, its path). Created with mode 0o666
+    for the kernel to apply the umask (and a folder's default ACL) as for any new file, which is
+    what the output should get. Why not tempfile.mkstemp: it makes the file 0600, and the fchmod
+    back plus reading the umask (from /proc: os.umask would race with other threads) cost
+    ~20-40 us per output, ~1-2% of unpacking a small model."""
+    for _ in range(100):
+        # a name no other process can guess or repeat (os.urandom: fork-safe, never seeded by anyone)
+        tmp = os.path.join(folder, f".{p.name}.{os.urandom(6).hex()}.part")
+        try:
+            return os.open(tmp, _TEMP_FLAGS, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", os.fspath(folder))
+
+
+def _make_temp_file(p: Path, folder: PathLike, force: bool = True) -> tuple[int, str, Callable[[], None]]:
+    """_open_temp with SIGINT and SIGTERM held back: returns (fd, name, release).
 
     The caller calls `release()` as the first statement of the `try` that removes the file on
     failure, so a Ctrl-C that came while the file was being created is raised there (signal
     handlers run when the mask is lifted) and can never leave the file behind. SIGTERM is held
     back too, for processes that handle it in Python (the command turns it into the same
     unwinding as Ctrl-C); under its default disposition it ends the process wherever it lands,
-    which may leave the hidden `.NAME.*.part` file (never read; safe to delete).
+    which may leave the hidden `.NAME.*.part` file (never read; safe to delete). When the file
+    cannot be made, check_writable's message says why (the folder is missing, not writable).
     """
     previous = None
     if hasattr(signal, "pthread_sigmask"):
@@ -180,34 +212,15 @@ def _make_temp_file(p: Path, folder: Path) -> tuple[int, str, Callable[[], None]
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=folder)
-        # mkstemp makes the file private (0600); the output gets the usual permissions instead
-        os.fchmod(fd, 0o666 & ~_current_umask())
+        fd, tmp = _open_temp(p, folder)
     except OSError as exc:
         release()
+        check_writable(p, force)  # a missing or read-only folder: its own message
         raise FileAccessError(_describe_os_error(p, exc, "write")) from None
     except BaseException:
         release()
         raise
     return fd, tmp, release
-
-
-def _current_umask() -> int:
-    try:  # Linux reports it without changing it (os.umask would race with other threads)
-        # one raw read, no text layer: half the cost of reading it line by line (~25 us against
-        # ~50, on every file written)
-        fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            status = os.read(fd, 1 << 16)
-        finally:
-            os.close(fd)
-        at = status.index(b"\nUmask:") + 7
-        return int(status[at:status.index(b"\n", at)], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _remove_quietly(path: PathLike) -> None:

@@ -2,7 +2,7 @@
 
 The writer runs in a forked child (the parent's imports are reused, so each run costs
 milliseconds, not a Python start). Inside the child the system calls the atomic writer relies
-on (`tempfile.mkstemp`, `os.fdopen(...).write`, `os.fsync`, `os.replace`) are wrapped so that
+on (`_fileio._open_temp`, `os.fdopen(...).write`, `os.fsync`, `os.replace`) are wrapped so that
 before and after each one the child reports a numbered checkpoint on a pipe and waits for the
 parent's go. The parent lets the child run to checkpoint `k`, then sends the signal instead of
 the go: the kill lands exactly between two system calls, every point of the write reachable.
@@ -86,6 +86,10 @@ def _install_checkpoints(report_fd: int, go_fd: int) -> None:
 
         setattr(module, attr, wrapped)
 
+    from passes import _fileio
+
+    # the temporary file's creation (_fileio._open_temp; tempfile.mkstemp where something still calls it)
+    wrap(_fileio, "_open_temp", "mkstemp")
     wrap(tempfile, "mkstemp", "mkstemp")
     wrap(os, "fsync", "fsync")
     wrap(os, "replace", "replace")

@@ -137,7 +137,7 @@ def test_simulated_erofs_at_mkstemp(tmp_path, monkeypatch):
     def erofs(*a, **k):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(fileio.tempfile, "mkstemp", erofs)
+    monkeypatch.setattr(fileio, "_open_temp", erofs)
     with pytest.raises(FileAccessError, match="read-only file system"):
         write_bytes_atomic(tmp_path / "out.bin", b"x")
     assert list(tmp_path.iterdir()) == []

@@ -117,3 +117,27 @@ def test_external_data_pack_checks_the_model_path_before_writing_data_files(tmp_
     assert (out / "m.onnx").read_bytes() == b"keep"
     passes.unpack(packed, out / "m.onnx", force=True)
     assert (out / "m.data").read_bytes() == (folder / "m.data").read_bytes()
+
+
+def test_unpack_knows_its_input_under_any_name(tmp_path):
+    """unpack refuses to write over the pack it reads, told by the open file's inode: the path
+    itself, another spelling, a hard link, a symlink; a new name or another file is written."""
+    src, packed = _packed(tmp_path)
+    before = packed.read_bytes()
+    os.link(packed, tmp_path / "hard.onnxz")
+    os.symlink(packed, tmp_path / "soft.onnxz")
+    for dst in (packed, tmp_path / "." / "m.onnxz", tmp_path / "hard.onnxz", tmp_path / "soft.onnxz"):
+        for force in (False, True):
+            with pytest.raises(FileAccessError, match="is the input file"):
+                passes.unpack(packed, dst, force=force)
+    assert packed.read_bytes() == before
+    other = tmp_path / "other.onnx"
+    other.write_bytes(b"old")
+    passes.unpack(packed, other, force=True)
+    assert other.read_bytes() == src.read_bytes()
+    passes.unpack(packed, tmp_path / "new.onnx")
+    assert (tmp_path / "new.onnx").read_bytes() == src.read_bytes()
+    with PackedFile(packed) as pf:
+        assert pf._is_input(tmp_path / "hard.onnxz") and not pf._is_input(tmp_path / "missing")
+    with PackedFile(before) as pf:  # from memory: no file to be
+        assert not pf._is_input(packed)
