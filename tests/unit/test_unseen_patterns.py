@@ -6,7 +6,9 @@ initializers listed as graph inputs, weights inside model-local functions, Const
 their other spellings, Scan/Loop bodies, float64 and bfloat16 weights, opsets 11-21, external
 data, shape-only consumers, one weight read in the main graph and in If / Loop bodies, a tied
 table read by Gather and Gemm(transB), bidirectional LSTM / GRU, grouped and 1-D ConvTranspose,
-weights passed as arguments of a model-local function). Every public path runs on each: quantize_weights at int8 /
+weights passed as arguments of a model-local function, the weight as MatMul's first operand and
+a positional table Added to the input, a tied table read through an Identity node and a kernel
+through Unsqueeze). Every public path runs on each: quantize_weights at int8 /
 4-bit blocks / 6 bits, palettize, fold_dequantize (bit for bit what onnxruntime computes from
 the DequantizeLinear nodes, float16/float32), pack / load / unpack round trip, open_packed,
 InferenceSession fold / int8 / auto. Results must pass onnx.checker(full_check), run in
@@ -379,6 +381,36 @@ def function_weight_argument():
     return m, _feeds({"x": (4, 64)})
 
 
+def weight_first():
+    """The weight as MatMul's first operand (y = W @ x, as a channel-mixing layer over a
+    [batch, features, time] tensor writes it) and a learned positional table Added to the input
+    (ViT / Whisper encoders)."""
+    inits = [_t("W", _w((48, 64), 1)), _t("POS", _w((1, 64, 50), 2, 0.5))]
+    nodes = [helper.make_node("Add", ["x", "POS"], ["xp"]),
+             helper.make_node("MatMul", ["W", "xp"], ["y"])]
+    m = _model(nodes, [_vi("x", [2, 64, 50])], [_vi("y", [2, 48, 50])], inits)
+    return m, _feeds({"x": (2, 64, 50)})
+
+
+def identity_tied():
+    """PyTorch's export of a tied parameter: the second module reads the first one's weight
+    through an Identity node (decoder.weight = Identity(encoder.weight)), and a Conv1d kernel
+    reaches a Conv through Unsqueeze (a 1-D conv written as 2-D)."""
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"]),
+             helper.make_node("Identity", ["E"], ["E_dec"]),
+             helper.make_node("Transpose", ["E_dec"], ["Et"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Et"], ["logits"]),
+             helper.make_node("Unsqueeze", ["K", "ax2"], ["K4"]),
+             helper.make_node("Unsqueeze", ["logits", "ax0"], ["l4"]),
+             helper.make_node("Unsqueeze", ["l4", "ax0"], ["l5"]),
+             helper.make_node("Conv", ["l5", "K4"], ["y"])]
+    inits = [_t("E", _w((200, 64), 1, 1.0)), _t("K", _w((16, 1, 3), 2)),
+             numpy_helper.from_array(np.array([2], np.int64), "ax2"),
+             numpy_helper.from_array(np.array([0], np.int64), "ax0")]
+    m = _model(nodes, [_vi("ids", [7], TensorProto.INT64)], [_vi("y", [1, 16, 7, 198])], inits)
+    return m, _feeds({"ids": (7,)}, ints=200)
+
+
 def _feeds(shapes, n=2, ints=None):
     rng = np.random.default_rng(42)
     out = []
@@ -400,7 +432,7 @@ PATTERNS = {
     "contrib_ops": contrib_ops,
     "shared_across_subgraphs": shared_across_subgraphs, "tied_gemm": tied_gemm,
     "bidirectional_lstm": bidirectional("LSTM"), "bidirectional_gru": bidirectional("GRU"),
-    "conv_transpose": conv_transpose, "function_weight_argument": function_weight_argument,
+    "conv_transpose": conv_transpose, "function_weight_argument": function_weight_argument, "weight_first": weight_first, "identity_tied": identity_tied,
 }
 
 
@@ -544,7 +576,7 @@ def test_a_float_pack_opens_in_int8_mode(case, tmp_path):
 
 @pytest.mark.parametrize("name, quantized", [
     ("shared_across_subgraphs", ["W"]), ("tied_gemm", ["E"]), ("bidirectional_lstm", ["R", "W"]),
-    ("bidirectional_gru", ["R", "W"]), ("conv_transpose", ["W"]), ("function_weight_argument", ["W1", "W2"])])
+    ("bidirectional_gru", ["R", "W"]), ("conv_transpose", ["W"]), ("function_weight_argument", ["W1", "W2"]), ("weight_first", ["POS", "W"]), ("identity_tied", ["E"])])
 def test_shared_and_argument_weights_are_quantized_once(name, quantized):
     """A weight read in several graphs, by two ops or through a function call is one
     DequantizeLinear whose output every reader takes (not a float copy, not two int8 copies)."""
