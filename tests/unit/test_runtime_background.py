@@ -164,3 +164,35 @@ def test_weights_stream_to_onnxruntime_as_they_decode(tmp_path, monkeypatch):
     from test_runtime import run_plain
 
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], run_plain(plain, [{"x": x}])[0][0])
+
+
+@pytest.mark.parametrize("key", ["floatz", "q8z"])
+def test_graph_bytes_are_restored_before_the_weights_start_decoding(packs, key, monkeypatch):
+    """start_read restores the model file's graph bytes before the big payloads decode aside: the
+    restore's tasks share the reader's pool with that decode, and waited behind a whole batch of
+    it when the decode went first (runtime_source.PackedRead)."""
+    import passes.runtime_source as source
+    from passes.runtime_source import start_read
+
+    events = []
+    original_restore, original_start = source._restored_model_file, source.BackgroundDecode.__init__
+
+    def restore(*args, **kwargs):
+        events.append("restore")
+        return original_restore(*args, **kwargs)
+
+    def start(self, *args, **kwargs):
+        events.append("decode")
+        return original_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(source, "_restored_model_file", restore)
+    monkeypatch.setattr(source.BackgroundDecode, "__init__", start)
+    reading = start_read(packs["dense"][key], background=True)
+    split = reading.finish()
+    split.wait_weights()
+    assert events == ["restore", "decode"]
+    synchronous = read_split(packs["dense"][key])
+    assert sorted(split.weights) == sorted(synchronous.weights)
+    for name, array in synchronous.weights.items():
+        np.testing.assert_array_equal(split.weights[name], array)
+    assert not _decode_threads()
