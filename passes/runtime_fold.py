@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 
 from .errors import InvalidArgumentError
 from .graph import NameAllocator
+from .runtime_arena import Arena, MemoryOwners
 from .runtime_dequantize import dequantize as _dequantize, kernel_name, layout as _layout
 from .runtime_feed import GRAPH_OPS, SplitModel, main_graph_uses, subgraphs
 
@@ -75,14 +76,15 @@ _KERNEL_LEVELS = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.UINT8})
 _KERNEL_SCALES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16})
 
 
-def _kernel_dq(node, arrays, types, fallback, later=None, ready=None):
+def _kernel_dq(node, arrays, types, fallback, later=None, ready=None, arena=None):
     """A constant DequantizeLinear of 8-bit levels with float32/float16 scales through the one-pass
     kernel (runtime_dequantize: the bits of forms.dequantize_linear, which fold_dequantize writes);
     anything else (other types, attributes or layouts, and every malformed node, which `fallback`
     refuses with its message) through `fallback`, the registered folder. With `later` (a list) the
     kernel's work is appended to it as (q, scale, zero point, axis, block, output array) and the
-    output returned unfilled (FoldAhead fills it); `ready(array)` then waits for levels still
-    decoding before the fallback reads them."""
+    output returned unfilled (FoldAhead fills it), cut from `arena` when given (a
+    runtime_arena.Arena: small outputs share huge pages); `ready(array)` then waits for levels
+    still decoding before the fallback reads them."""
     q, scale = arrays[0], arrays[1] if len(arrays) > 1 else None
 
     def other():
@@ -106,7 +108,7 @@ def _kernel_dq(node, arrays, types, fallback, later=None, ready=None):
     if _layout(q, scale, zp, axis, block) is None:
         return other()
     if later is not None:
-        out = np.empty(q.shape, scale.dtype)
+        out = arena.empty(q.shape, scale.dtype) if arena is not None else np.empty(q.shape, scale.dtype)
         later.append((q, scale, zp, axis, block, out))
         return out, types[1]
     return _dequantize(q, scale, zp, axis, block), types[1]
@@ -139,8 +141,13 @@ class FoldAhead:
 
         self._decode = decode
         self._jobs = sorted(jobs, key=lambda job: decode.order(job[0]))
-        self._done = {id(job[5]): threading.Event() for job in self._jobs}
-        self._levels = {id(job[5]): job[0] for job in self._jobs}
+        # folded output -> (its event, its levels), found from any view of it (see MemoryOwners)
+        self._outputs = MemoryOwners()
+        self._events = []
+        for q, _, _, _, _, out in self._jobs:
+            event = threading.Event()
+            self._outputs.add(out, (event, q))
+            self._events.append(event)
         self._error = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="passes-weight-fold", daemon=True)
@@ -148,34 +155,25 @@ class FoldAhead:
 
     def _run(self) -> None:
         try:
-            for q, scale, zp, axis, block, out in self._jobs:
+            for (q, scale, zp, axis, block, out), event in zip(self._jobs, self._events):
                 if self._stop:
                     raise InvalidArgumentError("the weights' fold was abandoned (a failed load)")
                 self._decode.ready(q)
                 _dequantize(q, scale, zp, axis, block, out=out)
-                self._done[id(out)].set()
+                event.set()
         except BaseException as exc:  # reported by ready() and wait()
             self._error = exc
         finally:
             self._jobs = []  # (the levels are freed as soon as folded)
-            for done in self._done.values():
-                done.set()
-
-    def _event(self, array):
-        base = array
-        while base is not None:
-            hit = self._done.get(id(base))
-            if hit is not None:
-                return hit, base
-            base = getattr(base, "base", None)
-        return None, None
+            for event in self._events:
+                event.set()
 
     def order(self, array) -> int:
-        event, out = self._event(array)
-        return self._decode.order(array if event is None else self._levels[id(out)])
+        event, levels = self._outputs.find(array, (None, None))
+        return self._decode.order(array if event is None else levels)
 
     def ready(self, array, block: bool = True) -> bool:
-        event, _ = self._event(array)
+        event, _ = self._outputs.find(array, (None, None))
         if event is None:
             return self._decode.ready(array, block)
         if not block and not event.is_set():
@@ -187,7 +185,7 @@ class FoldAhead:
 
     def wait(self) -> None:
         self._thread.join()
-        self._levels = {}
+        self._outputs.clear()  # (the levels are no longer held)
         try:
             self._decode.wait()
         finally:
@@ -435,6 +433,9 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
     FoldAhead that becomes split.pending; the others are folded now."""
     decode = split.pending if ahead else None
     jobs = []
+    # the outputs folded ahead are filled on the fold thread: small ones cut from shared arrays,
+    # whose first touch maps huge pages (see runtime_arena)
+    arena = Arena() if decode is not None else None
     folders = _folders()
     constants_to_initializers(split)
     if subgraphs if subgraphs is not None else only is None:
@@ -454,7 +455,7 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
                     if a is not None:
                         decode.ready(a)
                 result = _kernel_dq(node, arrays, [types.get(i, 0) for i in node.input], fn, later=jobs,
-                                    ready=decode.ready)
+                                    ready=decode.ready, arena=arena)
             else:
                 result = _kernel_dq(node, arrays, [types.get(i, 0) for i in node.input], fn)
         else:

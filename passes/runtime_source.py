@@ -270,9 +270,13 @@ class BackgroundDecode:
     def __init__(self, pf, entries, packed):
         import threading
 
+        from .runtime_arena import Arena, MemoryOwners
+
         self._packed = packed
         entries = sorted(entries, key=lambda t: (t.file, t.offset))
-        self._outs = {(t.file, t.offset): (t, np.empty(t.length, np.uint8)) for t in entries}
+        # small payloads share large arrays (huge pages: see runtime_arena), in file order
+        arena = Arena()
+        self._outs = {(t.file, t.offset): (t, arena.take(t.length)) for t in entries}
         batches, size = [[]], 0
         for t in entries:
             if batches[-1] and size >= self.BATCH_BYTES:
@@ -280,10 +284,12 @@ class BackgroundDecode:
                 size = 0
             batches[-1].append(t)
             size += t.length
-        self._position = {}  # id(output array) -> (batch, order in the file)
+        self._position = MemoryOwners()  # output array -> (batch, order in the file)
+        order = 0
         for k, batch in enumerate(batches):
             for t in batch:
-                self._position[id(self._outs[(t.file, t.offset)][1])] = (k, len(self._position))
+                self._position.add(self._outs[(t.file, t.offset)][1], (k, order))
+                order += 1
         self._done = [threading.Event() for _ in batches]
         self._error = None
         self._stop = False  # abandon(): the batches not started are not decoded
@@ -321,14 +327,8 @@ class BackgroundDecode:
         return rest
 
     def _where(self, array):
-        """(batch, order) of the decode output `array` is a view of, or None."""
-        base = array
-        while base is not None:
-            hit = self._position.get(id(base))
-            if hit is not None:
-                return hit
-            base = getattr(base, "base", None)
-        return None
+        """(batch, order) of the decode output holding `array`'s memory, or None."""
+        return self._position.find(array)
 
     def order(self, array) -> int:
         """Rank of `array` in decode order (arrays not decoded here: -1, they are ready)."""
@@ -351,7 +351,8 @@ class BackgroundDecode:
     def wait(self) -> None:
         self._thread.join()
         self._packed.close()
-        self._outs, self._position = {}, {}
+        self._outs = {}
+        self._position.clear()
         if self._error is not None:
             error, self._error = self._error, None
             raise error

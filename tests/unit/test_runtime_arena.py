@@ -1,0 +1,86 @@
+"""runtime_arena: small decoded / folded weights cut from shared chunks (huge pages), and
+MemoryOwners, which finds the array holding a view's memory when `.base` no longer says."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import passes
+from passes.runtime_arena import ALIGN, Arena, MemoryOwners, data_address
+from passes.runtime_source import start_read
+
+from test_runtime import conv_model, dense_model
+
+
+def _span(array):
+    start = data_address(array)
+    return start, start + array.nbytes
+
+
+def test_small_tensors_share_a_chunk_aligned_and_apart():
+    arena = Arena(chunk_bytes=1 << 20, own_bytes=256 << 10)
+    pieces = [arena.take(n) for n in (1000, 3, 70000, 64, 5)]
+    spans = sorted(_span(p) for p in pieces)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start  # no two overlap
+    assert all(data_address(p) % ALIGN == 0 for p in pieces)
+    assert len({id(p.base) for p in pieces}) == 1  # one chunk
+    for i, p in enumerate(pieces):  # writable, each its own bytes
+        p[:] = i
+    for i, p in enumerate(pieces):
+        assert p.dtype == np.uint8 and p.flags.c_contiguous and (p == i).all()
+
+
+def test_a_full_chunk_starts_another_and_large_tensors_get_their_own():
+    arena = Arena(chunk_bytes=1 << 20, own_bytes=256 << 10)
+    first = [arena.take(200 << 10) for _ in range(5)]  # 1000 KiB: fits one chunk
+    sixth = arena.take(200 << 10)
+    assert len({id(p.base) for p in first}) == 1 and sixth.base is not first[0].base
+    large = arena.take(256 << 10)
+    assert large.base is None and large.nbytes == 256 << 10  # (an array of its own)
+    assert arena.take(0).nbytes == 0
+
+
+def test_empty_gives_the_shape_and_type():
+    arena = Arena()
+    out = arena.empty((3, 5), np.float16)
+    assert out.shape == (3, 5) and out.dtype == np.float16 and out.flags.writeable and out.flags.c_contiguous
+
+
+def test_memory_owners_find_views_of_a_registered_array():
+    arena = Arena(chunk_bytes=1 << 20)
+    a, b = arena.take(4096), arena.take(4096)
+    owners = MemoryOwners()
+    owners.add(a, "a")
+    owners.add(b, "b")
+    # numpy points these at the chunk, not at a or b: found by address
+    assert a.view(np.float32).reshape(32, 32).base is a.base
+    assert owners.find(a.view(np.float32).reshape(32, 32)) == "a"
+    assert owners.find(b[100:]) == "b" and owners.find(b) == "b"
+    assert owners.find(np.zeros(8, np.uint8)) is None
+    assert owners.find(np.zeros(8, np.uint8), "other") == "other"
+    assert owners.find(b"not an array") is None
+    owners.clear()
+    assert owners.find(a) is None
+
+
+@pytest.mark.parametrize("build", [dense_model, conv_model])
+def test_decode_aside_ranks_and_waits_for_views_of_its_outputs(tmp_path, build):
+    """BackgroundDecode's outputs are cut from an Arena: the weights (reshaped, retyped views of
+    them) are still found by ready() and order(); an array it did not decode is ready at once."""
+    onnx.save(build(), str(tmp_path / "m.onnx"))
+    passes.pack(str(tmp_path / "m.onnx"), str(tmp_path / "m.onnxz"))
+    reading = start_read(tmp_path / "m.onnxz", background=True)
+    split = reading.finish()
+    decode = split.pending
+    assert decode is not None
+    ranks = sorted(decode.order(a) for a in split.weights.values() if a.nbytes > 1024)
+    assert ranks and ranks[0] >= 0 and len(set(ranks)) == len(ranks)
+    for array in split.weights.values():
+        assert decode.ready(array)
+    assert decode.order(np.zeros(4)) == -1 and decode.ready(np.zeros(4), block=False)
+    split.wait_weights()
+    synchronous = passes.runtime_source.read_split(tmp_path / "m.onnxz")
+    for name, array in synchronous.weights.items():
+        np.testing.assert_array_equal(split.weights[name], array)
