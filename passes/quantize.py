@@ -768,3 +768,74 @@ def float16_valued(model: onnx.ModelProto, names) -> tuple[onnx.ModelProto, list
         t.CopyFrom(narrow)
         changed.append(t.name)
     return out, changed
+
+
+# ops whose float inputs are plain arithmetic operands: a value off by float16 rounding (2**-11
+# relative) moves the output by as little. Ops that read a float as a size, an index, a threshold
+# or a comparison (Resize scales, Range, Clip bounds, Where conditions, ...) are left out.
+_ARITHMETIC_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Conv", "ConvTranspose", "Gemm", "MatMul", "PRelu",
+                             "BatchNormalization", "LayerNormalization", "InstanceNormalization",
+                             "GroupNormalization", "SkipLayerNormalization"})
+_FLOAT16_MIN_NORMAL = 2.0 ** -14
+_INTEGER_TYPES = frozenset({TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4,
+                            TensorProto.INT16, TensorProto.UINT16, TensorProto.INT32})
+
+
+def float_parameters(model: onnx.ModelProto, exclude=()) -> list[str]:
+    """Names of the main graph's float32 initializers that only arithmetic reads (biases, the
+    per-channel Sub / Mul / Add vectors of an unfolded normalisation, LayerNorm scales and
+    shifts), the candidates for float16_valued besides the weights a plan keeps float.
+
+    Left out: `exclude` (the searched weights), whatever a quantized weight's form reads
+    (DequantizeLinear's inputs; the scale a Mul applies to a Cast of levels, cast_levels' forms:
+    rounding those would move every level's value, not one parameter), tensors any other op or a
+    subgraph or graph output reads, tensors whose largest value is below float16's smallest normal
+    (2**-14; there float16 keeps fewer bits), and divisors with a nonzero value below it (a
+    divisor's values count each relative to itself). Elsewhere a value in float16's subnormal range
+    is off by at most 2**-25, below 2**-11 of the tensor's largest value.
+    Why: open_nsfw keeps its batch normalisations as Sub/Mul/Add by 49,000 float32 values after
+    its Convs (3% of the auto model's pack at ~26 bits a value); as float16 values they pack in two
+    bytes each."""
+    g = model.graph
+    skip = set(exclude)
+    integer_inits = {t.name for t in g.initializer if t.data_type in _INTEGER_TYPES}
+    cast_outputs = {n.output[0] for n in g.node if n.op_type == "Cast" and n.output and n.input
+                    and n.input[0] in integer_inits}
+    readers: dict[str, list] = collections.defaultdict(list)
+    for node in g.node:
+        for i, name in enumerate(node.input):
+            if name:
+                readers[name].append((node, i))
+    # names read inside any subgraph (an If / Loop body reading an outer initializer): left alone
+    for info in graph.iter_graphs(model):
+        if info.graph is g:
+            continue
+        for node in info.graph.node:
+            skip.update(x for x in node.input if x)
+    skip.update(o.name for o in g.output)
+
+    def arithmetic_only(name: str) -> bool:
+        uses = readers.get(name)
+        if not uses:
+            return False
+        for node, i in uses:
+            if node.op_type not in _ARITHMETIC_OPS:
+                return False
+            if node.op_type == "Mul" and any(x in cast_outputs for j, x in enumerate(node.input) if j != i):
+                return False  # a cast_levels scale: levels x scale
+        return True
+
+    out = []
+    for t in g.initializer:
+        if t.name in skip or t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL:
+            continue
+        if not arithmetic_only(t.name):
+            continue
+        arr = np.abs(graph.tensor_to_array(t))
+        if arr.size == 0 or float(arr.max()) < _FLOAT16_MIN_NORMAL:
+            continue  # all of it in float16's subnormal range (or empty)
+        divisor = any(node.op_type == "Div" and i == 1 for node, i in readers[t.name])
+        if divisor and float(arr[arr != 0].min(initial=np.inf)) < _FLOAT16_MIN_NORMAL:
+            continue  # a divisor's every value counts relative to itself
+        out.append(t.name)
+    return out

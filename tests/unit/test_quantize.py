@@ -550,3 +550,63 @@ def test_float16_valued_leaves_what_float16_cannot_hold():
     assert out.SerializeToString() == m.SerializeToString()
     f16 = mg.dense_model("float16", 13)  # not float32: nothing to narrow
     assert float16_valued(f16, [t.name for t in f16.graph.initializer])[1] == []
+
+
+def _float_parameter_model():
+    """x (1, 4) -> Sub(mean) -> Mul(gain) -> Add(shift) -> MatMul(Cast(levels) * level_scale)
+    -> Div(divisor) -> Add(tiny) -> Clip(lo, hi) -> y; and DequantizeLinear(q, dq_scale) read by
+    an If branch's MatMul. Each float initializer is one case of float_parameters."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(3)
+
+    def init(name, arr):
+        return onnx.numpy_helper.from_array(np.asarray(arr), name)
+
+    inits = [init("mean", rng.normal(size=4).astype(np.float32)),
+             init("gain", (rng.normal(size=4) * 1e-6 + 1.0).astype(np.float32)),
+             init("shift", np.array([0.3, 1e-7, -0.2, 0.0], np.float32)),  # one subnormal value, not all
+             init("levels", rng.integers(-127, 128, size=(4, 4)).astype(np.int8)),
+             init("level_scale", np.full((1, 4), 0.01, np.float32)),
+             init("divisor", np.array([2.0, 1e-6, 3.0, 4.0], np.float32)),  # a tiny divisor: left out
+             init("tiny", np.full(4, 1e-6, np.float32)),  # all subnormal in float16: left out
+             init("lo", np.array(-5.0, np.float32)), init("hi", np.array(5.0, np.float32)),  # Clip bounds
+             init("q", rng.integers(-127, 128, size=(4, 4)).astype(np.int8)),
+             init("dq_scale", np.float32(0.02)),
+             init("in_branch", rng.normal(size=(4, 4)).astype(np.float32))]
+    branch = helper.make_graph([helper.make_node("MatMul", ["y0", "in_branch"], ["b_out"])], "branch", [],
+                               [helper.make_tensor_value_info("b_out", TensorProto.FLOAT, [1, 4])])
+    nodes = [helper.make_node("Sub", ["x", "mean"], ["a"]), helper.make_node("Mul", ["a", "gain"], ["b"]),
+             helper.make_node("Add", ["b", "shift"], ["c"]),
+             helper.make_node("Cast", ["levels"], ["lv"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["lv", "level_scale"], ["w"]), helper.make_node("MatMul", ["c", "w"], ["d"]),
+             helper.make_node("Div", ["d", "divisor"], ["e"]), helper.make_node("Add", ["e", "tiny"], ["f"]),
+             helper.make_node("Clip", ["f", "lo", "hi"], ["y0"]),
+             helper.make_node("DequantizeLinear", ["q", "dq_scale"], ["w2"]),
+             helper.make_node("MatMul", ["y0", "w2"], ["g"]),
+             helper.make_node("ReduceSum", ["g"], ["cond0"], keepdims=0),
+             helper.make_node("Greater", ["cond0", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)]
+    inits.append(init("zero", np.float32(0.0)))  # read by Greater (a comparison): left out
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_float_parameters_are_the_arithmetic_operands_float16_holds():
+    """quantize.float_parameters: the float32 initializers only arithmetic reads (Sub/Mul/Add
+    vectors, a divisor without tiny values), not a quantized weight's scales (DequantizeLinear's,
+    a Mul of Cast levels), Clip bounds, comparison constants, tensors a subgraph reads, a tensor
+    all in float16's subnormal range, a divisor with a tiny value, nor the names excluded; and
+    float16_valued on them keeps the model's outputs within float16 rounding."""
+    from passes.quantize import float16_valued, float_parameters
+
+    m = _float_parameter_model()
+    onnx.checker.check_model(m, full_check=True)
+    assert float_parameters(m) == ["mean", "gain", "shift"]
+    assert float_parameters(m, exclude=["gain"]) == ["mean", "shift"]
+    out, changed = float16_valued(m, float_parameters(m))
+    assert changed == ["mean", "gain", "shift"]
+    x = {"x": np.random.default_rng(0).normal(size=(1, 4)).astype(np.float32)}
+    ref, got = mg.run(m, [x]), mg.run(out, [x])
+    assert all(mg.cosine(a, b) > 0.9999 for a, b in zip(ref, got))
