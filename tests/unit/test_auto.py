@@ -798,6 +798,8 @@ def test_auto_builds_the_error_fed_one_step_form_of_a_conv_weight_it_chose(monke
     from passes.fold import fold_dequantize
 
     monkeypatch.setattr(auto, "ONE_STEP_OPS", ("MatMul", "Gemm", "Conv"))
+    # (the Conv's bias as given: the run below compares the built model with the trial bit for bit)
+    monkeypatch.setattr(auto, "AUTO_FLOAT16_PARAMETERS", False)
     m = conv_model(dtype)
     w = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "W"))
     f = feeds(m, n=8)
@@ -962,6 +964,27 @@ def test_weights_kept_float_hold_float16_values(monkeypatch):
                 assert not np.array_equal(values[name], given[name])
             else:
                 np.testing.assert_array_equal(values[name], given[name])
+
+
+def test_biases_hold_float16_values_even_with_no_weight_kept_float(monkeypatch):
+    """AUTO_FLOAT16_PARAMETERS: the float parameters only arithmetic reads (here the Gemm's bias C3,
+    quantize.float_parameters) come out holding float16 values where the check still passes, also
+    when the plan keeps no weight float (the weights' rounding is tried first and apart); off: as given."""
+    from passes import auto
+
+    m = dense_model()
+    f = feeds(m, n=6)
+    given = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "C3"))
+    for on in (True, False):
+        monkeypatch.setattr(auto, "AUTO_FLOAT16_PARAMETERS", on)
+        out, rep = passes.compress(m, target="cosine>=0.99", feeds=f, tighten=0)
+        assert rep["met_on_feeds"] and not any(r["form"] == "float" for r in rep["tensors"])
+        bias = onnx.numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == "C3"))
+        if on:
+            np.testing.assert_array_equal(bias, bias.astype(np.float16).astype(np.float32))
+            assert not np.array_equal(bias, given) and any("float parameter" in n for n in rep["notes"])
+        else:
+            np.testing.assert_array_equal(bias, given)
 
 
 def test_tie_risk_erfc_matches_math_erfc():
