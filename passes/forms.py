@@ -761,3 +761,34 @@ def dequantize_blocks(q: np.ndarray, scale: np.ndarray, axis: int, block: int) -
     with np.errstate(over="ignore"):
         prod = q.reshape(split).astype(np.float32) * scale.astype(np.float32)
     return prod.astype(scale.dtype).reshape(q.shape)
+
+
+ROW_NORM_EXPONENT = 2.0  # row_norm_steps' exponent (measured best of 0.5-4 on minilm_fp32's word embedding)
+
+
+def row_norm_steps(table: np.ndarray, exponent: float = ROW_NORM_EXPONENT) -> np.ndarray:
+    """Relative steps (float64, one per row, geometric mean 1 over the rows with a nonzero norm) for
+    the rows of an embedding table nobody has seen gathered: (row norm / geometric mean)**-exponent,
+    so a row of larger norm gets a finer step. All-zero rows get the largest step of the others.
+
+    Why: a trained table's row norm tracks how often the row was trained on, which is how often text
+    looks it up: minilm_fp32's never-used [unused] rows (ids 1-998) average a norm of 0.46, ids
+    2000-5000 1.27, and the lookups that its held-out sentences make on rows the calibration never
+    gathered sit at a median norm of 1.24 against 1.11 over all those rows. With no lookup counts for
+    them, the norm is the data-free prior. The word embedding alone quantized (rest float), first
+    half of the corpus feeds calibrating (its gathered rows at 1/4 of the step), held-out 1 - cosine
+    at equal order-0 entropy: 4.49 bits/weight one step 3.14e-4, exponent 2 2.54e-4, 3 2.70e-4; 3.5
+    bits 1.14e-3, exponent 1 1.03e-3, 2 1.00e-3; steps proportional to the norm (-0.5, -1: equal
+    relative error per row, the LayerNorm argument) 1.41e-3 / 1.65e-3, worse."""
+    t = np.asarray(table)
+    if t.ndim < 2:
+        raise InvalidArgumentError(f"row_norm_steps takes a table of rows (2-D or more), got shape {t.shape}")
+    norms = np.sqrt(np.sum(np.square(t.reshape(t.shape[0], -1).astype(np.float64)), axis=1))
+    live = norms > 0
+    if not live.any():
+        return np.ones(t.shape[0])
+    gm = float(np.exp(np.mean(np.log(norms[live]))))
+    rel = np.ones(t.shape[0])
+    rel[live] = (norms[live] / gm) ** -float(exponent)
+    rel[~live] = rel[live].max()
+    return rel

@@ -610,3 +610,25 @@ def test_float_parameters_are_the_arithmetic_operands_float16_holds():
     x = {"x": np.random.default_rng(0).normal(size=(1, 4)).astype(np.float32)}
     ref, got = mg.run(m, [x]), mg.run(out, [x])
     assert all(mg.cosine(a, b) > 0.9999 for a, b in zip(ref, got))
+
+
+def test_row_norm_steps_give_larger_rows_finer_steps():
+    """forms.row_norm_steps: (norm / geometric mean)**-exponent per row (geometric mean 1 over the
+    nonzero rows), all-zero rows the largest step, a 1-D input refused."""
+    from passes import forms
+
+    rng = np.random.default_rng(0)
+    t = rng.normal(size=(6, 8)).astype(np.float32) * np.array([0.5, 1, 2, 4, 1, 1], np.float32)[:, None]
+    t[4] = 0.0
+    rel = forms.row_norm_steps(t)
+    norms = np.linalg.norm(t.astype(np.float64), axis=1)
+    live = norms > 0
+    gm = np.exp(np.mean(np.log(norms[live])))
+    assert np.allclose(rel[live], (norms[live] / gm) ** -2.0)
+    assert np.isclose(np.exp(np.mean(np.log(rel[live]))), 1.0)
+    assert rel[4] == rel[live].max()
+    assert list(np.argsort(rel[[0, 1, 2, 3]])) == [3, 2, 1, 0]  # the largest row the finest step
+    assert np.allclose(forms.row_norm_steps(t, exponent=1.0)[live], norms[live] ** -1 * gm)
+    assert np.array_equal(forms.row_norm_steps(np.zeros((3, 2))), np.ones(3))
+    with pytest.raises(InvalidArgumentError, match="table of rows"):
+        forms.row_norm_steps(np.ones(4))
