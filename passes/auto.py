@@ -37,7 +37,7 @@
    noise as the measured weights of their shape (else the median one).
 3. Allocation: per weight, the form minimising rate + mu * predicted error; mu is searched (on
    the same session, with the real metric of the target) for the smallest total rate whose
-   model meets the target with a safety margin (cosine: COSINE_MARGIN, 0.55 of the allowed 1 - cosine;
+   model meets the target with a safety margin (cosine: COSINE_MARGIN, 0.6 of the allowed 1 - cosine;
    agreement >= 0.98: also at most 1 - (the margined agreement) expected flips of held-out decisions from
    the logits' margin errors (TieRisk; for ctc, or where output 0's argmax is not that of the measured
    outputs: 40 dB centred-logit SNR instead)); one width for every weight is tried too
@@ -134,7 +134,7 @@ TOP1_ERROR_GROWTH = 1.5  # held-out / calibration RMS of the margin error beyond
 # Measured with the fit optimism (bench/auto_split.py's splits; held-out / calibration margin sigma, plan optimism ->
 # the growth beyond its root): rapidocr_cls first / second / even 0.95 at 1.18 -> 0.87, 1.42 at 1.18 -> 1.31, 1.43
 # at 1.12 -> 1.35; open_nsfw first 1.44 at 2.55 -> 0.90. 1.5 covers them all
-COSINE_MARGIN = 0.55  # the search asks 1 - cosine to be this fraction of what the target allows (0.15 until
+COSINE_MARGIN = 0.6  # the search asks 1 - cosine to be this fraction of what the target allows (0.15 until
 # GPTQ_DAMP 0.3 halved the calibration -> held-out gap of minilm's error-fed levels: 4.6x -> 2.2x; see there;
 # 0.3 until the trials charged the word embedding's rows as leaving each lookup out (sensitivity.seen_row_surrogate)
 # shrank minilm_fp32's held-out / trial gap of 1 - cosine from 1.93x to 1.6x; 0.45 until GPTQ_DAMP_PER_INPUT damped
@@ -143,7 +143,12 @@ COSINE_MARGIN = 0.55  # the search asks 1 - cosine to be this fraction of what t
 # 17.39% -> 17.23 / 17.02% (held-out cosine 0.99920 / 0.99936 -> 0.99921 / 0.99921), minilm_fp16 34.98% -> 34.49 /
 # 33.90% (0.99919 -> 0.99927 / 0.99922), silero_vad_v6 15.95 / 16.23% -> 15.93 / 16.06% (0.99940 / 0.99948 -> 0.99914
 # / 0.99923); top-1 models: open_nsfw 17.58 / 19.53% -> 17.58 / 19.20%, rapidocr_cls 23.08 / 27.20% -> 23.11 / 27.24%
-# (top1 1.0 held out in every row). Not further: silero's held-out error is 86% of what the target allows)
+# (top1 1.0 held out in every row). Not further: silero's held-out error is 86% of what the target allows;
+# 0.55 until the check grew the error by the plan's fit optimism (FIT_OPTIMISM), which took over what the margin
+# covered of the error-fed levels' fitting. The rest, held-out / calibration 1 - cosine over the plan's optimism
+# (bench/auto_split.py, load 13-18): silero_vad_v6 first / second / even / odd 1.33 / 1.40 / 1.50 / 1.22, minilm_fp32
+# first 1.53; 0.6 covers 1.67. 0.55 -> 0.6: silero_vad_v6 14.61 / 15.48 / 14.65 / 15.24% -> 14.64 / 14.30 / 14.45 /
+# 15.17% (held-out cosine 0.99917 / 0.99926 / 0.99919 / 0.99958), minilm_fp32 first 18.07 -> 18.01% (0.99946))
 TIGHTEN_TRIES = 24  # greedy one-width steps tried after the search (each one run of the feeds; open_nsfw
 # still gained 3% in the 7 of 12 steps it kept, rapidocr_cls 0.6 points more with 40 tries)
 TIGHTEN_MISSES = 6  # ... ending after this many rejected steps in a row
