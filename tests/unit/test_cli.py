@@ -70,6 +70,18 @@ def test_compress_writes_a_smaller_valid_model_and_leaves_the_input_alone(tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["r8.onnx"]  # no temporary files left
 
 
+def test_a_search_that_keeps_every_weight_float_says_nothing_was_rewritten(tmp_path, capsys):
+    """The auto search gives each tensor the size it expects the pack to store, float ones
+    included; a plan that keeps every weight float rewrote nothing, and the weights line said
+    'N tensor(s) rewritten' with a smaller size beside an unchanged file."""
+    out = tmp_path / "t.onnx"
+    code, stdout, err = run(capsys, "compress", SAMPLE, "-o", out, "--target", "snr>=200", "--feeds", FEEDS)
+    assert code == 0, err
+    assert "every weight kept float" in stdout
+    weights = next(line for line in stdout.splitlines() if line.startswith("  weights "))
+    assert "  weights    0 tensor(s) rewritten: 0 B -> 0 B;" in weights, weights
+
+
 def test_compress_is_deterministic(tmp_path, compressed):
     again = tmp_path / "again.onnx"
     assert main(["compress", str(SAMPLE), "-o", str(again)]) == 0
