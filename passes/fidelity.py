@@ -376,23 +376,13 @@ def _session(model_or_path, providers=None, sess_options=None):
         if looks_packed(p) or p.suffix == ".onnxz":  # load_model tells a pack by its magic, whatever its name
             return _session(load_model(p), providers, sess_options)
         session = ort.InferenceSession(str(p), sess_options, providers=providers)
-        if any(_numpy_unreadable(o.type) for o in session.get_outputs()):
+        if any(graph.numpy_unreadable_output_type(o.type) for o in session.get_outputs()):
             return _session(load_model(p), providers, sess_options)  # (its outputs cast, below)
         return session
     except SurgeonError:
         raise
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph / ... types
         raise InvalidModelError(f"onnxruntime cannot load {label}: {_first_line(exc)}") from None
-
-
-_NUMPY_TENSOR_TYPES = frozenset(f"tensor({t})" for t in ("float", "float16", "double", "bool", "string", "int8", "uint8",
-                                                           "int16", "uint16", "int32", "uint32", "int64", "uint64"))
-
-
-def _numpy_unreadable(ort_type: str) -> bool:
-    """Whether onnxruntime hands a tensor output of this type to numpy as something other than its
-    values (bfloat16 / float8 / int4 / ... : refused, or bit patterns); non-tensor types are not judged."""
-    return ort_type.startswith("tensor(") and ort_type not in _NUMPY_TENSOR_TYPES
 
 
 def _conform(feed: Feed, session, index: int) -> Feed:
@@ -803,12 +793,29 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
         cand = run_outputs(candidate, feeds, providers=providers, progress=step2)
     except InvalidModelError as exc:  # say which of the two models failed
         raise InvalidModelError(f"candidate model: {exc}") from None
+    require_measurable(ref, synthesized=synthesized)
     metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args)
     odd, total_values = _non_finite_count(ref)
     if odd:
         notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "
                      "equal where the candidate has the same, and left out of cosine and snr")
     return FidelityResult(metrics=metrics, n_feeds=len(feeds), synthesized=synthesized, metric=metric, notes=notes)
+
+
+def require_measurable(ref, *, synthesized: bool = False) -> None:
+    """InvalidArgumentError when the original's outputs on the feeds hold no value a metric can use.
+
+    Why: NaN and infinite reference values are left out of cosine / snr / maxabs and compared as
+    equal where the candidate has the same, which is right for a few masked positions; but when
+    every value is such (a NaN feed, an original that overflows on the user's data) the metrics are
+    computed over nothing and read perfect, and a CI gate would pass a model nobody measured."""
+    odd, total = _non_finite_count(ref)
+    if total == 0 or odd < total:
+        return
+    where = ("the synthesised inputs (pass real feeds: --feeds)" if synthesized
+             else "these feeds (check them: a feed of NaN, or values the model overflows on)")
+    raise InvalidArgumentError(f"every output value of the original model is NaN or infinite on {where}: "
+                               "there is nothing to measure fidelity on")
 
 
 def _non_finite_count(runs) -> tuple[int, int]:

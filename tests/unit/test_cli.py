@@ -730,3 +730,20 @@ def test_packs_and_models_told_apart_by_their_bytes_not_their_names(tmp_path, ca
     assert code == 0, err
     code, stdout, err = run(capsys, "info", pack_named_as_model)
     assert code == 0 and "packed file" in stdout, err
+
+
+def test_gate_on_feeds_with_nothing_to_measure_fails_in_one_line(capsys, tmp_path):
+    """--require on feeds whose reference outputs are all NaN: refused (non-zero, one line), never 'ok'."""
+    import onnx as _onnx
+
+    model = _onnx.load(str(SAMPLE))
+    name = next(i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})
+    with np.load(FEEDS) as z:
+        shape = z[z.files[0]].shape
+    feeds = tmp_path / "nan.npz"
+    np.savez(feeds, **{f"0/{name}": np.full(shape, np.nan, np.float32)})
+    out = tmp_path / "o.onnx"
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", out, "--feeds", feeds, "--require", "snr>=20")
+    assert code != 0
+    assert_one_line_error(err, "NaN or infinite", "nothing to measure")
+    assert not out.exists()

@@ -501,3 +501,41 @@ def test_a_model_past_one_protobuf_goes_through_external_data():
 
     assert F._fits_one_protobuf(Huge()) is False
     assert F._fits_one_protobuf(Small()) is True
+
+
+# ------------------------------------------------------------------------------ nothing to measure
+
+def test_evaluate_refuses_outputs_that_are_all_non_finite(model, weight):
+    """A NaN feed makes every reference value NaN: cosine/snr/maxabs would be computed over
+    nothing and read perfect, and a gate would pass an unmeasured model."""
+    candidate = linear_model(weight + np.float32(0.5))  # clearly different: the gate must not call it equal
+    nan_feed = [{"x": np.full((2, 8), np.nan, np.float32)}]
+    with pytest.raises(InvalidArgumentError, match="NaN or infinite.*nothing to measure"):
+        F.evaluate(model, candidate, feeds=nan_feed)
+    inf_feed = [{"x": np.full((2, 8), np.inf, np.float32)}]
+    with pytest.raises(InvalidArgumentError, match="nothing to measure"):
+        F.evaluate(model, candidate, feeds=inf_feed)
+
+
+def test_evaluate_measures_the_finite_part_and_says_so(model, weight):
+    """One NaN feed among finite ones is measured on the rest (noted), not refused."""
+    candidate = linear_model(weight + np.float32(0.5))
+    rng = np.random.default_rng(3)
+    feeds = [{"x": np.full((2, 8), np.nan, np.float32)}, {"x": rng.standard_normal((2, 8)).astype(np.float32)}]
+    result = F.evaluate(model, candidate, feeds=feeds)
+    assert result.metrics["snr"] < 40  # the finite feed's real difference, not inf
+    assert any("NaN or infinite" in note for note in result.notes)
+
+
+def test_require_measurable_counts_integer_outputs_as_measured():
+    nan = [[np.full(3, np.nan, np.float32)]]
+    with pytest.raises(InvalidArgumentError, match="synthesised inputs"):
+        F.require_measurable(nan, synthesized=True)
+    F.require_measurable([[np.full(3, np.nan, np.float32), np.arange(3)]])  # an integer output is measured
+    F.require_measurable([[np.zeros(0, np.float32)]])  # nothing at all: other checks speak for empty outputs
+
+
+def test_auto_target_refuses_feeds_with_nothing_to_measure(model):
+    nan_feed = [{"x": np.full((2, 8), np.nan, np.float32)}]
+    with pytest.raises(InvalidArgumentError, match="nothing to measure"):
+        passes.compress(model, target="cosine>=0.999", feeds=nan_feed)
