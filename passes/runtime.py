@@ -112,13 +112,13 @@ def _check_providers(providers) -> list | None:
     return list(providers)
 
 
-def _start_read(path, threads, max_bytes=None):
+def _start_read(path, threads, max_bytes=None, shared_chunks=True):
     """runtime_source.start_read, its big weights decoded aside (call _wait_weights before reading
     values); then _finish_read."""
     from .runtime_source import start_read
 
     try:
-        return start_read(path, threads=threads, max_bytes=max_bytes, background=True)
+        return start_read(path, threads=threads, max_bytes=max_bytes, background=True, shared_chunks=shared_chunks)
     except SurgeonError:
         raise
     except Exception as exc:  # a damaged file that got past the structural checks
@@ -532,7 +532,8 @@ class InferenceSession(ort.InferenceSession):
         whatever reads their values first waits for them (`_wait_weights`); a lossless model
         folded as it is reads none, and waits only when onnxruntime is about to read them."""
         s = self._settings
-        reading = _start_read(self.source, s["threads"], s["max_bytes"])
+        # shared chunks only where every decoded weight lives as long as the others (fold)
+        reading = _start_read(self.source, s["threads"], s["max_bytes"], shared_chunks=s["mode"] == "fold")
         kind = options = None
         try:
             if share and self._may_speculate():

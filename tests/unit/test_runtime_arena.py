@@ -84,3 +84,23 @@ def test_decode_aside_ranks_and_waits_for_views_of_its_outputs(tmp_path, build):
     synchronous = passes.runtime_source.read_split(tmp_path / "m.onnxz")
     for name, array in synchronous.weights.items():
         np.testing.assert_array_equal(split.weights[name], array)
+
+
+@pytest.mark.parametrize("build", [dense_model, conv_model])
+def test_decode_aside_without_shared_chunks_gives_each_weight_its_own_array(tmp_path, build):
+    """shared_chunks=False (int8 mode, which drops some decoded weights and keeps others): no two
+    weights share memory, so a dropped one's bytes go back; the values are the same."""
+    onnx.save(build(), str(tmp_path / "m.onnx"))
+    passes.pack(str(tmp_path / "m.onnx"), str(tmp_path / "m.onnxz"))
+    split = start_read(tmp_path / "m.onnxz", background=True, shared_chunks=False).finish()
+    split.wait_weights()
+    owners = {}
+    for name, array in split.weights.items():
+        base = array
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        assert id(base) not in owners, f"{name} shares memory with {owners.get(id(base))}"
+        owners[id(base)] = name
+    synchronous = passes.runtime_source.read_split(tmp_path / "m.onnxz")
+    for name, array in synchronous.weights.items():
+        np.testing.assert_array_equal(split.weights[name], array)
