@@ -56,8 +56,10 @@ def _forms(dtype="float32", counts=None):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_seen_rows_take_a_finer_step_and_the_trials_see_unseen_datas_error(dtype):
-    """Seen rows at SEEN_ROW_STEP x the step; the trials feed the rows gathered once at the coarse step."""
+def test_seen_rows_take_a_finer_step_and_the_trials_see_unseen_datas_error(dtype, monkeypatch):
+    """Seen rows at SEEN_ROW_STEP x the step; the trials feed the rows gathered once at the coarse step
+    (one step for the unseen rows here; their row-norm steps: the test below)."""
+    monkeypatch.setattr(sens, "SEEN_ROW_NORM_EXPONENT", None)
     counts = np.zeros(100, np.int64)
     counts[[3, 10, 11, 40]] = [4, 1, 2, 1]  # 8 lookups, 2 of rows seen once: unseen mass 0.25
     seen = counts > 0
@@ -101,8 +103,9 @@ def test_a_table_the_calibration_covers_gets_the_plain_one_step_form():
         assert info.options[key].trial_dequantized is None
 
 
-def test_the_padding_row_takes_the_seen_rows_step():
+def test_the_padding_row_takes_the_seen_rows_step(monkeypatch):
     """Row 0 (zero padding's row), never gathered by batch-1 calibration feeds, gets the fine step."""
+    monkeypatch.setattr(sens, "SEEN_ROW_NORM_EXPONENT", None)  # (one step for the unseen rows)
     counts = np.zeros(100, np.int64)
     counts[[3, 10]] = [2, 1]
     _, table, before = _forms("float32", counts)
@@ -110,3 +113,33 @@ def test_the_padding_row_takes_the_seen_rows_step():
         scale = table[key][1]
         assert scale[0] == pytest.approx(scale[3], rel=1e-6)
         assert scale[0] == pytest.approx(sens.SEEN_ROW_STEP * float(np.max(scale)), rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_unseen_rows_take_steps_by_their_norm(dtype):
+    """SEEN_ROW_NORM_EXPONENT: rows no lookup reached take step x forms.row_norm_steps (a larger
+    norm, a finer step); seen rows keep SEEN_ROW_STEP x step; the rows gathered once are fed to the
+    trials at the step they would have unseen, their own row-norm step."""
+    from passes import forms
+
+    counts = np.zeros(100, np.int64)
+    counts[[3, 10, 11, 40]] = [4, 1, 2, 1]
+    seen = counts > 0
+    seen[0] = sens.PAD_ROW_SEEN
+    info, table, _ = _forms(dtype, counts)
+    w = info.options[sens.FLOAT].dequantized.astype(np.float64)
+    rel = forms.row_norm_steps(info.options[sens.FLOAT].dequantized, sens.SEEN_ROW_NORM_EXPONENT)
+    assert rel.std() > 0.01  # the table's rows differ in norm: the rule has something to do
+    for key in table:
+        opt = info.options[key]
+        levels, scale = table[key]
+        widened = np.abs(w).max(axis=1) / 127.0 >= scale.astype(np.float64) * (1 - 1e-3)
+        ratio = scale[~seen & ~widened].astype(np.float64) / rel[~seen & ~widened]
+        assert np.allclose(ratio, ratio[0], rtol=2e-3)  # one step, scaled per row by its norm
+        step = float(ratio[0])
+        assert np.allclose(scale[seen].astype(np.float64), sens.SEEN_ROW_STEP * step, rtol=2e-3)
+        once = counts == 1
+        row_step = np.maximum(step * rel, np.abs(w).max(axis=1) / 127.0)[:, None]
+        coarse = np.rint(w / row_step).clip(-127, 127) * row_step
+        assert np.allclose(opt.trial_dequantized[once].astype(np.float64), coarse[once], rtol=2e-3, atol=1e-5)
+        assert np.array_equal(opt.trial_dequantized[~once], opt.dequantized[~once])
