@@ -1446,9 +1446,12 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                                  if b != sens.FLOAT and (name in cast_names or blocked_form) else None),
                      "sensitivity": info.sensitivity})
         if report is not None:
+            # a weight kept float keeps its bytes in the model (as quantize_weights reports its kept
+            # tensors); its pack estimate is the row's est_packed_bytes
+            nbytes = info.options[sens.FLOAT].dequantized.nbytes
             report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),
-                                    rows[-1]["form"], info.options[sens.FLOAT].dequantized.nbytes,
-                                    int(opt.rate_bytes), opt.snr_db))
+                                    rows[-1]["form"], nbytes, nbytes if b == sens.FLOAT else int(opt.rate_bytes),
+                                    opt.snr_db))
     if report is not None:
         report.pass_name = report.pass_name or "compress"
         for n in notes:

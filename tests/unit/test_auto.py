@@ -423,6 +423,20 @@ def test_built_model_missing_at_every_quantized_plan_ends_float(monkeypatch):
     assert any("every weight kept float" in n for n in rep["notes"])
 
 
+def test_a_weight_kept_float_reports_its_bytes_in_the_model(monkeypatch):
+    """The report's bytes_after of a weight the plan keeps float is what the model holds of it (its
+    bytes as given, as quantize_weights reports a kept tensor), not the pack's estimate for it."""
+    _patch_built_runs(monkeypatch, lambda i, outs, rng, o: 0.3 * np.sqrt(np.mean(o ** 2))
+                      * rng.standard_normal(o.shape).astype(o.dtype))
+    m = dense_model()
+    report = Report()
+    _, rep = passes.compress(m, target="cosine>=0.999", feeds=feeds(m, n=6), report=report)
+    sizes = {t.name: len(t.raw_data) for t in m.graph.initializer}
+    kept = [t for t in report.tensors if t.scheme == "float"]
+    assert kept and all(t.bytes_after == t.bytes_before == sizes[t.name] for t in kept)
+    assert any(r["est_packed_bytes"] < sizes[r["name"]] for r in rep["tensors"] if r["form"] == "float")
+
+
 def test_without_feeds_the_gates_feeds_meet_the_target_too(monkeypatch):
     """Without feeds, the command's gate (fidelity.evaluate without feeds) measures on the first 4
     of the auto mode's 8 synthesised feeds: a plan meeting the target on all 8 but not on those 4
