@@ -16,6 +16,14 @@ no weight's: other coded tensors (biases, float vectors), and the graph skeleton
 also holds the tensors too small to be coded apart (per-channel scales, BatchNormalization
 parameters in Constant nodes, ...).
 
+Then the same file by kind of tensor (kind_breakdown): levels, scales, zero points, float weights
+the plan kept, float parameters (biases, normalisation vectors), integer constants, each with its
+bytes coded apart plus its share of the zstd skeleton (the skeleton packed again with that kind's
+small payloads cut out: the marginal bytes, scaled so that the kinds share exactly the skeleton's
+bytes beyond the graph's own structure), the graph protobuf alone (the skeleton with every payload
+cut out: nodes, names, tensor headers) and the pack's index + header. --keep DIR saves each auto
+model and its report there, to break it down again without a new search.
+
     SURGEON_CORPUS=/tmp/h2/corpus python bench/auto_split.py --only open_nsfw,rapidocr_cls \
         [--splits first,second] [--top 12] [--json bench/out/auto_split.json]
 """
@@ -30,12 +38,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import passes  # noqa: E402
-from passes.onnxz import reader  # noqa: E402
+from passes.onnxz import reader, writer  # noqa: E402
 
 CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/work/shared/corpus"))
 TARGETS = {"top1": "top1>=0.99", "cosine": "cosine>=0.999"}  # bench/lossy.py part b's targets
@@ -99,7 +108,136 @@ def byte_breakdown(packed_path, report):
             "graph_and_index_bytes": rest}
 
 
-def run_split(entry, split, tmp):
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _graph_tensors(model):
+    """(name, TensorProto) of every initializer and Constant `value` of every graph; the nodes by the
+    name of what they give; who reads each name (node, input index); a Constant tensor's own name ->
+    the node's output name."""
+    tensors, producers, readers, aliases = {}, {}, {}, {}
+
+    def walk(g):
+        for t in g.initializer:
+            tensors[t.name] = t
+        for n in g.node:
+            for i, x in enumerate(n.input):
+                readers.setdefault(x, []).append((n, i))
+            for o in n.output:
+                producers[o] = n
+            for a in n.attribute:
+                if n.op_type == "Constant" and a.name == "value":
+                    tensors[n.output[0]] = a.t
+                    if a.t.name and a.t.name != n.output[0]:  # the pack names it by the tensor's own name
+                        aliases[a.t.name] = n.output[0]
+                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs):
+                    walk(sub)
+
+    walk(model.graph)
+    return tensors, producers, readers, aliases
+
+
+def tensor_kinds(model, report):
+    """Kind of every tensor of the auto model, from who reads it: levels (DequantizeLinear's input 0,
+    an integer tensor a Cast reads), scales / zero points (DequantizeLinear's 1 / 2, or what a Mul /
+    Sub applies to a Cast of levels), the weights the plan kept float, float parameters, integer
+    constants."""
+    plan = {t["name"]: t["form"] for t in report["tensors"]}
+    tensors, producers, readers, aliases = _graph_tensors(model)
+
+    def from_levels(name):  # name is (a Sub / Cast / Reshape of) a Cast of an integer tensor
+        n = producers.get(name)
+        while n is not None and n.op_type in ("Sub", "Reshape", "Cast"):
+            if n.op_type == "Cast":
+                t = tensors.get(n.input[0])
+                return t is not None and t.data_type not in FLOAT_TYPES
+            n = producers.get(n.input[0])
+        return False
+
+    kinds = {}
+    for name, t in tensors.items():
+        uses = readers.get(name, [])
+        kind = None
+        dq = [i for n, i in uses if n.op_type == "DequantizeLinear"]
+        if dq:
+            kind = ("levels", "scales", "zero points")[min(dq)]
+        elif t.data_type not in FLOAT_TYPES and any(n.op_type == "Cast" for n, _ in uses):
+            kind = "levels"
+        else:
+            for n, i in uses:
+                if n.op_type in ("Mul", "Sub") and len(n.input) == 2 and from_levels(n.input[1 - i]):
+                    kind = "scales" if n.op_type == "Mul" else "zero points"
+                    break
+        if kind is None:
+            if plan.get(name) == "float":
+                kind = "float weights the plan kept"
+            elif t.data_type in FLOAT_TYPES:
+                kind = "float parameters (biases, norms)"
+            else:
+                kind = "integer constants (shapes, axes)"
+        kinds[name] = kind
+    for alias, name in aliases.items():
+        kinds.setdefault(alias, kinds[name])
+    return kinds
+
+
+def kind_breakdown(model, report, packed_path):
+    """Stored bytes of the .onnxz by kind of tensor (tensor_kinds), the graph protobuf, the index."""
+    kinds = tensor_kinds(model, report)
+    with reader.open_packed(str(packed_path)) as pm:
+        meta = pm.metadata()
+    total, skeleton = meta["packed_bytes"], meta["files"][0]["skeleton_stored"]
+    rows = {}
+    for t in meta["tensors"]:
+        r = rows.setdefault(kinds.get(t["key"]) or kinds.get(t["name"], "other"),
+                            {"apart": 0, "in_skeleton": 0, "elements": 0, "raw_bytes": 0, "stored_apart": 0,
+                             "skeleton_share": 0.0})
+        r["elements"] += int(np.prod(t["shape"])) if t["shape"] else 1
+        r["raw_bytes"] += t["bytes"]
+        if t["stored"] is None:
+            r["in_skeleton"] += 1
+        else:
+            r["apart"] += 1
+            r["stored_apart"] += t["stored"]
+    # the skeleton again as the writer packs it, with payloads cut out: none / one kind's / all
+    src = writer._load_sources(model)[0]
+    cut = writer._plan_cuts(src, writer.MIN_CUT)
+    cut_ids = {id(r) for r in cut}
+    keys = dict(zip(map(id, src.refs), writer._keys(src.refs)))
+    small = [r for r in src.refs if id(r) not in cut_ids]
+
+    def packed_skeleton(cuts):
+        sk = writer._skeleton(src.data, sorted(cuts, key=lambda r: r.offset))
+        return len(writer._compress_skeleton(np.frombuffer(sk, np.uint8))) if sk else 0
+
+    structure = packed_skeleton(writer._plan_cuts(src, 1))
+    marginal = {}
+    for kind in rows:
+        mine = [r for r in small if (kinds.get(keys[id(r)]) or kinds.get(r.name, "other")) == kind]
+        if mine:
+            marginal[kind] = max(skeleton - packed_skeleton(cut + mine), 0)
+    whole = sum(marginal.values())
+    for kind, m in marginal.items():
+        rows[kind]["skeleton_share"] = (skeleton - structure) * m / whole if whole else 0.0
+    apart = sum(r["stored_apart"] for r in rows.values())
+    return {"packed_bytes": total, "kinds": rows, "graph_protobuf_bytes": structure,
+            "index_and_header_bytes": total - skeleton - apart}
+
+
+def print_kinds(kb):
+    total = kb["packed_bytes"]
+    print("  | kind | tensors apart / in skeleton | elements | stored B | share | bits/element |")
+    print("  |---|---|---|---|---|---|")
+    for kind, r in sorted(kb["kinds"].items(), key=lambda kv: -(kv[1]["stored_apart"] + kv[1]["skeleton_share"])):
+        b = r["stored_apart"] + r["skeleton_share"]
+        print(f"  | {kind} | {r['apart']} / {r['in_skeleton']} | {r['elements']} | {b:.0f} | {100 * b / total:.1f}% | "
+              f"{8 * b / max(r['elements'], 1):.2f} |")
+    for label, key in (("graph protobuf (nodes, names, tensor headers)", "graph_protobuf_bytes"),
+                       ("pack index + header", "index_and_header_bytes")):
+        print(f"  | {label} | | | {kb[key]} | {100 * kb[key] / total:.1f}% | |")
+
+
+def run_split(entry, split, tmp, keep=None):
     from passes.fidelity import evaluate, load_feeds
 
     name, metric = entry["name"], entry["metric"]
@@ -114,9 +252,14 @@ def run_split(entry, split, tmp):
     cpu = time.process_time() - c0
     packed = Path(tmp) / f"{name}_{split}.onnxz"
     passes.pack(model, packed, force=True)
+    if keep:  # the auto model itself, to break its bytes down again without a new search
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        onnx.save(model, str(Path(keep) / f"{name}_{split}.onnx"))
+        (Path(keep) / f"{name}_{split}.report.json").write_text(json.dumps(rep, default=str))
     res = evaluate(str(src), model, feeds=held, metric=metric, metric_args=margs)
     req = passes.fidelity.parse_requirement(target)
     bd = byte_breakdown(packed, rep)
+    bd["kinds"] = kind_breakdown(model, rep, packed)
     return {"model": name, "split": split, "target": target, "packed_bytes": bd["packed_bytes"],
             "packed_pct": round(100 * bd["packed_bytes"] / src.stat().st_size, 2),
             "held_value": res.metrics.get(metric), "held_metrics": res.metrics, "met": bool(req.check(res)),
@@ -132,6 +275,7 @@ def print_row(r, top):
     print(f"  graph+index {bd['graph_and_index_bytes']} B ({100 * bd['graph_and_index_bytes'] / bd['packed_bytes']:.1f}%), "
           f"other tensors (biases, small, float) {bd['other_tensor_bytes']} B "
           f"({100 * bd['other_tensor_bytes'] / bd['packed_bytes']:.1f}%)")
+    print_kinds(bd["kinds"])
     forms = {}
     for w in bd["weights"]:
         f = forms.setdefault(w["form"], [0, 0, 0])
@@ -152,13 +296,14 @@ def main():
     ap.add_argument("--splits", default="first,second")
     ap.add_argument("--top", type=int, default=12, help="largest weights listed per model")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep", default=None, help="folder to save each auto model (.onnx) and its report in")
     args = ap.parse_args()
     only = args.only.split(",")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for e in corpus_entries(only):
             for split in args.splits.split(","):
-                r = run_split(e, split, tmp)
+                r = run_split(e, split, tmp, args.keep)
                 rows.append(r)
                 print_row(r, args.top)
     print("\n| model | split | auto packed | held-out value | met | auto CPU s |")
