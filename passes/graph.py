@@ -12,6 +12,7 @@ replace a tensor by a few tensors plus one node, which is simpler and exact on t
 """
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -734,6 +735,62 @@ def numpy_readable_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
         entry.name = cast_name
         entry.type.tensor_type.elem_type = to
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# symbolic dimensions
+
+
+_DIM_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+            ast.FloorDiv: lambda a, b: a // b if b else None}
+
+
+def dim_expression_names(param: str) -> frozenset[str] | None:
+    """The dimension names a symbolic dimension is computed from, when it is written as integer
+    arithmetic over other dimensions: optimum's 'past_sequence_length + sequence_length' (the
+    attention mask and present key/values of a decoder with past), torch.export's 's0 + s1' or
+    '2*s0'. None for a plain name ('batch_size') or anything else. 'seq-len' reads as seq minus
+    len: a caller treats a dimension as an expression only where every name in it is also a
+    dimension of its own, and a result below 1 is no size (evaluate_dim_expression)."""
+    try:
+        tree = ast.parse(param.strip(), mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.BinOp):
+        return None
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Constant):
+            if not isinstance(node.value, int) or isinstance(node.value, bool):
+                return None
+        elif not isinstance(node, (ast.BinOp, ast.Load)) and type(node) not in _DIM_OPS:
+            return None
+        elif isinstance(node, ast.BinOp) and type(node.op) not in _DIM_OPS:
+            return None
+    return frozenset(names) if names else None
+
+
+def evaluate_dim_expression(param: str, sizes: dict[str, int]) -> int | None:
+    """The size of a symbolic dimension written as arithmetic over others (dim_expression_names)
+    given the sizes of those others; None when it is no such expression, names a dimension
+    `sizes` lacks, or comes out below 1 (no axis has that size)."""
+    if dim_expression_names(param) is None:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return sizes.get(node.id)
+        left, right = value(node.left), value(node.right)
+        if left is None or right is None:
+            return None
+        return _DIM_OPS[type(node.op)](left, right)
+
+    result = value(ast.parse(param.strip(), mode="eval").body)
+    return int(result) if result is not None and result >= 1 else None
 
 
 # ---------------------------------------------------------------------------------------------

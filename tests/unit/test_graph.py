@@ -404,3 +404,28 @@ def test_a_shadowing_weight_turned_into_a_node_output_is_valid_once_unshadowed()
     fixed = _shadowing_model()
     graph.unshadow_initializers(fixed)
     onnx.checker.check_model(dequantize_in_place(fixed), full_check=True)
+
+
+@pytest.mark.parametrize("param, sizes, names, size", [
+    # optimum's decoder-with-past mask / present axis; torch.export's symbols
+    ("past_sequence_length + sequence_length", {"past_sequence_length": 3, "sequence_length": 5},
+     {"past_sequence_length", "sequence_length"}, 8),
+    ("s0 + s1", {"s0": 4, "s1": 2}, {"s0", "s1"}, 6),
+    ("2*s0", {"s0": 4}, {"s0"}, 8),
+    ("past_sequence_length + 1", {"past_sequence_length": 7}, {"past_sequence_length"}, 8),
+    ("s0 // 2", {"s0": 9}, {"s0"}, 4),
+    # a name the sizes lack, a result below 1, a division by zero: no size
+    ("a + b", {"a": 1}, {"a", "b"}, None),
+    ("seq-len", {"seq": 1, "len": 3}, {"seq", "len"}, None),
+    ("s0 // s1", {"s0": 4, "s1": 0}, {"s0", "s1"}, None),
+])
+def test_dim_expressions_are_sized_from_their_names(param, sizes, names, size):
+    assert graph.dim_expression_names(param) == names
+    assert graph.evaluate_dim_expression(param, sizes) == size
+
+
+@pytest.mark.parametrize("param", ["batch_size", "N", "", "1+1", "a / b", "a ** 2", "f(a)", "-a",
+                                   "a + True", "a + 1.5", "x if y else z", "a.b + c", "__import__('os')"])
+def test_other_dim_params_are_no_expressions(param):
+    assert graph.dim_expression_names(param) is None
+    assert graph.evaluate_dim_expression(param, {"a": 2, "b": 1, "N": 3, "batch_size": 1}) is None
