@@ -46,7 +46,7 @@ import onnxruntime as ort
 from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError
 from .runtime_feed import (EMBED_MAX_BYTES, GraphReads, SplitModel, graph_reads, operator_counts, serialise_with_weights,
                            shareable_names)
-from .runtime_options import copy_session_options
+from .runtime_options import OptionsDraft, copy_session_options
 
 log = logging.getLogger("passes.runtime")
 
@@ -702,7 +702,8 @@ class InferenceSession(ort.InferenceSession):
         # what the load said beyond the mode (int8/int4: weights quantized by the offline pass,
         # float weights left float and why); also logged (INFO, logger "passes.runtime")
         self.notes = []
-        options = self._session_options(sess_options)
+        # (copied from the caller's only where this load adds to them: see OptionsDraft.build below)
+        options = OptionsDraft(sess_options, s["threads"])
         disabled = set()
         device_values = {}
         if mode == "fold":
@@ -753,8 +754,9 @@ class InferenceSession(ort.InferenceSession):
                     deferred = set()
                 else:
                     deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
+                # (constants moved above; the placeholders are refreshed below, after graph_reads)
                 fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True,
-                          ahead=ahead)
+                          ahead=ahead, constants=False, refresh=converting)
                 self.fold_route = "here" if not deferred else "here+onnxruntime"
         else:
             from .runtime_int8 import prepare_quantized
@@ -805,7 +807,10 @@ class InferenceSession(ort.InferenceSession):
                 del self.weight_arrays[name]
         else:
             model_bytes = split.skeleton.SerializeToString()
-        return options, disabled, model_bytes
+        # a private copy where initializers will be attached to the options (shared or device
+        # weights, weights handed over as OrtValues: _create_inference_session)
+        attached = self.shared_names or device_values or any(n not in self.shared_names for n in self.weight_arrays)
+        return options.build(private=bool(attached)), disabled, model_bytes
 
     def _keep_tables_8bit(self, split, gather_dequantized_rows) -> None:
         """float16 on a CPU: embedding tables are not folded whole: their rows are dequantized as

@@ -200,7 +200,8 @@ def _used_names(graph: onnx.GraphProto) -> set:
         g = stack.pop()
         for node in g.node:
             used.update(node.input)
-            stack.extend(subgraphs(node))
+            if node.op_type in GRAPH_OPS or node.domain not in ("", "ai.onnx"):  # (see subgraphs)
+                stack.extend(subgraphs(node))
     return used
 
 
@@ -337,6 +338,8 @@ def graph_reads(graph, names, collect_used: bool = True) -> GraphReads:
         for index, name in enumerate(inputs):
             if name in names:
                 readers.setdefault(name, []).append((node.domain or "", op_type, index))
+        if op_type not in GRAPH_OPS and node.domain in ("", "ai.onnx"):
+            continue  # (no graph: the test subgraphs() starts with, without a call per node)
         for g in subgraphs(node):
             inner = _used_names(g)
             used |= inner

@@ -650,6 +650,53 @@ def test_callers_session_options_are_not_modified(files):
     assert plain.run(None, feeds_for(files["conv"]["model"], 1)[0])[0].shape == (1, 64, 12, 12)
 
 
+def test_options_are_copied_only_where_the_load_adds_to_them(tmp_path, monkeypatch):
+    """OptionsDraft: the caller's SessionOptions go to onnxruntime as they are when the load adds
+    nothing (no config entry, thread count or attached initializer); else a copy carries the
+    additions and the caller's object is left as it was."""
+    import passes.runtime_fold
+    import passes.runtime_options as runtime_options
+    from passes.runtime_options import OptionsDraft
+
+    caller = ort.SessionOptions()
+    caller.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    assert OptionsDraft(caller).build() is caller
+    assert isinstance(OptionsDraft(None).build(), ort.SessionOptions)
+    draft = OptionsDraft(caller, threads=1)
+    draft.add_session_config_entry("session.disable_quant_qdq", "1")
+    built = draft.build()
+    assert built is not caller and built.intra_op_num_threads == 1
+    assert built.get_session_config_entry("session.disable_quant_qdq") == "1"
+    assert built.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    with pytest.raises(Exception):
+        caller.get_session_config_entry("session.disable_quant_qdq")
+    assert OptionsDraft(caller).build(private=True) is not caller
+    with pytest.raises(InvalidArgumentError, match="sess_options"):
+        OptionsDraft("threads=2")
+
+    # a float16 model folded here on a CPU (weights inside the model bytes): no copy made
+    monkeypatch.setattr(passes.runtime_fold, "fold_kernel_fast", lambda: True)
+    copies = []
+    real_copy = runtime_options.copy_session_options
+    monkeypatch.setattr(runtime_options, "copy_session_options", lambda o: copies.append(o) or real_copy(o))
+    inits = [numpy_helper.from_array(_w((256, 64), 41).astype(np.float16), "W")]
+    m = _model([helper.make_node("MatMul", ["x", "W"], ["y"])],
+               [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4, 256])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [4, 64])], inits)
+    path = tmp_path / "fp16.q8.onnx"
+    onnx.save(passes.quantize_weights(m, bits=8, min_elements=256), str(path))
+    session = passes.InferenceSession(path, caller, mode="fold")
+    assert session.fold_route == "here" and not copies
+    assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    feeds = [{"x": np.random.default_rng(0).standard_normal((4, 256)).astype(np.float16)}]
+    assert run(session, feeds)[0][0].shape == (4, 64)
+    # int8 mode adds config entries: copied, the caller's options untouched
+    passes.InferenceSession(path, caller, mode="int8")
+    assert copies == [caller]
+    with pytest.raises(Exception):
+        caller.get_session_config_entry("session.qdq_matmulnbits_accuracy_level")
+
+
 def test_threads(files):
     session = passes.InferenceSession(files["dense"]["q8z"], threads=1)
     assert session.get_session_options().intra_op_num_threads == 1
