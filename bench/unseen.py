@@ -55,6 +55,9 @@ OUT = REPO / "bench" / "out"
 import passes  # noqa: E402
 from passes import graph  # noqa: E402
 
+sys.path.insert(0, str(REPO / "bench"))
+import unseen_shapes  # noqa: E402  the decoder / QDQ / MatMulNBits / legacy-opset models built here
+
 CACHE = Path(os.environ.get("SURGEON_UNSEEN", "/tmp/surgeon_unseen"))
 
 # wheel requirement -> {model name: path inside the wheel}
@@ -188,6 +191,8 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
         elif name in ("silero6_sequence", "fw_silero6"):
             f = {"input": (rng.standard_normal((4, 576)) * 0.1).astype(np.float32),
                  "h": np.zeros((1, 1, 128), np.float32), "c": np.zeros((1, 1, 128), np.float32)}
+        elif name in unseen_shapes.NAMES:
+            f = unseen_shapes.feeds_for(name, rng, 1)[0]
         elif name in _DERIVED:
             f = _DERIVED[name][1](rng)
         else:
@@ -339,6 +344,7 @@ def fetch() -> dict[str, Path]:
             rewrite(models[base], dst)
         models[name] = dst
     models.update(_sklearn_models())
+    models.update(unseen_shapes.build(CACHE / "shapes"))
     return models
 
 
@@ -394,8 +400,10 @@ def cli(*args) -> dict:
 
 
 def model_bytes(src: Path) -> int:
-    """The model file and its external data files (those of the rewritten models sit beside it)."""
-    return src.stat().st_size + sum(p.stat().st_size for p in src.parent.glob("weights.bin"))
+    """The model file and its external data files (wherever its tensors' locations point)."""
+    from passes._fileio import model_files
+
+    return sum(p.stat().st_size for p in model_files(src))
 
 
 def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_auto: bool):
@@ -451,7 +459,10 @@ def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_
         cli("info", pk)
         back = work / "back.onnx"
         cli("unpack", pk, "-o", back, "--force", "--verify")
-        for theirs, mine in [(src, back)] + [(p, back.parent / p.name) for p in src.parent.glob("weights.bin")]:
+        from passes._fileio import model_files
+
+        for theirs in model_files(src):  # the model, then each external data file at its relative place
+            mine = back if theirs == src else back.parent / theirs.relative_to(src.parent)
             if not mine.exists() or hashlib.sha256(mine.read_bytes()).digest() != hashlib.sha256(theirs.read_bytes()).digest():
                 raise AssertionError(f"unpacked {mine.name} differs")
         m = passes.load(pk)

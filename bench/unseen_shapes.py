@@ -1,0 +1,456 @@
+"""Models shaped like what users ship now, which no wheel in bench/unseen.py is (built here).
+
+Each is made with onnx.helper from real trained weights (the corpus's MiniLM export, rows and
+layers picked out of it), not random draws, so that the quantizers see realistic distributions:
+
+- dec_fp32: a two-layer decoder-only transformer as optimum / torch.onnx export it: input_ids,
+  attention_mask over past + new tokens, position_ids, past_key_values.{i}.key/value inputs and
+  present.{i}.* outputs (Concat on the sequence axis), rotary cos/sin tables as initializers
+  gathered by position, RMSNorm from primitives, SwiGLU MLP, a causal mask initializer holding
+  -inf plus the padding mask at finfo.min, and the output projection tied to the embedding
+  (Gather + Transpose -> MatMul on one initializer).
+- dec_fp16: the same in float16 with float32 islands (the norms, the softmax and the rotary tables
+  run in float32 between Casts, as mixed-precision exports keep them).
+- dec_bf16: the weights stored bfloat16 behind Casts to float (onnxruntime's CPU kernels have no
+  bfloat16 MatMul, so exports for it keep the master weights that way).
+- dec_extdata: dec_fp32 with its weights in several external files: every large tensor in a file
+  of its own, the small ones packed at offsets into a shared file in a subfolder.
+- dec_qdq: dec_fp32 through onnxruntime's static QDQ quantizer (int8 weights per channel, int8
+  activations): compress must not quantize again what is quantized, fold must leave the
+  activations' QuantizeLinear/DequantizeLinear pairs alone.
+- dec_nbits: dec_fp32 with its MatMuls replaced by com.microsoft MatMulNBits (4 bits, blocks of
+  32 along K, uint8 zero points), as onnxruntime-genai ships int4 LLMs.
+- legacy_op11 / legacy_op13: a small conv net whose weights sit in Constant nodes (no
+  initializers), already partly quantized per tensor by DequantizeLinear at opset 11 (scalar scale
+  and zero point, no axis attribute) and per channel at opset 13 (axis attribute), as
+  2019-2021 exporters and quantizers left them.
+
+    python bench/unseen_shapes.py OUT_FOLDER   # writes OUT_FOLDER/NAME/NAME.onnx (+ data files)
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/tmp/h2/corpus"))
+
+HIDDEN, HEADS, LAYERS, VOCAB, FFN, MAX_POS = 384, 6, 2, 2048, 1536, 256
+HEAD_DIM = HIDDEN // HEADS
+F, F16, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
+
+
+def _minilm() -> dict[str, np.ndarray]:
+    """The corpus's MiniLM weights by name (the source of every real weight here)."""
+    m = onnx.load(str(CORPUS / "minilm_fp32" / "minilm_fp32.onnx"))
+    return {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+
+
+def _real_weights():
+    """Weights for the decoder, cut from MiniLM's: 2048 embedding rows (ids 2000-4047), its
+    attention and FFN matrices (gate and up from two different layers), its LayerNorm scales."""
+    w = _minilm()
+    square = [a for n, a in w.items() if a.shape == (HIDDEN, HIDDEN)]
+    up = [a for n, a in w.items() if a.shape == (HIDDEN, FFN)]
+    down = [a for n, a in w.items() if a.shape == (FFN, HIDDEN)]
+    norms = [a for n, a in w.items() if n.endswith("LayerNorm.weight")]
+    out = {"embed": w["m.embeddings.word_embeddings.weight"][2000:2000 + VOCAB].copy(),
+           "final_norm": norms[-1].copy()}
+    for i in range(LAYERS):
+        q, k, v, o = square[4 * i:4 * i + 4]
+        out.update({f"l{i}.q": q, f"l{i}.k": k, f"l{i}.v": v, f"l{i}.o": o,
+                    f"l{i}.gate": up[i], f"l{i}.up": up[(i + 3) % len(up)], f"l{i}.down": down[i],
+                    f"l{i}.norm1": norms[2 * i], f"l{i}.norm2": norms[2 * i + 1]})
+    return out
+
+
+def random_weights(hidden=64, ffn=128, vocab=256, layers=1, seed=0) -> dict[str, np.ndarray]:
+    """Decoder weights drawn at random (unit tests: no corpus), in _real_weights' layout."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+    out = {"embed": w(vocab, hidden) * np.sqrt(vocab / hidden), "final_norm": 1 + 0.1 * w(hidden)}
+    for i in range(layers):
+        out.update({f"l{i}.{k}": w(hidden, hidden) for k in "qkvo"})
+        out.update({f"l{i}.gate": w(hidden, ffn), f"l{i}.up": w(hidden, ffn), f"l{i}.down": w(ffn, hidden),
+                    f"l{i}.norm1": 1 + 0.1 * w(hidden), f"l{i}.norm2": 1 + 0.1 * w(hidden)})
+    return out
+
+
+def _rotary_tables(head_dim, max_pos):
+    inv = 1.0 / (10000 ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.arange(max_pos)[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class _Builder:
+    def __init__(self, dtype):
+        self.dtype = dtype  # TensorProto elem type of the activations (FLOAT or FLOAT16)
+        self.np = np.float16 if dtype == F16 else np.float32
+        self.nodes, self.inits, self.n = [], [], 0
+
+    def name(self, hint):
+        self.n += 1
+        return f"/{hint}_{self.n}"
+
+    def op(self, op_type, inputs, hint=None, outputs=None, **attrs):
+        outs = outputs or [self.name(hint or op_type)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name(op_type + "_node"), **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def init(self, name, arr):
+        self.inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    def const_i64(self, values):
+        return self.init(self.name("const"), np.asarray(values, np.int64))
+
+    def cast(self, x, to):
+        return self.op("Cast", [x], "cast", to=to)
+
+
+def _rms_norm(b: _Builder, x, weight_name, weight, island):
+    """RMSNorm from primitives; in a float16 model it runs in float32 (an island) and casts back."""
+    if island:
+        x = b.cast(x, F)
+        b.init(weight_name, weight.astype(np.float32))
+        eps = b.init(b.name("eps"), np.array(1e-6, np.float32))
+        two = b.init(b.name("two"), np.array(2.0, np.float32))
+    else:
+        b.init(weight_name, weight.astype(b.np))
+        eps = b.init(b.name("eps"), np.array(1e-6, b.np))
+        two = b.init(b.name("two"), np.array(2.0, b.np))
+    sq = b.op("Pow", [x, two])
+    mean = b.op("ReduceMean", [sq, b.const_i64([-1])], keepdims=1)
+    rms = b.op("Sqrt", [b.op("Add", [mean, eps])])
+    y = b.op("Mul", [b.op("Div", [x, rms]), weight_name])
+    return b.cast(y, b.dtype) if island else y
+
+
+def _rotate(b: _Builder, x, cos, sin, head_dim):
+    """x * cos + rotate_half(x) * sin on [B, H, S, D] (cos/sin [B, 1, S, D])."""
+    half = head_dim // 2
+    x1 = b.op("Slice", [x, b.const_i64([0]), b.const_i64([half]), b.const_i64([3])])
+    x2 = b.op("Slice", [x, b.const_i64([half]), b.const_i64([head_dim]), b.const_i64([3])])
+    rot = b.op("Concat", [b.op("Neg", [x2]), x1], axis=3)
+    return b.op("Add", [b.op("Mul", [x, cos]), b.op("Mul", [rot, sin])])
+
+
+def decoder(dtype=F, weights=None, heads=HEADS, max_pos=MAX_POS) -> onnx.ModelProto:
+    """The optimum-style decoder (see the module docstring) with activations of `dtype`; sizes
+    follow the weights (_real_weights or random_weights)."""
+    w = weights or _real_weights()
+    vocab, hidden = w["embed"].shape
+    layers = sum(1 for k in w if k.endswith(".q"))
+    head_dim = hidden // heads
+    b = _Builder(dtype)
+    island = dtype == F16
+    cos, sin = _rotary_tables(head_dim, max_pos)
+    b.init("model.rotary.cos_cached", cos if island else cos.astype(b.np))
+    b.init("model.rotary.sin_cached", sin if island else sin.astype(b.np))
+    neg = np.float32(-np.inf)
+    causal = np.triu(np.full((max_pos, max_pos), neg, np.float32), 1)
+    b.init("model.causal_mask", causal.astype(b.np))
+    b.init("model.embed_tokens.weight", w["embed"].astype(b.np))
+
+    h = b.op("Gather", ["model.embed_tokens.weight", "input_ids"], "embed")
+    # rotary tables gathered by position, [B, 1, S, D]; float32 in the float16 model's island
+    cos_g = b.op("Unsqueeze", [b.op("Gather", ["model.rotary.cos_cached", "position_ids"]), b.const_i64([1])])
+    sin_g = b.op("Unsqueeze", [b.op("Gather", ["model.rotary.sin_cached", "position_ids"]), b.const_i64([1])])
+    if island:
+        cos_g, sin_g = b.cast(cos_g, F16), b.cast(sin_g, F16)
+    # masks: causal rows [past, past + S) of the -inf table, columns [0, past + S), plus the padding
+    # mask (1 - attention_mask) * finfo.min, as transformers builds it
+    ids_shape = b.op("Shape", ["input_ids"])
+    seq = b.op("Gather", [ids_shape, b.const_i64([1])], axis=0)
+    total = b.op("Gather", [b.op("Shape", ["attention_mask"]), b.const_i64([1])], axis=0)
+    past = b.op("Sub", [total, seq])
+    causal_rows = b.op("Slice", ["model.causal_mask", past, total, b.const_i64([0])])
+    causal_cut = b.op("Slice", [causal_rows, b.const_i64([0]), total, b.const_i64([1])])
+    pad = b.op("Sub", [b.init(b.name("one"), np.array(1.0, b.np)), b.cast("attention_mask", dtype)])
+    pad = b.op("Mul", [pad, b.init(b.name("finfo_min"), np.array(np.finfo(b.np).min, b.np))])
+    pad = b.op("Unsqueeze", [pad, b.const_i64([1, 2])])  # [B, 1, 1, T]
+    mask = b.op("Add", [pad, causal_cut])  # [B, 1, S, T]
+    scale = b.init(b.name("scale"), np.array(1 / np.sqrt(head_dim), b.np))
+    split_shape = b.const_i64([0, 0, heads, head_dim])
+    merge_shape = b.const_i64([0, 0, hidden])
+    outputs = []
+    for i in range(layers):
+        x = _rms_norm(b, h, f"model.layers.{i}.input_layernorm.weight", w[f"l{i}.norm1"], island)
+        qkv = {}
+        for part in ("q", "k", "v"):
+            name = b.init(f"model.layers.{i}.self_attn.{part}_proj.weight.T", w[f"l{i}.{part}"].astype(b.np))
+            y = b.op("Reshape", [b.op("MatMul", [x, name]), split_shape])
+            qkv[part] = b.op("Transpose", [y], perm=[0, 2, 1, 3])
+        q = _rotate(b, qkv["q"], cos_g, sin_g, head_dim)
+        k = _rotate(b, qkv["k"], cos_g, sin_g, head_dim)
+        k = b.op("Concat", [f"past_key_values.{i}.key", k], outputs=[f"present.{i}.key"], axis=2)
+        v = b.op("Concat", [f"past_key_values.{i}.value", qkv["v"]], outputs=[f"present.{i}.value"], axis=2)
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+        scores = b.op("Add", [b.op("Mul", [b.op("MatMul", [q, b.op("Transpose", [k], perm=[0, 1, 3, 2])]), scale]), mask])
+        if island:  # softmax in float32
+            probs = b.cast(b.op("Softmax", [b.cast(scores, F)], axis=-1), F16)
+        else:
+            probs = b.op("Softmax", [scores], axis=-1)
+        ctx = b.op("Reshape", [b.op("Transpose", [b.op("MatMul", [probs, v])], perm=[0, 2, 1, 3]), merge_shape])
+        o = b.init(f"model.layers.{i}.self_attn.o_proj.weight.T", w[f"l{i}.o"].astype(b.np))
+        h = b.op("Add", [h, b.op("MatMul", [ctx, o])])
+        x = _rms_norm(b, h, f"model.layers.{i}.post_attention_layernorm.weight", w[f"l{i}.norm2"], island)
+        gate = b.init(f"model.layers.{i}.mlp.gate_proj.weight.T", w[f"l{i}.gate"].astype(b.np))
+        up = b.init(f"model.layers.{i}.mlp.up_proj.weight.T", w[f"l{i}.up"].astype(b.np))
+        down = b.init(f"model.layers.{i}.mlp.down_proj.weight.T", (w[f"l{i}.down"] * 0.5).astype(b.np))
+        g = b.op("MatMul", [x, gate])
+        silu = b.op("Mul", [g, b.op("Sigmoid", [g])])
+        h = b.op("Add", [h, b.op("MatMul", [b.op("Mul", [silu, b.op("MatMul", [x, up])]), down])])
+    x = _rms_norm(b, h, "model.norm.weight", w["final_norm"], island)
+    # tied output projection: the embedding read again through a Transpose
+    tied = b.op("Transpose", ["model.embed_tokens.weight"], "lm_head_weight", perm=[1, 0])
+    b.op("MatMul", [x, tied], outputs=["logits"])
+
+    # optimum's names for the dynamic axes (the attention mask's and present's is a sum of two)
+    batch, seq, past, total = "batch_size", "sequence_length", "past_sequence_length", \
+        "past_sequence_length + sequence_length"
+    kv = [helper.make_tensor_value_info(f"past_key_values.{i}.{p}", dtype, [batch, heads, past, head_dim])
+          for i in range(layers) for p in ("key", "value")]
+    inputs = [helper.make_tensor_value_info("input_ids", I64, [batch, seq]),
+              helper.make_tensor_value_info("attention_mask", I64, [batch, total]),
+              helper.make_tensor_value_info("position_ids", I64, [batch, seq])] + kv
+    outs = [helper.make_tensor_value_info("logits", dtype, [batch, seq, vocab])] + [
+        helper.make_tensor_value_info(n, dtype, [batch, heads, total, head_dim]) for n in outputs]
+    g = helper.make_graph(b.nodes, "main_graph", inputs, outs, b.inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], producer_name="pytorch",
+                          producer_version="2.5.0")
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def decoder_feeds(rng, dtype=np.float32, n=4, vocab=VOCAB, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM) -> list[dict]:
+    """Two sequences of 5 new tokens after 3 cached ones; the second left-padded by 2 (its padded
+    positions' rows see only finfo.min and -inf, the way a batched generate() feeds them)."""
+    out = []
+    past, seq = 3, 5
+    for _ in range(n):
+        mask = np.ones((2, past + seq), np.int64)
+        mask[1, :2] = 0
+        pos = np.broadcast_to(np.arange(past, past + seq), (2, seq)).copy()
+        f = {"input_ids": rng.integers(0, vocab, (2, seq)).astype(np.int64), "attention_mask": mask,
+             "position_ids": pos}
+        for i in range(layers):
+            for p in ("key", "value"):
+                f[f"past_key_values.{i}.{p}"] = rng.standard_normal((2, heads, past, head_dim)).astype(dtype)
+        out.append(f)
+    return out
+
+
+def bfloat16_weights(m: onnx.ModelProto) -> onnx.ModelProto:
+    """Every 2-D float weight stored bfloat16 behind a Cast to float."""
+    import ml_dtypes
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    casts = []
+    for t in list(m.graph.initializer):
+        if t.data_type != F or len(t.dims) != 2 or "causal" in t.name:
+            continue
+        a = numpy_helper.to_array(t).astype(ml_dtypes.bfloat16)
+        bf = TensorProto(name=t.name + ".bf16", data_type=TensorProto.BFLOAT16, dims=t.dims, raw_data=a.tobytes())
+        m.graph.initializer.remove(t)
+        m.graph.initializer.append(bf)
+        casts.append(helper.make_node("Cast", [bf.name], [t.name], to=F, name="/cast_" + t.name))
+    nodes = casts + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def save_external_several(m: onnx.ModelProto, dst: Path, large: int = 65536) -> None:
+    """Large tensors (>= `large` bytes) one file each (onnx's per-tensor layout, named after the tensor);
+    the small 2-D ones at 64-byte-aligned offsets in data/small.bin (a subfolder); the rest inline."""
+    from onnx.external_data_helper import set_external_data
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    (dst.parent / "data").mkdir(parents=True, exist_ok=True)
+    small = bytearray()
+    for t in m.graph.initializer:
+        raw = numpy_helper.to_array(t).tobytes()
+        if len(raw) >= large:
+            fname = t.name.replace("/", "_") + ".bin"
+            (dst.parent / fname).write_bytes(raw)
+            set_external_data(t, location=fname)
+        elif len(t.dims) == 2:
+            small.extend(b"\0" * (-len(small) % 64))
+            set_external_data(t, location="data/small.bin", offset=len(small), length=len(raw))
+            small.extend(raw)
+        else:
+            continue
+        t.ClearField("raw_data")
+        t.ClearField("float_data")
+        t.data_location = TensorProto.EXTERNAL
+    (dst.parent / "data" / "small.bin").write_bytes(bytes(small))
+    dst.write_bytes(m.SerializeToString())
+    onnx.checker.check_model(str(dst), full_check=True)
+
+
+def qdq(src: Path, dst: Path, feeds: list[dict]) -> None:
+    """onnxruntime's static quantizer, QDQ form, int8 activations and per-channel int8 weights."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    extra_options={"ActivationSymmetric": True})
+    onnx.checker.check_model(str(dst), full_check=True)
+
+
+def matmul_nbits(m: onnx.ModelProto, bits=4, block=32) -> onnx.ModelProto:
+    """Every MatMul whose B is a 2-D float initializer -> com.microsoft MatMulNBits (asymmetric
+    4-bit blocks along K with packed uint8 zero points, as onnxruntime's quantizer writes them)."""
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    inits = {t.name: t for t in m.graph.initializer}
+    readers = {}
+    for n in m.graph.node:
+        for x in n.input:
+            readers[x] = readers.get(x, 0) + 1
+    new_nodes = []
+    for n in m.graph.node:
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if t is None or len(t.dims) != 2 or t.data_type != F or readers[t.name] != 1:
+            new_nodes.append(n)
+            continue
+        w = numpy_helper.to_array(t).astype(np.float32)  # [K, N]
+        k, nn = w.shape
+        blocks = -(-k // block)
+        wp = np.zeros((blocks * block, nn), np.float32)
+        wp[:k] = w
+        wb = wp.T.reshape(nn, blocks, block)
+        lo, hi = np.minimum(wb.min(-1), 0), np.maximum(wb.max(-1), 0)
+        scale = np.where(hi > lo, (hi - lo) / 15, 1.0).astype(np.float32)
+        zp = np.clip(np.round(-lo / scale), 0, 15).astype(np.uint8)
+        q = np.clip(np.round(wb / scale[..., None]) + zp[..., None], 0, 15).astype(np.uint8)
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # [N, blocks, block/2]
+        zflat = zp.reshape(nn, blocks)
+        if blocks % 2:
+            zflat = np.concatenate([zflat, np.zeros((nn, 1), np.uint8)], 1)
+        zpacked = (zflat[:, 0::2] | (zflat[:, 1::2] << 4)).astype(np.uint8).ravel()
+        base = t.name
+        m.graph.initializer.remove(t)
+        m.graph.initializer.extend([numpy_helper.from_array(packed, base + "_Q4"),
+                                    numpy_helper.from_array(scale.ravel(), base + "_scales"),
+                                    numpy_helper.from_array(zpacked, base + "_zp")])
+        new_nodes.append(helper.make_node("MatMulNBits", [n.input[0], base + "_Q4", base + "_scales", base + "_zp"],
+                                          list(n.output), name=n.name + "_Q4", domain="com.microsoft",
+                                          K=k, N=nn, bits=bits, block_size=block))
+    del m.graph.node[:]
+    m.graph.node.extend(new_nodes)
+    m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return m
+
+
+def legacy(opset: int, square=None, bias=None) -> onnx.ModelProto:
+    """A conv net with every weight in a Constant node. Opset 11: conv2 quantized per tensor
+    (DequantizeLinear, scalar scale / zero point, no axis: the only form before 13). Opset 13:
+    conv2 and the classifier quantized per channel (axis attribute), uint8 with zero points."""
+    if square is None:  # MiniLM's attention matrices and a bias (random ones in the unit tests)
+        w = _minilm()
+        square = [a for n, a in w.items() if a.shape == (HIDDEN, HIDDEN)]
+        bias = w["m.encoder.layer.0.attention.self.query.bias"]
+    sq = square
+    k1 = sq[0][:48, :27].reshape(48, 3, 3, 3) * 0.8  # 1296 values: past the quantizers' 1024 minimum
+    k2 = sq[1].ravel()[:64 * 48 * 9].reshape(64, 48, 3, 3) * 0.5
+    fc = sq[2][:64, :100].T.copy()  # [100, 64]
+    bias1 = bias[:48]
+    nodes = []
+
+    def const(name, arr):
+        nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(arr), name + "_v")))
+        return name
+
+    const("k1", k1.astype(np.float32))
+    const("b1", bias1.astype(np.float32))
+    if opset == 11:
+        s = np.float32(np.abs(k2).max() / 127)
+        const("k2_q", np.clip(np.round(k2 / s), -127, 127).astype(np.int8))
+        const("k2_s", np.array(s, np.float32))
+        const("k2_z", np.array(0, np.int8))
+        nodes.append(helper.make_node("DequantizeLinear", ["k2_q", "k2_s", "k2_z"], ["k2"]))
+        const("fc", fc.astype(np.float32))
+    else:
+        for name, arr in (("k2", k2), ("fc", fc)):
+            lo = np.minimum(arr.reshape(arr.shape[0], -1).min(1), 0)
+            hi = np.maximum(arr.reshape(arr.shape[0], -1).max(1), 0)
+            s = ((hi - lo) / 255).astype(np.float32)
+            z = np.clip(np.round(-lo / s), 0, 255).astype(np.uint8)
+            bshape = (-1,) + (1,) * (arr.ndim - 1)
+            q = np.clip(np.round(arr / s.reshape(bshape)) + z.reshape(bshape), 0, 255).astype(np.uint8)
+            const(name + "_q", q)
+            const(name + "_s", s)
+            const(name + "_z", z)
+            nodes.append(helper.make_node("DequantizeLinear", [name + "_q", name + "_s", name + "_z"], [name], axis=0))
+    const("fc_b", np.linspace(-0.1, 0.1, 100, dtype=np.float32))
+    nodes += [
+        helper.make_node("Conv", ["image", "k1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "k2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "fc", "fc_b"], ["logits"], transB=1),
+    ]
+    g = helper.make_graph(nodes, "torch-jit-export", [helper.make_tensor_value_info("image", F, [1, 3, 32, 32])],
+                          [helper.make_tensor_value_info("logits", F, [1, 100])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], producer_name="pytorch",
+                          producer_version="1.8")
+    m.ir_version = 6 if opset == 11 else 7
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def legacy_feeds(rng, n=4) -> list[dict]:
+    return [{"image": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)} for _ in range(n)]
+
+
+NAMES = ("dec_fp32", "dec_fp16", "dec_bf16", "dec_extdata", "dec_qdq", "dec_nbits", "legacy_op11", "legacy_op13")
+
+
+def feeds_for(name: str, rng, n=4) -> list[dict]:
+    if name.startswith("legacy"):
+        return legacy_feeds(rng, n)
+    return decoder_feeds(rng, np.float16 if name == "dec_fp16" else np.float32, n)
+
+
+def build(out: Path) -> dict[str, Path]:
+    """Make every model under out/NAME/ (once); name -> model path."""
+    paths = {n: out / n / f"{n}.onnx" for n in NAMES}
+    if all(p.exists() for p in paths.values()):
+        return paths
+    for p in paths.values():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    w = _real_weights()
+    fp32 = decoder(F, w)
+    onnx.save(fp32, str(paths["dec_fp32"]))
+    onnx.save(decoder(F16, w), str(paths["dec_fp16"]))
+    onnx.save(bfloat16_weights(fp32), str(paths["dec_bf16"]))
+    save_external_several(fp32, paths["dec_extdata"])
+    qdq(paths["dec_fp32"], paths["dec_qdq"], feeds_for("dec_qdq", np.random.default_rng(1), 8))
+    onnx.save(matmul_nbits(fp32), str(paths["dec_nbits"]))
+    onnx.save(legacy(11), str(paths["legacy_op11"]))
+    onnx.save(legacy(13), str(paths["legacy_op13"]))
+    return paths
+
+
+if __name__ == "__main__":
+    for name, path in build(Path(sys.argv[1])).items():
+        print(name, path)
