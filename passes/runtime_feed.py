@@ -320,8 +320,8 @@ def graph_reads(graph, names, collect_used: bool = True) -> GraphReads:
     each walked the graph for (refresh_placeholders, shareable_names, the operator counts).
     `names`: the names whose main-graph readers are listed (a set or dict). collect_used=False:
     `used` is None (not gathered: adding every node's inputs to it was ~40% of the walk; the
-    verbatim route only judges sharing), and a node none of whose inputs is in `names` is not
-    looked at input by input."""
+    verbatim route only judges sharing). A node none of whose inputs is in `names` is not looked
+    at input by input."""
     used = {o.name for o in graph.output}
     outer = set(used)
     readers: dict = {}
@@ -333,7 +333,7 @@ def graph_reads(graph, names, collect_used: bool = True) -> GraphReads:
         inputs = node.input
         if collect_used:
             used.update(inputs)
-        elif keys.isdisjoint(inputs):
+        if keys.isdisjoint(inputs):  # (in C: most nodes read no weight; no Python loop over their inputs)
             inputs = ()
         for index, name in enumerate(inputs):
             if name in names:

@@ -482,18 +482,19 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
         split.pending = FoldAhead(decode, jobs)
     folded |= _fold_palettes(split, consumers, only)
     if folded:
-        remove_nodes(split.skeleton.graph, lambda n: n.output and n.output[0] in folded)
+        graph = split.skeleton.graph
+        remove_nodes(graph, [i for i, n in enumerate(graph.node) if n.output and n.output[0] in folded])
         if refresh:
             split.refresh_placeholders()
     return len(folded)
 
 
-def remove_nodes(graph, drop) -> None:
-    """Delete the nodes `drop(node)` selects from `graph`, in place: clearing the list and
+def remove_nodes(graph, indices: list) -> None:
+    """Delete the nodes at `indices` (ascending) from `graph`, in place: clearing the list and
     extending it with the kept ones copied every node twice (0.42 ms against 0.11 for
     open_nsfw's 41 Constant nodes out of 902)."""
     nodes = graph.node
-    for i in [i for i, n in enumerate(nodes) if drop(n)][::-1]:
+    for i in reversed(indices):
         del nodes[i]
 
 
@@ -568,16 +569,16 @@ def constants_to_initializers(split: SplitModel) -> None:
     """Main-graph Constant nodes holding a tensor become initializers (small ones stay inline),
     so that a DequantizeLinear reading e.g. a Constant scale is constant-foldable here."""
     graph = split.skeleton.graph
-    moved = set()
-    for node in graph.node:
+    moved = []
+    for i, node in enumerate(graph.node):
         if node.op_type != "Constant":
             continue
         value = _constant_tensor(node)
         if value is not None:
             split.set_weight(node.output[0], numpy_helper.to_array(value))
-            moved.add(node.output[0])
-    if moved:  # (a graph's output names are unique)
-        remove_nodes(graph, lambda n: n.op_type == "Constant" and n.output[0] in moved)
+            moved.append(i)
+    if moved:
+        remove_nodes(graph, moved)
 
 
 def _constant_tensor(node):
