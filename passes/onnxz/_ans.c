@@ -372,6 +372,57 @@ size_t decN_avx512(Dec *d, uint8_t *out, size_t steps, const int LANES, const in
     d->p = p;
     return done;
 }
+
+/* Two 32-lane planes decoded in one loop: 4 registers of independent states in flight instead of
+ * 2. One 32-lane plane's step is latency-bound (gather, multiply, refill, next gather: the states
+ * of two registers cannot hide it); two planes' steps interleaved fill the wait with the other's
+ * work, as 64 lanes do, without the writer spending 128 more bytes of states per plane. Same
+ * arithmetic as decN_avx512 per plane; full steps of both while each has 64 bytes of words left
+ * (a step reads at most one word per lane). Returns the steps done (the same for both). */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static size_t dec32x2_avx512(Dec *da, uint8_t *oa, Dec *db, uint8_t *ob, size_t steps) {
+    __m512i x[4];
+    x[0] = _mm512_loadu_si512(da->x);
+    x[1] = _mm512_loadu_si512(da->x + 16);
+    x[2] = _mm512_loadu_si512(db->x);
+    x[3] = _mm512_loadu_si512(db->x + 16);
+    const uint8_t *p = da->p, *pe = da->end, *q = db->p, *qe = db->end;
+    const int *ta = (const int *)da->tab, *tb = (const int *)db->tab;
+    const __m512i m12 = _mm512_set1_epi32(PROB_SCALE - 1), m12b = _mm512_set1_epi32(0xFFF), lim = _mm512_set1_epi32(RANS_L);
+    size_t done = 0;
+    for (; done < steps && pe - p >= 64 && qe - q >= 64; done++, oa += 32, ob += 32) {
+        __m512i e[4], v[4];
+        __mmask16 need[4];
+        e[0] = _mm512_i32gather_epi32(_mm512_and_si512(x[0], m12), ta, 4);
+        e[2] = _mm512_i32gather_epi32(_mm512_and_si512(x[2], m12), tb, 4);
+        e[1] = _mm512_i32gather_epi32(_mm512_and_si512(x[1], m12), ta, 4);
+        e[3] = _mm512_i32gather_epi32(_mm512_and_si512(x[3], m12), tb, 4);
+        for (int r = 0; r < 4; r++) {
+            __m512i f = _mm512_and_si512(_mm512_srli_epi32(e[r], 8), m12b);
+            v[r] = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srli_epi32(x[r], PROB_BITS)), _mm512_srli_epi32(e[r], 20));
+            need[r] = _mm512_cmplt_epu32_mask(v[r], lim);
+        }
+        for (int r = 0; r < 2; r++) {
+            __m512i w = _mm512_maskz_expand_epi32(need[r], _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)));
+            x[r] = _mm512_mask_or_epi32(v[r], need[r], _mm512_slli_epi32(v[r], 16), w);
+            p += 2 * __builtin_popcount((unsigned)need[r]);
+            __m512i u = _mm512_maskz_expand_epi32(need[r + 2], _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)q)));
+            x[r + 2] = _mm512_mask_or_epi32(v[r + 2], need[r + 2], _mm512_slli_epi32(v[r + 2], 16), u);
+            q += 2 * __builtin_popcount((unsigned)need[r + 2]);
+        }
+        _mm_storeu_si128((__m128i *)oa, _mm512_cvtepi32_epi8(e[0]));
+        _mm_storeu_si128((__m128i *)(oa + 16), _mm512_cvtepi32_epi8(e[1]));
+        _mm_storeu_si128((__m128i *)ob, _mm512_cvtepi32_epi8(e[2]));
+        _mm_storeu_si128((__m128i *)(ob + 16), _mm512_cvtepi32_epi8(e[3]));
+    }
+    _mm512_storeu_si512(da->x, x[0]);
+    _mm512_storeu_si512(da->x + 16, x[1]);
+    _mm512_storeu_si512(db->x, x[2]);
+    _mm512_storeu_si512(db->x + 16, x[3]);
+    da->p = p;
+    db->p = q;
+    return done;
+}
 #endif /* ONNXZ_X86 */
 
 /* any lane count (small planes): full steps branch-free while words suffice */
@@ -506,6 +557,99 @@ static int dec_finished(const Dec *d) {
     if (d->constant) return 1;
     if (d->p != d->end) return 0;
     for (int j = 0; j < d->lanes; j++) if (d->x[j] != RANS_L) return 0;
+    return 1;
+}
+
+/* Whether an `ans` chunk can go through decode_run: one coded plane (a blob of b[0] = 6: 32
+ * lanes) shorter than its n symbols, no sign move or pairs, and the AVX-512 decoder in use. */
+static int pairable(const uint8_t *plane, size_t len, size_t n) {
+#if ONNXZ_X86
+    return simd_level == 2 && n >= 32 && len >= 2 && len < n && plane[0] == 6;
+#else
+    (void)plane; (void)len; (void)n;
+    return 0;
+#endif
+}
+
+/* A chunk of a run decoded two at a time (decode_run): its decoder, output and progress. */
+typedef struct {
+    Dec *d;
+    uint8_t *out;
+    size_t n, pos; /* symbols, and those decoded */
+    Py_ssize_t task; /* its index in the batch; -1: the slot is free */
+} Slot;
+
+/* Finish slot s alone (its last full steps and the checked tail: dec_run) and check its end. */
+static const char *finish_slot(Slot *s) {
+    const char *err = NULL;
+    if (dec_run(s->d, s->out + s->pos, s->pos, s->n - s->pos)) err = "ans words run out";
+    else if (!dec_finished(s->d)) err = "ans plane does not end where it should (final states or words)";
+    s->task = -1;
+    return err;
+}
+
+/* Chunks k0..k1-1 of a batch (each pairable: planes[k], lens[k] its plane, outs[k] / ns[k] its
+ * output; their checksums passed) decoded two at a time: two slots step together through
+ * dec32x2_avx512, and a slot whose chunk ends (or whose words run low) is finished alone and takes
+ * the next chunk, so that nearly every step has the other's work beside it, whatever the sizes.
+ * The bytes are those of decoding the chunks in turn. 0, or 1 with *failed / *msg the first chunk
+ * in batch order that is damaged, as decoding them in turn reports it (a chunk found damaged while
+ * an earlier one is in the other slot: that one is finished first, and reported if it fails). */
+static int decode_run(const uint8_t *const *planes, const size_t *lens, uint8_t *const *outs, const size_t *ns,
+                      Py_ssize_t k0, Py_ssize_t k1, Dec *da, Dec *db, Py_ssize_t *failed, const char **msg) {
+    Slot slot[2] = {{da, NULL, 0, 0, -1}, {db, NULL, 0, 0, -1}};
+    Py_ssize_t next = k0;
+    const char *err = NULL;
+    Py_ssize_t bad = -1;
+    for (;;) {
+        /* fill the free slots, in order */
+        for (int i = 0; i < 2 && !err; i++) {
+            if (slot[i].task >= 0 || next >= k1) continue;
+            Slot *s = &slot[i];
+            s->task = next;
+            s->out = outs[next];
+            s->n = ns[next];
+            s->pos = 0;
+            err = dec_init(s->d, planes[next], lens[next]);
+            if (!err && (s->d->constant || s->d->lanes != 32)) err = "ans plane with an unknown lane count"; /* (pairable: never) */
+            if (err) bad = next;
+            next++;
+        }
+        if (err) break;
+        Slot *a = &slot[0], *b = &slot[1];
+        if (a->task < 0 && b->task < 0) return 0;
+        if (a->task < 0 || b->task < 0) { /* the last chunk: alone */
+            Slot *s = a->task >= 0 ? a : b;
+            bad = s->task;
+            err = finish_slot(s);
+            if (err) break;
+            continue;
+        }
+        size_t ra = (a->n - a->pos) / 32, rb = (b->n - b->pos) / 32;
+        size_t done = dec32x2_avx512(a->d, a->out + a->pos, b->d, b->out + b->pos, ra < rb ? ra : rb) * 32;
+        a->pos += done;
+        b->pos += done;
+        /* retire what cannot take another paired step (its last step done, or words low), lower task first */
+        Slot *order[2] = {a->task < b->task ? a : b, a->task < b->task ? b : a};
+        for (int i = 0; i < 2 && !err; i++) {
+            Slot *s = order[i];
+            if (s->n - s->pos >= 32 && s->d->end - s->d->p >= 64) continue;
+            bad = s->task;
+            err = finish_slot(s);
+        }
+        if (err) break;
+    }
+    /* chunk `bad` is damaged; one earlier still in a slot comes first */
+    for (int i = 0; i < 2; i++) {
+        Slot *s = &slot[i];
+        if (s->task >= 0 && s->task < bad) {
+            Py_ssize_t t = s->task;
+            const char *e = finish_slot(s);
+            if (e) { bad = t; err = e; }
+        }
+    }
+    *failed = bad;
+    *msg = err;
     return 1;
 }
 
@@ -1007,9 +1151,28 @@ static int parse_task(PyObject *item, BatchTask *t) {
     return PyObject_GetBuffer(out, &t->out, PyBUF_WRITABLE);
 }
 
+/* a chunk of one plane, no sign move or pairs, own table: what decode_run takes (with pairable) */
+static int simple_task(const BatchTask *t) { return !t->shared && t->np_ == 1 && !(t->flags & 3); }
+
+#define RUN_MAX 64 /* chunks per decode_run call (a run longer than this goes on in the next one) */
+
 static void release_task(BatchTask *t) {
     for (int i = 0; i < MAX_PLANES; i++) if (t->has_tab[i]) PyBuffer_Release(&t->tabs[i]);
     if (t->out.obj) PyBuffer_Release(&t->out);
+}
+
+/* The restore window hashed from `cursor` up to the end of `out` when out lies in it (its bytes
+ * and all before them final); returns the new cursor. */
+static Py_ssize_t hash_through(void *state, const Py_buffer *window, Py_ssize_t cursor, const Py_buffer *out) {
+    uintptr_t w0 = (uintptr_t)window->buf, o0 = (uintptr_t)out->buf;
+    if (o0 >= w0 && o0 - w0 + (uintptr_t)out->len <= (uintptr_t)window->len) {
+        Py_ssize_t end = (Py_ssize_t)(o0 - w0) + out->len;
+        if (end > cursor) {
+            xxh128_update(state, (const uint8_t *)window->buf + cursor, (size_t)(end - cursor));
+            cursor = end;
+        }
+    }
+    return cursor;
 }
 
 /* ans_decode_batch(source, scratch, tasks) -> None or (i, code, message)
@@ -1070,6 +1233,11 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
     TableCache tables = {0};
     /* file bytes [held_lo, held_hi) are in scratch: read for an earlier task of a run */
     Py_ssize_t held_lo = 0, held_hi = 0;
+    /* a run for decode_run: its chunks' planes, sizes, outputs; the two decoders (made on first use) */
+    const uint8_t *run_planes[RUN_MAX];
+    size_t run_lens[RUN_MAX], run_ns[RUN_MAX];
+    uint8_t *run_outs[RUN_MAX];
+    Dec *run_decs[2] = {NULL, NULL};
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < count; k++) {
         BatchTask *t = &ts[k];
@@ -1109,6 +1277,46 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
             base = (const uint8_t *)src.buf + (src.len ? t->offset : 0);
         }
         if (code == FAIL_NONE && xxh3_64(base, (size_t)t->stored) != t->digest) code = FAIL_CHECKSUM;
+        if (code == FAIL_NONE && simple_task(t) && pairable(base, t->lens[0], (size_t)t->out.len)) {
+            /* a run of chunks of one 32-lane plane each whose bytes are at hand and pass their
+             * checksums: decoded two at a time (decode_run); else this one goes alone */
+            Py_ssize_t end = k + 1;
+            run_planes[0] = base;
+            while (end < count && end - k < RUN_MAX) {
+                BatchTask *u = &ts[end];
+                const uint8_t *at = NULL;
+                if (!simple_task(u)) break;
+                if (fd >= 0) {
+                    if (u->offset >= held_lo && u->offset + u->stored <= held_hi) at = (const uint8_t *)scratch.buf + (u->offset - held_lo);
+                } else if (u->offset <= src.len && u->stored <= src.len - u->offset) {
+                    at = (const uint8_t *)src.buf + u->offset;
+                }
+                if (!at || !pairable(at, u->lens[0], (size_t)u->out.len) || xxh3_64(at, (size_t)u->stored) != u->digest) break;
+                run_planes[end - k] = at;
+                end++;
+            }
+            if (end - k >= 2) {
+                if (!run_decs[0]) run_decs[0] = (Dec *)malloc(sizeof(Dec));
+                if (!run_decs[1]) run_decs[1] = (Dec *)malloc(sizeof(Dec));
+            }
+            if (end - k >= 2 && run_decs[0] && run_decs[1]) {
+                for (Py_ssize_t j = k; j < end; j++) {
+                    run_lens[j - k] = ts[j].lens[0];
+                    run_outs[j - k] = (uint8_t *)ts[j].out.buf;
+                    run_ns[j - k] = (size_t)ts[j].out.len;
+                }
+                Py_ssize_t bad = -1;
+                if (decode_run(run_planes, run_lens, run_outs, run_ns, 0, end - k, run_decs[0], run_decs[1], &bad, &msg)) {
+                    code = FAIL_DAMAGED;
+                    failed = k + bad;
+                    break;
+                }
+                if (hash_state)
+                    for (Py_ssize_t j = k; j < end; j++) cursor = hash_through(hash_state, &window, cursor, &ts[j].out);
+                k = end - 1;
+                continue;
+            }
+        }
         if (code == FAIL_NONE) {
             const uint8_t *ptr[MAX_PLANES + 2];
             size_t pos = 0;
@@ -1131,18 +1339,11 @@ PyObject *onnxz_py_ans_decode_batch(PyObject *self, PyObject *args) {
             else if (msg) code = FAIL_DAMAGED;
         }
         if (code != FAIL_NONE) { failed = k; break; }
-        if (hash_state) { /* the chunk is still in cache: hash the window up to its end */
-            uintptr_t w0 = (uintptr_t)window.buf, o0 = (uintptr_t)t->out.buf;
-            if (o0 >= w0 && o0 - w0 + (uintptr_t)t->out.len <= (uintptr_t)window.len) {
-                Py_ssize_t end = (Py_ssize_t)(o0 - w0) + t->out.len;
-                if (end > cursor) {
-                    xxh128_update(hash_state, (const uint8_t *)window.buf + cursor, (size_t)(end - cursor));
-                    cursor = end;
-                }
-            }
-        }
+        if (hash_state) cursor = hash_through(hash_state, &window, cursor, &t->out); /* (still in cache) */
     }
     free_tables(&tables);
+    free(run_decs[0]);
+    free(run_decs[1]);
     Py_END_ALLOW_THREADS
     if (code == FAIL_NONE) {
         if (hash_state) result = PyLong_FromSsize_t(cursor);
