@@ -607,6 +607,8 @@ class InferenceSession(ort.InferenceSession):
             try:
                 found["split"] = split = _finish_read(reading, self.source)
                 found["resolved"], found["reads"] = self._verbatim_decision(split, kind)
+                if found["reads"] is not None:  # (here, not on the calling thread after its parse: ~0.5 ms)
+                    found["skeleton_bytes"] = split.skeleton.ByteSize()
             except BaseException as exc:  # raised on the calling thread
                 found["error"] = exc
             if found.get("reads") is None:
@@ -634,6 +636,7 @@ class InferenceSession(ort.InferenceSession):
                 split.pending.abandon()
             raise found["error"]
         reads = found["reads"]
+        self.skeleton_bytes = found.get("skeleton_bytes")
         return found["split"], found["resolved"], (parsed, reads, kind) if reads is not None else None
 
     def _resolve_mode(self, split):
@@ -681,7 +684,8 @@ class InferenceSession(ort.InferenceSession):
         self.notes = []
         self.dtype = np.dtype(resolved[1])
         self.op_counts = reads.op_counts
-        self.skeleton_bytes = split.skeleton.ByteSize()
+        if self.__dict__.get("skeleton_bytes") is None:  # (measured by the walk, see _parse_while_walking)
+            self.skeleton_bytes = split.skeleton.ByteSize()
         self.embedded_names = set(split.weights)  # every big weight travelled inside the model
         self.weight_arrays, self.shared_names, self._device_values = {}, set(), {}
         self.prepack = self._settings["prepack"] is not False
