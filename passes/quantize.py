@@ -741,32 +741,124 @@ _FLOAT16_MAX = 65504.0
 
 
 def float16_valued(model: onnx.ModelProto, names) -> tuple[onnx.ModelProto, list[str]]:
-    """A copy of `model` whose named float32 main-graph initializers hold the nearest float16 values
-    (still float32 tensors: the graph and every consumer are unchanged), and the names changed.
+    """A copy of `model` whose named float32 tensors hold the nearest float16 values (still float32
+    tensors: the graph and every consumer are unchanged), and the names changed. A name is an
+    initializer's, in the main graph or any subgraph, or the output of a Constant node holding a
+    tensor (`value`), wherever that node is.
 
     Why: the auto mode keeps a weight float when even its 8-bit levels cost too much fidelity, and a
     float32 weight packs at ~25-27 bits per value (its mantissa bytes are noise). A float32 tensor
     whose values are all float16 values is stored by the pack in two bytes a value (its narrow
-    codec), at a relative error of at most 2**-11 per value (~70 dB of weight SNR, 20 dB above int8
-    levels). Skipped, and left as they are: names that are not float32 initializers of the main graph,
-    tensors stored outside the model (external data), and tensors with a value float16 cannot hold
-    (non-finite, or beyond +-65504).
+    codec; zstd in the skeleton for the small ones), at a relative error of at most 2**-11 per value
+    (~70 dB of weight SNR, 20 dB above int8 levels). Skipped, and left as they are: names that are
+    none of those, tensors stored outside the model (external data), and tensors with a value
+    float16 cannot hold (non-finite, or beyond +-65504).
     The input model is not modified."""
     wanted = set(names)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     changed = []
-    for t in out.graph.initializer:
-        if t.name not in wanted or t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL:
+    for name, t in _float_tensors(out):
+        if name not in wanted or t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL:
             continue
         arr = graph.tensor_to_array(t)
         if arr.size == 0 or not np.all(np.isfinite(arr)) or float(np.max(np.abs(arr))) > _FLOAT16_MAX:
             continue
         narrow = TensorProto()
         graph.fill_tensor(narrow, arr.astype(np.float16).astype(np.float32), t.name, TensorProto.FLOAT)
+        narrow.dims[:] = t.dims  # a Constant's scalar keeps its (empty) dims
         narrow.doc_string = t.doc_string
         t.CopyFrom(narrow)
-        changed.append(t.name)
+        changed.append(name)
+    return out, changed
+
+
+def _float_tensors(model: onnx.ModelProto):
+    """(name, TensorProto) of every initializer and every Constant node's `value` tensor (named by
+    the node's output), in the main graph and every subgraph, parents first."""
+    for info in graph.iter_graphs(model):
+        for t in info.graph.initializer:
+            yield t.name, t
+        for node in info.graph.node:
+            if node.op_type == "Constant" and node.output and node.domain in ("", "ai.onnx"):
+                for attr in node.attribute:
+                    if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+                        yield node.output[0], attr.t
+
+
+SCALE_BITS = 11  # round_scales' default: float16's precision (with float32's exponent range)
+
+
+def round_scales(model: onnx.ModelProto, bits: int = SCALE_BITS) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of `model` whose float32 quantization scales (DequantizeLinear's input 1; the scale a
+    Mul applies to a Cast of integer levels, cast_levels' forms) hold `bits` significant bits
+    (forms.round_scale_mantissa, to nearest even), and the names changed. The levels are left as
+    they are: each dequantized weight moves by at most 2**-bits of itself (2**-11 relative at 11
+    bits: ~77 dB of weight SNR, ~30 dB below int8 levels' own error), so an error-fed form's levels
+    need no refit.
+
+    Why: per-channel float32 scales pack at ~25-29 bits each (their low mantissa bytes are noise):
+    rapidocr_cls's auto model spends 8.2% of its pack on 3050 of them, silero_vad_v6 2.9%. With 11
+    bits their low 13 bits are zero and they pack at ~15 bits. Done once on the finished model
+    rather than inside the search, whose path any perturbation of the forms moves.
+
+    Left as they are: tensors any other op reads (or a graph output), non-float32 ones, external
+    data, and tensors with a value that is not finite and positive. The input is not modified."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 24:
+        raise InvalidArgumentError(f"bits must be an integer from 1 to 24, got {bits!r}")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    integer_tensors = {name for name, t in _float_tensors(out) if t.data_type in _INTEGER_TYPES}
+    readers: dict[str, list] = collections.defaultdict(list)
+    producers: dict[str, onnx.NodeProto] = {}
+    outputs = set()
+    for info in graph.iter_graphs(out):
+        outputs.update(o.name for o in info.graph.output)
+        for node in info.graph.node:
+            for i, name in enumerate(node.input):
+                if name:
+                    readers[name].append((node, i))
+            for o in node.output:
+                producers[o] = node
+
+    def levels(name: str) -> bool:  # name is (a Sub / Reshape of) a Cast of integer levels
+        node = producers.get(name)
+        for _ in range(8):
+            if node is None or node.op_type not in ("Cast", "Sub", "Reshape") or not node.input:
+                return False
+            if node.op_type == "Cast":
+                return node.input[0] in integer_tensors
+            node = producers.get(node.input[0])
+        return False
+
+    def scale_only(name: str) -> bool:
+        uses = readers.get(name)
+        if not uses or name in outputs:
+            return False
+        for node, i in uses:
+            if node.op_type == "DequantizeLinear" and i == 1:
+                continue
+            if node.op_type == "Mul" and len(node.input) == 2 and levels(node.input[1 - i]):
+                continue
+            return False
+        return True
+
+    changed = []
+    for name, t in _float_tensors(out):
+        if t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL or not scale_only(name):
+            continue
+        arr = graph.tensor_to_array(t)
+        if arr.size == 0 or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
+            continue
+        rounded = forms.round_scale_mantissa(arr, int(bits))
+        if np.array_equal(rounded, arr) or not np.all(np.isfinite(rounded)):
+            continue
+        narrow = TensorProto()
+        graph.fill_tensor(narrow, rounded, t.name, TensorProto.FLOAT)
+        narrow.dims[:] = t.dims
+        narrow.doc_string = t.doc_string
+        t.CopyFrom(narrow)
+        changed.append(name)
     return out, changed
 
 
@@ -777,65 +869,79 @@ _ARITHMETIC_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Conv", "ConvTranspose"
                              "BatchNormalization", "LayerNormalization", "InstanceNormalization",
                              "GroupNormalization", "SkipLayerNormalization"})
 _FLOAT16_MIN_NORMAL = 2.0 ** -14
+# ops that only move or select a tensor's values (their data input is input 0): a parameter read through
+# them is read by whatever reads their output
+_MOVING_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Slice", "Split", "Expand",
+                         "Identity"})
 _INTEGER_TYPES = frozenset({TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4,
                             TensorProto.INT16, TensorProto.UINT16, TensorProto.INT32})
 
 
 def float_parameters(model: onnx.ModelProto, exclude=()) -> list[str]:
-    """Names of the main graph's float32 initializers that only arithmetic reads (biases, the
-    per-channel Sub / Mul / Add vectors of an unfolded normalisation, LayerNorm scales and
-    shifts), the candidates for float16_valued besides the weights a plan keeps float.
+    """Names of the float32 tensors (initializers, Constant nodes' values; main graph and
+    subgraphs) that only arithmetic reads (biases, the per-channel Sub / Mul / Add vectors of an
+    unfolded normalisation, LayerNorm scales and shifts), the candidates for float16_valued besides
+    the weights a plan keeps float. A read through ops that only move values (Reshape, Unsqueeze,
+    Slice, Transpose, ... of the data input) counts as the reads of what they give.
 
     Left out: `exclude` (the searched weights), whatever a quantized weight's form reads
     (DequantizeLinear's inputs; the scale a Mul applies to a Cast of levels, cast_levels' forms:
     rounding those would move every level's value, not one parameter), tensors any other op or a
-    subgraph or graph output reads, tensors whose largest value is below float16's smallest normal
-    (2**-14; there float16 keeps fewer bits), and divisors with a nonzero value below it (a
+    graph output (of any graph) reads, tensors whose largest value is below float16's smallest
+    normal (2**-14; there float16 keeps fewer bits), and divisors with a nonzero value below it (a
     divisor's values count each relative to itself). Elsewhere a value in float16's subnormal range
     is off by at most 2**-25, below 2**-11 of the tensor's largest value.
     Why: open_nsfw keeps its batch normalisations as Sub/Mul/Add by 49,000 float32 values after
     its Convs (3% of the auto model's pack at ~26 bits a value); as float16 values they pack in two
-    bytes each."""
-    g = model.graph
+    bytes each. rapidocr_cls's per-channel vectors sit in Constant nodes behind a Reshape (1012
+    values), silero_vad_v6's Conv and LSTM biases in Constant nodes of its If branches (2818)."""
     skip = set(exclude)
-    integer_inits = {t.name for t in g.initializer if t.data_type in _INTEGER_TYPES}
-    cast_outputs = {n.output[0] for n in g.node if n.op_type == "Cast" and n.output and n.input
-                    and n.input[0] in integer_inits}
+    graphs = graph.iter_graphs(model)
+    integer_tensors = {name for name, t in _float_tensors(model) if t.data_type in _INTEGER_TYPES}
     readers: dict[str, list] = collections.defaultdict(list)
-    for node in g.node:
-        for i, name in enumerate(node.input):
-            if name:
-                readers[name].append((node, i))
-    # names read inside any subgraph (an If / Loop body reading an outer initializer): left alone
-    for info in graph.iter_graphs(model):
-        if info.graph is g:
-            continue
+    cast_outputs = set()
+    for info in graphs:
+        skip.update(o.name for o in info.graph.output)
         for node in info.graph.node:
-            skip.update(x for x in node.input if x)
-    skip.update(o.name for o in g.output)
+            for i, name in enumerate(node.input):
+                if name:
+                    readers[name].append((node, i))
+            if node.op_type == "Cast" and node.output and node.input and node.input[0] in integer_tensors:
+                cast_outputs.add(node.output[0])
 
-    def arithmetic_only(name: str) -> bool:
+    def arithmetic_reads(name: str, depth: int = 0):
+        """The (node, input index) of the arithmetic ops that read `name`, through value-moving ops;
+        None if anything else reads it (or nothing does)."""
         uses = readers.get(name)
-        if not uses:
-            return False
+        if not uses or name in skip and depth or depth > 8:
+            return None
+        found = []
         for node, i in uses:
+            if node.op_type in _MOVING_OPS and i == 0:
+                below = [arithmetic_reads(o, depth + 1) for o in node.output if o]
+                if not below or any(b is None for b in below):
+                    return None
+                found.extend(r for b in below for r in b)
+                continue
             if node.op_type not in _ARITHMETIC_OPS:
-                return False
+                return None
             if node.op_type == "Mul" and any(x in cast_outputs for j, x in enumerate(node.input) if j != i):
-                return False  # a cast_levels scale: levels x scale
-        return True
+                return None  # a cast_levels scale: levels x scale
+            found.append((node, i))
+        return found
 
     out = []
-    for t in g.initializer:
-        if t.name in skip or t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL:
+    for name, t in _float_tensors(model):
+        if name in skip or t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL:
             continue
-        if not arithmetic_only(t.name):
+        reads = arithmetic_reads(name)
+        if reads is None:
             continue
         arr = np.abs(graph.tensor_to_array(t))
         if arr.size == 0 or float(arr.max()) < _FLOAT16_MIN_NORMAL:
             continue  # all of it in float16's subnormal range (or empty)
-        divisor = any(node.op_type == "Div" and i == 1 for node, i in readers[t.name])
+        divisor = any(node.op_type == "Div" and i == 1 for node, i in reads)
         if divisor and float(arr[arr != 0].min(initial=np.inf)) < _FLOAT16_MIN_NORMAL:
             continue  # a divisor's every value counts relative to itself
-        out.append(t.name)
+        out.append(name)
     return out

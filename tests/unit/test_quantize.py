@@ -553,9 +553,11 @@ def test_float16_valued_leaves_what_float16_cannot_hold():
 
 
 def _float_parameter_model():
-    """x (1, 4) -> Sub(mean) -> Mul(gain) -> Add(shift) -> MatMul(Cast(levels) * level_scale)
-    -> Div(divisor) -> Add(tiny) -> Clip(lo, hi) -> y; and DequantizeLinear(q, dq_scale) read by
-    an If branch's MatMul. Each float initializer is one case of float_parameters."""
+    """x (1, 4) -> Sub(mean) -> Mul(gain) -> Add(shift) -> Add(Reshape(Constant cvec))
+    -> MatMul(Cast(levels) * level_scale) -> Div(divisor) -> Add(tiny) -> Clip(lo, hi) -> y0;
+    DequantizeLinear(q, dq_scale) -> MatMul -> ReduceSum -> Greater(Identity(zero)) -> If, whose
+    branches read in_branch (an outer initializer) by MatMul and Add a Constant of their own. Each
+    float tensor is one case of float_parameters."""
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(3)
@@ -574,10 +576,19 @@ def _float_parameter_model():
              init("q", rng.integers(-127, 128, size=(4, 4)).astype(np.int8)),
              init("dq_scale", np.float32(0.02)),
              init("in_branch", rng.normal(size=(4, 4)).astype(np.float32))]
-    branch = helper.make_graph([helper.make_node("MatMul", ["y0", "in_branch"], ["b_out"])], "branch", [],
-                               [helper.make_tensor_value_info("b_out", TensorProto.FLOAT, [1, 4])])
+    def branch(tag):
+        bias = helper.make_tensor(f"{tag}_bias_value", TensorProto.FLOAT, [4], rng.normal(size=4).tolist())
+        nodes = [helper.make_node("MatMul", ["y0", "in_branch"], [f"{tag}_mm"]),
+                 helper.make_node("Constant", [], [f"{tag}_bias"], value=bias),
+                 helper.make_node("Add", [f"{tag}_mm", f"{tag}_bias"], [f"{tag}_out"])]
+        return helper.make_graph(nodes, tag, [], [helper.make_tensor_value_info(f"{tag}_out", TensorProto.FLOAT, [1, 4])])
+
+    cvec = helper.make_tensor("cvec_value", TensorProto.FLOAT, [4], rng.normal(size=4).tolist())
     nodes = [helper.make_node("Sub", ["x", "mean"], ["a"]), helper.make_node("Mul", ["a", "gain"], ["b"]),
-             helper.make_node("Add", ["b", "shift"], ["c"]),
+             helper.make_node("Add", ["b", "shift"], ["c0"]),
+             helper.make_node("Constant", [], ["cvec"], value=cvec),
+             helper.make_node("Reshape", ["cvec", "row_shape"], ["cvec_row"]),
+             helper.make_node("Add", ["c0", "cvec_row"], ["c"]),
              helper.make_node("Cast", ["levels"], ["lv"], to=TensorProto.FLOAT),
              helper.make_node("Mul", ["lv", "level_scale"], ["w"]), helper.make_node("MatMul", ["c", "w"], ["d"]),
              helper.make_node("Div", ["d", "divisor"], ["e"]), helper.make_node("Add", ["e", "tiny"], ["f"]),
@@ -585,28 +596,42 @@ def _float_parameter_model():
              helper.make_node("DequantizeLinear", ["q", "dq_scale"], ["w2"]),
              helper.make_node("MatMul", ["y0", "w2"], ["g"]),
              helper.make_node("ReduceSum", ["g"], ["cond0"], keepdims=0),
-             helper.make_node("Greater", ["cond0", "zero"], ["cond"]),
-             helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)]
-    inits.append(init("zero", np.float32(0.0)))  # read by Greater (a comparison): left out
+             helper.make_node("Identity", ["zero"], ["zero_moved"]),
+             helper.make_node("Greater", ["cond0", "zero_moved"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=branch("then"), else_branch=branch("else"))]
+    inits.append(init("zero", np.float32(0.5)))  # read through Identity by Greater (a comparison): left out
+    inits.append(init("row_shape", np.array([1, 4], np.int64)))
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
 def test_float_parameters_are_the_arithmetic_operands_float16_holds():
-    """quantize.float_parameters: the float32 initializers only arithmetic reads (Sub/Mul/Add
-    vectors, a divisor without tiny values), not a quantized weight's scales (DequantizeLinear's,
-    a Mul of Cast levels), Clip bounds, comparison constants, tensors a subgraph reads, a tensor
-    all in float16's subnormal range, a divisor with a tiny value, nor the names excluded; and
-    float16_valued on them keeps the model's outputs within float16 rounding."""
-    from passes.quantize import float16_valued, float_parameters
+    """quantize.float_parameters: the float32 tensors only arithmetic reads (Sub/Mul/Add vectors,
+    a divisor without tiny values, an outer initializer a branch's MatMul reads, Constant nodes'
+    values in the main graph behind a Reshape and in each branch), not a quantized weight's scales
+    (DequantizeLinear's, a Mul of Cast levels), Clip bounds, a comparison constant even through an
+    Identity, a tensor all in float16's subnormal range, a divisor with a tiny value, nor the names
+    excluded; and float16_valued on them (initializers and Constant values alike) keeps the model's
+    outputs within float16 rounding, every other tensor unchanged."""
+    from passes.quantize import _float_tensors, float16_valued, float_parameters
 
     m = _float_parameter_model()
     onnx.checker.check_model(m, full_check=True)
-    assert float_parameters(m) == ["mean", "gain", "shift"]
-    assert float_parameters(m, exclude=["gain"]) == ["mean", "shift"]
+    expected = ["mean", "gain", "shift", "in_branch", "cvec", "else_bias", "then_bias"]  # graphs parents first
+    assert float_parameters(m) == expected
+    assert float_parameters(m, exclude=["gain", "then_bias"]) == [n for n in expected if n not in ("gain", "then_bias")]
     out, changed = float16_valued(m, float_parameters(m))
-    assert changed == ["mean", "gain", "shift"]
+    assert changed == expected
+    onnx.checker.check_model(out, full_check=True)
+    before, after = dict(_float_tensors(m)), dict(_float_tensors(out))
+    for name, t in before.items():
+        old, new = tensor_to_array(t), tensor_to_array(after[name])
+        assert new.shape == old.shape and new.dtype == old.dtype
+        if name in changed:
+            assert np.array_equal(new, old.astype(np.float16).astype(np.float32)) and not np.array_equal(new, old)
+        else:
+            assert np.array_equal(new, old)
     x = {"x": np.random.default_rng(0).normal(size=(1, 4)).astype(np.float32)}
     ref, got = mg.run(m, [x]), mg.run(out, [x])
     assert all(mg.cosine(a, b) > 0.9999 for a, b in zip(ref, got))
@@ -632,3 +657,39 @@ def test_row_norm_steps_give_larger_rows_finer_steps():
     assert np.array_equal(forms.row_norm_steps(np.zeros((3, 2))), np.ones(3))
     with pytest.raises(InvalidArgumentError, match="table of rows"):
         forms.row_norm_steps(np.ones(4))
+
+
+def test_round_scales_rounds_the_scales_alone():
+    """quantize.round_scales: every float32 scale (DequantizeLinear's input 1, the Mul scale of a Cast
+    of levels) holds 11 significant bits (its 13 low bits zero, within 2**-11 of itself), levels and
+    every other tensor unchanged, a scale something else also reads left as it is, the input
+    untouched, outputs within the scales' rounding; bad bit counts refused."""
+    from passes import cast_levels
+    from passes.quantize import _float_tensors, round_scales
+
+    q = quantize_weights(mg.dense_model("float32", 13), bits=8, granularity="channel", min_elements=1)
+    dq = [n for n in q.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) >= 2
+    m = cast_levels.as_cast_mul(q, [dq[0].output[0]])  # one weight as Cast+Mul of its levels
+    shared = dq[1].input[1]  # another weight's scale, also a graph output: left alone
+    m.graph.output.append(onnx.helper.make_tensor_value_info(shared, onnx.TensorProto.FLOAT, None))
+    scales = {n.input[1] for n in m.graph.node if n.op_type == "DequantizeLinear"}
+    scales |= {x for n in m.graph.node if n.op_type == "Mul" for x in n.input if x in {t.name for t in m.graph.initializer}}
+    before = m.SerializeToString()
+    out, changed = round_scales(m)
+    assert m.SerializeToString() == before
+    assert set(changed) == scales - {shared} and changed
+    old, new = dict(_float_tensors(m)), dict(_float_tensors(out))
+    for name, t in old.items():
+        a, b = tensor_to_array(t), tensor_to_array(new[name])
+        if name in changed:
+            assert b.dtype == np.float32 and b.shape == a.shape
+            assert np.all(b.view(np.uint32) & 0x1FFF == 0)
+            assert np.all(np.abs(b - a) <= a * 2.0 ** -11)
+        else:
+            assert np.array_equal(a, b)
+    feeds = mg.feeds(m)
+    assert all(mg.cosine(x, y) > 0.99999 for x, y in zip(mg.run(m, feeds), mg.run(out, feeds)))
+    for bad in (0, 25, True, 8.0):
+        with pytest.raises(InvalidArgumentError):
+            round_scales(m, bad)
