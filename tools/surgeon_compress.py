@@ -14,14 +14,19 @@ Exit codes:
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import math
-import os
 import sys
-from pathlib import Path
-from typing import Any, Sequence
+
+try:  # Ctrl-C while the console script imports this module: the one line and 130, not a traceback
+    import argparse
+    import dataclasses
+    import json
+    import math
+    import os
+    from pathlib import Path
+    from typing import Any, Sequence
+except KeyboardInterrupt:
+    sys.stderr.write("surgeon-compress: interrupted\n")
+    raise SystemExit(130) from None
 
 PROG = "surgeon-compress"
 MIN_BITS, MAX_BITS = 2, 8  # the widths passes.quantize_weights writes
@@ -1045,6 +1050,14 @@ def _exit_code(exc) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the parser is built (its imports take ~1 s): nothing written yet
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from passes import SurgeonError
 
     parser = build_parser()

@@ -350,6 +350,22 @@ def test_interrupt_exits_130_without_output(tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("where", ["build_parser", "parse_args"])
+def test_interrupt_before_the_command_starts_is_one_line(tmp_path, capsys, monkeypatch, where):
+    """Ctrl-C in the first second (the parser's imports: numpy, onnx) printed a 20-line traceback
+    and ended by the signal (exit -2) instead of the one line and 130 of an interrupted command."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "build_parser":
+        monkeypatch.setattr(cli, "build_parser", interrupted)
+    else:
+        monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", interrupted)
+    code, out, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "o.onnx")
+    assert code == 130 and err.strip() == "surgeon-compress: interrupted" and out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_interrupt_while_writing_leaves_no_partial_file(tmp_path, capsys, monkeypatch):
     import passes._fileio as fileio
 
