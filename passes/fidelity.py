@@ -213,6 +213,12 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
     rng = np.random.default_rng(seed)
     specs = []
     named_dims: dict[str, int] = {}
+    # a dimension written as arithmetic over others ('past_sequence_length + sequence_length' on a
+    # decoder's attention mask) is sized from them once every input has been read
+    plain_dims = {d.dim_param for vi in model_inputs(model) if vi.type.HasField("tensor_type")
+                  for d in vi.type.tensor_type.shape.dim
+                  if d.dim_param and graph.dim_expression_names(d.dim_param) is None}
+    sums = []
     for vi in model_inputs(model):
         if not vi.type.HasField("tensor_type"):
             raise InvalidArgumentError(f"cannot synthesise input {vi.name!r}: not a tensor (pass --feeds)")
@@ -231,12 +237,20 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
                 shape.append(int(d.dim_value))
                 continue
             named = d.HasField("dim_param") and bool(d.dim_param)
+            summed_from = graph.dim_expression_names(d.dim_param) if named else None
+            if summed_from and summed_from <= plain_dims:
+                sums.append((len(specs), axis, d.dim_param))
+                shape.append(dim)
+                continue
             inner = 0 < axis < len(vi.type.tensor_type.shape.dim) - 1
             size = DEFAULT_BATCH if axis == 0 or (inner_batch and inner and not named) else dim
             if named:
                 size = named_dims.setdefault(d.dim_param, size)
             shape.append(size)
-        specs.append((vi.name, np.dtype(dtype), tuple(shape)))
+        specs.append((vi.name, np.dtype(dtype), shape))
+    for i, axis, param in sums:
+        specs[i][2][axis] = graph.evaluate_dim_expression(param, named_dims) or dim
+    specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
 
     feeds = []
     for _ in range(n):

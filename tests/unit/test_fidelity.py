@@ -134,6 +134,28 @@ def test_synthesize_feeds_follow_input_specs_and_seed():
     assert not np.array_equal(other[0]["pix"], feeds[0]["pix"])
 
 
+def test_synthesize_feeds_size_a_dimension_written_as_a_sum_of_others():
+    """A decoder with past (optimum's export): the attention mask spans past + new positions,
+    'past_sequence_length + sequence_length', and must be as wide as the keys the graph concatenates.
+    A name that is no dimension of its own ('seq-len' beside no 'len') stays a plain name."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [n], [f"o_{n}"]) for n in ("past", "ids", "attention_mask", "other")],
+        "g",
+        [helper.make_tensor_value_info("past", TensorProto.FLOAT, ["batch_size", 2, "past_sequence_length", 4]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                       ["batch_size", "past_sequence_length + sequence_length"]),
+         helper.make_tensor_value_info("other", TensorProto.FLOAT, ["batch_size", "seq-len"])],
+        [helper.make_tensor_value_info(f"o_{n}", TensorProto.UNDEFINED, None)
+         for n in ("past", "ids", "attention_mask", "other")],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    f = F.synthesize_feeds(m, n=1)[0]
+    assert f["past"].shape == (F.DEFAULT_BATCH, 2, F.DEFAULT_DIM, 4) and f["ids"].shape == (F.DEFAULT_BATCH, F.DEFAULT_DIM)
+    assert f["attention_mask"].shape == (F.DEFAULT_BATCH, 2 * F.DEFAULT_DIM)
+    assert f["other"].shape == (F.DEFAULT_BATCH, F.DEFAULT_DIM)
+
+
 def test_synthesize_feeds_refuses_string_inputs():
     graph = helper.make_graph([helper.make_node("Identity", ["s"], ["o"])], "g",
                               [helper.make_tensor_value_info("s", TensorProto.STRING, [1])],
