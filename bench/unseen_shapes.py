@@ -272,7 +272,8 @@ def bfloat16_weights(m: onnx.ModelProto) -> onnx.ModelProto:
 
 def save_external_several(m: onnx.ModelProto, dst: Path, large: int = 65536) -> None:
     """Large tensors (>= `large` bytes) one file each (onnx's per-tensor layout, named after the tensor);
-    the small 2-D ones at 64-byte-aligned offsets in data/small.bin (a subfolder); the rest inline."""
+    the smaller float ones (norm scales, ...) at 64-byte-aligned offsets in data/small.bin (a
+    subfolder); scalars and integer constants inline."""
     from onnx.external_data_helper import set_external_data
     m = onnx.ModelProto.FromString(m.SerializeToString())
     (dst.parent / "data").mkdir(parents=True, exist_ok=True)
@@ -283,7 +284,7 @@ def save_external_several(m: onnx.ModelProto, dst: Path, large: int = 65536) -> 
             fname = t.name.replace("/", "_") + ".bin"
             (dst.parent / fname).write_bytes(raw)
             set_external_data(t, location=fname)
-        elif len(t.dims) == 2:
+        elif t.data_type in (F, F16) and len(raw) >= 64:  # the norms' scales and other small ones
             small.extend(b"\0" * (-len(small) % 64))
             set_external_data(t, location="data/small.bin", offset=len(small), length=len(raw))
             small.extend(raw)
