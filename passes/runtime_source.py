@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ._fileio import _safe_external_path, check_readable, parse_model_bytes
 from .errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError
 from .onnxz.protowire import WireError
+from .runtime_arena import anonymous_array
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel, is_placeholder, placeholder
 from .runtime_verbatim import file_pieces, verbatim_kind
 # (imported with this module, not in the first session's clock: every read goes through it)
@@ -430,18 +431,13 @@ def _packed_skeleton(pf, name: str, big, buf=None):
 
 
 def _sparse_zeros(size: int) -> np.ndarray:
-    """A zero-filled buffer whose untouched pages cost no memory: anonymous memory with huge
-    pages refused where the kernel allows it (with transparent huge pages on "always", writing the
-    ~140 graph pieces of a 24 MB model into np.zeros made 20 MB resident: one 2 MB page each)."""
+    """A zero-filled buffer whose untouched pages cost no memory: private anonymous memory with
+    huge pages refused where the kernel allows it (with transparent huge pages on "always",
+    writing the ~140 graph pieces of a 24 MB model into np.zeros made 20 MB resident: one 2 MB
+    page each). See runtime_arena.anonymous_array."""
     if size == 0:
         return np.zeros(0, np.uint8)
-    area = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        try:
-            area.madvise(mmap.MADV_NOHUGEPAGE)
-        except OSError:
-            pass
-    return np.frombuffer(area, np.uint8)
+    return anonymous_array(size, huge_pages=False)
 
 
 def _packed_external(model, pf, packed, entries, arrays, coded) -> None:

@@ -2,6 +2,8 @@
 MemoryOwners, which finds the array holding a view's memory when `.base` no longer says."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -104,3 +106,30 @@ def test_decode_aside_without_shared_chunks_gives_each_weight_its_own_array(tmp_
     synchronous = passes.runtime_source.read_split(tmp_path / "m.onnxz")
     for name, array in synchronous.weights.items():
         np.testing.assert_array_equal(split.weights[name], array)
+
+
+def _mapping_flags(array) -> str:
+    """The permission field ('rw-p': private, 'rw-s': shared) of the mapping holding `array`."""
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return perms
+    return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
+def test_restored_file_buffer_and_chunks_are_private_zeroed_memory():
+    """A pack's restored model file (_sparse_zeros) and the arena's chunks live in private
+    anonymous mappings (not shmem, whose pages fault slower), zero-filled and writable."""
+    from passes.runtime_arena import anonymous_array
+    from passes.runtime_source import _sparse_zeros
+
+    for array in (_sparse_zeros(3 << 20), anonymous_array(5 << 20, huge_pages=True), Arena().take(1000).base):
+        assert _mapping_flags(array) == "rw-p"
+        assert not array.any()
+        array[:10] = 7
+        assert array[:10].sum() == 70
+    assert _sparse_zeros(0).size == 0
