@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 import xxhash
 
-from .._fileio import atomic_output, check_readable, check_writable, load_external_data, named_path, parse_model_bytes, same_file
+from .._fileio import atomic_fd, check_readable, check_writable, load_external_data, named_path, parse_model_bytes, same_file
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError, SurgeonError
 from . import codecs
 from .protowire import write_varint
@@ -379,18 +379,19 @@ class PackedFile:
         self._skeletons: Dict[int, np.ndarray] = {}
         self.closed = False
 
-    def _is_input(self, path) -> bool:
+    def _is_input(self, path, st=None) -> bool:
         """Whether `path` names the packed file this reads (a hard link, a symlink or another
         spelling of it too), by the inode of the open file: one stat, where same_file's samefile
         made two (and resolved both paths when `path` did not exist yet). A path that cannot be
-        looked at is not it."""
+        looked at is not it. `st`: its os.stat made already (False: it failed)."""
         if self._identity is None:
             return False
-        try:
-            st = os.stat(path)
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) == self._identity
+        if st is None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+        return st is not False and (st.st_dev, st.st_ino) == self._identity
 
     def _attach_catalog(self, data: bytes) -> None:
         """The catalog's stored bytes (1.3), checked now (every stored byte is checked by an unpack,
@@ -1063,7 +1064,7 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
         src = named_path(src)
     dst = _default_dst(src) if dst is None else named_path(dst)
     # dst's checks come once the pack is open: whether it is the pack itself (force=True would
-    # rename the model over it) from the open file's inode, then atomic_output's before anything
+    # rename the model over it) from the open file's inode, then atomic_fd's before anything
     # is decoded (and _unpack_files' before the data files of a pack that has some)
     with _gc_held():
         _unpack_files(src, dst, threads, max_bytes, mode, direct_io, force, in_memory)
@@ -1076,22 +1077,28 @@ def _unpack_files(src, dst: Path, threads, max_bytes, mode: str, direct_io: bool
     allocations per index entry started a collection of them right after (one per unpack,
     measured: ~5% of a small model's unpack CPU, and now and then a full one)."""
     with PackedFile(src, threads=threads, max_bytes=max_bytes) as pf:
-        if not in_memory and pf._is_input(dst):
+        try:  # one stat of dst for both checks (the input's identity, atomic_fd's): ~4 us each here
+            st = os.stat(dst)
+        except OSError:
+            st = False
+        if not in_memory and pf._is_input(dst, st):
             raise FileAccessError(f"cannot write {dst}: it is the input file {src}; the input is never modified: "
                                   "choose another destination")
         files = pf.index.files
         if sum(f.size for f in files) <= WINDOW_BYTES:
             pf._serial()  # one window: nothing to overlap, and threads cost more than they share
-        if len(files) > 1:  # (a single file: atomic_output checks dst first; made twice, it was ~35 us of a ~2 ms unpack)
+        if len(files) > 1:  # (a single file: atomic_fd checks dst first; made twice, it was ~35 us of a ~2 ms unpack)
             check_writable(dst, force)
-        folder = dst.parent if str(dst.parent) else Path(".")
-        targets = [dst] + [folder / f.name for f in files[1:]]
-        for t in targets[1:]:
-            _prepare_data_path(folder, t, None if in_memory else src, dst, force)
+        targets = [dst]
+        if len(files) > 1:
+            folder = dst.parent if str(dst.parent) else Path(".")
+            targets += [folder / f.name for f in files[1:]]
+            for t in targets[1:]:
+                _prepare_data_path(folder, t, None if in_memory else src, dst, force)
         # data files first: the model file never appears pointing at missing data
         for fi in list(range(1, len(files))) + [0]:
-            with atomic_output(targets[fi], force) as f:
-                _write_restored(pf, fi, f, mode, direct_io)
+            with atomic_fd(targets[fi], force, _direct_wanted(files[fi].size, direct_io), st if len(files) == 1 else None) as out:
+                _write_restored(pf, fi, out, mode, direct_io)
 
 
 ALIGN = 4096  # what O_DIRECT asks of a write's memory, file offset and length on the filesystems we meet
@@ -1153,7 +1160,7 @@ _buffers = _Buffers()
 
 
 class _WindowWriter:
-    """Writes the windows of one restored file to `f` (the temporary file of atomic_output) with
+    """Writes the windows of one restored file to `f` (the temporary file of atomic_fd) with
     O_DIRECT where the filesystem takes it: the kernel reads the window buffer itself instead of
     copying it into the page cache first (measured, 24 MB: 2 ms CPU against 7-10 ms for write()
     + fsync, and less wall time), so the final fsync has only the tail and the metadata left.
@@ -1166,35 +1173,44 @@ class _WindowWriter:
     network filesystems) or a direct write fails, plain writes of the same bytes take over."""
 
     def __init__(self, f, size: int, direct_io: bool = True):
-        self.f, self.fd, self.size = f, f.fileno(), size
-        self.slots = [None, None]  # (buffer, pad) of the windows in flight, by window number
+        """`f`: the output, an _fileio.atomic_fd (a descriptor opened with O_DIRECT already where
+        _direct_wanted said so and the filesystem took it) or a file object (O_DIRECT set here)."""
+        self.size = size
+        self.slots = [None, None]  # (buffer, pad, the window's view) of the windows in flight, by window number
         self.taken: List[np.ndarray] = []
         self.written = 0  # file bytes handed to the kernel
         self.carry = b""
         self.k = 0
-        self.flags = None
-        direct = getattr(os, "O_DIRECT", 0)
-        if direct_io and direct and size >= 2 * ALIGN and not os.environ.get("ONNXZ_NO_DIRECT"):
+        self.flags = None  # the descriptor's flags without O_DIRECT while O_DIRECT is on, else None
+        self.f = None
+        if isinstance(f, atomic_fd):
+            self.fd = f.fd
+            if f.direct:
+                self.flags = f.flags & ~getattr(os, "O_DIRECT", 0)
+            return
+        self.f, self.fd = f, f.fileno()
+        if _direct_wanted(size, direct_io):
             try:
                 import fcntl  # POSIX only, like O_DIRECT
 
                 flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | direct)
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | os.O_DIRECT)
                 self.flags = flags
             except OSError:
                 pass
 
     def target(self, start: int, n: int, k: int) -> np.ndarray:
         pad = start % ALIGN
-        buf, _ = self.slots[k % 2] or (None, 0)
+        buf = self.slots[k % 2][0] if self.slots[k % 2] else None
         if buf is None or buf.size < pad + n:  # (a smaller one stays in `taken`, given back at the end)
             buf = _buffers.take(max(pad + n, min(self.size, WINDOW_BYTES) + ALIGN))
             self.taken.append(buf)
-        self.slots[k % 2] = (buf, pad)
-        return buf[pad:pad + n]
+        view = buf[pad:pad + n]
+        self.slots[k % 2] = (buf, pad, view)
+        return view
 
     def write(self, window: np.ndarray) -> None:
-        buf, pad = self.slots[self.k % 2]
+        buf, pad, view = self.slots[self.k % 2]
         self.k += 1
         if self.flags is None:  # plain writes (O_DIRECT refused, or given up)
             if self.carry:
@@ -1203,7 +1219,7 @@ class _WindowWriter:
             self._pwrite(memoryview(window), self.written)
             self.written += window.size
             return
-        if len(self.carry) != pad or window.ctypes.data != buf.ctypes.data + pad:
+        if len(self.carry) != pad or window is not view:
             raise AssertionError("window order broken")  # never: _restore yields the windows it asked targets for
         end = pad + window.size
         buf[:pad] = np.frombuffer(self.carry, np.uint8)
@@ -1234,7 +1250,8 @@ class _WindowWriter:
         if self.carry:
             self._pwrite(memoryview(self.carry), self.written - len(self.carry))
             self.carry = b""
-        os.lseek(self.fd, self.written, os.SEEK_SET)  # where the file object believes it is
+        if self.f is not None:
+            os.lseek(self.fd, self.written, os.SEEK_SET)  # where the file object believes it is
         self.release()
 
     def release(self) -> None:
@@ -1244,8 +1261,15 @@ class _WindowWriter:
         self.slots = [None, None]
 
 
+def _direct_wanted(size: int, direct_io: bool = True) -> bool:
+    """Whether a restored file of `size` bytes is written with O_DIRECT (where the filesystem
+    takes it): asked for, available, not switched off (env ONNXZ_NO_DIRECT), and two blocks or more."""
+    return bool(direct_io and getattr(os, "O_DIRECT", 0) and size >= 2 * ALIGN and not os.environ.get("ONNXZ_NO_DIRECT"))
+
+
 def _write_restored(pf: "PackedFile", fi: int, f, mode: str, direct_io: bool = True) -> None:
-    """File `fi` of `pf` restored into the open file `f`, window by window (see _WindowWriter)."""
+    """File `fi` of `pf` restored into `f` (an _fileio.atomic_fd or an open file), window by window
+    (see _WindowWriter)."""
     pf._check_open()
     writer = _WindowWriter(f, pf.index.files[fi].size, direct_io)
     windows = pf._restore(fi, writer.target, mode)
