@@ -158,6 +158,8 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
             done = _to_matmulnbits(split, qw, consumer, role, node.output[0])
         elif role == "gather":
             done = _to_gather_rows(split, qw, consumer, node.output[0])
+        elif role is None:
+            done = _to_tied_forms(split, qw, node.output[0], target_uses, uses)
         if done:
             replaced[node.output[0]] = node
     if replaced:
@@ -801,8 +803,13 @@ def _kn_params(qw: QWeight, transposed: bool):
     return q, scale, zp, block, n, k
 
 
-def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_name: str) -> bool:
-    transposed = role == "gemm" and bool(_attr(consumer, "transB", 0))
+def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_name: str,
+                    transposed: bool | None = None) -> bool:
+    """`consumer` (a MatMul or Gemm reading the weight as B) as MatMulNBits; `transposed`: the
+    stored weight is [N, K] (Gemm transB=1, or a MatMul reading it through a Transpose); None:
+    from the consumer's transB."""
+    if transposed is None:
+        transposed = role == "gemm" and bool(_attr(consumer, "transB", 0))
     bits = 4 if qw.bits == 4 or weight_name + "_quantized" in getattr(split, "int4_names", set()) else 8
     params = _kn_params(qw, transposed)
     if params is None:
@@ -811,7 +818,6 @@ def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_
     blocks = scale.shape[1]
     offset = 1 << (bits - 1)
     # unsigned levels: MatMulNBits dequantizes (u - zp_u) * scale; u = q + offset for signed q
-    u = q.astype(np.int16) + (offset if qw.signed else 0)
     if zp is None:
         zp_u = None  # MatMulNBits' default zero point is 2^(bits-1): exact for symmetric levels
         if not qw.signed:
@@ -821,7 +827,13 @@ def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_
         if np.all(zp_u == offset):
             zp_u = None
     padded = np.empty((n, blocks * block), np.uint8)
-    padded[:, :k] = u.astype(np.uint8)
+    if q.dtype.itemsize == 1:
+        # u written straight from the levels' bytes (q + offset lies in 0..255: the uint8 sum
+        # wraps to exactly that), not through int16 and uint8 copies of the whole weight (3 bytes
+        # a weight more at the load's peak: 35 MB for a 30522x384 table)
+        np.add(q.view(np.uint8), np.uint8(offset if qw.signed else 0), out=padded[:, :k])
+    else:
+        padded[:, :k] = (q.astype(np.int16) + (offset if qw.signed else 0)).astype(np.uint8)
     if blocks * block > k:
         pad_values = np.repeat(zp_u[:, -1:], blocks * block - k, axis=1) if zp_u is not None else offset
         padded[:, k:] = pad_values
@@ -878,6 +890,61 @@ def _replace_node(graph, old, new_nodes) -> None:
             for j, n in enumerate(new_nodes):
                 graph.node.insert(i + j, n)
             return
+
+
+# ---------------------------------------------------------------------- tied embedding tables
+
+def _tied_projection(uses: list, all_uses: dict):
+    """For a table read by exactly one Gather (embedding) and one output projection, (gather,
+    projection consumer, its role, the Identity/Transpose nodes between table and projection);
+    else None. The projection: Gemm(h, E, transB=1), or MatMul(h, Transpose(E)) (perm [1, 0]),
+    either possibly through Identity nodes (PyTorch's export of a tied parameter). Every name in
+    between must have that one reader (no graph output, no subgraph reference)."""
+    if len(uses) != 2 or any(node is None for node, _ in uses):
+        return None
+    gathers = [(n, i) for n, i in uses if _role([(n, i)]) == "gather"]
+    if len(gathers) != 1:
+        return None
+    gather = gathers[0][0]
+    node, index = next((n, i) for n, i in uses if n is not gather)
+    between, transposed = [], False
+    while node.domain in ("", "ai.onnx") and node.op_type in ("Identity", "Transpose") and index == 0:
+        if node.op_type == "Transpose":
+            perm = list(_attr(node, "perm", [1, 0]))
+            if transposed or perm != [1, 0]:
+                return None
+            transposed = True
+        between.append(node)
+        readers = all_uses.get(node.output[0], [])
+        if len(readers) != 1 or readers[0][0] is None:
+            return None
+        node, index = readers[0]
+    role = _role([(node, index)])
+    if role == "matmul" and transposed:
+        return gather, node, role, between
+    if role == "gemm" and not transposed and _attr(node, "transB", 0):
+        return gather, node, role, between
+    return None
+
+
+def _to_tied_forms(split: SplitModel, qw: QWeight, weight_name: str, uses: list, all_uses: dict) -> bool:
+    """A tied table (see _tied_projection) quantized for both readers: the projection as
+    MatMulNBits over the table's rows ([N = vocabulary, K = width], the layout it has), the
+    embedding as a Gather of the integer rows dequantized as gathered. Returns whether the
+    DequantizeLinear node is no longer read (both rewritten); where only the projection could be,
+    the Gather keeps reading it. Before this the table stayed one DequantizeLinear node for both:
+    onnxruntime dequantized the whole table in float on every run."""
+    if qw.q.ndim != 2:
+        return False
+    found = _tied_projection(uses, all_uses)
+    if found is None:
+        return False
+    gather, consumer, role, between = found
+    if not _to_matmulnbits(split, qw, consumer, role, weight_name, transposed=True):
+        return False
+    for node in between:  # (their only reader is now MatMulNBits, which reads the levels)
+        _replace_node(split.skeleton.graph, node, [])
+    return _to_gather_rows(split, qw, gather, weight_name)
 
 
 # ---------------------------------------------------------------------- Gather on integer tables
