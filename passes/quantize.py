@@ -867,10 +867,10 @@ def round_scales(model: onnx.ModelProto, bits: int = SCALE_BITS) -> tuple[onnx.M
 # or a comparison (Resize scales, Range, Clip bounds, Where conditions, ...) are left out.
 _ARITHMETIC_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Conv", "ConvTranspose", "Gemm", "MatMul", "PRelu",
                              "BatchNormalization", "LayerNormalization", "InstanceNormalization",
-                             "GroupNormalization", "SkipLayerNormalization"})
+                             "GroupNormalization", "SkipLayerNormalization", "LSTM", "GRU", "RNN"})
 _FLOAT16_MIN_NORMAL = 2.0 ** -14
-# ops that only move or select a tensor's values (their data input is input 0): a parameter read through
-# them is read by whatever reads their output
+# ops that only move or select a tensor's values (their data input is input 0; Concat: every input): a
+# parameter read through them is read by whatever reads their output
 _MOVING_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Slice", "Split", "Expand",
                          "Identity"})
 _INTEGER_TYPES = frozenset({TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4,
@@ -880,9 +880,10 @@ _INTEGER_TYPES = frozenset({TensorProto.INT8, TensorProto.UINT8, TensorProto.INT
 def float_parameters(model: onnx.ModelProto, exclude=()) -> list[str]:
     """Names of the float32 tensors (initializers, Constant nodes' values; main graph and
     subgraphs) that only arithmetic reads (biases, the per-channel Sub / Mul / Add vectors of an
-    unfolded normalisation, LayerNorm scales and shifts), the candidates for float16_valued besides
-    the weights a plan keeps float. A read through ops that only move values (Reshape, Unsqueeze,
-    Slice, Transpose, ... of the data input) counts as the reads of what they give.
+    unfolded normalisation, LayerNorm scales and shifts, recurrent layers' biases), the candidates
+    for float16_valued besides the weights a plan keeps float. A read through ops that only move
+    values (Reshape, Unsqueeze, Slice, Transpose, ... of the data input; Concat) counts as the reads
+    of what they give.
 
     Left out: `exclude` (the searched weights), whatever a quantized weight's form reads
     (DequantizeLinear's inputs; the scale a Mul applies to a Cast of levels, cast_levels' forms:
@@ -894,7 +895,8 @@ def float_parameters(model: onnx.ModelProto, exclude=()) -> list[str]:
     Why: open_nsfw keeps its batch normalisations as Sub/Mul/Add by 49,000 float32 values after
     its Convs (3% of the auto model's pack at ~26 bits a value); as float16 values they pack in two
     bytes each. rapidocr_cls's per-channel vectors sit in Constant nodes behind a Reshape (1012
-    values), silero_vad_v6's Conv and LSTM biases in Constant nodes of its If branches (2818)."""
+    values), silero_vad_v6's Conv biases in Constant nodes of its If branches and its LSTM biases
+    (Slice -> Concat -> Unsqueeze -> LSTM's B)."""
     skip = set(exclude)
     graphs = graph.iter_graphs(model)
     integer_tensors = {name for name, t in _float_tensors(model) if t.data_type in _INTEGER_TYPES}
@@ -917,7 +919,7 @@ def float_parameters(model: onnx.ModelProto, exclude=()) -> list[str]:
             return None
         found = []
         for node, i in uses:
-            if node.op_type in _MOVING_OPS and i == 0:
+            if node.op_type in _MOVING_OPS and i == 0 or node.op_type == "Concat":
                 below = [arithmetic_reads(o, depth + 1) for o in node.output if o]
                 if not below or any(b is None for b in below):
                     return None

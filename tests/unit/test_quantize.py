@@ -554,7 +554,7 @@ def test_float16_valued_leaves_what_float16_cannot_hold():
 
 def _float_parameter_model():
     """x (1, 4) -> Sub(mean) -> Mul(gain) -> Add(shift) -> Add(Reshape(Constant cvec))
-    -> MatMul(Cast(levels) * level_scale) -> Div(divisor) -> Add(tiny) -> Clip(lo, hi) -> y0;
+    -> Add(Concat(half_a, half_b)) -> MatMul(Cast(levels) * level_scale) -> Div(divisor) -> Add(tiny) -> Clip(lo, hi) -> y0;
     DequantizeLinear(q, dq_scale) -> MatMul -> ReduceSum -> Greater(Identity(zero)) -> If, whose
     branches read in_branch (an outer initializer) by MatMul and Add a Constant of their own. Each
     float tensor is one case of float_parameters."""
@@ -588,7 +588,9 @@ def _float_parameter_model():
              helper.make_node("Add", ["b", "shift"], ["c0"]),
              helper.make_node("Constant", [], ["cvec"], value=cvec),
              helper.make_node("Reshape", ["cvec", "row_shape"], ["cvec_row"]),
-             helper.make_node("Add", ["c0", "cvec_row"], ["c"]),
+             helper.make_node("Add", ["c0", "cvec_row"], ["c1"]),
+             helper.make_node("Concat", ["half_a", "half_b"], ["halves"], axis=0),
+             helper.make_node("Add", ["c1", "halves"], ["c"]),
              helper.make_node("Cast", ["levels"], ["lv"], to=TensorProto.FLOAT),
              helper.make_node("Mul", ["lv", "level_scale"], ["w"]), helper.make_node("MatMul", ["c", "w"], ["d"]),
              helper.make_node("Div", ["d", "divisor"], ["e"]), helper.make_node("Add", ["e", "tiny"], ["f"]),
@@ -601,6 +603,7 @@ def _float_parameter_model():
              helper.make_node("If", ["cond"], ["y"], then_branch=branch("then"), else_branch=branch("else"))]
     inits.append(init("zero", np.float32(0.5)))  # read through Identity by Greater (a comparison): left out
     inits.append(init("row_shape", np.array([1, 4], np.int64)))
+    inits += [init("half_a", rng.normal(size=2).astype(np.float32)), init("half_b", rng.normal(size=2).astype(np.float32))]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
@@ -609,7 +612,7 @@ def _float_parameter_model():
 def test_float_parameters_are_the_arithmetic_operands_float16_holds():
     """quantize.float_parameters: the float32 tensors only arithmetic reads (Sub/Mul/Add vectors,
     a divisor without tiny values, an outer initializer a branch's MatMul reads, Constant nodes'
-    values in the main graph behind a Reshape and in each branch), not a quantized weight's scales
+    values in the main graph behind a Reshape and in each branch, the parts of a Concat), not a quantized weight's scales
     (DequantizeLinear's, a Mul of Cast levels), Clip bounds, a comparison constant even through an
     Identity, a tensor all in float16's subnormal range, a divisor with a tiny value, nor the names
     excluded; and float16_valued on them (initializers and Constant values alike) keeps the model's
@@ -618,7 +621,7 @@ def test_float_parameters_are_the_arithmetic_operands_float16_holds():
 
     m = _float_parameter_model()
     onnx.checker.check_model(m, full_check=True)
-    expected = ["mean", "gain", "shift", "in_branch", "cvec", "else_bias", "then_bias"]  # graphs parents first
+    expected = ["mean", "gain", "shift", "in_branch", "half_a", "half_b", "cvec", "else_bias", "then_bias"]  # parents first
     assert float_parameters(m) == expected
     assert float_parameters(m, exclude=["gain", "then_bias"]) == [n for n in expected if n not in ("gain", "then_bias")]
     out, changed = float16_valued(m, float_parameters(m))
