@@ -21,9 +21,11 @@ for decode; the same count for every side of a figure):
   file (its compressed streams + the skeleton bytes stored raw, free for ZipNN), decompressing and
   writing the model file; both written through the same temp file + fsync + rename, neither
   checked by the other side's rules (ZipNN stores no checksum). "Both written the same way" means
-  the same `_fileio.atomic_output`: a new temporary file beside the destination, fsynced, renamed
-  over the destination (which exists: force=True), then the folder fsynced, as the README promises
-  for every output. That durable write is a fixed cost both sides pay; "output alone" times it by
+  the same steps: a new temporary file beside the destination, fsynced, renamed over the
+  destination (which exists: force=True), then the folder fsynced, as the README promises for
+  every output; ZipNN's side through `_fileio.atomic_output` (a file object, as a user would
+  write), ours through `_fileio.atomic_fd` (the same steps on a bare descriptor, which unpack
+  writes with pwrite; O_DIRECT set when the file is created). That durable write is a fixed cost both sides pay; "output alone" times it by
   itself (the restored bytes written by `write_bytes_atomic`, through the page cache, same rounds),
   so that what each side spends besides it can be read off. Ours writes with O_DIRECT (its
   decode windows are page-aligned: no copy into the page cache), ZipNN through the page cache
@@ -569,7 +571,7 @@ def main(argv=None) -> int:
           "restored file's XXH3-128 (format 1.2's default digest) checked, written with O_DIRECT (whole blocks "
           "from the decode windows: no page-cache copy; the tail through the page cache). ZipNN: its container read (ZipNN streams + the skeleton bytes raw), "
           "decompressed, nothing checked, written through the page cache; 'ZipNN direct': the same, its outputs copied into "
-          "our O_DIRECT window writer. All through the same temp file + fsync + rename + folder fsync (atomic_output); "
+          "our O_DIRECT window writer. All through the same steps: temp file + fsync + rename + folder fsync (ZipNN: atomic_output, ours: atomic_fd); "
           "'output alone': that durable write of the restored bytes by itself (page cache), the fixed cost both sides pay", rows, [
         ("ZipNN cpu t1", spread("ZipNN unpack cpu t1")), ("ours cpu t1", spread(".onnxz unpack cpu t1")),
         ("**× cpu t1**", ratio(".onnxz unpack cpu t1", "ZipNN unpack cpu t1")),
