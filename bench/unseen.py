@@ -19,8 +19,9 @@ sparse_initializer (8 weights pruned to 70% zeros), bfloat16 weights behind Cast
 onnxruntime's static QDQ quantization (an int8 model as most are shipped); and the shapes of
 bench/unseen_shapes.py, built from the corpus's MiniLM weights into $SURGEON_UNSEEN/shapes: an
 optimum-style decoder with past key/values (float32, float16 with float32 islands, bfloat16
-weights, weights over several external files, QDQ-quantized, MatMulNBits) and a conv net with its
-weights in Constant nodes at opsets 11 and 13.
+weights, weights over several external files, QDQ-quantized, MatMulNBits), MiniLM through onnxruntime's
+transformer optimizer (contrib ops) in float32 and float16, and a conv net with its weights in
+Constant nodes at opsets 11 and 13.
 
 For each model and each path (the command's compress at int8 / 4-bit blocks / 6 bits / packed /
 auto with and without feeds, palettize, fold_dequantize to the stored / float16 / float32 dtype,
@@ -148,6 +149,8 @@ def _text_image(hw, lines, rng, rec=False) -> np.ndarray:
 
 def feeds_for(name: str, n: int = 4) -> list[dict]:
     """Inputs of the shapes and ranges each model expects (seeded)."""
+    if name in unseen_shapes.NAMES:
+        return unseen_shapes.feeds_for(name, np.random.default_rng(0), n)
     rng = np.random.default_rng(0)
     out = []
     for _ in range(n):
@@ -195,8 +198,6 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
         elif name in ("silero6_sequence", "fw_silero6"):
             f = {"input": (rng.standard_normal((4, 576)) * 0.1).astype(np.float32),
                  "h": np.zeros((1, 1, 128), np.float32), "c": np.zeros((1, 1, 128), np.float32)}
-        elif name in unseen_shapes.NAMES:
-            f = unseen_shapes.feeds_for(name, rng, 1)[0]
         elif name in _DERIVED:
             f = _DERIVED[name][1](rng)
         else:

@@ -20,6 +20,9 @@ layers picked out of it), not random draws, so that the quantizers see realistic
   activations' QuantizeLinear/DequantizeLinear pairs alone.
 - dec_nbits: dec_fp32 with its MatMuls replaced by com.microsoft MatMulNBits (4 bits, blocks of
   32 along K, uint8 zero points), as onnxruntime-genai ships int4 LLMs.
+- minilm_ortopt / minilm_ortopt16: the corpus's MiniLM through onnxruntime's transformer optimizer
+  (com.microsoft SkipLayerNormalization / BiasGelu), and that converted to float16 with float32
+  inputs and outputs, as HF repositories ship model_optimized.onnx / model_O4.onnx.
 - legacy_op11 / legacy_op13: a small conv net whose weights sit in Constant nodes (no
   initializers), already partly quantized per tensor by DequantizeLinear at opset 11 (scalar scale
   and zero point, no axis attribute) and per channel at opset 13 (axis attribute), as
@@ -423,10 +426,33 @@ def legacy_feeds(rng, n=4) -> list[dict]:
     return [{"image": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)} for _ in range(n)]
 
 
-NAMES = ("dec_fp32", "dec_fp16", "dec_bf16", "dec_extdata", "dec_qdq", "dec_nbits", "legacy_op11", "legacy_op13")
+def ort_optimized(dst: Path, float16: bool) -> None:
+    """The corpus's MiniLM through onnxruntime.transformers' optimizer, as HF repos ship
+    'model_optimized.onnx' / 'model_O3.onnx': com.microsoft SkipLayerNormalization and BiasGelu
+    (their gamma / beta / bias are weights read by contrib ops); float16 converted with float32
+    inputs and outputs (keep_io_types), as optimum's O4 level does."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    opt = optimize_model(str(CORPUS / "minilm_fp32" / "minilm_fp32.onnx"), model_type="bert", num_heads=12,
+                         hidden_size=384, opt_level=1)
+    if float16:
+        opt.convert_float_to_float16(keep_io_types=True)
+    opt.save_model_to_file(str(dst))
+
+
+def corpus_text_feeds(n=4) -> list[dict]:
+    """MiniLM's real feeds from the corpus (tokenised sentences), the first n."""
+    d = np.load(CORPUS / "minilm_fp32" / "feeds.npz")
+    return [{k.split("/", 1)[1]: d[k] for k in d.files if k.split("/")[0] == str(i)} for i in range(n)]
+
+
+NAMES = ("dec_fp32", "dec_fp16", "dec_bf16", "dec_extdata", "dec_qdq", "dec_nbits", "legacy_op11", "legacy_op13",
+         "minilm_ortopt", "minilm_ortopt16")
 
 
 def feeds_for(name: str, rng, n=4) -> list[dict]:
+    if name.startswith("minilm_ortopt"):
+        return corpus_text_feeds(n)
     if name.startswith("legacy"):
         return legacy_feeds(rng, n)
     return decoder_feeds(rng, np.float16 if name == "dec_fp16" else np.float32, n)
@@ -449,6 +475,8 @@ def build(out: Path) -> dict[str, Path]:
     onnx.save(matmul_nbits(fp32), str(paths["dec_nbits"]))
     onnx.save(legacy(11), str(paths["legacy_op11"]))
     onnx.save(legacy(13), str(paths["legacy_op13"]))
+    ort_optimized(paths["minilm_ortopt"], float16=False)
+    ort_optimized(paths["minilm_ortopt16"], float16=True)
     return paths
 
 
