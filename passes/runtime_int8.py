@@ -141,6 +141,13 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     graph = split.skeleton.graph
     uses = main_graph_uses(graph)
     inits = split.initializer_names()
+    # activations the model quantizes itself (onnxruntime's static QDQ: QuantizeLinear ->
+    # DequantizeLinear before a MatMul): onnxruntime fuses such a MatMul with its weight's
+    # DequantizeLinear into its int8 kernels, weights int8 in memory; as MatMulNBits the activation
+    # would be quantized a second time (accuracy level 4: a 2-layer QDQ decoder's logits 19.5 dB
+    # against the model itself, H3's find)
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output}
+    left_to_qdq = 0
     replaced = {}
     for node in list(graph.node):
         if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
@@ -154,14 +161,20 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
         role = _role(target_uses)
         consumer = target_uses[0][0] if target_uses else None
         done = False
-        if role in ("matmul", "gemm"):
+        if role in ("matmul", "gemm") and consumer.input and consumer.input[0] in dequantized:
+            left_to_qdq += 1
+        elif role in ("matmul", "gemm"):
             done = _to_matmulnbits(split, qw, consumer, role, node.output[0])
         elif role == "gather":
             done = _to_gather_rows(split, qw, consumer, node.output[0])
         elif role is None:
-            done = _to_tied_forms(split, qw, node.output[0], target_uses, uses)
+            done = _to_tied_forms(split, qw, node.output[0], target_uses, uses, dequantized)
         if done:
             replaced[node.output[0]] = node
+    if left_to_qdq:
+        notes.append(f"{left_to_qdq} MatMul/Gemm weight(s) whose input the model quantizes itself (QDQ) left as "
+                     f"DequantizeLinear, for onnxruntime's int8 QDQ kernels (not MatMulNBits, which would quantize "
+                     f"that input again)")
     if replaced:
         keep = [n for n in graph.node if not (n.op_type == "DequantizeLinear" and n.output[0] in replaced)]
         del graph.node[:]
@@ -927,7 +940,8 @@ def _tied_projection(uses: list, all_uses: dict):
     return None
 
 
-def _to_tied_forms(split: SplitModel, qw: QWeight, weight_name: str, uses: list, all_uses: dict) -> bool:
+def _to_tied_forms(split: SplitModel, qw: QWeight, weight_name: str, uses: list, all_uses: dict,
+                   dequantized: frozenset = frozenset()) -> bool:
     """A tied table (see _tied_projection) quantized for both readers: the projection as
     MatMulNBits over the table's rows ([N = vocabulary, K = width], the layout it has), the
     embedding as a Gather of the integer rows dequantized as gathered. Returns whether the
@@ -940,6 +954,8 @@ def _to_tied_forms(split: SplitModel, qw: QWeight, weight_name: str, uses: list,
     if found is None:
         return False
     gather, consumer, role, between = found
+    if consumer.input[0] in dequantized:  # (an activation the model quantizes itself: see prepare_quantized)
+        return False
     if not _to_matmulnbits(split, qw, consumer, role, weight_name, transposed=True):
         return False
     for node in between:  # (their only reader is now MatMulNBits, which reads the levels)
