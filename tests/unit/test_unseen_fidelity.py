@@ -71,3 +71,35 @@ def test_evaluate_a_candidate_with_a_broken_weight(bad):
     same = passes.evaluate(_matmul(broken), _matmul(broken))
     assert same.metrics["maxabs"] == 0.0 and same.metrics["snr"] == math.inf
     assert any("NaN or infinite" in n for n in same.notes), same.notes
+
+
+def _bert_embeddings():
+    """A BERT-style embedding: word and token-type tables (2 rows) gathered and added, then a
+    dense layer, with BERT's three integer inputs named as tokenizers name them."""
+    rng = np.random.default_rng(0)
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "sequence"])
+            for n in ("input_ids", "attention_mask", "token_type_ids")]
+    inits = [numpy_helper.from_array(rng.standard_normal((1000, 32)).astype(np.float32), "word"),
+             numpy_helper.from_array(rng.standard_normal((2, 32)).astype(np.float32), "token_type"),
+             numpy_helper.from_array((rng.standard_normal((32, 16)) / 6).astype(np.float32), "dense")]
+    nodes = [helper.make_node("Gather", ["word", "input_ids"], ["w"]),
+             helper.make_node("Gather", ["token_type", "token_type_ids"], ["t"]),
+             helper.make_node("Add", ["w", "t"], ["e"]),
+             helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["m", "axis"], ["m3"]),
+             helper.make_node("Mul", ["e", "m3"], ["em"]),
+             helper.make_node("MatMul", ["em", "dense"], ["y"])]
+    inits.append(numpy_helper.from_array(np.array([2], np.int64), "axis"))
+    g = helper.make_graph(nodes, "bert", ints, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.xfail(reason="H2: synthesize_feeds draws token_type_ids in [0, 100) and the 2-row table's Gather "
+                          "refuses them at every size (.notes/H3_to_H2.md (3)); all-MiniLM-L6-v2 itself fails so",
+                   strict=False)
+def test_a_bert_runs_on_synthesised_feeds():
+    m = _bert_embeddings()
+    feeds = passes.synthesize_feeds(m, n=2)
+    assert int(feeds[0]["token_type_ids"].max()) <= 1
+    r = passes.evaluate(m, passes.quantize_weights(m))
+    assert r.synthesized and r.metrics["cosine"] > 0.99
