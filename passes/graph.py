@@ -974,11 +974,11 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
                 if t.name not in payloads:  # the caller reads those from `payloads` itself
                     t.raw_data = main[int(loc.rsplit("-", 1)[1])].raw_data
                 del t.external_data[:]
-                t.data_location = TensorProto.DEFAULT
+                t.ClearField("data_location")  # unset, as it was: not an explicit DEFAULT
             elif loc.startswith(_STASH + "-"):
                 t.raw_data = stash[int(loc.rsplit("-", 1)[1])]
                 del t.external_data[:]
-                t.data_location = TensorProto.DEFAULT
+                t.ClearField("data_location")  # unset, as it was: not an explicit DEFAULT
     return converted, how
 
 
@@ -1144,7 +1144,7 @@ def _typed_inputs_view(skeleton: onnx.ModelProto, stubs: set[str], stash: list[b
             if loc.startswith(_STASH + "-") and not loc.startswith(_STASH + "-main-"):
                 t.raw_data = stash[int(loc.rsplit("-", 1)[1])]
                 del t.external_data[:]
-                t.data_location = TensorProto.DEFAULT
+                t.ClearField("data_location")  # unset, as it was: not an explicit DEFAULT
     return view
 
 

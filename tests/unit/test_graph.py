@@ -91,6 +91,20 @@ def test_raise_opset_keeps_weights():
     assert before == after
 
 
+def test_raise_opset_restores_tensors_as_they_were_serialised():
+    """Payloads set aside during the conversion come back without an explicit data_location:
+    DEFAULT was written into every restored tensor (2 bytes each, and a tensor that no longer
+    serialised as it had: H3's sweep compared MatMulNBits inputs byte for byte after --bits 4)."""
+    m = mg.conv_model("float32", 11)
+    big = [t for t in m.graph.initializer if len(t.raw_data) > 1024]
+    assert big
+    out, _ = graph.raise_opset(m, 13)
+    before = {t.name: t.SerializeToString() for t in m.graph.initializer}
+    after = {t.name: t.SerializeToString() for t in out.graph.initializer}
+    assert before == after
+    assert not any(t.HasField("data_location") for t in out.graph.initializer)
+
+
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("axis,block", [(None, 0), (0, 0), (1, 0), (1, 16), (0, 7)])
 def test_search_beats_max_abs(sym, axis, block):
