@@ -241,6 +241,13 @@ AUTO_FLOAT16_PARAMETERS = True  # ... and so do the float parameters only arithm
 # biases, unfolded BatchNormalization Sub/Mul/Add vectors, LayerNorm scale/shift), tried apart after the weights.
 # bench/auto_split.py (all met held out): rapidocr_cls first / second 23.41 / 24.09% -> 22.83 / 23.51% (H5 on the tree
 # before the fit optimism: 22.91 / 24.92 -> 22.34 / 24.29%); silero_vad_v6 even / odd 14.65 / 15.24% unchanged
+AUTO_ROUND_SCALES = 11  # the finished model's float32 scales rounded to this many significant bits (None: kept), where
+# the check still passes. Why: per-channel float32 scales pack at ~25-29 bits each (their low mantissa bits are noise),
+# at 11 bits ~15 (quantize.round_scales). Done once at the end: inside the search (AUTO_SCALE_MANTISSA_BITS 11) it moved
+# the search's path (H5: rapidocr_cls even split 23.04 -> 26.11%). bench/auto_split.py (first / second / even / odd;
+# load 15-17; held-out values unchanged, all met): silero_vad_v6 14.60 / 14.26 / 14.41 / 15.13% -> 14.40 / 14.07 /
+# 14.22 / 14.94%; rapidocr_cls (with TOP1_FULL_FIT_OPTIMISM) 21.98 / 23.11 / 22.72 / 22.03% -> 21.23 / 22.41 / 21.89 /
+# 21.23%
 FIT_OPTIMISM = True  # error-fed forms charged for fitting the calibration activations (sensitivity.fit_optimism,
 # from levels fitted on either half of the feeds and measured on the other): the allocation weighs them at their
 # expected held-out error and the check grows the trial's error by the plan's share of it (optimism_of_plan).
@@ -1393,6 +1400,15 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                     candidate = cand_h
                     notes.append(f"{len(changed)} float parameter(s) (biases, normalisation vectors) hold float16 "
                                  "values")
+        if ok and AUTO_ROUND_SCALES:
+            # the finished model's float32 scales at AUTO_ROUND_SCALES significant bits (H5's quantize.round_scales:
+            # levels untouched, each weight moves by <= 2**-bits of itself), where the same check still passes
+            from .quantize import round_scales
+
+            cand_s, changed = round_scales(candidate, AUTO_ROUND_SCALES)
+            if changed and check(ref, run_candidate(cand_s), search_reqs, plan)[1]:
+                candidate = cand_s
+                notes.append(f"{len(changed)} scale tensor(s) hold {AUTO_ROUND_SCALES} significant bits")
         lap("confirm")
     else:
         if not infos:

@@ -665,6 +665,7 @@ def test_auto_builds_the_half_step_form_it_chose(monkeypatch):
     m = gather_model()
     f = feeds(m, n=4)
     monkeypatch.setattr(auto, "ONE_STEP_FORMS", False)  # the per-row forms (the one-step forms: below)
+    monkeypatch.setattr(auto, "AUTO_ROUND_SCALES", None)  # the form as the search measured it (scales unrounded)
     # widths 2 and 8 give one form between them, 7.5 (8-bit levels at 1.41x the 8-bit step); every plan
     # the search makes takes it (uniform int2 misses the target, int8 is larger)
     monkeypatch.setattr(auto.sens, "allocate", lambda infos, mu: {n: 7.5 if 7.5 in i.options else 8 for n, i in infos.items()})
@@ -732,6 +733,8 @@ def test_auto_builds_the_one_step_table_form_it_chose(monkeypatch):
     from passes import auto
     from passes.fold import fold_dequantize
 
+    monkeypatch.setattr(auto, "AUTO_ROUND_SCALES", None)  # the forms as the search measured them (scales unrounded)
+
     m, e = _table_with_outlier_rows()
     f = feeds(m, n=4)
     chosen = {}
@@ -756,6 +759,8 @@ def test_auto_builds_the_one_step_table_form_it_chose(monkeypatch):
 def test_auto_builds_the_error_fed_one_step_forms_of_matmul_weights_it_chose(monkeypatch):
     from passes import auto
     from passes.fold import fold_dequantize
+
+    monkeypatch.setattr(auto, "AUTO_ROUND_SCALES", None)  # the forms as the search measured them (scales unrounded)
 
     m = dense_model()
     f = feeds(m, n=8)
@@ -810,6 +815,8 @@ def test_without_feeds_a_search_that_keeps_float_shows_the_outputs_range():
 def test_auto_builds_the_error_fed_one_step_form_of_a_conv_weight_it_chose(monkeypatch, dtype):
     from passes import auto
     from passes.fold import fold_dequantize
+
+    monkeypatch.setattr(auto, "AUTO_ROUND_SCALES", None)  # the forms as the search measured them (scales unrounded)
 
     monkeypatch.setattr(auto, "ONE_STEP_OPS", ("MatMul", "Gemm", "Conv"))
     # (the Conv's bias as given: the run below compares the built model with the trial bit for bit)
@@ -1050,3 +1057,30 @@ def test_error_fed_levels_fitted_to_few_rows_still_meet_the_target_held_out(monk
     monkeypatch.setattr(auto, "FIT_OPTIMISM", False)
     out_off, rep_off = passes.compress(m, target="cosine>=0.999", feeds=calib)
     assert rep_off["fit_optimism"] == 1.0 and not any("fit optimism" in n for n in rep_off["notes"])
+
+
+def test_scales_of_the_finished_model_hold_few_significant_bits(monkeypatch):
+    """AUTO_ROUND_SCALES: the finished model's float32 scales are rounded (quantize.round_scales)
+    where the check still passes: their low mantissa bits are zero, and the target is still met."""
+    from passes import auto
+    from onnx import numpy_helper
+
+    def scales(model):
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+                if t.name.endswith("_scale") and t.data_type == onnx.TensorProto.FLOAT}
+
+    def low_bits_zero(a, bits):
+        return not np.any(np.ascontiguousarray(a, np.float32).view(np.uint32) & np.uint32((1 << (24 - bits)) - 1))
+
+    m = conv_model()
+    f = feeds(m, n=6)
+    monkeypatch.setattr(auto, "AUTO_ROUND_SCALES", None)
+    plain, rep_plain = passes.compress(m, target="cosine>=0.999", feeds=f)
+    monkeypatch.setattr(auto, "AUTO_ROUND_SCALES", 11)
+    out, rep = passes.compress(m, target="cosine>=0.999", feeds=f)
+    assert rep["met_on_feeds"] and evaluate(m, out, feeds=f).metrics["cosine"] >= 0.999
+    assert any("significant bits" in n for n in rep["notes"])
+    assert not any("significant bits" in n for n in rep_plain["notes"])
+    rounded, before = scales(out), scales(plain)
+    assert rounded and all(low_bits_zero(a, 11) for a in rounded.values())
+    assert not all(low_bits_zero(a, 11) for a in before.values())
