@@ -746,6 +746,29 @@ def fit_optimism(deltas, hessians) -> float:
     return max(1.0, across / inside)
 
 
+HALF_TO_FULL_EXCESS = 0.5  # full_fit_optimism: the share of the halves' excess (factor - 1) the full fit shows
+
+
+def full_fit_optimism(half_factor: float) -> float:
+    """The held-out / calibration error of levels fitted on all the calibration feeds, from fit_optimism's
+    factor for levels fitted on half of them: 1 + HALF_TO_FULL_EXCESS x (half_factor - 1).
+    Why: the excess is the share of the rounding error the fit cancels only along the directions the
+    fitting rows span, ~inputs / rows, and the full fit has twice the rows of either half. Measured per
+    error-fed weight (int4; levels fitted on the calibration half, their layer error on the held-out
+    half's Hessian over the calibration one, over the same ratio of a data-independent error, trace(H)):
+    silero_vad_v6's 3 Convs on four splits (first / second / even / odd), halves 1.94-2.58, this 1.47-1.79,
+    held out 1.36-1.89 (median 1.58; 4 of 12 above this, by up to 1.28x: encoder.0 on the even split);
+    open_nsfw first split, its 57 Convs + 1 MatMul: the last stage's (1176 rows for 256-2304 inputs)
+    halves 2.9-31.8, this 2.0-16.4, held out 1.55-7.7, every one below; the 4704-row stage's halves
+    1.2-2.5, held out 0.96-1.35. Levels fitted on 3/4 and measured on the other 1/4 (4 fits, not 2)
+    followed the same 1/rows law (silero 1.58-1.82, open_nsfw's last stage 2.2-15.8) and told nothing
+    more. At the output it is not enough everywhere: used for every target, silero_vad_v6 calibrated on
+    the even feeds missed cosine>=0.999 held out again (0.99864, its error 2.6x the calibration's) and
+    grew on the other splits (14.60 / 14.26 / 15.13% -> 15.32 / 15.43 / 15.69%); the auto mode takes it
+    for top-1 targets only (auto.TOP1_FULL_FIT_OPTIMISM)."""
+    return 1.0 + HALF_TO_FULL_EXCESS * max(0.0, half_factor - 1.0)
+
+
 def optimism_of_plan(infos: dict[str, TensorInfo], plan: dict[str, int]) -> float:
     """Held-out / calibration output error the plan is expected to show: the weights' predicted
     errors with their fit_optimism over the same without (the weights' errors add up; measured on

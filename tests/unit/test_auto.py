@@ -1059,6 +1059,29 @@ def test_error_fed_levels_fitted_to_few_rows_still_meet_the_target_held_out(monk
     assert rep_off["fit_optimism"] == 1.0 and not any("fit optimism" in n for n in rep_off["notes"])
 
 
+@pytest.mark.parametrize("target, full_fit", [("top1>=0.99", True), ("cosine>=0.999", False)])
+def test_top1_targets_charge_the_full_fits_optimism(monkeypatch, target, full_fit):
+    """TOP1_FULL_FIT_OPTIMISM: where every target is a top-1 agreement held by TieRisk, the weights'
+    fit optimism is the full fit's (sensitivity.full_fit_optimism), elsewhere the halves' own."""
+    from passes import auto
+
+    asked = []
+    estimate = auto._estimate_fit_optimism
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("full_fit", False))
+        return estimate(*args, **kwargs)
+
+    monkeypatch.setattr(auto, "_estimate_fit_optimism", recording)
+    m = dense_model()
+    _, rep = passes.compress(m, target=target, feeds=feeds(m, n=6))
+    assert asked == [full_fit]
+    monkeypatch.setattr(auto, "TOP1_FULL_FIT_OPTIMISM", False)
+    asked.clear()
+    passes.compress(m, target=target, feeds=feeds(m, n=6))
+    assert asked == [False]
+
+
 def test_scales_of_the_finished_model_hold_few_significant_bits(monkeypatch):
     """AUTO_ROUND_SCALES: the finished model's float32 scales are rounded (quantize.round_scales)
     where the check still passes: their low mantissa bits are zero, and the target is still met."""

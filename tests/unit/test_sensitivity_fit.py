@@ -78,3 +78,23 @@ def test_error_fed_forms_are_charged_their_optimism_and_the_plan_its_share():
     assert sens.optimism_of_plan(infos, {"A": 4, "B": 4}) == pytest.approx(5 / 3)
     assert sens.optimism_of_plan(infos, {"A": 8, "B": 4}) == 1.0
     assert sens.optimism_of_plan(infos, {"A": sens.FLOAT, "B": sens.FLOAT}) == 1.0
+
+
+def test_the_full_fit_is_charged_half_the_halves_excess():
+    assert sens.full_fit_optimism(1.0) == 1.0 and sens.full_fit_optimism(3.0) == pytest.approx(2.0)
+    # levels fitted on all the rows (both halves) and measured on rows they never saw, over the same
+    # on their own rows: least squares gives (1 + k/n) / (1 - k/n), the halves' (1 + 2k/n) / (1 - 2k/n)
+    rng = np.random.default_rng(4)
+    k, n_half = 16, 160
+    w = rng.standard_normal((k, 8))
+    halves, full = [], []
+    for _ in range(20):
+        x = [rng.standard_normal((n_half, k)) for _ in range(2)]
+        deltas = [w - _least_squares_fit(w, xi, rng) for xi in x]
+        halves.append(sens.fit_optimism(deltas, [_hessian(xi) for xi in x]))
+        both, fresh = np.concatenate(x), rng.standard_normal((4096, k))
+        d = w - _least_squares_fit(w, both, rng)
+        full.append(np.sum(d * (_hessian(fresh) @ d)) / np.sum(d * (_hessian(both) @ d)))
+    half, measured = float(np.mean(halves)), float(np.mean(full))
+    assert measured > 1.0 and (half - 1) > 1.6 * (measured - 1)  # the halves' excess is about twice the full fit's
+    assert 0.8 < (sens.full_fit_optimism(half) - 1) / (measured - 1) < 1.3
