@@ -204,8 +204,9 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
     across inputs. inner_batch: an unnamed dynamic dimension that is neither the first nor the
     last axis of its input is 1 too (a recurrent state [layers, batch, hidden] exported without
     names: silero VAD 6's state [2, ?, 128] beside its input [?, ?]). Floats ~ N(0, 1); integer
-    inputs in [0, 100) (valid token ids), except names containing "mask" (ones) and "length"
-    (the sequence size); bool inputs random.
+    inputs in [0, 100) (valid token ids; below the rows of a table the input indexes, see
+    gather_index_bounds), except names containing "mask" (ones) and "length" (the sequence size);
+    bool inputs random.
     """
     model = load_model(model)
     if n < 1:
@@ -251,6 +252,7 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
     for i, axis, param in sums:
         specs[i][2][axis] = graph.evaluate_dim_expression(param, named_dims) or dim
     specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
+    index_bounds = gather_index_bounds(model)
 
     feeds = []
     for _ in range(n):
@@ -266,11 +268,71 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
             elif "length" in lname or "len" == lname:
                 value = np.full(shape, dim, dtype=dtype)
             else:
-                high = min(INT_TOKEN_RANGE, int(np.iinfo(dtype).max) + 1)
-                value = rng.integers(0, high, size=shape).astype(dtype)
+                high = min(INT_TOKEN_RANGE, int(np.iinfo(dtype).max) + 1, index_bounds.get(name, INT_TOKEN_RANGE))
+                value = rng.integers(0, max(high, 1), size=shape).astype(dtype)
             feed[name] = value
         feeds.append(feed)
     return feeds
+
+
+# ops that hand an input's values on unchanged (in another shape or type) on the way to a Gather
+_INDEX_CARRIERS = frozenset({"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand",
+                             "Tile", "Slice", "Concat"})
+# com.microsoft's fused BERT embedding: its input i indexes the table at input j
+_EMBED_LAYER_NORM_TABLES = {0: 2, 1: 4}
+
+
+def gather_index_bounds(model: onnx.ModelProto) -> dict[str, int]:
+    """For each integer graph input that indexes a weight table (Gather's indices, reached through
+    shape and type changes), the number of rows of the smallest such table.
+
+    Why: synthesised token ids in [0, 100) are out of range for a BERT's token_type_ids (a 2-row
+    table), and onnxruntime refuses the run at every size. A table's rows are read from its
+    initializer, its Constant node or the DequantizeLinear that a compressed model reads it
+    through (the dims alone: external data is not loaded)."""
+    g = model.graph
+    dims: dict[str, list[int]] = {t.name: list(t.dims) for t in g.initializer}
+    for node in g.node:
+        if node.op_type == "Constant" and node.output:
+            for a in node.attribute:
+                if a.name == "value" and a.HasField("t"):
+                    dims[node.output[0]] = list(a.t.dims)
+    for node in g.node:  # a compressed model reads its tables through DequantizeLinear
+        if node.op_type == "DequantizeLinear" and node.input and node.input[0] in dims and node.output:
+            dims.setdefault(node.output[0], dims[node.input[0]])
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in g.node:
+        for name in node.input:
+            if name:
+                readers.setdefault(name, []).append(node)
+    inputs = {vi.name for vi in g.input} - {t.name for t in g.initializer}
+    bounds: dict[str, int] = {}
+    for start in inputs:
+        seen, todo = {start}, [start]
+        while todo:
+            name = todo.pop()
+            for node in readers.get(name, ()):
+                rows = None
+                if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) > 1 \
+                        and node.input[1] == name:
+                    table = dims.get(node.input[0])
+                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    if table and -len(table) <= axis < len(table):
+                        rows = table[axis]
+                elif node.op_type == "EmbedLayerNormalization" and node.domain == "com.microsoft":
+                    for i, table_at in _EMBED_LAYER_NORM_TABLES.items():
+                        if i < len(node.input) and node.input[i] == name and table_at < len(node.input):
+                            table = dims.get(node.input[table_at])
+                            rows = table[0] if table else None
+                elif node.op_type in _INDEX_CARRIERS and node.domain in ("", "ai.onnx") \
+                        and (node.input[0] == name or node.op_type == "Concat"):  # Concat: any input
+                    for out in node.output:
+                        if out and out not in seen:
+                            seen.add(out)
+                            todo.append(out)
+                if rows and rows > 0:
+                    bounds[start] = min(rows, bounds.get(start, rows))
+    return bounds
 
 
 # sizes tried for the dynamic dimensions, in order, when the model does not run at the smaller
@@ -284,8 +346,8 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
     """synthesize_feeds with the smallest size of the dynamic dimensions (64, 256, 1024, 4096,
     16000) at which the model runs its first feed in onnxruntime, at each size first as
     synthesize_feeds lays them out, then with unnamed inner dimensions at 1 (inner_batch); the 64
-    ones when none does (the caller's run then reports why). A model without dynamic dimensions
-    is run once."""
+    ones when none does (the caller's run then reports why), or as soon as the model fails with
+    the same message at two sizes in a row. A model without dynamic dimensions is run once."""
     model = load_model(model)
     first = synthesize_feeds(model, n=n, seed=seed)
     if not any(not (d.HasField("dim_value") and d.dim_value > 0)
@@ -299,7 +361,9 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
                         and not (d.HasField("dim_value") and d.dim_value > 0)
                         and not (d.HasField("dim_param") and d.dim_param)
                         for vi in model_inputs(model) for axis, d in enumerate(vi.type.tensor_type.shape.dim))
+    last_errors: dict[bool, str] = {}
     for dim in _RUNNABLE_DIMS:
+        unchanged = True
         for inner_batch in (False, True) if inner_unnamed else (False,):
             feeds = first if dim == DEFAULT_DIM and not inner_batch else synthesize_feeds(
                 model, n=n, seed=seed, dim=dim, inner_batch=inner_batch)
@@ -308,8 +372,13 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
             try:
                 session.run(None, _conform(feeds[0], session, 0))
                 return feeds
-            except Exception:  # noqa: BLE001 - try the next layout / size
-                continue
+            except Exception as exc:  # noqa: BLE001 - try the next layout / size
+                unchanged = unchanged and last_errors.get(inner_batch) == str(exc)
+                last_errors[inner_batch] = str(exc)
+        if unchanged:
+            # the same refusal word for word at two sizes: the size is not what fails, and a
+            # transformer's attention at the next sizes would take gigabytes to learn nothing
+            break
     return first
 
 
