@@ -275,9 +275,9 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
     return feeds
 
 
-# ops that hand an input's values on unchanged (in another shape or type) on the way to a Gather
-_INDEX_CARRIERS = frozenset({"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand",
-                             "Tile", "Slice", "Concat"})
+# ops that hand an index input's values on unchanged on the way to a Gather: those that move values,
+# and Cast (int64 ids to int32 keep their values)
+_INDEX_CARRIERS = graph.VALUE_MOVING_OPS | {"Cast", "Concat"}
 # com.microsoft's fused BERT embedding: its input i indexes the table at input j
 _EMBED_LAYER_NORM_TABLES = {0: 2, 1: 4}
 

@@ -556,6 +556,14 @@ def consumers_index(weights_graphs: list[GraphInfo]):
     return consumers_of
 
 
+# Ops that only move, select or repeat a tensor's values (their data input is input 0), so a value
+# read through them is read by whatever reads their output; Concat does so for every input (the
+# callers take it apart). Used to follow a parameter (quantize.float_parameters) or an index input
+# (fidelity.gather_index_bounds) to the op that really reads it.
+VALUE_MOVING_OPS = frozenset({"Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Slice",
+                              "Split", "Expand", "Tile"})
+
+
 # ---------------------------------------------------------------------------------------------
 # which axis matters for a consumer
 

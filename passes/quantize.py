@@ -764,13 +764,19 @@ def float16_valued(model: onnx.ModelProto, names) -> tuple[onnx.ModelProto, list
         arr = graph.tensor_to_array(t)
         if arr.size == 0 or not np.all(np.isfinite(arr)) or float(np.max(np.abs(arr))) > _FLOAT16_MAX:
             continue
-        narrow = TensorProto()
-        graph.fill_tensor(narrow, arr.astype(np.float16).astype(np.float32), t.name, TensorProto.FLOAT)
-        narrow.dims[:] = t.dims  # a Constant's scalar keeps its (empty) dims
-        narrow.doc_string = t.doc_string
-        t.CopyFrom(narrow)
+        _replace_values(t, arr.astype(np.float16).astype(np.float32))
         changed.append(name)
     return out, changed
+
+
+def _replace_values(t: TensorProto, values: np.ndarray) -> None:
+    """`t` (float32, in the model) holding `values` instead, with its name, dims (a Constant's
+    scalar keeps its empty ones) and doc string."""
+    narrow = TensorProto()
+    graph.fill_tensor(narrow, values, t.name, TensorProto.FLOAT)
+    narrow.dims[:] = t.dims
+    narrow.doc_string = t.doc_string
+    t.CopyFrom(narrow)
 
 
 def _float_tensors(model: onnx.ModelProto):
@@ -853,11 +859,7 @@ def round_scales(model: onnx.ModelProto, bits: int = SCALE_BITS) -> tuple[onnx.M
         rounded = forms.round_scale_mantissa(arr, int(bits))
         if np.array_equal(rounded, arr) or not np.all(np.isfinite(rounded)):
             continue
-        narrow = TensorProto()
-        graph.fill_tensor(narrow, rounded, t.name, TensorProto.FLOAT)
-        narrow.dims[:] = t.dims
-        narrow.doc_string = t.doc_string
-        t.CopyFrom(narrow)
+        _replace_values(t, rounded)
         changed.append(name)
     return out, changed
 
@@ -869,10 +871,6 @@ _ARITHMETIC_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Conv", "ConvTranspose"
                              "BatchNormalization", "LayerNormalization", "InstanceNormalization",
                              "GroupNormalization", "SkipLayerNormalization", "LSTM", "GRU", "RNN"})
 _FLOAT16_MIN_NORMAL = 2.0 ** -14
-# ops that only move or select a tensor's values (their data input is input 0; Concat: every input): a
-# parameter read through them is read by whatever reads their output
-_MOVING_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Slice", "Split", "Expand",
-                         "Identity"})
 _INTEGER_TYPES = frozenset({TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4,
                             TensorProto.INT16, TensorProto.UINT16, TensorProto.INT32})
 
@@ -919,7 +917,7 @@ def float_parameters(model: onnx.ModelProto, exclude=()) -> list[str]:
             return None
         found = []
         for node, i in uses:
-            if node.op_type in _MOVING_OPS and i == 0 or node.op_type == "Concat":
+            if node.op_type in graph.VALUE_MOVING_OPS and i == 0 or node.op_type == "Concat":
                 below = [arithmetic_reads(o, depth + 1) for o in node.output if o]
                 if not below or any(b is None for b in below):
                     return None
