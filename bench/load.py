@@ -4,7 +4,12 @@ For each corpus model (and a generated ~3 GB model) and each way of loading it, 
 subprocess each: time to a ready session, the memory the session adds (peak RSS after creating
 it minus RSS just before: VmHWM - VmRSS from /proc/self/status), RSS after the runs, the mean run
 time over the corpus feeds, and agreement with the original float model's outputs (the corpus
-metric: cosine or top-1; plus max |difference| against the folded model for fold mode).
+metric: cosine or top-1; plus max |difference| against the folded model for fold mode). The
+generated model also runs plain without onnxruntime's weight prepacking ("plain-noprepack"): fold
+mode turns prepacking off for it (over runtime.PREPACK_AUTO_LIMIT of shared weights), and
+onnxruntime's MatMul then sums in another order; its fold row gives max |difference| against both
+plain sessions (0 against the one that prepacks as it does). `--session-config KEY=VALUE` sets an
+onnxruntime config entry on every session, the plain rows' included.
 
     python bench/load.py                                  # corpus models + ~3 GB model
     python bench/load.py --models minilm_fp32 --big-gb 0  # one model, no big one
@@ -83,6 +88,8 @@ def worker(spec: dict) -> dict:
     feeds = _load_feeds(spec)
     options = ort.SessionOptions()
     options.intra_op_num_threads = spec["threads"]
+    for key, value in (spec.get("config") or {}).items():  # e.g. the spinning setting, for both sides alike
+        options.add_session_config_entry(key, value)
     providers = [spec["provider"]] + (["CPUExecutionProvider"] if spec["provider"] != "CPUExecutionProvider" else [])
     rss0, _ = _status_mb()
     # voluntary context switches of all threads (a thread blocking on a pipe, a lock, an event):
@@ -115,7 +122,7 @@ def worker(spec: dict) -> dict:
     return {"ready_s": ready, "ready_cpu_s": ready_cpu, "ready_sleeps": sleeps, "ready_main_sleeps": main_sleeps, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
             "run_ms": 1000 * float(np.mean(times)), "run_ms_median": 1000 * float(np.median(times)),
             "run_ms_min_sum": 1000 * float(per_feed.sum()), "mode": getattr(session, "mode", "plain"),
-            "fold_route": getattr(session, "fold_route", None)}
+            "fold_route": getattr(session, "fold_route", None), "prepack": getattr(session, "prepack", None)}
 
 
 def _load_feeds(spec):
@@ -286,6 +293,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="all",
                     help="all, or 'fold' (the plain files and the fold rows only: more rounds in the same time), "
                          "or a comma list of file:mode (e.g. float.onnxz:fold,q8.onnx:int8); float.onnx:plain always runs")
+    ap.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="an onnxruntime session config entry set on every session alike, the plain rows' too "
+                         "(e.g. session.intra_op.allow_spinning=0); repeatable. The table says which were set")
     ap.add_argument("--out", default=str(OUT / "load.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--prepare", help=argparse.SUPPRESS)
@@ -299,6 +309,12 @@ def main(argv=None) -> int:
         return 0
 
     provider = PROVIDERS[args.provider]
+    config = {}
+    for item in args.session_config:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--session-config wants KEY=VALUE, got {item!r}")
+        config[key] = value
     manifest = _manifest()
     tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))
     rows = []
@@ -311,7 +327,7 @@ def main(argv=None) -> int:
             print(f"[{name}] compressing and packing ...", file=sys.stderr, flush=True)
             files = prepare_in_subprocess(name, tmp)
             base = {"threads": args.threads, "repeat": args.repeat, "n_feeds": args.feeds, "provider": provider,
-                    "feeds": str(CORPUS / entry["feeds"])}
+                    "feeds": str(CORPUS / entry["feeds"]), "config": config}
             variants = [("float.onnx", "plain"), ("q8.folded.onnx", "plain"), ("q8.onnx", "plain"),
                         ("float.onnxz", "fold"), ("q8.onnx", "fold"), ("q8.onnxz", "fold"),
                         ("q8.onnx", "int8"), ("q8.onnxz", "int8"), ("float.onnx", "int8"), ("q8.onnxz", "auto")]
@@ -332,9 +348,11 @@ def main(argv=None) -> int:
                 results[(key, how_key)] = r
             _summarise(name, entry["metric"], results, rows)
         if args.big_gb > 0:
-            _big(args, tmp, provider, rows)
+            _big(args, tmp, provider, rows, config)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if config:
+        print("onnxruntime session config on every row: " + ", ".join(f"{k}={v}" for k, v in config.items()))
     _print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args), "time": time.strftime("%Y-%m-%d %H:%M:%S")},
@@ -388,7 +406,7 @@ def _summarise(name, metric, results, rows):
         rows.append(row)
 
 
-def _big(args, tmp, provider, rows):
+def _big(args, tmp, provider, rows, config):
     print(f"[big] generating ~{args.big_gb} GB ...", file=sys.stderr, flush=True)
     path, weight_bytes = generate_big_model(tmp, args.big_gb)
     print("[big] packing ...", file=sys.stderr, flush=True)
@@ -399,9 +417,15 @@ def _big(args, tmp, provider, rows):
     pack_s = time.perf_counter() - t
     base = {"threads": args.threads, "repeat": 2, "n_feeds": 4, "provider": provider, "feeds": None, "big_width": 4096}
     results = {}
-    for key, p, how in (("big.onnx", path, "plain"), ("big.onnxz", packed, "fold")):
+    # the plain model also without onnxruntime's prepacking: fold mode turns it off for a model this
+    # big (runtime.PREPACK_AUTO_LIMIT), and onnxruntime's MatMul then sums in another order, so
+    # its outputs are compared with the plain session's that prepacks as it does (bit-equal) too
+    unpacked = {"session.disable_prepacking": "1"}
+    for key, p, how, extra in (("big.onnx", path, "plain", None), ("big.onnx", path, "plain-noprepack", unpacked),
+                                ("big.onnxz", packed, "fold", None)):
         print(f"[big] {key} {how}", file=sys.stderr, flush=True)
-        spec = dict(base, path=str(p), how=how, outputs=str(tmp / f"big.{how}.npz"))
+        spec = dict(base, path=str(p), how=how.split("-")[0], config=dict(config, **(extra or {})),
+                    outputs=str(tmp / f"big.{how}.npz"))
         r = run_worker(spec, timeout=3600)
         if "error" not in r:
             r["outputs"] = _read_outputs(spec["outputs"])
@@ -423,6 +447,9 @@ def _big(args, tmp, provider, rows):
                 row["added_x"] = r["added_mb"] / plain["added_mb"]
                 row["run_x"] = r["run_ms_median"] / plain["run_ms_median"]
                 row["maxabs_vs_plain"] = maxabs(plain["outputs"], r["outputs"])
+            same = results[("big.onnx", "plain" if r.get("prepack") in (None, True) else "plain-noprepack")]
+            if how == "fold" and "error" not in same:
+                row["maxabs_vs_plain_same_prepack"] = maxabs(same["outputs"], r["outputs"])
         rows.append(row)
 
 
@@ -449,7 +476,9 @@ def _print_table(rows):
     for r in rows:
         if "added_over_weights" in r:
             print(f"{r['model']} {r['file']} {r['mode']}: weights {r['weights_mb']:.0f} MB, packed {r['packed_mb']:.0f} MB "
-                  f"in {r['pack_s']:.1f} s; added peak = {r['added_over_weights']:.2f} x weights")
+                  f"in {r['pack_s']:.1f} s; added peak = {r['added_over_weights']:.2f} x weights; max |diff| vs plain "
+                  f"{_fmt(r.get('maxabs_vs_plain'), '.1e')}, vs plain prepacked as it is "
+                  f"{_fmt(r.get('maxabs_vs_plain_same_prepack'), '.1e')}")
 
 
 if __name__ == "__main__":

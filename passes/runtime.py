@@ -56,7 +56,12 @@ GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExec
 
 # prepack=None (auto) turns onnxruntime's weight prepacking off when the shared weights exceed this:
 # prepacking would hold a second copy of each MatMul weight (measured: 2x the weights), and the
-# large layers of such models run memory-bound, where prepacking gains little
+# large layers of such models run memory-bound, where prepacking gains little. Outputs then differ
+# from a prepacked session's in the last bits (not our weights: onnxruntime's MatMul without its
+# packed layout sums in another order; measured on bench/load.py's generated chain, 4096-wide
+# float32 MatMuls fed one row: max |difference| 5.5e-06 at 0.3 GB, 2.3e-05 at 3 GB, and 0 against a
+# plain session with session.disable_prepacking=1). prepack=True keeps them bit-equal to a default
+# plain session
 PREPACK_AUTO_LIMIT = 1 << 30
 
 # what the base class records as the model (it would keep real bytes alive for the session's life)
@@ -468,7 +473,9 @@ class InferenceSession(ort.InferenceSession):
     `mode_reason`, `dtype` (numpy dtype of the float weights), `weight_arrays` (name -> array
     the session keeps: the shared weights, onnxruntime's own buffers), `shared_names`,
     `op_counts` (main-graph operators handed to onnxruntime, e.g. MatMulNBits in int8 mode),
-    `prepack`, `skeleton_bytes` (size of the weight-free protobuf given to onnxruntime),
+    `prepack` (whether onnxruntime prepacks the weights: `prepack=None` turns it off when the
+    shared weights exceed PREPACK_AUTO_LIMIT, which moves outputs in the last bits against a
+    prepacked session: see there), `skeleton_bytes` (size of the weight-free protobuf given to onnxruntime),
     `notes` (list of lines: in int8/int4 mode, which weights were quantized how and which big
     float weights stay float, with why; in fold mode, the embedding tables kept 8-bit; also
     logged at INFO on "passes.runtime"), `fold_route`
