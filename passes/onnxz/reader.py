@@ -143,6 +143,7 @@ class _Xxh3_128:
 
 
 READ_RUN = 256 << 10  # _ans.c's READ_RUN: bytes of back-to-back chunks ans_decode_batch reads in one pread
+SPAN_READ = 1 << 20  # the scratch handed to ans_decode_batch: codecs.Scratch holds at least this much
 BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several threads share the work
 WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
 # small enough that hashing and writing find it still in cache (measured: 8 -> 4 MiB saves ~8% of unpack CPU)
@@ -519,8 +520,10 @@ class PackedFile:
         if self._buf is not None:
             failed = _decode_batch_c(self._buf, None, specs, *extra)
         else:
-            # room for READ_RUN: the C side reads chunks stored back to back in one pread
-            failed = _decode_batch_c(self._fd, codecs.scratch("input").get(max(READ_RUN, max(s[1] for s in specs))), specs, *extra)
+            # room for READ_RUN: the C side reads chunks stored back to back in one pread; and for
+            # SPAN_READ: a batch whose chunks lie within it is read in one pread and its 32-lane
+            # chunks decoded two at a time across it (the scratch is that large anyway)
+            failed = _decode_batch_c(self._fd, codecs.scratch("input").get(max(SPAN_READ, max(s[1] for s in specs))), specs, *extra)
         if failed is None or type(failed) is int:
             return failed
         i, code, message = failed
