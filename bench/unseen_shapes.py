@@ -27,6 +27,18 @@ layers picked out of it), not random draws, so that the quantizers see realistic
   initializers), already partly quantized per tensor by DequantizeLinear at opset 11 (scalar scale
   and zero point, no axis attribute) and per channel at opset 13 (axis attribute), as
   2019-2021 exporters and quantizers left them.
+- dec_qdq16 / dec_qdq_w4: dec_fp32 through the same quantizer with int16 activations (raised to
+  opset 21) and with int4 weights (com.microsoft QuantizeLinear / DequantizeLinear at opset 18).
+- dec_gqa / dec_mha: the decoder as onnxruntime-genai's builder writes it on contrib ops
+  (SkipSimplifiedLayerNormalization; GroupQueryAttention with rotary inside and 2 key/value heads,
+  or RotaryEmbedding + MultiHeadAttention); dec_mha_pertensor: dec_mha saved by onnx with every
+  tensor over 64 bytes in a file of its own (size_threshold, names sanitised to uuids by onnx).
+- bert_fused: a BERT as onnxruntime's optimizer fuses it when attention fusion works
+  (EmbedLayerNormalization, Attention with packed QKV weights, SkipLayerNormalization, BiasGelu).
+- opset23 (int4 blocks, float8 e4m3fn, bfloat16 weights), loops (weights inside Scan / Loop
+  bodies and read from the outer graph by a body), shared_output / shared_output_ir3 (one weight
+  read by a MatMul and a Gemm and also a graph output; at IR 3 listed as an input too): small
+  shapes with random weights.
 
     python bench/unseen_shapes.py OUT_FOLDER   # writes OUT_FOLDER/NAME/NAME.onnx (+ data files)
 """
@@ -301,8 +313,11 @@ def save_external_several(m: onnx.ModelProto, dst: Path, large: int = 65536) -> 
     onnx.checker.check_model(str(dst), full_check=True)
 
 
-def qdq(src: Path, dst: Path, feeds: list[dict]) -> None:
-    """onnxruntime's static quantizer, QDQ form, int8 activations and per-channel int8 weights."""
+def qdq(src: Path, dst: Path, feeds: list[dict], activations: str = "QInt8", weights: str = "QInt8") -> None:
+    """onnxruntime's static quantizer, QDQ form, per-channel weights; int8 activations and weights
+    unless told (QuantType names). 16-bit activations raise the model to opset 21 (onnx's int16
+    QuantizeLinear); 4-bit weights below opset 21 get com.microsoft QuantizeLinear /
+    DequantizeLinear nodes (int4 initializers), as the quantizer writes them."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     class Reader(CalibrationDataReader):
@@ -313,8 +328,8 @@ def qdq(src: Path, dst: Path, feeds: list[dict]) -> None:
             return next(self.it, None)
 
     quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    extra_options={"ActivationSymmetric": True})
+                    activation_type=QuantType[activations], weight_type=QuantType[weights],
+                    extra_options={"ActivationSymmetric": activations == "QInt8"})
     onnx.checker.check_model(str(dst), full_check=True)
 
 
@@ -446,11 +461,296 @@ def corpus_text_feeds(n=4) -> list[dict]:
     return [{k.split("/", 1)[1]: d[k] for k in d.files if k.split("/")[0] == str(i)} for i in range(n)]
 
 
+I32 = TensorProto.INT32
+
+
+def contrib_decoder(w=None, heads=HEADS, kv_heads=2, attention="gqa", max_pos=MAX_POS) -> onnx.ModelProto:
+    """A decoder as onnxruntime-genai's model builder writes it, on com.microsoft contrib ops:
+    SkipSimplifiedLayerNormalization (RMSNorm with the residual add; the first layer's norm from
+    primitives), attention="gqa": GroupQueryAttention with rotary inside (do_rotary, cos/sin caches
+    [max_pos, head_dim / 2]), fewer key/value heads than query heads, seqlens_k = ReduceSum(mask) - 1
+    and total_sequence_length = Shape(mask)[1] computed in the graph as the builder does;
+    attention="mha": RotaryEmbedding on q and k, then MultiHeadAttention (unidirectional, past
+    key/value in, present out; kv_heads must equal heads) fed position_ids. Opset 21, IR 10."""
+    w = {k: np.asarray(v, np.float32) for k, v in (w or _real_weights()).items()}
+    vocab, hidden = w["embed"].shape
+    layers = sum(1 for k in w if k.endswith(".q"))
+    head_dim = hidden // heads
+    b = _Builder(F)
+    cos, sin = _rotary_tables(head_dim, max_pos)
+    b.init("cos_cache", cos[:, :head_dim // 2].copy())
+    b.init("sin_cache", sin[:, :head_dim // 2].copy())
+    b.init("model.embed_tokens.weight", w["embed"])
+    h = b.op("Gather", ["model.embed_tokens.weight", "input_ids"], "embed")
+    summed = b.op("ReduceSum", [b.cast("attention_mask", I32), b.const_i64([1])], keepdims=0)
+    seqlens_k = b.op("Sub", [summed, b.init(b.name("one"), np.array(1, np.int32))])
+    total = b.cast(b.op("Gather", [b.op("Shape", ["attention_mask"]), b.init(b.name("i1"), np.array(1, np.int64))],
+                        axis=0), I32)
+    kv_dim = kv_heads * head_dim
+    outputs, residual = [], None
+
+    def skip_norm(x, skip, gamma_name, gamma):
+        out = b.op("SkipSimplifiedLayerNormalization", [x, skip, b.init(gamma_name, gamma)],
+                   outputs=[b.name("norm"), "", "", b.name("residual")], domain="com.microsoft", epsilon=1e-6)
+        return out[0], out[3]
+
+    for i in range(layers):
+        if i == 0:
+            x, residual = _rms_norm(b, h, f"model.layers.{i}.input_layernorm.weight", w[f"l{i}.norm1"], False), h
+        else:
+            x, residual = skip_norm(h, residual, f"model.layers.{i}.input_layernorm.weight", w[f"l{i}.norm1"])
+        q = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.q_proj.weight.T", w[f"l{i}.q"])])
+        k = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.k_proj.weight.T", w[f"l{i}.k"][:, :kv_dim].copy())])
+        v = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.v_proj.weight.T", w[f"l{i}.v"][:, :kv_dim].copy())])
+        past = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        present = [f"present.{i}.key", f"present.{i}.value"]
+        if attention == "gqa":
+            ctx = b.op("GroupQueryAttention", [q, k, v, *past, seqlens_k, total, "cos_cache", "sin_cache"],
+                       outputs=[b.name("attn"), *present], domain="com.microsoft", num_heads=heads,
+                       kv_num_heads=kv_heads, do_rotary=1)[0]
+        else:
+            q = b.op("RotaryEmbedding", [q, "position_ids", "cos_cache", "sin_cache"], domain="com.microsoft",
+                     num_heads=heads)
+            k = b.op("RotaryEmbedding", [k, "position_ids", "cos_cache", "sin_cache"], domain="com.microsoft",
+                     num_heads=kv_heads)
+            ctx = b.op("MultiHeadAttention", [q, k, v, "", "", "", *past], outputs=[b.name("attn"), *present],
+                       domain="com.microsoft", num_heads=heads, unidirectional=1)[0]
+        outputs += present
+        o = b.op("MatMul", [ctx, b.init(f"model.layers.{i}.attn.o_proj.weight.T", w[f"l{i}.o"])])
+        x, residual = skip_norm(o, residual, f"model.layers.{i}.post_attention_layernorm.weight", w[f"l{i}.norm2"])
+        g = b.op("MatMul", [x, b.init(f"model.layers.{i}.mlp.gate_proj.weight.T", w[f"l{i}.gate"])])
+        u = b.op("MatMul", [x, b.init(f"model.layers.{i}.mlp.up_proj.weight.T", w[f"l{i}.up"])])
+        act = b.op("Mul", [b.op("Mul", [g, b.op("Sigmoid", [g])]), u])
+        h = b.op("MatMul", [act, b.init(f"model.layers.{i}.mlp.down_proj.weight.T", w[f"l{i}.down"] * 0.5)])
+    x, _ = skip_norm(h, residual, "model.norm.weight", w["final_norm"])
+    b.op("MatMul", [x, b.init("lm_head.weight.T", w["embed"].T.copy())], outputs=["logits"])
+    # genai's names: the mask's axis is total_sequence_length, not written as a sum
+    batch, seq, past_len, total_len = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+    inputs = [helper.make_tensor_value_info("input_ids", I64, [batch, seq]),
+              helper.make_tensor_value_info("attention_mask", I64, [batch, total_len])]
+    if attention != "gqa":
+        inputs.append(helper.make_tensor_value_info("position_ids", I64, [batch, seq]))
+    inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.{p}", F, [batch, kv_heads, past_len, head_dim])
+               for i in range(layers) for p in ("key", "value")]
+    outs = [helper.make_tensor_value_info("logits", F, [batch, seq, vocab])] + [
+        helper.make_tensor_value_info(n, F, [batch, kv_heads, total_len, head_dim]) for n in outputs]
+    g = helper.make_graph(b.nodes, "main_graph", inputs, outs, b.inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                          producer_name="onnxruntime-genai")
+    m.ir_version = 10
+    return m
+
+
+def contrib_feeds(rng, attention="gqa", n=4, vocab=VOCAB, layers=LAYERS, kv_heads=2, head_dim=HEAD_DIM) -> list[dict]:
+    """5 new tokens after 3 cached ones; one sequence for GroupQueryAttention (its CPU kernel takes
+    batch 1 when new tokens meet a past), two for MultiHeadAttention (with position_ids)."""
+    past, seq = 3, 5
+    batch = 1 if attention == "gqa" else 2
+    out = []
+    for _ in range(n):
+        f = {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64),
+             "attention_mask": np.ones((batch, past + seq), np.int64)}
+        if attention != "gqa":
+            f["position_ids"] = np.broadcast_to(np.arange(past, past + seq), (batch, seq)).copy()
+        for i in range(layers):
+            for p in ("key", "value"):
+                f[f"past_key_values.{i}.{p}"] = rng.standard_normal((batch, kv_heads, past, head_dim)).astype(np.float32)
+        out.append(f)
+    return out
+
+
+def bert_fused(w=None, heads=HEADS, max_pos=512) -> onnx.ModelProto:
+    """A BERT encoder as onnxruntime.transformers' optimizer fuses it when attention fusion works:
+    EmbedLayerNormalization (int32 ids through Casts, its mask_index output), com.microsoft
+    Attention (q, k, v weights packed into one [H, 3H] initializer and bias [3H]),
+    SkipLayerNormalization with a bias, BiasGelu. Opset 14."""
+    w = {k: np.asarray(v, np.float32) for k, v in (w or _real_weights()).items()}
+    vocab, hidden = w["embed"].shape
+    layers = sum(1 for k in w if k.endswith(".q"))
+    rng = np.random.default_rng(5)
+    b = _Builder(F)
+
+    def small(*shape, scale=0.02):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    b.init("word_embeddings", w["embed"])
+    b.init("position_embeddings", small(max_pos, hidden))
+    b.init("token_type_embeddings", small(2, hidden))
+    b.init("embeddings.LayerNorm.weight", w["final_norm"])
+    b.init("embeddings.LayerNorm.bias", small(hidden))
+    ids, segments, mask = (b.cast(n, I32) for n in ("input_ids", "token_type_ids", "attention_mask"))
+    h, mask_index = b.op("EmbedLayerNormalization", [ids, segments, "word_embeddings", "position_embeddings",
+                         "token_type_embeddings", "embeddings.LayerNorm.weight", "embeddings.LayerNorm.bias", mask],
+                         outputs=[b.name("embedded"), b.name("mask_index")], domain="com.microsoft", epsilon=1e-12)
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        b.init(p + "attention.qkv.weight", np.concatenate([w[f"l{i}.q"], w[f"l{i}.k"], w[f"l{i}.v"]], axis=1))
+        b.init(p + "attention.qkv.bias", small(3 * hidden))
+        ctx = b.op("Attention", [h, p + "attention.qkv.weight", p + "attention.qkv.bias", mask_index],
+                   domain="com.microsoft", num_heads=heads)
+        o = b.op("MatMul", [ctx, b.init(p + "attention.output.dense.weight", w[f"l{i}.o"])])
+        h = b.op("SkipLayerNormalization", [o, h, b.init(p + "attention.output.LayerNorm.weight", w[f"l{i}.norm1"]),
+                 b.init(p + "attention.output.LayerNorm.bias", small(hidden)),
+                 b.init(p + "attention.output.dense.bias", small(hidden))], domain="com.microsoft", epsilon=1e-12)
+        up = b.op("MatMul", [h, b.init(p + "intermediate.dense.weight", w[f"l{i}.up"])])
+        act = b.op("BiasGelu", [up, b.init(p + "intermediate.dense.bias", small(w[f"l{i}.up"].shape[1]))],
+                   domain="com.microsoft")
+        down = b.op("MatMul", [act, b.init(p + "output.dense.weight", w[f"l{i}.down"] * 0.5)])
+        h = b.op("SkipLayerNormalization", [down, h, b.init(p + "output.LayerNorm.weight", w[f"l{i}.norm2"]),
+                 b.init(p + "output.LayerNorm.bias", small(hidden))], domain="com.microsoft", epsilon=1e-12)
+    b.op("Identity", [h], outputs=["last_hidden_state"])
+    inputs = [helper.make_tensor_value_info(n, I64, ["batch_size", "sequence_length"])
+              for n in ("input_ids", "attention_mask", "token_type_ids")]
+    outs = [helper.make_tensor_value_info("last_hidden_state", F, ["batch_size", "sequence_length", hidden])]
+    g = helper.make_graph(b.nodes, "torch_jit", inputs, outs, b.inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)],
+                          producer_name="onnxruntime.transformers")
+    m.ir_version = 7
+    return m
+
+
+def bert_feeds(rng, n=4, vocab=VOCAB) -> list[dict]:
+    """Two sentences of 7 tokens, the second padded after 5."""
+    out = []
+    for _ in range(n):
+        mask = np.ones((2, 7), np.int64)
+        mask[1, 5:] = 0
+        out.append({"input_ids": rng.integers(0, vocab, (2, 7)).astype(np.int64), "attention_mask": mask,
+                    "token_type_ids": np.zeros((2, 7), np.int64)})
+    return out
+
+
+def _scaled(rng, *shape):
+    return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+
+def opset23(seed=0, bfloat16_io=False) -> onnx.ModelProto:
+    """Opset 23 storage forms: an int4 weight quantized in blocks of 32 along K (DequantizeLinear
+    block_size, scales [2, N]), a float8 e4m3fn weight with a per-tensor scale, a bfloat16 weight
+    behind a Cast, a plain float32 one (random weights). bfloat16_io: a bfloat16 input added to x
+    and a bfloat16 copy of the output (onnxruntime's numpy API can feed and return neither)."""
+    import ml_dtypes
+    rng = np.random.default_rng(seed)
+    w1 = _scaled(rng, 64, 128)
+    s1 = (np.abs(w1).reshape(2, 32, 128).max(1) / 7).astype(np.float32)
+    q1 = np.clip(np.round(w1 / np.repeat(s1, 32, 0)), -8, 7).astype(np.int8)
+    w2 = _scaled(rng, 128, 64)
+    s2 = np.float32(np.abs(w2).max() / 448)
+    q2 = (w2 / s2).astype(ml_dtypes.float8_e4m3fn)
+    w3 = _scaled(rng, 64, 64).astype(ml_dtypes.bfloat16)
+    inits = [helper.make_tensor("w1_q", TensorProto.INT4, [64, 128], q1.ravel().tolist()),
+             numpy_helper.from_array(s1, "w1_s"),
+             TensorProto(name="w2_q", data_type=TensorProto.FLOAT8E4M3FN, dims=[128, 64], raw_data=q2.tobytes()),
+             numpy_helper.from_array(np.array(s2, np.float32), "w2_s"),
+             TensorProto(name="w3_bf16", data_type=TensorProto.BFLOAT16, dims=[64, 64], raw_data=w3.tobytes()),
+             numpy_helper.from_array(_scaled(rng, 64, 32), "w4")]
+    first = [helper.make_node("Cast", ["xb"], ["xb_f"], to=F), helper.make_node("Add", ["x", "xb_f"], ["x0"])] \
+        if bfloat16_io else [helper.make_node("Identity", ["x"], ["x0"])]
+    nodes = [helper.make_node("DequantizeLinear", ["w1_q", "w1_s"], ["w1"], axis=0, block_size=32),
+             helper.make_node("DequantizeLinear", ["w2_q", "w2_s"], ["w2"]),
+             helper.make_node("Cast", ["w3_bf16"], ["w3"], to=F), *first,
+             helper.make_node("MatMul", ["x0", "w1"], ["h1"]), helper.make_node("Relu", ["h1"], ["r1"]),
+             helper.make_node("MatMul", ["r1", "w2"], ["h2"]), helper.make_node("MatMul", ["h2", "w3"], ["h3"]),
+             helper.make_node("MatMul", ["h3", "w4"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", F, ["batch", 64])]
+    outputs = [helper.make_tensor_value_info("y", F, ["batch", 32])]
+    if bfloat16_io:
+        nodes.append(helper.make_node("Cast", ["y"], ["y_bf16"], to=TensorProto.BFLOAT16))
+        inputs.append(helper.make_tensor_value_info("xb", TensorProto.BFLOAT16, ["batch", 64]))
+        outputs.append(helper.make_tensor_value_info("y_bf16", TensorProto.BFLOAT16, ["batch", 32]))
+    m = helper.make_model(helper.make_graph(nodes, "op23", inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", 23)])
+    m.ir_version = 11
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def opset23_feeds(rng, n=4, bfloat16_io=False) -> list[dict]:
+    import ml_dtypes
+    return [{"x": rng.standard_normal((3, 64)).astype(np.float32),
+             **({"xb": rng.standard_normal((3, 64)).astype(ml_dtypes.bfloat16)} if bfloat16_io else {})}
+            for _ in range(n)]
+
+
+def loops(seed=0) -> onnx.ModelProto:
+    """A Scan whose body holds its own weight and reads one from the outer graph, then a Loop whose
+    body holds a weight (opset 17, random weights). The Loop's weight reaches only the second
+    output."""
+    rng = np.random.default_rng(seed)
+    scan_body = helper.make_graph(
+        [helper.make_node("MatMul", ["s_in", "scan_inner_w"], ["a"]),
+         helper.make_node("MatMul", ["x_t", "scan_outer_w"], ["b"]),
+         helper.make_node("Add", ["a", "b"], ["c"]), helper.make_node("Tanh", ["c"], ["s_out"]),
+         helper.make_node("Identity", ["s_out"], ["y_t"])],
+        "scan_body", [helper.make_tensor_value_info("s_in", F, [1, 32]), helper.make_tensor_value_info("x_t", F, [1, 32])],
+        [helper.make_tensor_value_info("s_out", F, [1, 32]), helper.make_tensor_value_info("y_t", F, [1, 32])],
+        [numpy_helper.from_array(_scaled(rng, 32, 32), "scan_inner_w")])
+    outer_w = numpy_helper.from_array(_scaled(rng, 32, 32), "scan_outer_w")
+    loop_body = helper.make_graph(
+        [helper.make_node("MatMul", ["l_in", "loop_w"], ["l_mm"]), helper.make_node("Tanh", ["l_mm"], ["l_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "loop_body", [helper.make_tensor_value_info("iter", I64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                      helper.make_tensor_value_info("l_in", F, [1, 32])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("l_out", F, [1, 32])],
+        [numpy_helper.from_array(_scaled(rng, 32, 32), "loop_w")])
+    nodes = [helper.make_node("Scan", ["h0", "xs"], ["h_last", "ys"], num_scan_inputs=1, body=scan_body),
+             helper.make_node("Loop", ["trips", "", "h_last"], ["z"], body=loop_body)]
+    g = helper.make_graph(nodes, "loops", [helper.make_tensor_value_info("h0", F, [1, 32]),
+                                           helper.make_tensor_value_info("xs", F, ["steps", 1, 32])],
+                          [helper.make_tensor_value_info("ys", F, ["steps", 1, 32]), helper.make_tensor_value_info("z", F, [1, 32])],
+                          [outer_w, numpy_helper.from_array(np.array(3, np.int64), "trips")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def loops_feeds(rng, n=4) -> list[dict]:
+    return [{"h0": rng.standard_normal((1, 32)).astype(np.float32),
+             "xs": rng.standard_normal((6, 1, 32)).astype(np.float32)} for _ in range(n)]
+
+
+def shared_output(ir3=False, seed=0) -> onnx.ModelProto:
+    """One weight read by a MatMul and by a Gemm (transB) and also a graph output; ir3: IR 3 /
+    opset 9, every initializer listed as a graph input too (a default value a feed could replace)."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(_scaled(rng, 64, 64), "shared_w"),
+             numpy_helper.from_array((rng.standard_normal(64) * 0.1).astype(np.float32), "bias")]
+    nodes = [helper.make_node("MatMul", ["x", "shared_w"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "shared_w", "bias"], ["y"], transB=1)]
+    inputs = [helper.make_tensor_value_info("x", F, [4, 64])]
+    if ir3:
+        inputs += [helper.make_tensor_value_info("shared_w", F, [64, 64]), helper.make_tensor_value_info("bias", F, [64])]
+    g = helper.make_graph(nodes, "shared", inputs, [helper.make_tensor_value_info("y", F, [4, 64]),
+                                                     helper.make_tensor_value_info("shared_w", F, [64, 64])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9 if ir3 else 17)])
+    m.ir_version = 3 if ir3 else 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def shared_feeds(rng, n=4) -> list[dict]:
+    return [{"x": rng.standard_normal((4, 64)).astype(np.float32)} for _ in range(n)]
+
+
 NAMES = ("dec_fp32", "dec_fp16", "dec_bf16", "dec_extdata", "dec_qdq", "dec_nbits", "legacy_op11", "legacy_op13",
-         "minilm_ortopt", "minilm_ortopt16")
+         "minilm_ortopt", "minilm_ortopt16", "dec_qdq16", "dec_qdq_w4", "dec_gqa", "dec_mha", "bert_fused",
+         "dec_mha_pertensor", "opset23", "loops", "shared_output", "shared_output_ir3")
 
 
 def feeds_for(name: str, rng, n=4) -> list[dict]:
+    if name == "dec_gqa":
+        return contrib_feeds(rng, "gqa", n)
+    if name.startswith("dec_mha"):
+        return contrib_feeds(rng, "mha", n, kv_heads=HEADS)
+    if name == "bert_fused":
+        return bert_feeds(rng, n)
+    if name == "opset23":
+        return opset23_feeds(rng, n)
+    if name == "loops":
+        return loops_feeds(rng, n)
+    if name.startswith("shared_output"):
+        return shared_feeds(rng, n)
     if name.startswith("minilm_ortopt"):
         return corpus_text_feeds(n)
     if name.startswith("legacy"):
@@ -477,6 +777,21 @@ def build(out: Path) -> dict[str, Path]:
     onnx.save(legacy(13), str(paths["legacy_op13"]))
     ort_optimized(paths["minilm_ortopt"], float16=False)
     ort_optimized(paths["minilm_ortopt16"], float16=True)
+    calibration = feeds_for("dec_qdq", np.random.default_rng(1), 8)
+    qdq(paths["dec_fp32"], paths["dec_qdq16"], calibration, activations="QInt16")
+    qdq(paths["dec_fp32"], paths["dec_qdq_w4"], calibration, activations="QUInt8", weights="QInt4")
+    onnx.save(contrib_decoder(w, attention="gqa"), str(paths["dec_gqa"]))
+    mha = contrib_decoder(w, kv_heads=HEADS, attention="mha")
+    onnx.save(mha, str(paths["dec_mha"]))
+    # onnx's own per-tensor layout: every tensor over 64 bytes in a file named after it (or a uuid
+    # where the name is no file name: '/const_3'), as size_threshold writes models past 2 GB
+    onnx.save_model(mha, str(paths["dec_mha_pertensor"]), save_as_external_data=True,
+                    all_tensors_to_one_file=False, size_threshold=64)
+    onnx.save(bert_fused(w), str(paths["bert_fused"]))
+    onnx.save(opset23(), str(paths["opset23"]))
+    onnx.save(loops(), str(paths["loops"]))
+    onnx.save(shared_output(), str(paths["shared_output"]))
+    onnx.save(shared_output(ir3=True), str(paths["shared_output_ir3"]))
     return paths
 
 
