@@ -968,7 +968,7 @@ def damaging_decoder(monkeypatch):
     (the first byte of every window: skeleton bytes)."""
     from passes.onnxz.reader import PackedFile
 
-    fill = PackedFile._fill
+    fill, whole = PackedFile._fill, PackedFile._whole_file_tasks
 
     def bad_fill(self, window, items, skel):
         tasks = fill(self, window, items, skel)
@@ -976,7 +976,14 @@ def damaging_decoder(monkeypatch):
             window[0] ^= 0x40
         return tasks
 
+    def bad_whole(self, fe, window, skel):  # (a file in one window on one thread: _fill is not used)
+        tasks = whole(self, fe, window, skel)
+        if window.size:
+            window[0] ^= 0x40
+        return tasks
+
     monkeypatch.setattr(PackedFile, "_fill", bad_fill)
+    monkeypatch.setattr(PackedFile, "_whole_file_tasks", bad_whole)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -1098,14 +1105,20 @@ def test_golden_digest_files_check_their_xxh3(tmp_path, monkeypatch):
                 data = (out / f["name"]).read_bytes() if f["name"] in want else (out / Path(f["name"]).name).read_bytes()
                 assert hashlib.sha256(data).hexdigest() == f["sha256"] in want.values()
                 assert xxhash.xxh3_128(data).hexdigest() == f["xxh3_128"]
-    fill = PackedFile._fill
+    fill, whole = PackedFile._fill, PackedFile._whole_file_tasks
 
     def bad_fill(self, window, items, skel):
         tasks = fill(self, window, items, skel)
         window[-1:] ^= 1
         return tasks
 
+    def bad_whole(self, fe, window, skel):
+        tasks = whole(self, fe, window, skel)
+        window[-1:] ^= 1
+        return tasks
+
     monkeypatch.setattr(PackedFile, "_fill", bad_fill)
+    monkeypatch.setattr(PackedFile, "_whole_file_tasks", bad_whole)
     with pytest.raises(CorruptFileError, match="does not match its xxh3_128"):
         passes.load(GOLDEN_DIGEST[0])
 

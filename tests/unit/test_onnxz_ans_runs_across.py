@@ -111,3 +111,33 @@ def test_a_damaged_chunk_anywhere_is_refused_as_in_turn(how, tmp_path):
         with open(path, "rb") as f:
             got = reader._decode_batch_c(f.fileno(), np.empty(reader.SPAN_READ, np.uint8), tasks)
         assert (None if got is None else tuple(got)) == want, (how, victim, "file")
+
+
+def test_a_file_in_one_window_restores_as_in_windows(tmp_path, monkeypatch):
+    """reader._whole_file_tasks (a file that fits one window, one thread) makes the bytes the
+    windowed path (_windows / _fill / _tasks) makes, and is the path taken."""
+    import passes
+
+    rng = np.random.default_rng(2)
+    import onnx
+    from onnx import helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.clip(np.round(rng.laplace(0, s, n)), -127, 127).astype(np.int8), f"w{i}")
+             for i, (n, s) in enumerate([(20000, 3), (12288, 20), (24576, 60), (600, 2), (40000, 20)])]
+    inits.append(numpy_helper.from_array(rng.standard_normal(3000).astype(np.float32), "f"))
+    graph = helper.make_graph([helper.make_node("Identity", ["f"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3000])], inits)
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), src)
+    packed = tmp_path / "m.onnxz"
+    passes.pack(src, packed)
+    calls = []
+    whole = reader.PackedFile._whole_file_tasks
+    monkeypatch.setattr(reader.PackedFile, "_whole_file_tasks", lambda *a: calls.append(1) or whole(*a))
+    passes.unpack(packed, tmp_path / "one.onnx", threads=1)
+    assert calls == [1]
+    assert (tmp_path / "one.onnx").read_bytes() == src.read_bytes()
+    monkeypatch.setattr(reader, "WINDOW_BYTES", src.stat().st_size // 3)  # three windows: the windowed path
+    passes.unpack(packed, tmp_path / "three.onnx", threads=1)
+    assert calls == [1]
+    assert (tmp_path / "three.onnx").read_bytes() == src.read_bytes()
