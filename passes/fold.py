@@ -108,6 +108,9 @@ def _check_opset(node: onnx.NodeProto, opset: int, arrays: list) -> None:
 
 register_folder("DequantizeLinear", _fold_dequantize_linear)
 register_folder("DequantizeLinear", _fold_dequantize_linear, domain="ai.onnx")
+# onnxruntime's quantizer writes its Q/DQ pairs in its own domain below opset 21 (int4 / int16 weights);
+# the contrib op has onnx's semantics (per tensor, or per axis with axis defaulting to 1; no blocks)
+register_folder("DequantizeLinear", _fold_dequantize_linear, domain="com.microsoft")
 
 _CACHE_BELOW = 1 << 20  # decoded inputs kept for other nodes up to this size (bytes)
 

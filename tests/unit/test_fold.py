@@ -279,3 +279,26 @@ def test_fold_to_float16_keeps_weights_beyond_its_range():
     out = ort.InferenceSession(f.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     ref = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert np.isfinite(out).all() and np.allclose(out, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("q_type,form", [(TP.INT8, "tensor"), (TP.UINT8, "channel0"), (TP.INT4, "channel2"),
+                                         (TP.UINT4, "tensor"), (TP.INT16, "channel0")])
+def test_fold_contrib_domain_dequantize(q_type, form):
+    """onnxruntime's quantizer writes com.microsoft DequantizeLinear below opset 21 (int4, int16 weights):
+    folded like onnx's, bit for bit with onnxruntime's contrib kernel."""
+    model = _dq_model(TP.INT8 if q_type == TP.INT16 else q_type, TP.FLOAT, form, with_zp=True, seed=3)
+    if q_type == TP.INT16:  # levels beyond int8's range
+        for t in model.graph.initializer:
+            if t.name in ("q", "z"):
+                a = tensor_to_array(t).astype(np.int16) * 97
+                t.CopyFrom(array_to_tensor(a, t.name, TP.INT16))
+    model.graph.node[0].domain = "com.microsoft"
+    model.opset_import.extend([helper.make_opsetid("com.microsoft", 1)])
+    del model.opset_import[0]
+    model.opset_import.insert(0, helper.make_opsetid("", 18))
+    model.ir_version = 9
+    want = _ort(model)
+    folded = fold_dequantize(model)
+    assert not any(n.op_type == "DequantizeLinear" for n in folded.graph.node)
+    onnx.checker.check_model(folded, full_check=True)
+    np.testing.assert_array_equal(_ort(folded), want)
