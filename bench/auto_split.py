@@ -26,6 +26,10 @@ model and its report there, to break it down again without a new search.
 
     SURGEON_CORPUS=/tmp/h2/corpus python bench/auto_split.py --only open_nsfw,rapidocr_cls \
         [--splits first,second] [--top 12] [--json bench/out/auto_split.json]
+
+--target 'cosine>=0.9868' runs the auto mode at that target instead of part b's (on the models whose metric
+it names): e.g. minilm_fp32 at quantize_dynamic's held-out fidelity, or a lower target to see what held-out
+fidelity a model keeps at the size criterion.
 """
 from __future__ import annotations
 
@@ -237,7 +241,7 @@ def print_kinds(kb):
         print(f"  | {label} | | | {kb[key]} | {100 * kb[key] / total:.1f}% | |")
 
 
-def run_split(entry, split, tmp, keep=None):
+def run_split(entry, split, tmp, keep=None, target=None):
     from passes.fidelity import evaluate, load_feeds
 
     name, metric = entry["name"], entry["metric"]
@@ -246,7 +250,7 @@ def run_split(entry, split, tmp, keep=None):
     feeds = load_feeds(feeds_path if feeds_path.exists() else CORPUS / name / "feeds.npz")
     calib, held = split_feeds(feeds, split)
     margs = entry.get("metric_args")
-    target = TARGETS[metric]
+    target = target or TARGETS[metric]
     c0 = time.process_time()
     model, rep = passes.compress(str(src), target=target, feeds=calib, metric_args=margs)
     cpu = time.process_time() - c0
@@ -297,13 +301,22 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="largest weights listed per model")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", default=None, help="folder to save each auto model (.onnx) and its report in")
+    ap.add_argument("--target", default=None,
+                    help="the auto target instead of part b's (e.g. 'cosine>=0.9868', quantize_dynamic's held-out "
+                         "fidelity on minilm_fp32); only models whose metric it names are run")
     args = ap.parse_args()
     only = args.only.split(",")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for e in corpus_entries(only):
+        entries = corpus_entries(only)
+        if args.target:
+            from passes.fidelity import parse_requirement
+
+            wanted = parse_requirement(args.target).metric  # refuses a malformed target before any run
+            entries = [e for e in entries if e["metric"] == wanted]
+        for e in entries:
             for split in args.splits.split(","):
-                r = run_split(e, split, tmp, args.keep)
+                r = run_split(e, split, tmp, args.keep, args.target)
                 rows.append(r)
                 print_row(r, args.top)
     print("\n| model | split | auto packed | held-out value | met | auto CPU s |")
