@@ -454,7 +454,9 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
         if any(a is None for a, i in zip(arrays, node.input) if i):
             continue
         fn = folders.get((node.domain or "", node.op_type), _local_dq)
-        if node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx"):
+        # (com.microsoft's DequantizeLinear, onnxruntime's quantizer's below opset 21, means what
+        # onnx's does and has no block_size: its 8-bit weights take the kernel too)
+        if node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx", "com.microsoft"):
             if decode is not None and decode.order(arrays[0]) >= 0:
                 for a in arrays[1:]:  # (scales and zero points: small, decoded first if coded at all)
                     if a is not None:

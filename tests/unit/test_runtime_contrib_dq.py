@@ -53,3 +53,19 @@ def test_fold_session_folds_contrib_dequantize_as_fold_does(files, which):
     reference = ort.InferenceSession(folded.SerializeToString(), providers=CPU)
     x = {"x": np.random.default_rng(2).standard_normal((2, 256)).astype(np.float32)}
     np.testing.assert_array_equal(session.run(None, x)[0], reference.run(None, x)[0])
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["onnx", "onnxz"])
+def test_contrib_8bit_weights_take_the_one_pass_kernel(files, which, monkeypatch):
+    import passes.runtime_fold as runtime_fold
+
+    calls = []
+    kernel = runtime_fold._dequantize
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_fold, "_dequantize", counting)
+    passes.InferenceSession(str(files[which]), providers=CPU, mode="fold")
+    assert sorted(calls) == [(128, 64), (256, 128)]
