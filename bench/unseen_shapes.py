@@ -32,7 +32,9 @@ layers picked out of it), not random draws, so that the quantizers see realistic
 - dec_gqa / dec_mha: the decoder as onnxruntime-genai's builder writes it on contrib ops
   (SkipSimplifiedLayerNormalization; GroupQueryAttention with rotary inside and 2 key/value heads,
   or RotaryEmbedding + MultiHeadAttention); dec_mha_pertensor: dec_mha saved by onnx with every
-  tensor over 64 bytes in a file of its own (size_threshold, names sanitised to uuids by onnx).
+  tensor over 64 bytes in a file of its own (size_threshold, names sanitised to uuids by onnx);
+  dec_gqa16: dec_gqa through onnxruntime's float16 converter (float32 inputs / outputs; its Casts
+  leave the graph unsorted); dec_gqa_nbits: dec_gqa with MatMulNBits (genai's int4 CPU models).
 - bert_fused: a BERT as onnxruntime's optimizer fuses it when attention fusion works
   (EmbedLayerNormalization, Attention with packed QKV weights, SkipLayerNormalization, BiasGelu).
 - opset23 (int4 blocks, float8 e4m3fn, bfloat16 weights), loops (weights inside Scan / Loop
@@ -559,6 +561,15 @@ def contrib_feeds(rng, attention="gqa", n=4, vocab=VOCAB, layers=LAYERS, kv_head
     return out
 
 
+def float16_keep_io(m: onnx.ModelProto) -> onnx.ModelProto:
+    """`m` through onnxruntime.transformers' float16 converter with float32 inputs / outputs
+    (keep_io_types), as optimum's O4 level writes it. On a model whose float inputs feed contrib
+    ops (GroupQueryAttention's past key / value) it appends the inputs' Casts after their readers:
+    the graph is not topologically sorted, which onnxruntime runs and onnx.checker refuses."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    return convert_float_to_float16(onnx.ModelProto.FromString(m.SerializeToString()), keep_io_types=True)
+
+
 def bert_fused(w=None, heads=HEADS, max_pos=512) -> onnx.ModelProto:
     """A BERT encoder as onnxruntime.transformers' optimizer fuses it when attention fusion works:
     EmbedLayerNormalization (int32 ids through Casts, its mask_index output), com.microsoft
@@ -735,11 +746,11 @@ def shared_feeds(rng, n=4) -> list[dict]:
 
 NAMES = ("dec_fp32", "dec_fp16", "dec_bf16", "dec_extdata", "dec_qdq", "dec_nbits", "legacy_op11", "legacy_op13",
          "minilm_ortopt", "minilm_ortopt16", "dec_qdq16", "dec_qdq_w4", "dec_gqa", "dec_mha", "bert_fused",
-         "dec_mha_pertensor", "opset23", "loops", "shared_output", "shared_output_ir3")
+         "dec_mha_pertensor", "dec_gqa16", "dec_gqa_nbits", "opset23", "loops", "shared_output", "shared_output_ir3")
 
 
 def feeds_for(name: str, rng, n=4) -> list[dict]:
-    if name == "dec_gqa":
+    if name.startswith("dec_gqa"):
         return contrib_feeds(rng, "gqa", n)
     if name.startswith("dec_mha"):
         return contrib_feeds(rng, "mha", n, kv_heads=HEADS)
@@ -780,7 +791,10 @@ def build(out: Path) -> dict[str, Path]:
     calibration = feeds_for("dec_qdq", np.random.default_rng(1), 8)
     qdq(paths["dec_fp32"], paths["dec_qdq16"], calibration, activations="QInt16")
     qdq(paths["dec_fp32"], paths["dec_qdq_w4"], calibration, activations="QUInt8", weights="QInt4")
-    onnx.save(contrib_decoder(w, attention="gqa"), str(paths["dec_gqa"]))
+    gqa = contrib_decoder(w, attention="gqa")
+    onnx.save(gqa, str(paths["dec_gqa"]))
+    onnx.save(float16_keep_io(gqa), str(paths["dec_gqa16"]))
+    onnx.save(matmul_nbits(gqa), str(paths["dec_gqa_nbits"]))  # onnxruntime-genai's int4 CPU shape
     mha = contrib_decoder(w, kv_heads=HEADS, attention="mha")
     onnx.save(mha, str(paths["dec_mha"]))
     # onnx's own per-tensor layout: every tensor over 64 bytes in a file named after it (or a uuid

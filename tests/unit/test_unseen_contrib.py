@@ -1,7 +1,8 @@
 """More shapes users ship that the other tests do not build (bench/unseen_shapes.py, small and with
 random weights here): onnxruntime's static QDQ quantizer with 16-bit activations (opset 21) and
 with 4-bit weights (com.microsoft QuantizeLinear / DequantizeLinear over int4 initializers); a
-decoder on com.microsoft GroupQueryAttention (rotary inside, fewer key/value heads) and one on
+decoder on com.microsoft GroupQueryAttention (rotary inside, fewer key/value heads; also through
+onnxruntime's float16 converter, which leaves the graph unsorted, and with MatMulNBits) and one on
 RotaryEmbedding + MultiHeadAttention, both with SkipSimplifiedLayerNormalization, the second also
 over onnx's per-tensor external files; a BERT as onnxruntime's optimizer fuses it
 (EmbedLayerNormalization, Attention with packed QKV weights, SkipLayerNormalization, BiasGelu);
@@ -86,6 +87,10 @@ def made(tmp_path_factory):
                       shapes.contrib_feeds(rng, "gqa", 2, vocab=256, layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM))
     mha = shapes.contrib_decoder(w, heads=HEADS, kv_heads=HEADS, attention="mha", max_pos=160)
     mha_feeds = shapes.contrib_feeds(rng, "mha", 2, vocab=256, layers=2, kv_heads=HEADS, head_dim=HEAD_DIM)
+    gqa, gqa_feeds = out["dec_gqa"]
+    gqa = onnx.load(str(gqa))
+    out["dec_gqa16"] = (put("dec_gqa16", shapes.float16_keep_io(gqa)), gqa_feeds)
+    out["dec_gqa_nbits"] = (put("dec_gqa_nbits", shapes.matmul_nbits(gqa)), gqa_feeds)
     out["dec_mha"] = (put("dec_mha", mha), mha_feeds)
     out["dec_mha_pertensor"] = (put("dec_mha_pertensor", mha, save_as_external_data=True,
                                     all_tensors_to_one_file=False, size_threshold=64), mha_feeds)
@@ -107,7 +112,7 @@ def made(tmp_path_factory):
     return out
 
 
-FLOAT_MODELS = ["dec_gqa", "dec_mha", "dec_mha_pertensor", "bert_fused", "opset23", "loops", "shared_output",
+FLOAT_MODELS = ["dec_gqa", "dec_gqa16", "dec_gqa_nbits", "dec_mha", "dec_mha_pertensor", "bert_fused", "opset23", "loops", "shared_output",
                 "shared_output_ir3"]
 
 
@@ -118,6 +123,12 @@ def test_the_shapes_are_what_they_claim(made):
 
     got, _ = ops("dec_gqa")
     assert {("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization")} <= got
+    # the converter's input Casts come after their readers: onnx.checker refuses the model, onnxruntime
+    # runs it; quantize_weights sorts it (test_every_path checks its output with full_check)
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(str(made["dec_gqa16"][0]))
+    got, _ = ops("dec_gqa_nbits")
+    assert ("com.microsoft", "MatMulNBits") in got and ("com.microsoft", "GroupQueryAttention") in got
     got, _ = ops("dec_mha")
     assert {("com.microsoft", "MultiHeadAttention"), ("com.microsoft", "RotaryEmbedding")} <= got
     _, m = ops("dec_mha_pertensor")
