@@ -21,7 +21,12 @@ bench/unseen_shapes.py, built from the corpus's MiniLM weights into $SURGEON_UNS
 optimum-style decoder with past key/values (float32, float16 with float32 islands, bfloat16
 weights, weights over several external files, QDQ-quantized, MatMulNBits), MiniLM through onnxruntime's
 transformer optimizer (contrib ops) in float32 and float16, and a conv net with its weights in
-Constant nodes at opsets 11 and 13.
+Constant nodes at opsets 11 and 13; the decoder QDQ-quantized with int16 activations and with int4
+weights (com.microsoft Q/DQ), on GroupQueryAttention (float32, float16 through onnxruntime's
+converter, with MatMulNBits) and on RotaryEmbedding + MultiHeadAttention (also over onnx's
+per-tensor external files), a fused BERT (EmbedLayerNormalization, Attention), opset 23 int4 /
+float8 / bfloat16 weights, Scan / Loop body weights, and a weight shared by two nodes that is also a
+graph output (IR 8 and IR 3).
 
 For each model and each path (the command's compress at int8 / 4-bit blocks / 6 bits / packed /
 auto with and without feeds, palettize, fold_dequantize to the stored / float16 / float32 dtype,
