@@ -160,6 +160,10 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     if densified and report is not None:
         report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses "
                     "standard ops fed by a sparse tensor)")
+    # onnxruntime runs graphs whose nodes are out of order (a float16 converter appends its input
+    # Casts after their readers); the checker does not, and every pass leaves a model it takes
+    if graph.toposort(out) and report is not None:
+        report.note("nodes sorted topologically (the input graph was not)")
     weights, graphs = graph.find_weights(out)
     names = graph.NameAllocator(graph.all_names(out))
     opset = graph.default_opset(out)
