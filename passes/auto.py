@@ -124,10 +124,6 @@ TOP1_TIE_RISK = True  # agreement targets >= 0.98 held by TieRisk (False: the TO
 # bench/auto_split.py (calibrated on one half of the corpus feeds, packed and measured on the other; first / reversed
 # split; top1 1.0 held out in every row; load 6-16): open_nsfw 17.77 / 40.19% -> 17.58 / 19.53%, open_nsfw_fp16
 # 31.50 / 54.03% -> 31.50 / 37.42%, rapidocr_cls 23.21 / 26.82% -> 23.08 / 27.20%
-TOP1_TIE_RISK_BELOW = True  # top-1 targets below 0.98 held by TieRisk too (False: calibration agreement alone, margined
-# halfway to 1). Why: on 24 calibration feeds top1>=0.95 asked every decision to agree there and nothing about how close
-# they came; open_nsfw came to 7.25% (first split; bench/auto_split.py --target) with held-out top1 0.875, as did
-# open_nsfw_fp16 (14.35%, 0.875): the target missed held out
 TOP1_TIE_DENSITY = 0.125  # agreement targets on softmax/sigmoid logits (TieRisk): the density, per nat of top-1
 # margin, of held-out inputs near a tie assumed beyond those the calibration shows ...
 TOP1_TIE_DENSITY_REL = 0.6  # ... at most this many per RMS calibration margin (0.6: the 40 dB TOP1_SNR_DB floor on a
@@ -972,17 +968,15 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     # agreement targets on logits: the expected held-out flips from the margin errors (TieRisk)
     # instead of the SNR floor (ctc keeps the floor)
     tie, tie_budget = None, None
-    low_top1 = TOP1_TIE_RISK_BELOW and floor is None and any(r.metric == "top1" for r in reqs)
-    if TOP1_TIE_RISK and (floor is not None or low_top1) and not any(r.metric == "ctc" for r in reqs):
+    if TOP1_TIE_RISK and floor is not None and not any(r.metric == "ctc" for r in reqs):
         tie = TieRisk.of([px[:1] for px in proxy_outputs(ref, proxy_plan)], [outs[0] for outs in ref],
                          nats=proxy_plan[0][0] >= n_out)
         if tie is not None:
-            instead = f" instead of the {TOP1_SNR_DB:g} dB floor" if floor is not None else ""
             floor = None
             tie_budget = 1.0 - max(r.threshold for r in search_reqs if r.metric == "top1")
             notes.append(f"top-1 agreement held by the expected flips of held-out decisions from their margin errors "
                          f"(at most {tie_budget:.3g}; near-tie density {tie.density:.3g} per unit of margin "
-                         f"beyond the feeds' own){instead}")
+                         f"beyond the feeds' own) instead of the {TOP1_SNR_DB:g} dB floor")
 
     def tie_ok(sigma):
         return tie.risk(sigma) <= tie_budget
