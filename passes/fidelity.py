@@ -66,6 +66,8 @@ def feed_list(feeds, model, why: str, *, check: bool = False) -> list[Feed]:
             check_feeds(model, feeds)
     if not feeds:
         raise InvalidArgumentError(f"feeds: at least one feed is needed{why}")
+    if isinstance(model, onnx.ModelProto):
+        check_feedable(model)
     return feeds
 
 
@@ -196,6 +198,33 @@ DEFAULT_DIM = 64
 INT_TOKEN_RANGE = 100  # token ids and other integer inputs: values in [0, 100), valid for any vocabulary >= 100
 
 
+# element types onnxruntime's Python API takes no numpy array for (it has no numpy dtype for them):
+# a model reading one as a graph input cannot be run on feeds from Python, so no fidelity is measured
+_UNFEEDABLE_TYPES = {
+    onnx.TensorProto.BFLOAT16: "tensor(bfloat16)",
+    onnx.TensorProto.FLOAT8E4M3FN: "tensor(float8e4m3fn)",
+    onnx.TensorProto.FLOAT8E4M3FNUZ: "tensor(float8e4m3fnuz)",
+    onnx.TensorProto.FLOAT8E5M2: "tensor(float8e5m2)",
+    onnx.TensorProto.FLOAT8E5M2FNUZ: "tensor(float8e5m2fnuz)",
+    onnx.TensorProto.INT4: "tensor(int4)",
+    onnx.TensorProto.UINT4: "tensor(uint4)",
+}
+
+
+def _unfeedable(name: str, elem_type: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"input {name!r} is {onnx.TensorProto.DataType.Name(elem_type)}: onnxruntime's Python API cannot be fed that type, so fidelity cannot be "
+        "measured on this model (compressing it without a fidelity target works)")
+
+
+def check_feedable(model: onnx.ModelProto) -> None:
+    """InvalidArgumentError naming the first graph input of a type onnxruntime's Python API cannot
+    be fed (bfloat16, float8, int4): no feeds, given or synthesised, can run such a model."""
+    for vi in model_inputs(model):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in _UNFEEDABLE_TYPES:
+            raise _unfeedable(vi.name, vi.type.tensor_type.elem_type)
+
+
 def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM,
                      inner_batch: bool = False) -> list[Feed]:
     """`n` random feeds built from the model's input specs, the same for the same seed.
@@ -220,6 +249,7 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
                   for d in vi.type.tensor_type.shape.dim
                   if d.dim_param and graph.dim_expression_names(d.dim_param) is None}
     sums = []
+    check_feedable(model)
     for vi in model_inputs(model):
         if not vi.type.HasField("tensor_type"):
             raise InvalidArgumentError(f"cannot synthesise input {vi.name!r}: not a tensor (pass --feeds)")
@@ -475,6 +505,9 @@ def _conform(feed: Feed, session, index: int) -> Feed:
     for name, value in feed.items():
         value = np.asarray(value)
         spec = expected.get(name)
+        unfeedable = [t for t, ort_name in _UNFEEDABLE_TYPES.items() if spec is not None and spec.type == ort_name]
+        if unfeedable:
+            raise _unfeedable(name, unfeedable[0])
         want = _ORT_TYPES.get(spec.type) if spec is not None else None
         if want is not None and value.dtype != want:
             want = np.dtype(want)
@@ -826,6 +859,26 @@ class FidelityResult:
         return " | ".join(parts) + f" on {where}"
 
 
+# an output this many dB below output 0 is named in a note: top1, cosine and ctc read output 0
+# only, so a weight reaching only another output (a detector's boxes beside its scores, a loop's
+# second result) can move it far without any of them seeing it
+OTHER_OUTPUT_NOTE_DB = 10.0
+
+
+def _outputs_beside_output0(ref, cand, names: list[str]) -> list[str]:
+    energies = _output_energies(ref, cand)
+    if energies is None or len(energies) < 2:
+        return []
+    snrs = [_snr_db(s, n) for s, n, _ in energies]
+    low = [(j, db) for j, db in enumerate(snrs[1:], 1) if db < snrs[0] - OTHER_OUTPUT_NOTE_DB]
+    if not low:
+        return []
+    named = ", ".join(f"{(names[j] if j < len(names) else j)!r} {db:.1f} dB" for j, db in low[:5])
+    more = f" (and {len(low) - 5} more)" if len(low) > 5 else ""
+    return [f"output(s) {named}{more} moved more than output 0 ({snrs[0]:.1f} dB): top1, cosine and ctc read "
+            "output 0 only; add snr_min>=DB to the target or gate to hold every output"]
+
+
 # how the candidate is run in evaluate(): as onnxruntime runs the file, or with its weights folded
 RUN_AS = ("onnxruntime", "fold")
 
@@ -882,6 +935,7 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
     if odd:
         notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "
                      "equal where the candidate has the same, and left out of cosine and snr")
+    notes.extend(_outputs_beside_output0(ref, cand, [o.name for o in original_model.graph.output]))
     return FidelityResult(metrics=metrics, n_feeds=len(feeds), synthesized=synthesized, metric=metric, notes=notes)
 
 

@@ -561,3 +561,61 @@ def test_auto_target_refuses_feeds_with_nothing_to_measure(model):
     nan_feed = [{"x": np.full((2, 8), np.nan, np.float32)}]
     with pytest.raises(InvalidArgumentError, match="nothing to measure"):
         passes.compress(model, target="cosine>=0.999", feeds=nan_feed)
+
+
+def _typed_input_model(elem_type) -> onnx.ModelProto:
+    """y = float(x) @ W with x of `elem_type`: a valid model onnxruntime runs, fed from C."""
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT), helper.make_node("MatMul", ["xf", "W"], ["y"])],
+        "typed",
+        [helper.make_tensor_value_info("x", elem_type, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        [numpy_helper.from_array(np.ones((4, 3), np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("elem_type", [TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN])
+def test_inputs_python_cannot_feed_get_one_clear_error(elem_type):
+    """onnxruntime's Python API takes no numpy array of these types: synthesised or given feeds, the
+    error names the input and its type as an argument problem (the model itself is valid)."""
+    import ml_dtypes
+
+    model = _typed_input_model(elem_type)
+    onnx.checker.check_model(model, full_check=True)
+    with pytest.raises(InvalidArgumentError, match=r"input 'x' is (BFLOAT16|FLOAT8E4M3FN): onnxruntime's Python API"):
+        F.synthesize_feeds(model)
+    dtype = ml_dtypes.bfloat16 if elem_type == TensorProto.BFLOAT16 else ml_dtypes.float8_e4m3fn
+    feeds = [{"x": np.ones((1, 4), dtype)}]
+    with pytest.raises(InvalidArgumentError, match="input 'x' is"):
+        F.feed_list(feeds, model, "")
+    with pytest.raises(InvalidArgumentError, match="input 'x' is"):
+        F.run_outputs(model, feeds)
+    with pytest.raises(InvalidArgumentError, match="input 'x' is"):
+        passes.compress(model, target="snr>=20", feeds=feeds)
+
+
+def test_an_output_beside_output0_that_moved_is_named():
+    """top1/cosine read output 0 only: another output far below it is named in a note, with the way
+    to hold it; outputs that moved alike give no note."""
+    rng = np.random.default_rng(0)
+    w0, w1 = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((8, 4)).astype(np.float32)
+
+    def two_outputs(a, b):
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "A"], ["scores"]), helper.make_node("MatMul", ["x", "B"], ["boxes"])],
+            "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+            [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [2, 4]),
+             helper.make_tensor_value_info("boxes", TensorProto.FLOAT, [2, 4])],
+            [numpy_helper.from_array(a, "A"), numpy_helper.from_array(b, "B")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    feeds = [{"x": rng.standard_normal((2, 8)).astype(np.float32)} for _ in range(3)]
+    src = two_outputs(w0, w1)
+    moved = F.evaluate(src, two_outputs(w0 * 1.0001, w1 + 0.3 * rng.standard_normal(w1.shape).astype(np.float32)),
+                       feeds=feeds)
+    assert any("'boxes'" in n and "snr_min>=" in n for n in moved.notes), moved.notes
+    alike = F.evaluate(src, two_outputs(w0 * 1.001, w1 * 1.001), feeds=feeds)
+    assert not any("output 0 only" in n for n in alike.notes)
