@@ -135,6 +135,8 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     if ir < 4 and unlist_ir3_initializers(out) and report is not None:
         report.note(f"IR version raised from {ir} to 4: initializers are no longer listed as graph inputs "
                     "(IR 3 required it; from IR 4 it would make them overridable and keep them float)")
+    if graph.toposort(out) and report is not None:  # (as quantize_weights: the checker takes the result)
+        report.note("nodes sorted topologically (the input graph was not)")
     # children before parents: rewriting a graph's node list copies the subgraphs inside it
     infos = graph.iter_graphs(out)
     hoisted = sum(_hoist_constants(info.graph, min_elements) for info in reversed(infos))
