@@ -482,7 +482,7 @@ def _print_table(rows):
         if "added_over_weights" in r:
             print(f"{r['model']} {r['file']} {r['mode']}: weights {r['weights_mb']:.0f} MB, packed {r['packed_mb']:.0f} MB "
                   f"in {r['pack_s']:.1f} s; added peak = {r['added_over_weights']:.2f} x weights; max |diff| vs plain "
-                  f"{_fmt(r.get('maxabs_vs_plain'), '.1e')}, vs plain prepacked as it is "
+                  f"{_fmt(r.get('maxabs_vs_plain'), '.1e')}, vs the plain session prepacking as this one does "
                   f"{_fmt(r.get('maxabs_vs_plain_same_prepack'), '.1e')}")
 
 
