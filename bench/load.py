@@ -353,15 +353,10 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     if config:
         print("onnxruntime session config on every row: " + ", ".join(f"{k}={v}" for k, v in config.items()))
-    from passes.runtime_quiet import idle_workers_enabled
-
-    idle = idle_workers_enabled()  # (the workers inherit this process's environment and limits)
-    print(f"passes' rows: onnxruntime's intra-op workers idle while a streamed model is parsed (runtime_quiet): "
-          f"{'on' if idle else 'off'}; plain rows: onnxruntime as it is")
     _print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args), "idle_workers_during_parse": idle,
-                                          "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args), "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+                                         indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
