@@ -18,11 +18,9 @@ So the threads the session constructor starts are put in SCHED_IDLE (run only on
 else wants) while the model streams, and put back as they were before onnxruntime initialises
 the session (which runs its own work on them). Only where they can be put back: Linux takes a
 thread out of SCHED_IDLE only with CAP_SYS_NICE or an RLIMIT_NICE that allows its nice value
-(checked first, and tried once on a thread of ours; elsewhere nothing is done). New threads are
-told apart from ours by being absent when the stream started and not Python threads; a C thread
-another library starts during the parse (or the workers of another session made at the same time
-on another thread) would wait for an idle core until this parse ends, then be put back too; a
-thread already out of SCHED_OTHER is left to whoever put it there.
+(checked first, and tried once on a thread of ours; elsewhere nothing is done). New threads are told apart from ours by being absent
+when the stream started and not Python threads; a C thread another library starts during the
+parse would wait for an idle core until the parse ends, then be put back too.
 Off with SURGEON_IDLE_ORT_WORKERS=0.
 """
 from __future__ import annotations
@@ -98,8 +96,7 @@ class IdleNewThreads:
     `catch`, put back by `restore` (idempotent; called before onnxruntime initialises the session
     and on failure). `catch(settled=True)` is for a point where onnxruntime has read from the
     stream, so its thread pool is complete: nothing is looked for after it. Before that (the
-    streaming thread about to wait: the pool may be half made) a call looks (~20-70 us) until
-    one finds some."""
+    streaming thread about to wait: the pool may be half made) each call looks again (~20 us)."""
 
     def __init__(self):
         self._before = _tasks()
@@ -109,7 +106,7 @@ class IdleNewThreads:
         self.caught = False
 
     def catch(self, settled: bool = False) -> None:
-        if self.caught or (self._idled and not settled):  # (a half-made pool is rare: a settled look ends it)
+        if self.caught:
             return
         new = _tasks() - self._before
         if new:

@@ -30,8 +30,7 @@ def _contrib_model():
              helper.make_node("MatMul", ["r", "w2"], ["y"])]
     graph = helper.make_graph(nodes, "contrib_dq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 256])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], inits)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    return helper.make_model(graph, opset_imports=opsets)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
 
 
 @pytest.fixture(scope="module")
