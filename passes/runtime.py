@@ -47,7 +47,6 @@ from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, S
 from .runtime_feed import (EMBED_MAX_BYTES, GraphReads, SplitModel, graph_reads, operator_counts, serialise_with_weights,
                            shareable_names)
 from .runtime_options import OptionsDraft, copy_session_options
-from .runtime_quiet import idle_new_threads
 
 log = logging.getLogger("passes.runtime")
 
@@ -282,21 +281,6 @@ def write_to_pipe(fd: int, views: list, splice: bool = True) -> None:
         _drop_written(views, os.writev(fd, batch))
 
 
-def _take_head(views: list, nbytes: int) -> list:
-    """The first `nbytes` of the uint8 arrays `views` (fewer if they hold fewer), taken off them."""
-    head = []
-    while views and nbytes > 0:
-        view = views[0]
-        if view.nbytes <= nbytes:
-            head.append(views.pop(0))
-            nbytes -= view.nbytes
-        else:
-            head.append(view[:nbytes])
-            views[0] = view[nbytes:]
-            nbytes = 0
-    return head
-
-
 def _drop_written(views: list, written: int) -> None:
     """Drop the first `written` bytes of `views` (a signal may cut a write short)."""
     done = 0
@@ -402,7 +386,7 @@ class _DrainPacer:
             self.rate = (queued - left) / elapsed
 
 
-def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None, idle=None, quiet=None):
+def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None, idle=None):
     """onnxruntime's session object for the model made of `pieces` (buffers, concatenated), which
     the list gives up (it is emptied). `ready(piece, block=True) -> bool`, when given, is asked
     before each numpy piece is used (a weight still being decoded): onnxruntime parses what
@@ -410,10 +394,7 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
     onnxruntime then fails on the truncated model (a parse no longer wanted). `idle`, when given,
     is called once by the thread that feeds onnxruntime, the first time it waits for a piece
     (else once all is written): work done while the next weight decodes (the graph walk of
-    InferenceSession._parse_while_walking), not before onnxruntime starts. `quiet`
-    (runtime_quiet.IdleNewThreads), when given, is asked by that thread to catch onnxruntime's
-    intra-op workers, started by the session constructor, once onnxruntime has read from the
-    stream or the thread is about to wait (the caller puts them back; on failure, here).
+    InferenceSession._parse_while_walking), not before onnxruntime starts.
 
     Given as bytes, a model is held three times while onnxruntime parses it (our bytes, the
     std::string pybind makes of them, the parsed protobuf). Streamed through a pipe that
@@ -440,8 +421,6 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
         return C.InferenceSession(options, data, False, read_config)
     read_end, write_end = model_pipe()
 
-    catch = quiet.catch if quiet is not None else (lambda settled=False: None)
-
     def write_all():
         go.wait()  # (not before the calling thread is in onnxruntime: see below)
         try:
@@ -451,21 +430,14 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
                     return
                 if ready is not None and isinstance(p, np.ndarray) and not ready(p, block=False):
                     write_to_pipe(write_end, views)  # onnxruntime parses what it has while this piece decodes
-                    catch()
                     run_idle()
-                    catch()
                     ready(p)
                     if stop is not None and stop.is_set():
                         return
                 view = pipe_view(p)
                 if view.nbytes:
                     views.append(view)
-            if quiet is not None and not quiet.caught:
-                # a write past what the pipe holds returns once onnxruntime reads: its workers exist
-                write_to_pipe(write_end, _take_head(views, PIPE_BYTES + 1))
-                catch(True)
             write_to_pipe(write_end, views)
-            catch(True)  # (weights onnxruntime does not parse may still decode: _create_inference_session)
         except OSError:  # onnxruntime stopped reading (a model it refused): nothing more to do
             pass
         except Exception:  # a weight failed to decode: the truncated model is refused, the caller
@@ -483,10 +455,6 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
     try:
         go.set()
         return C.InferenceSession(options, f"/proc/self/fd/{read_end}", True, read_config)
-    except BaseException:
-        if quiet is not None:
-            quiet.restore()
-        raise
     finally:
         go.set()
         os.close(read_end)  # a writer still blocked gets EPIPE and ends
@@ -517,11 +485,6 @@ class InferenceSession(ort.InferenceSession):
     `verbatim` (True: a packed file onnxruntime parsed as the file it is, while its weights
     decoded and its graph was walked — a lossless pack with nothing to fold or share; see
     runtime_verbatim).
-    While onnxruntime parses a model streamed to it, the intra-op worker threads its session
-    constructor started run in SCHED_IDLE (on Linux, where they can be put back), so that their
-    spin-wait does not take a core from the threads decoding and feeding the model; they are put
-    back (SCHED_OTHER) before onnxruntime initialises the session, so runs are unaffected. See
-    runtime_quiet; SURGEON_IDLE_ORT_WORKERS=0 turns it off.
     `max_bytes` caps the restored size of a packed file (LimitExceededError above it, checked
     before anything is decoded; None: the pack reader's default), for files from untrusted sources.
     """
@@ -664,10 +627,9 @@ class InferenceSession(ort.InferenceSession):
         # walker thread's start and its hold of the GIL (minilm_fp16 float pack: the parse began
         # ~14 ms into the load, 3 ms after the file was restored)
         read_config = os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1"  # (as onnxruntime's own class reads it)
-        quiet = idle_new_threads()  # (onnxruntime's workers kept off the cores while it parses: runtime_quiet)
         try:
             parsed = ParsedModel(session=parse_pieces(options, pieces, read_config, ready=reading.ready, stop=stop,
-                                                      idle=walk, quiet=quiet))
+                                                      idle=walk))
         except Exception as exc:  # (a weight that failed to decode, or a model onnxruntime refuses)
             parsed = ParsedModel(error=exc)
         except BaseException as exc:  # (Ctrl-C): nothing may outlive the load
@@ -675,11 +637,6 @@ class InferenceSession(ort.InferenceSession):
         stop.set()
         walk()  # (when the writer never ran it)
         walked.wait()
-        if quiet is not None:
-            if "error" in found or found.get("reads") is None:
-                quiet.restore()
-            else:  # (put back once the weights are in: _create_inference_session)
-                self._idle_threads = quiet
         if "error" in found:
             split = found.get("split")
             if split is not None and split.pending is not None:
@@ -910,31 +867,21 @@ class InferenceSession(ort.InferenceSession):
         providers, provider_options = check_and_normalize_provider_args(
             providers, provider_options, C.get_available_providers()
         )
-        quiet = self.__dict__.pop("_idle_threads", None)  # (the speculated parse's, see runtime_quiet)
         try:
             if speculated:
                 sess = model.take()
             elif isinstance(model, list):
-                quiet = idle_new_threads()
-                sess = parse_pieces(options, model, self._read_config_from_model, ready=ready, quiet=quiet)
+                sess = parse_pieces(options, model, self._read_config_from_model, ready=ready)
             else:
                 sess = C.InferenceSession(options, model if model is not None else self._model_bytes, False,
                                           self._read_config_from_model)
         except Exception:
-            if quiet is not None:
-                quiet.restore()
             if split is not None:  # a weight that failed to decode is why the stream was refused
                 _wait_weights(split, self.source)
             raise
         del model  # onnxruntime holds the parsed model: the bytes must not outlive this point
-        if quiet is not None and split is not None and split.pending is not None:
-            quiet.catch(True)  # (a skeleton shorter than the pipe: its workers exist by now, the weights decode)
-        try:
-            if split is not None:  # every weight decoded before onnxruntime initialises
-                _wait_weights(split, self.source)
-        finally:  # (onnxruntime's workers back before it initialises: it runs work on them)
-            if quiet is not None:
-                quiet.restore()
+        if split is not None:  # every weight decoded before onnxruntime initialises
+            _wait_weights(split, self.source)
         self._kept_values = keep_values  # shared OrtValues must outlive the session
         sess.initialize_session(providers, provider_options, set(disabled_optimizers or ()))
         # onnxruntime holds its own copies of the external initializers once initialised (it still
