@@ -446,6 +446,12 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
             os.close(write_end)
             run_idle()
 
+    # (onnxruntime's intra-op workers spin from the moment the session constructor starts its pool,
+    # through this parse: on 2 cores they share the second core with our decode and fold threads.
+    # Its switches do not fit: allow_spinning=0 holds for the session's life and slows runs (open_nsfw,
+    # 139 -> 191 ms summed per-feed minimum), force_spinning_stop acts only after a Run().
+    # Putting the workers in SCHED_IDLE for the parse was tried and measured (five quiet-host
+    # bench/load.py fold runs, on / off): no ready-time difference separable from run-to-run noise.)
     # the writer waits for `go`, set just before onnxruntime is called: a thread that starts with
     # Python work holds the GIL until the switch interval (5 ms) takes it back, and the calling
     # thread, which only has to reach onnxruntime (which releases it), would wait that long
