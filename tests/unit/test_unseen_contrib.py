@@ -12,7 +12,6 @@ Every public path runs on each and gives a model that checks and runs, or one cl
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import onnxruntime as ort
 import pytest
 
 import passes
+from unseen_helpers import folder_digest as _digest, same_outputs as _same, worst_output_snr as _snr
 from passes.errors import InvalidArgumentError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -43,28 +43,6 @@ def _session(model, optimize=True):
 def _run(model, feeds, optimize=True):
     s = model if isinstance(model, passes.InferenceSession) else _session(model, optimize)
     return [[np.asarray(o) for o in s.run(None, f)] for f in feeds]
-
-
-def _snr(ref, out) -> float:
-    """Worst output's SNR (dB) over the feeds; inf when identical."""
-    worst = np.inf
-    for j in range(len(ref[0])):
-        r = np.concatenate([np.asarray(o[j], np.float64).ravel() for o in ref])
-        c = np.concatenate([np.asarray(o[j], np.float64).ravel() for o in out])
-        assert np.isfinite(c).all()
-        noise = float(np.sum((r - c) ** 2))
-        if noise:
-            worst = min(worst, 10 * np.log10(float(np.sum(r ** 2)) / noise))
-    return worst
-
-
-def _same(a, b) -> bool:
-    return all(np.array_equal(x, y) for o1, o2 in zip(a, b) for x, y in zip(o1, o2))
-
-
-def _digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ pack / verify / unpack / load, InferenceSession fold / int8 / auto, evaluate, co
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 from onnx import TensorProto
 
 import passes
+from unseen_helpers import folder_digest as _digest, same_outputs as _same, worst_output_snr as _snr
 from passes import graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -46,30 +46,8 @@ def _run(model, feeds, accuracy0=True):
     return [[np.asarray(o) for o in s.run(None, f)] for f in feeds]
 
 
-def _snr(ref, out) -> float:
-    """Worst output's SNR (dB) over the feeds; inf when identical."""
-    worst = np.inf
-    for j in range(len(ref[0])):
-        r = np.concatenate([np.asarray(o[j], np.float64).ravel() for o in ref])
-        c = np.concatenate([np.asarray(o[j], np.float64).ravel() for o in out])
-        assert np.isfinite(c).all()
-        noise = float(np.sum((r - c) ** 2))
-        if noise:
-            worst = min(worst, 10 * np.log10(float(np.sum(r ** 2)) / noise))
-    return worst
-
-
-def _same(a, b) -> bool:
-    return all(np.array_equal(x, y) for o1, o2 in zip(a, b) for x, y in zip(o1, o2))
-
-
 def _check(model):
     onnx.checker.check_model(model, full_check=True)
-
-
-def _digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

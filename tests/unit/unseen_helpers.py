@@ -1,0 +1,31 @@
+"""Helpers shared by the tests of bench/unseen_shapes.py's models (test_unseen_decoder, test_unseen_contrib)."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+
+def worst_output_snr(ref, out) -> float:
+    """Worst output's SNR (dB) over the feeds (runs as lists of outputs per feed); inf when identical."""
+    worst = np.inf
+    for j in range(len(ref[0])):
+        r = np.concatenate([np.asarray(o[j], np.float64).ravel() for o in ref])
+        c = np.concatenate([np.asarray(o[j], np.float64).ravel() for o in out])
+        assert np.isfinite(c).all()
+        noise = float(np.sum((r - c) ** 2))
+        if noise:
+            worst = min(worst, 10 * np.log10(float(np.sum(r ** 2)) / noise))
+    return worst
+
+
+def same_outputs(a, b) -> bool:
+    """Every output of every feed bit-equal."""
+    return all(np.array_equal(x, y) for o1, o2 in zip(a, b) for x, y in zip(o1, o2))
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under `folder` (a model and its external data)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
