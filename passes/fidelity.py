@@ -209,12 +209,13 @@ _UNFEEDABLE_TYPES = {
     onnx.TensorProto.INT4: "tensor(int4)",
     onnx.TensorProto.UINT4: "tensor(uint4)",
 }
+_UNFEEDABLE_BY_ORT_NAME = {ort_name: elem for elem, ort_name in _UNFEEDABLE_TYPES.items()}
 
 
 def _unfeedable(name: str, elem_type: int) -> InvalidArgumentError:
     return InvalidArgumentError(
-        f"input {name!r} is {onnx.TensorProto.DataType.Name(elem_type)}: onnxruntime's Python API cannot be fed that type, so fidelity cannot be "
-        "measured on this model (compressing it without a fidelity target works)")
+        f"input {name!r} is {onnx.TensorProto.DataType.Name(elem_type)}: onnxruntime's Python API cannot be fed "
+        "that type, so fidelity cannot be measured on this model (compressing it without a fidelity target works)")
 
 
 def check_feedable(model: onnx.ModelProto) -> None:
@@ -505,9 +506,8 @@ def _conform(feed: Feed, session, index: int) -> Feed:
     for name, value in feed.items():
         value = np.asarray(value)
         spec = expected.get(name)
-        unfeedable = [t for t, ort_name in _UNFEEDABLE_TYPES.items() if spec is not None and spec.type == ort_name]
-        if unfeedable:
-            raise _unfeedable(name, unfeedable[0])
+        if spec is not None and spec.type in _UNFEEDABLE_BY_ORT_NAME:
+            raise _unfeedable(name, _UNFEEDABLE_BY_ORT_NAME[spec.type])
         want = _ORT_TYPES.get(spec.type) if spec is not None else None
         if want is not None and value.dtype != want:
             want = np.dtype(want)
