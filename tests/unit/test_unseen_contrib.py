@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 
 import passes
-from unseen_helpers import folder_digest as _digest, same_outputs as _same, worst_output_snr as _snr
+from unseen_helpers import folder_digest as _digest, restored_digest, same_outputs as _same, worst_output_snr as _snr
 from passes.errors import InvalidArgumentError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -145,13 +145,7 @@ def test_every_path(made, name, tmp_path):
         onnx.checker.check_model(f, full_check=True)
         assert _snr(ref, _run(f, feeds)) >= 28
     # lossless: every file back byte for byte (onnx's per-tensor layout too)
-    z = tmp_path / "f.onnxz"
-    passes.pack(str(src), str(z))
-    assert passes.verify(str(z), against=str(src))
-    back = tmp_path / "back" / src.name
-    back.parent.mkdir()
-    passes.unpack(str(z), str(back))
-    assert _digest(back.parent) == before
+    assert restored_digest(src, tmp_path) == before
     # the pack's sessions; fold mode runs what fold_dequantize writes, output for output
     qpath, qz = tmp_path / "q.onnx", tmp_path / "q.onnxz"
     qpath.write_bytes(q8.SerializeToString())
@@ -159,7 +153,7 @@ def test_every_path(made, name, tmp_path):
     for mode in ("fold", "int8", "auto"):
         assert _snr(ref, _run(passes.InferenceSession(str(qz), mode=mode), feeds)) >= 28, mode
     assert _same(_run(passes.InferenceSession(str(qz), mode="fold"), feeds), _run(passes.fold_dequantize(q8), feeds))
-    assert _snr(ref, _run(passes.InferenceSession(str(z), mode="int8"), feeds)) >= 28
+    assert _snr(ref, _run(passes.InferenceSession(str(tmp_path / "f.onnxz"), mode="int8"), feeds)) >= 28
     # evaluate pools every output: no lower than the worst one's SNR
     assert passes.evaluate(str(src), q8, feeds=feeds).metrics["snr"] >= _snr(ref, _run(q8, feeds)) - 0.01
     assert _digest(src.parent) == before  # inputs never modified, nothing left beside them

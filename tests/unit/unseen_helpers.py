@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+import passes
+
 
 def worst_output_snr(ref, out) -> float:
     """Worst output's SNR (dB) over the feeds (runs as lists of outputs per feed); inf when identical."""
@@ -29,3 +31,16 @@ def folder_digest(folder: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file under `folder` (a model and its external data)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def restored_digest(src: Path, work: Path) -> dict[str, str]:
+    """Pack `src` (with its external data) into `work`, verify the pack against it, unpack it into a
+    folder of its own and return that folder's digest (folder_digest), to compare with the source's.
+    The pack stays at work / "f.onnxz"."""
+    z = work / "f.onnxz"
+    passes.pack(str(src), str(z))
+    assert passes.verify(str(z), against=str(src))
+    back = work / "back" / src.name
+    back.parent.mkdir()
+    passes.unpack(str(z), str(back))
+    return folder_digest(back.parent)
