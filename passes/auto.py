@@ -894,6 +894,12 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     notes = []
     if sparse:
         notes.append("sparse initializers stored dense (same values) for the search and the built model")
+    if graph.toposort(src, dry_run=True):  # (onnxruntime runs such graphs; the checker, and the result, must not)
+        ordered = onnx.ModelProto()
+        ordered.CopyFrom(src)
+        graph.toposort(ordered)
+        src = ordered
+        notes.append("nodes sorted topologically (the input graph was not)")
     if run_as == "fold":
         notes.append("candidates measured with their weights folded to float (run_as='fold')")
 

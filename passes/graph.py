@@ -805,11 +805,12 @@ def evaluate_dim_expression(param: str, sizes: dict[str, int]) -> int | None:
 # graph order
 
 
-def toposort(model: onnx.ModelProto) -> bool:
+def toposort(model: onnx.ModelProto, *, dry_run: bool = False) -> bool:
     """Sort the nodes of every graph topologically, keeping the given order where it is valid.
 
     Returns True when some graph was reordered. A subgraph's reads from enclosing scopes count as
-    inputs of the node that owns the subgraph.
+    inputs of the node that owns the subgraph. dry_run: only say whether a graph would be reordered,
+    leaving the model as it is (a caller that must not modify its input copies it only then).
     """
     changed = False
 
@@ -855,6 +856,8 @@ def toposort(model: onnx.ModelProto) -> bool:
             pending = rest
         if order != list(range(len(nodes))):
             changed = True
+            if dry_run:
+                return
             reordered = [nodes[i] for i in order]
             copies = [onnx.NodeProto() for _ in reordered]
             for c, n in zip(copies, reordered):
@@ -864,7 +867,8 @@ def toposort(model: onnx.ModelProto) -> bool:
         scope = set(outer) | {v.name for v in g.input} | {t.name for t in g.initializer}
         for node in g.node:
             for sg in node_subgraphs(node):
-                sort(sg, scope)
+                if not (dry_run and changed):
+                    sort(sg, scope)
             scope.update(node.output)
 
     sort(model.graph, set())

@@ -73,8 +73,11 @@ def test_toposort_keeps_sorted_and_fixes_unsorted():
         copies.append(c)
     del m.graph.node[:]
     m.graph.node.extend(copies)
+    unsorted = m.SerializeToString()
+    assert graph.toposort(m, dry_run=True) is True and m.SerializeToString() == unsorted  # told, not changed
     assert graph.toposort(m) is True
     onnx.checker.check_model(m, full_check=True)
+    assert graph.toposort(m, dry_run=True) is False
 
 
 def test_name_allocator():
