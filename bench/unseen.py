@@ -26,7 +26,11 @@ weights (com.microsoft Q/DQ), on GroupQueryAttention (float32, float16 through o
 converter, with MatMulNBits) and on RotaryEmbedding + MultiHeadAttention (also over onnx's
 per-tensor external files), a fused BERT (EmbedLayerNormalization, Attention), opset 23 int4 /
 float8 / bfloat16 weights, Scan / Loop body weights, and a weight shared by two nodes that is also a
-graph output (IR 8 and IR 3).
+graph output (IR 8 and IR 3), GroupQueryAttention with packed q|k|v and MultiHeadAttention in float16;
+and bench/unseen_edges.py's small models of one corner each (nested / overloaded local functions with
+Constant weights, recurrent ops with every optional input, 3-D / grouped / depthwise / transposed
+convolutions and Einsum, dims of 0 and 1, external data over several files and in attributes,
+metadata and training_info) into $SURGEON_UNSEEN/edges.
 
 For each model and each path (the command's compress at int8 / 4-bit blocks / 6 bits / packed /
 auto with and without feeds, palettize, fold_dequantize to the stored / float16 / float32 dtype,
@@ -67,6 +71,7 @@ from passes import graph  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 import unseen_shapes  # noqa: E402  the decoder / QDQ / MatMulNBits / legacy-opset models built here
+import unseen_edges  # noqa: E402  small models of one format / operator corner each
 
 CACHE = Path(os.environ.get("SURGEON_UNSEEN", "/tmp/surgeon_unseen"))
 
@@ -156,6 +161,8 @@ def feeds_for(name: str, n: int = 4) -> list[dict]:
     """Inputs of the shapes and ranges each model expects (seeded)."""
     if name in unseen_shapes.NAMES:
         return unseen_shapes.feeds_for(name, np.random.default_rng(0), n)
+    if name in unseen_edges.NAMES:
+        return unseen_edges.feeds_for(name, np.random.default_rng(0), n)
     rng = np.random.default_rng(0)
     out = []
     for _ in range(n):
@@ -355,6 +362,7 @@ def fetch() -> dict[str, Path]:
         models[name] = dst
     models.update(_sklearn_models())
     models.update(unseen_shapes.build(CACHE / "shapes"))
+    models.update(unseen_edges.build(CACHE / "edges"))
     return models
 
 

@@ -34,7 +34,9 @@ layers picked out of it), not random draws, so that the quantizers see realistic
   or RotaryEmbedding + MultiHeadAttention); dec_mha_pertensor: dec_mha saved by onnx with every
   tensor over 64 bytes in a file of its own (size_threshold, names sanitised to uuids by onnx);
   dec_gqa16: dec_gqa through onnxruntime's float16 converter (float32 inputs / outputs; its Casts
-  leave the graph unsorted); dec_gqa_nbits: dec_gqa with MatMulNBits (genai's int4 CPU models).
+  leave the graph unsorted); dec_gqa_nbits: dec_gqa with MatMulNBits (genai's int4 CPU models);
+  dec_gqa_packed: dec_gqa with one packed q|k|v MatMul per layer (GroupQueryAttention's key and
+  value inputs empty); dec_mha16: dec_mha through the float16 converter (float32 inputs / outputs).
 - bert_fused: a BERT as onnxruntime's optimizer fuses it when attention fusion works
   (EmbedLayerNormalization, Attention with packed QKV weights, SkipLayerNormalization, BiasGelu).
 - opset23 (int4 blocks, float8 e4m3fn, bfloat16 weights), loops (weights inside Scan / Loop
@@ -466,14 +468,18 @@ def corpus_text_feeds(n=4) -> list[dict]:
 I32 = TensorProto.INT32
 
 
-def contrib_decoder(w=None, heads=HEADS, kv_heads=2, attention="gqa", max_pos=MAX_POS) -> onnx.ModelProto:
+def contrib_decoder(w=None, heads=HEADS, kv_heads=2, attention="gqa", max_pos=MAX_POS,
+                    packed_qkv=False) -> onnx.ModelProto:
     """A decoder as onnxruntime-genai's model builder writes it, on com.microsoft contrib ops:
     SkipSimplifiedLayerNormalization (RMSNorm with the residual add; the first layer's norm from
     primitives), attention="gqa": GroupQueryAttention with rotary inside (do_rotary, cos/sin caches
     [max_pos, head_dim / 2]), fewer key/value heads than query heads, seqlens_k = ReduceSum(mask) - 1
     and total_sequence_length = Shape(mask)[1] computed in the graph as the builder does;
     attention="mha": RotaryEmbedding on q and k, then MultiHeadAttention (unidirectional, past
-    key/value in, present out; kv_heads must equal heads) fed position_ids. Opset 21, IR 10."""
+    key/value in, present out; kv_heads must equal heads) fed position_ids. Opset 21, IR 10.
+    packed_qkv (GroupQueryAttention only): one MatMul to q|k|v ([hidden, hidden + 2 kv_dim], rows
+    of three projections in one weight) feeding the packed query input, key and value empty, as
+    the builder writes it for Phi-3 / Llama exports with fused qkv_proj."""
     w = {k: np.asarray(v, np.float32) for k, v in (w or _real_weights()).items()}
     vocab, hidden = w["embed"].shape
     layers = sum(1 for k in w if k.endswith(".q"))
@@ -501,9 +507,14 @@ def contrib_decoder(w=None, heads=HEADS, kv_heads=2, attention="gqa", max_pos=MA
             x, residual = _rms_norm(b, h, f"model.layers.{i}.input_layernorm.weight", w[f"l{i}.norm1"], False), h
         else:
             x, residual = skip_norm(h, residual, f"model.layers.{i}.input_layernorm.weight", w[f"l{i}.norm1"])
-        q = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.q_proj.weight.T", w[f"l{i}.q"])])
-        k = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.k_proj.weight.T", w[f"l{i}.k"][:, :kv_dim].copy())])
-        v = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.v_proj.weight.T", w[f"l{i}.v"][:, :kv_dim].copy())])
+        if packed_qkv:
+            qkv = np.concatenate([w[f"l{i}.q"], w[f"l{i}.k"][:, :kv_dim], w[f"l{i}.v"][:, :kv_dim]], axis=1)
+            q = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.qkv_proj.weight.T", qkv)])
+            k = v = ""
+        else:
+            q = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.q_proj.weight.T", w[f"l{i}.q"])])
+            k = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.k_proj.weight.T", w[f"l{i}.k"][:, :kv_dim].copy())])
+            v = b.op("MatMul", [x, b.init(f"model.layers.{i}.attn.v_proj.weight.T", w[f"l{i}.v"][:, :kv_dim].copy())])
         past = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         present = [f"present.{i}.key", f"present.{i}.value"]
         if attention == "gqa":
@@ -746,7 +757,7 @@ def shared_feeds(rng, n=4) -> list[dict]:
 
 NAMES = ("dec_fp32", "dec_fp16", "dec_bf16", "dec_extdata", "dec_qdq", "dec_nbits", "legacy_op11", "legacy_op13",
          "minilm_ortopt", "minilm_ortopt16", "dec_qdq16", "dec_qdq_w4", "dec_gqa", "dec_mha", "bert_fused",
-         "dec_mha_pertensor", "dec_gqa16", "dec_gqa_nbits", "opset23", "loops", "shared_output", "shared_output_ir3")
+         "dec_mha_pertensor", "dec_gqa16", "dec_gqa_nbits", "opset23", "loops", "shared_output", "shared_output_ir3", "dec_gqa_packed", "dec_mha16")
 
 
 def feeds_for(name: str, rng, n=4) -> list[dict]:
@@ -770,42 +781,65 @@ def feeds_for(name: str, rng, n=4) -> list[dict]:
 
 
 def build(out: Path) -> dict[str, Path]:
-    """Make every model under out/NAME/ (once); name -> model path."""
+    """Make every model under out/NAME/ that is not there yet; name -> model path."""
     paths = {n: out / n / f"{n}.onnx" for n in NAMES}
-    if all(p.exists() for p in paths.values()):
+    missing = {n for n, p in paths.items() if not p.exists()}
+    if not missing:
         return paths
-    for p in paths.values():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    for n in missing:
+        paths[n].parent.mkdir(parents=True, exist_ok=True)
     w = _real_weights()
+
+    def want(*names):
+        return bool(missing & set(names))
+
     fp32 = decoder(F, w)
-    onnx.save(fp32, str(paths["dec_fp32"]))
-    onnx.save(decoder(F16, w), str(paths["dec_fp16"]))
-    onnx.save(bfloat16_weights(fp32), str(paths["dec_bf16"]))
-    save_external_several(fp32, paths["dec_extdata"])
-    qdq(paths["dec_fp32"], paths["dec_qdq"], feeds_for("dec_qdq", np.random.default_rng(1), 8))
-    onnx.save(matmul_nbits(fp32), str(paths["dec_nbits"]))
-    onnx.save(legacy(11), str(paths["legacy_op11"]))
-    onnx.save(legacy(13), str(paths["legacy_op13"]))
-    ort_optimized(paths["minilm_ortopt"], float16=False)
-    ort_optimized(paths["minilm_ortopt16"], float16=True)
+    if want("dec_fp32", "dec_qdq", "dec_qdq16", "dec_qdq_w4") and not paths["dec_fp32"].exists():
+        onnx.save(fp32, str(paths["dec_fp32"]))
+    if want("dec_fp16"):
+        onnx.save(decoder(F16, w), str(paths["dec_fp16"]))
+    if want("dec_bf16"):
+        onnx.save(bfloat16_weights(fp32), str(paths["dec_bf16"]))
+    if want("dec_extdata"):
+        save_external_several(fp32, paths["dec_extdata"])
+    if want("dec_qdq"):
+        qdq(paths["dec_fp32"], paths["dec_qdq"], feeds_for("dec_qdq", np.random.default_rng(1), 8))
+    if want("dec_nbits"):
+        onnx.save(matmul_nbits(fp32), str(paths["dec_nbits"]))
+    for opset in (11, 13):
+        if want(f"legacy_op{opset}"):
+            onnx.save(legacy(opset), str(paths[f"legacy_op{opset}"]))
+    if want("minilm_ortopt"):
+        ort_optimized(paths["minilm_ortopt"], float16=False)
+    if want("minilm_ortopt16"):
+        ort_optimized(paths["minilm_ortopt16"], float16=True)
     calibration = feeds_for("dec_qdq", np.random.default_rng(1), 8)
-    qdq(paths["dec_fp32"], paths["dec_qdq16"], calibration, activations="QInt16")
-    qdq(paths["dec_fp32"], paths["dec_qdq_w4"], calibration, activations="QUInt8", weights="QInt4")
+    if want("dec_qdq16"):
+        qdq(paths["dec_fp32"], paths["dec_qdq16"], calibration, activations="QInt16")
+    if want("dec_qdq_w4"):
+        qdq(paths["dec_fp32"], paths["dec_qdq_w4"], calibration, activations="QUInt8", weights="QInt4")
     gqa = contrib_decoder(w, attention="gqa")
-    onnx.save(gqa, str(paths["dec_gqa"]))
-    onnx.save(float16_keep_io(gqa), str(paths["dec_gqa16"]))
-    onnx.save(matmul_nbits(gqa), str(paths["dec_gqa_nbits"]))  # onnxruntime-genai's int4 CPU shape
     mha = contrib_decoder(w, kv_heads=HEADS, attention="mha")
-    onnx.save(mha, str(paths["dec_mha"]))
-    # onnx's own per-tensor layout: every tensor over 64 bytes in a file named after it (or a uuid
-    # where the name is no file name: '/const_3'), as size_threshold writes models past 2 GB
-    onnx.save_model(mha, str(paths["dec_mha_pertensor"]), save_as_external_data=True,
-                    all_tensors_to_one_file=False, size_threshold=64)
-    onnx.save(bert_fused(w), str(paths["bert_fused"]))
-    onnx.save(opset23(), str(paths["opset23"]))
-    onnx.save(loops(), str(paths["loops"]))
-    onnx.save(shared_output(), str(paths["shared_output"]))
-    onnx.save(shared_output(ir3=True), str(paths["shared_output_ir3"]))
+    writers = {
+        "dec_gqa": lambda p: onnx.save(gqa, str(p)),
+        "dec_gqa16": lambda p: onnx.save(float16_keep_io(gqa), str(p)),
+        "dec_gqa_nbits": lambda p: onnx.save(matmul_nbits(gqa), str(p)),  # onnxruntime-genai's int4 CPU shape
+        "dec_gqa_packed": lambda p: onnx.save(contrib_decoder(w, attention="gqa", packed_qkv=True), str(p)),
+        "dec_mha": lambda p: onnx.save(mha, str(p)),
+        # onnx's own per-tensor layout: every tensor over 64 bytes in a file named after it (or a uuid
+        # where the name is no file name: '/const_3'), as size_threshold writes models past 2 GB
+        "dec_mha_pertensor": lambda p: onnx.save_model(mha, str(p), save_as_external_data=True,
+                                                       all_tensors_to_one_file=False, size_threshold=64),
+        "dec_mha16": lambda p: onnx.save(float16_keep_io(mha), str(p)),
+        "bert_fused": lambda p: onnx.save(bert_fused(w), str(p)),
+        "opset23": lambda p: onnx.save(opset23(), str(p)),
+        "loops": lambda p: onnx.save(loops(), str(p)),
+        "shared_output": lambda p: onnx.save(shared_output(), str(p)),
+        "shared_output_ir3": lambda p: onnx.save(shared_output(ir3=True), str(p)),
+    }
+    for name, write in writers.items():
+        if name in missing:
+            write(paths[name])
     return paths
 
 

@@ -967,6 +967,7 @@ def raise_opset(model: onnx.ModelProto, target: int, payloads: dict[str, TensorP
                 op.version = target
         how = f"opset raised from {old} to {target} (no op of the model changed between those versions)"
     _reshape_legacy_prelu_slopes(converted, prelu_ranks)
+    how += _keep_annotations(model, converted, target)
     need_ir = onnx.helper.find_min_ir_version_for(list(converted.opset_import), True)
     if converted.ir_version < need_ir:
         converted.ir_version = need_ir
@@ -1125,11 +1126,106 @@ def _keep_functions(model: onnx.ModelProto, converted: onnx.ModelProto, target: 
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise UnsupportedFormError(f"model-local function {fn.domain}:{fn.name} cannot be converted from opset "
                                        f"{old} to {target} ({first})") from None
+        _restore_attribute_references(fn, body.node)
         del new.node[:]
         new.node.extend(body.node)
         for o in new.opset_import:
             if o.domain in ("", "ai.onnx"):
                 o.version = target
+
+
+def _keep_annotations(model: onnx.ModelProto, converted: onnx.ModelProto, target: int) -> str:
+    """Put back (in place on `converted`) what onnx.version_converter drops though it is no part of
+    any op (onnx 1.23): each graph's metadata_props and quantization_annotation, the
+    metadata_props of nodes (matched by their outputs), of initializers (with their doc strings)
+    and of inputs / outputs / value_info (by name), and the model's training_info, whose graphs go
+    through the converter as a model of their own (they use the model's opsets). Returns a note
+    for raise_opset's `how` when training_info cannot be converted and is dropped."""
+    originals = {info.location: info.graph for info in iter_graphs(model)}
+    for info in iter_graphs(converted):
+        old = originals.get(info.location)
+        if old is None:
+            continue
+        g = info.graph
+        if old.metadata_props and not g.metadata_props:
+            g.metadata_props.extend(old.metadata_props)
+        if old.quantization_annotation and not g.quantization_annotation:
+            g.quantization_annotation.extend(old.quantization_annotation)
+        node_props = {tuple(n.output): n.metadata_props for n in old.node if n.metadata_props}
+        for n in g.node:
+            props = node_props.get(tuple(n.output))
+            if props and not n.metadata_props:
+                n.metadata_props.extend(props)
+        inits = {t.name: t for t in old.initializer if t.doc_string or t.metadata_props}
+        for t in g.initializer:
+            was = inits.get(t.name)
+            if was is not None:
+                t.doc_string = t.doc_string or was.doc_string
+                if not t.metadata_props:
+                    t.metadata_props.extend(was.metadata_props)
+        infos = {v.name: v for v in (*old.input, *old.output, *old.value_info) if v.metadata_props or v.doc_string}
+        for v in (*g.input, *g.output, *g.value_info):
+            was = infos.get(v.name)
+            if was is not None:
+                v.doc_string = v.doc_string or was.doc_string
+                if not v.metadata_props:
+                    v.metadata_props.extend(was.metadata_props)
+    if not model.training_info or converted.training_info:
+        return ""
+    kept = []
+    try:
+        for ti in model.training_info:
+            new = onnx.TrainingInfoProto()
+            new.CopyFrom(ti)
+            for field_name in ("initialization", "algorithm"):
+                if new.HasField(field_name):
+                    _convert_graph_nodes(getattr(new, field_name), model, target)
+            kept.append(new)
+    except Exception as exc:  # noqa: BLE001 - the converter raises plain C++-bound errors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"; training_info dropped (its graphs cannot be converted: {first})"
+    converted.training_info.extend(kept)
+    return ""
+
+
+def _convert_graph_nodes(g: onnx.GraphProto, model: onnx.ModelProto, target: int) -> None:
+    """`g`'s nodes through onnx.version_converter to `target` (in place), `g` read as the graph of
+    a model of its own with `model`'s opsets: the names it reads from the main graph (a training
+    algorithm reads the weights it updates) become untyped inputs of that model for the converter."""
+    body = onnx.GraphProto()
+    body.CopyFrom(g)
+    defined = {v.name for v in body.input} | {t.name for t in body.initializer} | {o for n in body.node for o in n.output}
+    outer = dict.fromkeys(i for n in body.node for i in n.input if i and i not in defined)
+    body.input.extend(onnx.ValueInfoProto(name=name) for name in outer)
+    wrapper = onnx.helper.make_model(body, opset_imports=list(model.opset_import))
+    wrapper.ir_version = model.ir_version
+    converted = onnx.version_converter.convert_version(wrapper, target).graph
+    del g.node[:]
+    g.node.extend(converted.node)
+
+
+def _restore_attribute_references(fn: onnx.FunctionProto, converted_nodes) -> None:
+    """Put back the attributes of `fn`'s body that refer to the call's attributes (ref_attr_name:
+    Constant(value_float=@alpha) takes the value each call gives). The converter sees the body as
+    a graph of its own and writes such an attribute as a plain one of value 0 (onnx 1.23: every
+    call's scale became 0, the model's output all zeros). Nodes are matched by their outputs, which
+    the converter keeps; an attribute the converter moved into an input (axes at opset 13 / 18)
+    cannot take a call's value any more: UnsupportedFormError names it."""
+    references = {tuple(n.output): [a for a in n.attribute if a.ref_attr_name] for n in fn.node}
+    references = {k: v for k, v in references.items() if v}
+    if not references:
+        return
+    for node in converted_nodes:
+        for ref in references.get(tuple(node.output), ()):
+            kept = [a for a in node.attribute if a.name != ref.name]
+            if len(kept) == len(node.attribute):
+                raise UnsupportedFormError(
+                    f"model-local function {fn.domain}:{fn.name} cannot be converted to a newer opset: its "
+                    f"{node.op_type} node's attribute '{ref.name}' takes the call's '{ref.ref_attr_name}', and "
+                    "the newer opset has no such attribute")
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            node.attribute.append(onnx.AttributeProto.FromString(ref.SerializeToString()))
 
 
 def _typed_inputs_view(skeleton: onnx.ModelProto, stubs: set[str], stash: list[bytes]) -> onnx.ModelProto:
