@@ -22,9 +22,14 @@ that tests/unit/test_unseen_edges.py runs every path on the same builders.
   (one in a subfolder with a space in its name), 4096-aligned offsets, a tensor without `length`
   and gaps of garbage between tensors; and onnx's convert_attribute layout where Constant nodes
   and an If branch's initializer live in external files too.
-- metadata: metadata_props on the model, the graph, nodes and a function (IR 10), doc strings on
+- metadata: metadata_props on the model, the graph, nodes and initializers (IR 10), doc strings on
   everything that has one, training_info (an initialization graph and an algorithm binding
   updates to the weights), graph.quantization_annotation and value_info.
+- values: weights of all zeros, of one value, with one huge outlier, of denormals only, of signed
+  zeros, in float16, and one stored in float_data rather than raw_data.
+- names: weights already named W_quantized / W_scale beside W (what the writers name their
+  parts), a Chinese name with '/', '.' and ':', a 300-character name, unnamed nodes, a 1-D
+  convolution kernel [32, 64, 1], opset imports of domains no node uses.
 
     python bench/unseen_edges.py OUT_FOLDER   # writes OUT_FOLDER/NAME/NAME.onnx (+ data files)
 """
@@ -346,6 +351,52 @@ def metadata(seed=0) -> onnx.ModelProto:
     return m
 
 
+def values(seed=0) -> onnx.ModelProto:
+    """Weights whose values are the corner: all zeros, all one value, one outlier 3e4 among
+    N(0, 1/64) values, denormals only (~1e-40), zeros of both signs around a single 1, a float16
+    weight of a few hundreds, and one stored in float_data (old exporters) instead of raw_data."""
+    rng = np.random.default_rng(seed)
+    outlier = _w(rng, 64, 64)
+    outlier[3, 5] = 3e4
+    signed_zeros = np.where(_w(rng, 64, 64) > 0, 0.0, -0.0).astype(np.float32)
+    signed_zeros[0, 0] = 1.0
+    inits = [_t("zero", np.zeros((64, 64), np.float32)), _t("const", np.full((64, 64), 0.5, np.float32)),
+             _t("outlier", outlier), _t("denormal", (_w(rng, 64, 64) * 1e-38).astype(np.float32)),
+             _t("signed_zeros", signed_zeros), _t("f16", (_w(rng, 64, 64) * 300).astype(np.float16)),
+             helper.make_tensor("float_data", F, [64, 64], _w(rng, 64, 64).ravel().tolist(), raw=False)]
+    names = ["zero", "const", "outlier", "denormal", "signed_zeros", "float_data"]
+    nodes = [helper.make_node("MatMul", ["x", n], [f"y_{n}"]) for n in names]
+    nodes += [helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16),
+              helper.make_node("MatMul", ["x16", "f16"], ["y_f16"])]
+    outputs = [_vi(f"y_{n}", [4, 64]) for n in names] + [_vi("y_f16", [4, 64], TensorProto.FLOAT16)]
+    return _model(nodes, [_vi("x", [4, 64])], outputs, inits)
+
+
+def x64_feeds(rng, n=4):
+    return [{"x": rng.standard_normal((4, 64)).astype(np.float32)} for _ in range(n)]
+
+
+def names(seed=0) -> onnx.ModelProto:
+    """Names a writer must not collide with or mangle: weights already called W_quantized and
+    W_scale beside W, a Chinese name with '/', '.' and ':', a 300-character name, nodes without
+    names, a 1-D convolution kernel [32, 64, 1], and opset imports of domains no node uses."""
+    rng = np.random.default_rng(seed)
+    long = "a" * 300
+    inits = [_t("W", _w(rng, 64, 64)), _t("W_quantized", _w(rng, 64, 64)), _t("W_scale", _w(rng, 64, scale=0.1)),
+             _t("权重/层.0:weight", _w(rng, 64, 64)), _t(long, _w(rng, 64, 64)), _t("k1", _w(rng, 32, 64, 1)),
+             _t("axis0", np.array([0], np.int64))]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("MatMul", ["h", "W_quantized"], ["h2"], name="mm_quantized"),
+             helper.make_node("Add", ["h2", "W_scale"], ["h3"]),
+             helper.make_node("MatMul", ["h3", "权重/层.0:weight"], ["h4"]),
+             helper.make_node("MatMul", ["h4", long], ["h5"]),
+             helper.make_node("Unsqueeze", ["h5", "axis0"], ["h6"]),  # [1, 4, 64]
+             helper.make_node("Transpose", ["h6"], ["h7"], perm=[0, 2, 1]),  # [1, 64, 4]
+             helper.make_node("Conv", ["h7", "k1"], ["y"])]  # [1, 32, 4]
+    return _model(nodes, [_vi("x", [4, 64])], [_vi("y", [1, 32, 4]), _vi("h", [4, 64])], inits,
+                  extra_opsets=[helper.make_opsetid("ai.onnx.ml", 3), helper.make_opsetid("com.microsoft", 1)])
+
+
 # ---------------------------------------------------------------------------------------------- registry
 
 # name -> (builder returning a model, feeds(rng, n), writer(model, dst) or None for onnx.save)
@@ -358,6 +409,8 @@ EDGES = {
     "ext_handmade": (mlp, mlp_feeds, save_handmade),
     "ext_attribute": (with_branches, branches_feeds, save_attribute),
     "metadata": (metadata, mlp_feeds, None),
+    "values": (values, x64_feeds, None),
+    "names": (names, x64_feeds, None),
 }
 NAMES = tuple(EDGES)
 

@@ -39,12 +39,16 @@ def _run(model, feeds):
 
 
 def _snr(ref, out) -> float:
-    """Worst float output's SNR; every other output (bool masks, strings, ints) must be equal."""
-    floats = [j for j, o in enumerate(ref[0]) if o.dtype.kind == "f"]
-    for r, o in zip(ref, out):
-        for j in range(len(r)):
-            if j not in floats:
-                assert np.array_equal(r[j], o[j]), j
+    """Worst float output's SNR; every other output (bool masks, strings, ints) must be equal, and
+    an output that is all zeros (values' zero weight) must stay within 1e-30 of zero."""
+    floats = []
+    for j, o in enumerate(ref[0]):
+        if o.dtype.kind != "f":
+            assert all(np.array_equal(r[j], c[j]) for r, c in zip(ref, out)), j
+        elif not any(np.any(r[j]) for r in ref):
+            assert all(np.abs(np.asarray(c[j], np.float64)).max(initial=0) < 1e-30 for c in out), j
+        else:
+            floats.append(j)
     return worst_output_snr([[r[j] for j in floats] for r in ref], [[o[j] for j in floats] for o in out])
 
 
@@ -83,6 +87,8 @@ def test_the_shapes_are_what_they_claim(made):
     assert {(f.name, f.overload) for f in m.functions} >= {("Block", ""), ("Proj", "v1"), ("Proj", "v2")}
     assert any(n.op_type == "Dense" for f in m.functions for n in f.node)  # a function calling a function
     assert any(a.ref_attr_name for f in m.functions for n in f.node for a in n.attribute)
+    assert {"W", "W_quantized", "W_scale"} <= {t.name for t in load("names").graph.initializer}
+    assert not any(t.raw_data for t in load("values").graph.initializer if t.name == "float_data")
     ops = {n.op_type for n in load("recurrent_full").graph.node}
     assert {"LSTM", "GRU", "RNN"} <= ops
     lstm = next(n for n in load("recurrent_full").graph.node if n.op_type == "LSTM")
@@ -134,7 +140,8 @@ def test_every_path(made, name, tmp_path):
     for dtype in (None, "float16", "float32"):
         f = passes.fold_dequantize(q8, dtype=dtype)
         onnx.checker.check_model(f, full_check=True)
-        assert _snr(ref, _run(f, feeds)) >= 27, dtype
+        if not (name == "values" and dtype == "float16"):  # test_fold_to_float16_flushes_a_denormal_weight
+            assert _snr(ref, _run(f, feeds)) >= 27, dtype
     assert restored_digest(src, tmp_path) == before  # every file back byte for byte
     qpath, qz = tmp_path / "q.onnx", tmp_path / "q.onnxz"
     qpath.write_bytes(q8.SerializeToString())
@@ -146,7 +153,12 @@ def test_every_path(made, name, tmp_path):
     assert folder_digest(src.parent) == before  # inputs never modified, nothing left beside them
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n != "ext_attribute"])
+NAMES_H1 = pytest.mark.xfail(reason="runtime_int8._quantize_float_weights names W's parts W_quantized / W_scale "
+                                     "over the model's own W_quantized: KeyError (.notes/H3_to_H1.md)", strict=False)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=NAMES_H1) if n == "names" else n
+                                  for n in ALL if n != "ext_attribute"])
 def test_a_float_pack_runs_in_every_session_mode(made, name, tmp_path):
     src, feeds = made[name]
     ref = _run(src, feeds)
@@ -207,6 +219,42 @@ def test_a_reference_the_newer_opset_moved_into_an_input_is_refused():
     m.ir_version = 8
     with pytest.raises(UnsupportedFormError, match="local:RS.*'axes' takes the call's 'ax'"):
         passes.quantize_weights(m, min_elements=0)
+
+
+def test_weight_values_at_the_corners(made):
+    """All zeros, one value, an outlier, denormals, signed zeros, float16, float_data: every
+    quantized weight dequantizes close (an all-zero weight to exact zeros)."""
+    src, feeds = made["values"]
+    rep = passes.Report()
+    q = passes.quantize_weights(str(src), min_elements=0, report=rep)
+    by_name = {t.name: t for t in rep.tensors}
+    assert all(by_name[n].scheme.startswith("int8") for n in ("zero", "const", "outlier", "denormal", "float_data"))
+    assert min(t.snr_db for t in rep.tensors if t.snr_db is not None) > 40
+    f = passes.fold_dequantize(q)
+    zero = next(t for t in f.graph.initializer if t.name == "zero")
+    assert not np.any(onnx.numpy_helper.to_array(zero))
+    assert _snr(_run(src, feeds), _run(f, feeds)) >= 40
+
+
+@pytest.mark.xfail(reason="fold(dtype='float16') stores a weight of denormals (~1e-40) as float16 zeros, no note "
+                          "(it keeps one beyond float16's range; .notes/H3_to_lead.md)", strict=False)
+def test_fold_to_float16_keeps_a_weight_float16_cannot_hold(made):
+    src, feeds = made["values"]
+    f = passes.fold_dequantize(passes.quantize_weights(str(src), min_elements=0), dtype="float16")
+    assert _snr(_run(src, feeds), _run(f, feeds)) >= 27
+
+
+def test_names_the_writers_would_take_are_left_alone(made):
+    """The model holds W, W_quantized and W_scale: each writer names its parts around them, and
+    no weight's values end up under another's name."""
+    src, feeds = made["names"]
+    ref = _run(src, feeds)
+    for out in (passes.quantize_weights(str(src), min_elements=0), passes.palettize(str(src), min_elements=0),
+                passes.quantize_weights(str(src), bits=4, granularity="block", block_size=32, min_elements=0)):
+        onnx.checker.check_model(out, full_check=True)
+        names = [t.name for t in out.graph.initializer]
+        assert len(names) == len(set(names))
+        assert _snr(ref, _run(out, feeds)) >= 12
 
 
 def _annotations(m: onnx.ModelProto) -> dict:
