@@ -145,8 +145,11 @@ def _small_values(tensor: onnx.TensorProto) -> np.ndarray | None:
 
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
-    """The tensor a Constant node produces (value_float(s)/value_int(s) made into tensors)."""
+    """The tensor a Constant node produces (value_float(s)/value_int(s) made into tensors); None
+    where a function's call gives the value (ref_attr_name: nothing stored here)."""
     for attr in node.attribute:
+        if attr.ref_attr_name:
+            return None
         if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
             return attr.t
         if attr.name == "value_float":
@@ -174,10 +177,10 @@ def _walk(graph: onnx.GraphProto, where: str, tensors: dict, consumers: dict, no
     """Collect weights (name -> _Tensor) and consumers (name -> [(node, input index)]) of a graph
     and all its subgraphs. `where` is "" for the main graph, else "subgraph NODE/ATTR"."""
     prefix = f"{where}: " if where else ""
-    for t in graph.initializer:
+    for t in getattr(graph, "initializer", ()):  # (a FunctionProto has nodes only)
         _note_external(t, tensors)
         tensors.setdefault(t.name, _Tensor(t.name, t.data_type, tuple(t.dims), tensor_nbytes(t), prefix + "initializer", _small_values(t)))
-    for sp in graph.sparse_initializer:  # stored as values + indices: the bytes are those two
+    for sp in getattr(graph, "sparse_initializer", ()):  # stored as values + indices: the bytes are those two
         nnz = math.prod(int(d) for d in sp.values.dims)  # Python ints: hostile dims cannot wrap
         total = math.prod(int(d) for d in sp.dims)
         tensors.setdefault(sp.values.name, _Tensor(
@@ -271,18 +274,8 @@ def _blocked_levels(g: onnx.GraphProto) -> dict:
     return {q_t.name: block for *_, q_t, _s, _shape, _axis, block in blocked_patterns(g)}
 
 
-def describe_model(model) -> ModelDescription:
-    """Every weight of `model` (ModelProto or path; external data is not read) with its scheme."""
-    if isinstance(model, (str, os.PathLike)) and not str(model).endswith(".onnxz"):
-        model = load_model(model, load_external=False)
-    else:
-        model = load_model(model)
-    tensors: dict[str, _Tensor] = {}
-    consumers: dict[str, list] = defaultdict(list)
-    nodes: list = []
-    _walk(model.graph, "", tensors, consumers, nodes)
-    external = sorted(tensors.pop(_EXTERNAL_KEY, set()))
-    blocks = _blocked_levels(model.graph)
+def _rows(tensors: dict, consumers: dict, blocks: dict) -> list[WeightRow]:
+    """One WeightRow per tensor of one scope (the main graph with its subgraphs, or a function)."""
     rows = []
     for name, t in tensors.items():
         uses = consumers.get(name, [])
@@ -293,6 +286,31 @@ def describe_model(model) -> ModelDescription:
                 labels.append(label)
         rows.append(WeightRow(name=name, dtype=dtype_name(t.dtype), shape=t.dims, bytes=t.nbytes,
                               scheme=_scheme(t, uses, tensors, consumers, blocks), consumers=labels, location=t.location))
+    return rows
+
+
+def describe_model(model) -> ModelDescription:
+    """Every weight of `model` (ModelProto or path; external data is not read) with its scheme."""
+    if isinstance(model, (str, os.PathLike)) and not str(model).endswith(".onnxz"):
+        model = load_model(model, load_external=False)
+    else:
+        model = load_model(model)
+    tensors: dict[str, _Tensor] = {}
+    consumers: dict[str, list] = defaultdict(list)
+    nodes: list = []
+    _walk(model.graph, "", tensors, consumers, nodes)
+    external = tensors.pop(_EXTERNAL_KEY, set())
+    rows = _rows(tensors, consumers, _blocked_levels(model.graph))
+    # model-local functions' bodies (their Constant nodes: weights a function-per-module export
+    # keeps there) are scopes of their own: the same name in two functions is two tensors
+    for fn in model.functions:
+        where = f"function {fn.domain}:{fn.name}" + (f" ({fn.overload})" if fn.overload else "")
+        fn_tensors: dict[str, _Tensor] = {}
+        fn_consumers: dict[str, list] = defaultdict(list)
+        _walk(fn, where, fn_tensors, fn_consumers, [])
+        external |= fn_tensors.pop(_EXTERNAL_KEY, set())
+        rows += _rows(fn_tensors, fn_consumers, {})
+    external = sorted(external)
     by_dtype: dict[str, dict[str, int]] = {}
     by_scheme: dict[str, dict[str, int]] = {}
     for r in rows:

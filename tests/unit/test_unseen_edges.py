@@ -201,6 +201,19 @@ def test_a_function_attribute_reference_survives_the_opset_raise(made):
     assert any("inside model-local functions stay float" in n for n in rep.notes)
 
 
+def test_info_counts_the_weights_inside_functions(made):
+    """fn_nested holds 50 kB of its 55 kB in function bodies: info said "1 tensors, 4.10 kB".
+    Each function is a scope of its own (two overloads both call their weight P); a Constant whose
+    value comes from the call (ref_attr_name) holds nothing."""
+    src, _ = made["fn_nested"]
+    rows = passes.describe_model(str(src)).rows
+    where = sorted((r.name, r.location) for r in rows)
+    assert ("P", "function local:Proj (v1): Constant node") in where and ("P", "function local:Proj (v2): Constant node") in where
+    assert ("W", "function local:Dense: Constant node") in where and ("Wout", "initializer") in where
+    assert "alpha_t" not in {r.name for r in rows}
+    assert sum(r.bytes for r in rows) > 0.95 * src.stat().st_size
+
+
 def test_a_reference_the_newer_opset_moved_into_an_input_is_refused():
     """ReduceSum's axes became an input at opset 13: a body whose axes come from the call cannot
     be raised (the converter would bake in a value); one clear error, not a wrong model."""
