@@ -19,6 +19,7 @@ at session creation; the stored file holds the requested dtype.)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -114,6 +115,11 @@ register_folder("DequantizeLinear", _fold_dequantize_linear, domain="com.microso
 
 _CACHE_BELOW = 1 << 20  # decoded inputs kept for other nodes up to this size (bytes)
 
+# a weight whose copy in the requested narrower type falls below this SNR stays in its own type:
+# rounding normal values costs ~71 dB in float16 (~53 dB in bfloat16); float16 values under its
+# normal range (6.1e-5) keep fewer bits each and flush to zero below 6e-8 (a weight of such
+# values loses all of them: 0 dB)
+NARROWING_MIN_SNR_DB = {TensorProto.FLOAT16: 60.0, TensorProto.BFLOAT16: 40.0}
 _DTYPES = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16}
 
 
@@ -122,6 +128,18 @@ class _Const:
     tensor: TensorProto
     graph_key: int
     node: onnx.NodeProto | None  # the Constant node holding it, else an initializer
+
+
+def _narrowing_snr_db(value: np.ndarray, stored: np.ndarray) -> float:
+    """SNR of a weight's copy in a narrower float type against the weight (inf when exact or all zero)."""
+    # float32 sums are precise enough for a threshold in dB, and spare a float64 copy of each weight
+    # (only values float16 holds without overflow get here, so their squares stay finite)
+    exact = value.ravel().astype(np.float32, copy=False)
+    error = stored.ravel().astype(np.float32) - exact
+    noise = float(np.dot(error, error))
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(float(np.dot(exact, exact)) / noise)
 
 
 def _location(info: graph.GraphInfo, constant_node: bool) -> str:
@@ -183,6 +201,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
 
     casts_after = _sole_float_casts(graphs)
     overflowed: list[str] = []  # weights kept in their own type: out of the requested dtype's range
+    underflowed: list[str] = []  # ... or too small for it to hold them (see NARROWING_MIN_SNR_DB)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
     added_inits: dict[int, list[str]] = {}  # graph key -> folded initializers appended
     consumed: list[_Const] = []
@@ -234,6 +253,9 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
                 # inf: this weight stays in its own type
                 overflowed.append(out_name)
                 store_type = elem_type
+            elif _narrowing_snr_db(value, stored) < NARROWING_MIN_SNR_DB.get(store_type, -math.inf):
+                underflowed.append(out_name)
+                store_type = elem_type
         if store_type != elem_type:
             stored_name = names.take(f"{out_name}_{graph.type_name(store_type)}")
         else:
@@ -269,6 +291,10 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     if overflowed and report is not None:
         report.note(f"{len(overflowed)} weight(s) kept in their own type, values beyond {dtype}'s range: "
                     + ", ".join(overflowed[:5]) + (" ..." if len(overflowed) > 5 else ""))
+    if underflowed and report is not None:
+        report.note(f"{len(underflowed)} weight(s) kept in their own type, values too small for {dtype} to hold "
+                    f"(below {NARROWING_MIN_SNR_DB[_DTYPES[dtype]]:g} dB in it): "
+                    + ", ".join(underflowed[:5]) + (" ..." if len(underflowed) > 5 else ""))
     if dtype is not None and report is not None and any(len(v) > 1 or (v and v[-1].op_type == "Cast") for v in replaced.values()):
         report.note(f"folded weights stored as {dtype}; Cast nodes restore the types the graph expects")
 
