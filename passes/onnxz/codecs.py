@@ -1134,8 +1134,8 @@ def _shared_kind(data: np.ndarray, dtype: int, field: str):
 
 
 def _shared_lanes_log2(n: int) -> int:
-    """Lanes of a blob with a shared table: those of an `ans` plane of n symbols (1 below 1024,
-    4 below 16384, 32 up to the 64 KiB of SHARED_MAX_BYTES), so that a plane decodes as fast
+    """Lanes of a blob with a shared table: those of an `ans` plane of n symbols (1 below 256,
+    4 below 8192, 32 up to the 64 KiB of SHARED_MAX_BYTES), so that a plane decodes as fast
     with a shared table as with its own. (4 lanes on planes of 16K-64K symbols, the rule until
     several tables per kind made shared tables win there: silero_vad_v6.int8's cut tensors
     decoded ~40% slower, latency-bound. Measured on rapidocr_cls.int8: 1 lane below 8192 saved

@@ -103,7 +103,7 @@ def test_the_tables_of_a_file_are_capped_round_robin_over_the_kinds(monkeypatch)
 
 
 def test_a_plane_with_a_shared_table_has_the_lanes_of_an_ans_plane_of_its_size():
-    """As many lanes as `ans` gives a plane of that size (32 from 16384 symbols): with 4, planes of
+    """As many lanes as `ans` gives a plane of that size (32 from 8192 symbols): with 4, planes of
     16K-64K symbols decoded latency-bound, ~40% slower (silero_vad_v6.int8's cut tensors)."""
     rng = np.random.default_rng(12)
     planes = _planes(rng, 20, 6, 1500, 4000) + [_planes(rng, 20, 1, 20000, 20001)[0], _planes(rng, 20, 1, 3000, 3001)[0]]
