@@ -651,16 +651,59 @@ fail:
     return NULL;
 }
 
+
+
+/* ---------------------------------------------------------------- records
+ *
+ * An instance of one of format's record dataclasses (Chunk, Stream, TensorEntry) with its fields
+ * set, without calling the class: the __init__ that @dataclass generates is Python (~1 us for a
+ * record of 5-9 fields from C, ~0.5 us of it the frame and the argument binding); opening a small
+ * model made ~70 records (silero_vad_v6.int8), ~4% of unpacking it. Taken only for a class that
+ * this builds the same instance for: object's __new__ and __setattr__, no __post_init__, and
+ * __match_args__ (the fields of the generated __init__, in order) and __dataclass_fields__ (all
+ * its fields: none left to a default factory) as long as the values; any other class is called
+ * as before. */
+static PyObject *K_MATCH_ARGS, *K_POST_INIT, *K_DC_FIELDS, *EMPTY_ARGS;
+
+static PyObject *make_record(PyObject *cls, PyObject *const *vals, Py_ssize_t n) {
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    if (PyType_Check(cls) && tp->tp_new == PyBaseObject_Type.tp_new && tp->tp_setattro == PyObject_GenericSetAttr) {
+        /* (looked up in the class and its bases without raising: a miss is no exception made) */
+        PyObject *names = _PyType_Lookup(tp, K_MATCH_ARGS), *fields = _PyType_Lookup(tp, K_DC_FIELDS); /* borrowed */
+        if (names && PyTuple_CheckExact(names) && PyTuple_GET_SIZE(names) == n && fields && PyDict_CheckExact(fields) &&
+            PyDict_GET_SIZE(fields) == n && !_PyType_Lookup(tp, K_POST_INIT)) {
+            Py_INCREF(names);
+            PyObject *o = tp->tp_new(tp, EMPTY_ARGS, NULL);
+            for (Py_ssize_t i = 0; o && i < n; i++)
+                if (PyObject_GenericSetAttr(o, PyTuple_GET_ITEM(names, i), vals[i]) < 0) Py_CLEAR(o);
+            Py_DECREF(names);
+            return o;
+        }
+    }
+    return PyObject_Vectorcall(cls, vals, (size_t)n, NULL);
+}
+
+/* record(cls, *values) -> cls(*values), built by make_record where it may be */
+static PyObject *py_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "record(cls, *values): the class is missing");
+        return NULL;
+    }
+    return make_record(args[0], args + 1, nargs - 1);
+}
+
 /* ---------------------------------------------------------------- ans streams of the index
  *
  * stream_ans(obj, lo, hi, spans, resolved, chunk_cls, stream_cls, max_chunk, plane_hi) -> Stream or
  * None: format._stream for a well-formed `ans` or `ans_shared` stream (the codecs of nearly every
- * coded tensor), its checks made here, the same records built (Chunk and Stream called with the
- * fields _stream gives them). Why: _stream cost ~4 us per stream in Python, ~0.65 ms of opening a
+ * coded tensor), or `bytes` / `transpose` (every skeleton, and a few tensors of a small model:
+ * ~15 lines of Python per chunk before), its checks made here, the same records built (Chunk and
+ * Stream with the fields _stream gives them; make_record). Why: _stream cost ~4 us per stream in Python, ~0.65 ms of opening a
  * model of 160 coded tensors. None (nothing changed: `spans` is extended only on success) for any
  * other codec, any entry that fails a check, or shared tables not resolved yet: _stream then does
  * the work in Python and raises its own errors, so verdicts and messages are those of one code. */
 static PyObject *K_CODEC, *K_PARAMS, *K_CHUNKS, *K_WIDTH, *K_SIGN, *K_PAIRS, *K_TABLES, *K_TABLE_DATA, *S_ANS, *S_ANS_SHARED;
+static PyObject *K_COLS, *S_BYTES, *S_TRANSPOSE;
 
 /* v an exact int in [lo, hi] into *out (0: not one) */
 static int int_val(PyObject *v, long long lo, long long hi, long long *out) {
@@ -705,18 +748,38 @@ static PyObject *stream_ans(PyObject *self, PyObject *args) {
     if (!codec || !PyUnicode_CheckExact(codec) || !params || !PyDict_CheckExact(params) || !chunks_in || !PyList_CheckExact(chunks_in))
         Py_RETURN_NONE;
     int shared = PyUnicode_Compare(codec, S_ANS_SHARED) == 0;
+    /* plain: `bytes` or `transpose` (a small model's skeleton and a few tensors): one plane per
+     * chunk, no batch spec; raw a multiple of `step` (transpose: whole rows, at least one) */
+    int plain = 0;
+    long long w = 1, step = 1;
+    int flags = 0;
     if (!shared && PyUnicode_Compare(codec, S_ANS) != 0) {
         if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
+        if (PyUnicode_Compare(codec, S_BYTES) == 0) {
+            plain = 1;
+        } else if (PyUnicode_Compare(codec, S_TRANSPOSE) == 0) { /* codecs.check_params of transpose */
+            PyObject *width = PyDict_GetItemWithError(params, K_WIDTH);
+            PyObject *cols = width ? PyDict_GetItemWithError(params, K_COLS) : NULL;
+            if (PyErr_Occurred()) return NULL;
+            long long tw, tc;
+            if (!int_val(width, 1, 8, &tw) || (tw != 1 && tw != 2 && tw != 4 && tw != 8) || !int_val(cols, 2, max_chunk, &tc))
+                Py_RETURN_NONE;
+            plain = 2;
+            step = tw * tc;
+        } else {
+            if (PyErr_Occurred()) return NULL;
+            Py_RETURN_NONE;
+        }
     }
-    long long w;
-    int flags, ok = ans_params_ok(params, shared, &w, &flags);
-    if (ok <= 0) {
-        if (ok < 0) return NULL;
-        Py_RETURN_NONE;
+    if (!plain) {
+        int ok = ans_params_ok(params, shared, &w, &flags);
+        if (ok <= 0) {
+            if (ok < 0) return NULL;
+            Py_RETURN_NONE;
+        }
     }
     PyObject *batch_tables = Py_None, *kept_params = params, *got = NULL;
-    long long plane_lo = 0;
+    long long plane_lo = plain ? 1 : 0;
     if (shared) { /* the table list, resolved by _stream for an earlier stream of this index */
         plane_lo = 1;
         PyObject *tables = PyDict_GetItemWithError(params, K_TABLES);
@@ -736,7 +799,8 @@ static PyObject *stream_ans(PyObject *self, PyObject *args) {
         if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2 || !PyList_CheckExact(PyTuple_GET_ITEM(got, 0))) Py_RETURN_NONE;
         batch_tables = PyTuple_GET_ITEM(got, 1);
     }
-    Py_ssize_t n_planes = flags & 2 ? w + 2 : w; /* codecs.plane_sizes: pairs add table, ranks, escapes */
+    /* codecs.plane_sizes: pairs add table, ranks, escapes; bytes and transpose have one plane */
+    Py_ssize_t n_planes = plain ? 1 : flags & 2 ? w + 2 : w;
     Py_ssize_t count = PyList_GET_SIZE(chunks_in);
     PyObject *chunks = PyList_New(0), *new_spans = PyList_New(0), *result = NULL, *flag_obj = PyLong_FromLong(flags);
     if (!chunks || !new_spans || !flag_obj) goto done;
@@ -758,17 +822,18 @@ static PyObject *stream_ans(PyObject *self, PyObject *args) {
             if (!int_val(PyList_GET_ITEM(planes, i), plane_lo, plane_hi, &p)) goto fallback;
             stored += p;
         }
-        if (raw % w || !raw || np_ != n_planes) goto fallback;
+        if (plain == 1 ? 0 : plain == 2 ? raw % step || !raw : raw % w || !raw) goto fallback; /* (bytes: any raw) */
+        if (np_ != n_planes) goto fallback;
         if (off < lo || off + stored > hi) goto fallback;
         PyObject *kept = PyList_GetSlice(planes, 0, np_);
         PyObject *kept_t = kept ? PyList_AsTuple(kept) : NULL;
         PyObject *stored_o = kept_t ? PyLong_FromLongLong(stored) : NULL;
-        PyObject *spec = stored_o ? PyTuple_Pack(5, off_o, stored_o, kept_t, digest_o, flag_obj) : NULL;
+        PyObject *spec = !stored_o ? NULL : plain ? (Py_INCREF(Py_None), Py_None) : PyTuple_Pack(5, off_o, stored_o, kept_t, digest_o, flag_obj);
         PyObject *span = spec ? PyTuple_Pack(2, off_o, stored_o) : NULL;
         PyObject *chunk = NULL;
         if (span) {
             PyObject *cargs[5] = {off_o, raw_o, kept, digest_o, spec};
-            chunk = PyObject_Vectorcall(chunk_cls, cargs, 5, NULL);
+            chunk = make_record(chunk_cls, cargs, 5);
         }
         int bad = !chunk || PyList_Append(chunks, chunk) < 0 || PyList_Append(new_spans, span) < 0;
         Py_XDECREF(kept);
@@ -795,7 +860,7 @@ static PyObject *stream_ans(PyObject *self, PyObject *args) {
     PyObject *total_o = PyLong_FromLongLong(total);
     if (total_o) {
         PyObject *sargs[5] = {codec, kept_params, chunks, total_o, batch_tables};
-        result = PyObject_Vectorcall(stream_cls, sargs, 5, NULL);
+        result = make_record(stream_cls, sargs, 5);
         Py_DECREF(total_o);
     }
     Py_DECREF(kept_params);
@@ -814,6 +879,177 @@ done:
     return result;
 }
 
+/* check_cuts(cuts, coded, file, size, last_tensor) -> (cuts as tuples, bytes cut) or None: the cut
+ * list of file entry `file` (`size` bytes) checked as format.parse_index's loop checks it (each
+ * [offset, length, tensor] exact ints in range, in order, inside the file, naming a coded tensor of
+ * `coded` (dict: tensor index -> TensorEntry) of this file at that offset and length). None for any
+ * failure: the Python loop then runs and raises its own error (one place for the verdicts and
+ * messages). Why: ~15 lines of Python per cut, ~4% of opening a small model. */
+static PyObject *K_FILE_ATTR, *K_OFFSET_ATTR, *K_LENGTH_ATTR;
+
+static PyObject *check_cuts(PyObject *self, PyObject *args) {
+    PyObject *cuts_in, *coded;
+    long long file_no, size, last_tensor;
+    if (!PyArg_ParseTuple(args, "O!O!LLL", &PyList_Type, &cuts_in, &PyDict_Type, &coded, &file_no, &size, &last_tensor))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(cuts_in);
+    PyObject *cuts = PyList_New(count);
+    if (!cuts) return NULL;
+    long long end = 0, cut_bytes = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *c = PyList_GET_ITEM(cuts_in, k);
+        if (!PyList_CheckExact(c) || PyList_GET_SIZE(c) != 3) goto fallback;
+        PyObject *off_o = PyList_GET_ITEM(c, 0), *ln_o = PyList_GET_ITEM(c, 1), *ti_o = PyList_GET_ITEM(c, 2);
+        long long off, ln, ti, v;
+        if (!int_val(off_o, 0, INDEX_INT_MAX, &off) || !int_val(ln_o, 1, INDEX_INT_MAX, &ln) ||
+            !int_val(ti_o, 0, last_tensor, &ti))
+            goto fallback;
+        if (off < end || off + ln > size) goto fallback;
+        PyObject *te = PyDict_GetItemWithError(coded, ti_o); /* borrowed */
+        if (!te) {
+            if (PyErr_Occurred()) goto error;
+            goto fallback;
+        }
+        PyObject *const names[3] = {K_FILE_ATTR, K_OFFSET_ATTR, K_LENGTH_ATTR};
+        const long long want[3] = {file_no, off, ln};
+        for (int j = 0; j < 3; j++) { /* te.file == file, te.offset == off, te.length == ln */
+            PyObject *a = PyObject_GetAttr(te, names[j]);
+            if (!a) goto error;
+            int same = int_val(a, LLONG_MIN, LLONG_MAX, &v) && v == want[j];
+            Py_DECREF(a);
+            if (!same) goto fallback;
+        }
+        end = off + ln;
+        cut_bytes += ln;
+        PyObject *t = PyTuple_Pack(3, off_o, ln_o, ti_o);
+        if (!t) goto error;
+        PyList_SET_ITEM(cuts, k, t);
+    }
+    PyObject *total = PyLong_FromLongLong(cut_bytes);
+    PyObject *result = total ? PyTuple_Pack(2, cuts, total) : NULL;
+    Py_XDECREF(total);
+    Py_DECREF(cuts);
+    return result;
+fallback:
+    Py_DECREF(cuts);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(cuts);
+    return NULL;
+}
+
+
+/* whole_file_plan(cuts, coded, window, size) -> (runs, others, batch): what reader.PackedFile.
+ * _whole_file_tasks makes of a file restored in one window, in one pass over its cuts (a list of
+ * (offset, length, tensor index)), the same items in the same order: `runs` (window offset,
+ * skeleton offset, length) of the skeleton bytes between the cuts; `others` (stream, chunk, window
+ * offset, length) of the chunks without a batch spec (codecs other than ans); `batch` the
+ * ans_decode_batch tasks of the others (spec with flag 4, out, [tables]), each out a memoryview
+ * of its bytes of `window`. `coded`: tensor index -> TensorEntry. Why: ~17 lines of Python per
+ * chunk, ~400 of the ~1900 lines an unpack of a small model ran (silero_vad_v6.int8). */
+static PyObject *K_STREAM_ATTR, *K_TABLES_ATTR, *K_CHUNKS_ATTR, *K_RAW_LENGTH_ATTR, *K_SPEC_ATTR;
+
+static PyObject *whole_file_plan(PyObject *self, PyObject *args) {
+    PyObject *cuts, *coded, *window;
+    long long size;
+    if (!PyArg_ParseTuple(args, "O!O!OL", &PyList_Type, &cuts, &PyDict_Type, &coded, &window, &size)) return NULL;
+    PyObject *mv = PyMemoryView_FromObject(window);
+    if (!mv) return NULL;
+    PyObject *runs = PyList_New(0), *others = PyList_New(0), *batch = PyList_New(0), *result = NULL, *four = PyLong_FromLong(4);
+    PyObject *stream = NULL, *tables = NULL, *chunks = NULL;
+    if (!runs || !others || !batch || !four) goto done;
+    long long pos = 0, skel_at = 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(cuts); k++) {
+        PyObject *cut = PyList_GET_ITEM(cuts, k);
+        long long off, ln;
+        if (!PyTuple_CheckExact(cut) || PyTuple_GET_SIZE(cut) != 3 || !int_val(PyTuple_GET_ITEM(cut, 0), 0, LLONG_MAX, &off) ||
+            !int_val(PyTuple_GET_ITEM(cut, 1), 0, LLONG_MAX, &ln)) {
+            PyErr_SetString(PyExc_ValueError, "whole_file_plan: cuts must be (offset, length, tensor index) tuples");
+            goto done;
+        }
+        if (off > pos) {
+            PyObject *run = Py_BuildValue("(LLL)", pos, skel_at, off - pos);
+            int bad = !run || PyList_Append(runs, run) < 0;
+            Py_XDECREF(run);
+            if (bad) goto done;
+            skel_at += off - pos;
+        }
+        PyObject *te = PyDict_GetItemWithError(coded, PyTuple_GET_ITEM(cut, 2)); /* borrowed */
+        if (!te) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, PyTuple_GET_ITEM(cut, 2));
+            goto done;
+        }
+        if (!(stream = PyObject_GetAttr(te, K_STREAM_ATTR)) || !(tables = PyObject_GetAttr(stream, K_TABLES_ATTR)) ||
+            !(chunks = PyObject_GetAttr(stream, K_CHUNKS_ATTR)))
+            goto done;
+        if (!PyList_CheckExact(chunks)) {
+            PyErr_SetString(PyExc_TypeError, "whole_file_plan: a stream's chunks must be a list");
+            goto done;
+        }
+        long long at = off;
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(chunks); j++) {
+            PyObject *c = PyList_GET_ITEM(chunks, j);
+            PyObject *raw_o = PyObject_GetAttr(c, K_RAW_LENGTH_ATTR);
+            long long r;
+            int ok = raw_o && int_val(raw_o, 0, LLONG_MAX, &r);
+            Py_XDECREF(raw_o);
+            if (!ok) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "whole_file_plan: bad chunk raw_length");
+                goto done;
+            }
+            if (!r) continue;
+            if (at < 0 || at + r > size) {
+                PyErr_SetString(PyExc_ValueError, "whole_file_plan: a chunk lies outside the file");
+                goto done;
+            }
+            PyObject *spec = PyObject_GetAttr(c, K_SPEC_ATTR);
+            if (!spec) goto done;
+            PyObject *item = NULL;
+            const int other = spec == Py_None;
+            if (other) {
+                item = Py_BuildValue("(OOLL)", stream, c, at, r);
+            } else if (PyTuple_CheckExact(spec) && PyTuple_GET_SIZE(spec) == 5) {
+                PyObject *flags = PyNumber_Or(PyTuple_GET_ITEM(spec, 4), four);
+                PyObject *out = flags ? PySequence_GetSlice(mv, (Py_ssize_t)at, (Py_ssize_t)(at + r)) : NULL;
+                if (out)
+                    item = tables == Py_None
+                        ? PyTuple_Pack(6, PyTuple_GET_ITEM(spec, 0), PyTuple_GET_ITEM(spec, 1), PyTuple_GET_ITEM(spec, 2), PyTuple_GET_ITEM(spec, 3), flags, out)
+                        : PyTuple_Pack(7, PyTuple_GET_ITEM(spec, 0), PyTuple_GET_ITEM(spec, 1), PyTuple_GET_ITEM(spec, 2), PyTuple_GET_ITEM(spec, 3), flags, out, tables);
+                Py_XDECREF(flags);
+                Py_XDECREF(out);
+            } else {
+                PyErr_SetString(PyExc_ValueError, "whole_file_plan: a chunk's spec must be None or a 5-tuple");
+            }
+            Py_DECREF(spec);
+            int bad = !item || PyList_Append(other ? others : batch, item) < 0;
+            Py_XDECREF(item);
+            if (bad) goto done;
+            at += r;
+        }
+        Py_CLEAR(stream);
+        Py_CLEAR(tables);
+        Py_CLEAR(chunks);
+        pos = off + ln;
+    }
+    if (size > pos) {
+        PyObject *run = Py_BuildValue("(LLL)", pos, skel_at, size - pos);
+        int bad = !run || PyList_Append(runs, run) < 0;
+        Py_XDECREF(run);
+        if (bad) goto done;
+    }
+    result = PyTuple_Pack(3, runs, others, batch);
+done:
+    Py_XDECREF(stream);
+    Py_XDECREF(tables);
+    Py_XDECREF(chunks);
+    Py_XDECREF(runs);
+    Py_XDECREF(others);
+    Py_XDECREF(batch);
+    Py_XDECREF(four);
+    Py_DECREF(mv);
+    return result;
+}
+
 static int index_init(void) {
     const char *names[] = {"key", "name", "shape", "field", "stream", "length", "dtype", "file", "offset", "",
                            "codec", "params", "chunks", "width", "sign", "pairs", "tables", "table_data", "ans", "ans_shared"};
@@ -821,6 +1057,20 @@ static int index_init(void) {
                           &K_CODEC, &K_PARAMS, &K_CHUNKS, &K_WIDTH, &K_SIGN, &K_PAIRS, &K_TABLES, &K_TABLE_DATA, &S_ANS, &S_ANS_SHARED};
     for (int i = 0; i < 20; i++)
         if (!(*slots[i] = PyUnicode_InternFromString(names[i]))) return -1;
+    if (!(K_STREAM_ATTR = PyUnicode_InternFromString("stream")) || !(K_TABLES_ATTR = PyUnicode_InternFromString("tables")) ||
+        !(K_CHUNKS_ATTR = PyUnicode_InternFromString("chunks")) || !(K_RAW_LENGTH_ATTR = PyUnicode_InternFromString("raw_length")) ||
+        !(K_SPEC_ATTR = PyUnicode_InternFromString("spec")))
+        return -1;
+    if (!(K_COLS = PyUnicode_InternFromString("cols")) || !(S_BYTES = PyUnicode_InternFromString("bytes")) ||
+        !(S_TRANSPOSE = PyUnicode_InternFromString("transpose")))
+        return -1;
+    if (!(K_FILE_ATTR = PyUnicode_InternFromString("file")) || !(K_OFFSET_ATTR = PyUnicode_InternFromString("offset")) ||
+        !(K_LENGTH_ATTR = PyUnicode_InternFromString("length")))
+        return -1;
+    if (!(K_MATCH_ARGS = PyUnicode_InternFromString("__match_args__")) || !(K_POST_INIT = PyUnicode_InternFromString("__post_init__")) ||
+        !(K_DC_FIELDS = PyUnicode_InternFromString("__dataclass_fields__")) ||
+        !(EMPTY_ARGS = PyTuple_New(0)))
+        return -1;
     return 0;
 }
 
@@ -842,6 +1092,9 @@ static PyMethodDef methods[] = {
     {"ans_simd", onnxz_py_ans_simd, METH_VARARGS, "ans_simd([level]) -> int: the ans decoder in use (0 scalar, 1 AVX2, 2 AVX-512)"},
     {"index_rows", index_rows, METH_VARARGS, "index_rows(tensors, last_file, fields[, coded_only]) -> list of rows (coded_only: ([(index, row) of entries with a stream], [largest offset+length per file])) or str: the tensor entries of an .onnxz index checked (format.parse_index)"},
     {"stream_ans", stream_ans, METH_VARARGS, "stream_ans(obj, lo, hi, spans, resolved, chunk_cls, stream_cls, max_chunk, plane_hi) -> Stream or None: an ans / ans_shared stream of an .onnxz index checked and built as format._stream does; None: let _stream do it"},
+    {"record", (PyCFunction)(void (*)(void))py_record, METH_FASTCALL, "record(cls, *values) -> cls(*values): one of format's record dataclasses, its fields set without running the generated __init__ (any other class: called)"},
+    {"check_cuts", check_cuts, METH_VARARGS, "check_cuts(cuts, coded, file, size, last_tensor) -> (cuts as tuples, bytes cut) or None: a file entry's cuts checked as format.parse_index does; None: let it do them"},
+    {"whole_file_plan", whole_file_plan, METH_VARARGS, "whole_file_plan(cuts, coded, window, size) -> (runs, others, batch): reader._whole_file_tasks's pass over a file's cuts (skeleton runs, chunks of other codecs, ans_decode_batch tasks with outs in window)"},
     {"copy_runs", py_copy_runs, METH_VARARGS, "copy_runs(dst, src, runs): dst[d:d+n] = src[s:s+n] for each (d, s, n) in runs (all checked first)"},
     {"expand", py_expand, METH_VARARGS, "expand(table, ranks, escapes, out) -> bool: exponents from 4-bit ranks"},
     {"untranspose1", py_untranspose1, METH_VARARGS, "untranspose1(plane, cols, out): codec transpose of width 1: out's rows of cols bytes from plane, which holds them column by column (GIL released)"},

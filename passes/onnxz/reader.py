@@ -87,6 +87,8 @@ def _chunk_hasher():
 _chunk_xxh3 = _chunk_hasher()
 # the skeleton's runs of a window copied in one call (an older extension lacks it: numpy slices)
 _copy_runs = getattr(codecs._fast, "copy_runs", None) if not os.environ.get("ONNXZ_NO_BATCH") else None
+# the pass of _whole_file_tasks over a file's cuts in one C call (an older extension lacks it: Python)
+_whole_file_plan = getattr(codecs._fast, "whole_file_plan", None) if not os.environ.get("ONNXZ_NO_BATCH") else None
 
 
 def _streamed_xxh3_128() -> bool:
@@ -809,7 +811,15 @@ class PackedFile:
         tasks in the same order: chunks of other codecs one by one, then every `ans` chunk in one
         batch). Why: for a small model those three passes over its pieces were ~40% of the
         Python lines an unpack runs (~800 of ~3200 for silero_vad_v6.int8). Needs the C paths
-        (_copy_runs, the batch decoder)."""
+        (_copy_runs, the batch decoder). The pass itself in C where the extension has it
+        (_planes.whole_file_plan: the same items; the batch's outs memoryviews of the window)."""
+        if _whole_file_plan is not None:
+            runs, others, batch = _whole_file_plan(fe.cuts, self.index.coded, window, fe.size)
+            _copy_runs(window, skel, runs)
+            tasks = [(self._decode_chunk, stream, c, window[at:at + r]) for stream, c, at, r in others]
+            if batch:
+                tasks.append((self._decode_batch, batch))
+            return tasks
         coded = self.index.coded
         runs, tasks, batch = [], [], []
         pos = skel_at = 0
