@@ -1,5 +1,6 @@
-"""The fold pass: materialise constant DequantizeLinear nodes (and, later, other patterns) as
-float weights, bit-identical to what onnxruntime computes for them.
+"""The fold pass: materialise constant DequantizeLinear nodes (onnx's and com.microsoft's), palettes
+(Cast -> Gather on a table) and levels read through Cast -> Mul as float weights, bit-identical to
+what onnxruntime computes for them.
 
 A node folds when every input is a constant (an initializer or a Constant node, visible from
 the node's graph). Its output becomes:
@@ -8,8 +9,8 @@ the node's graph). Its output becomes:
   - a Constant node at the node's place, when any input came from a Constant node.
 Constants that only fed folded nodes are removed afterwards.
 
-Folders are registered per op type (`register_folder`), so other weight forms (issue 4:
-palettes read through Gather) plug in without touching the walk.
+Folders of one node are registered per op type (`register_folder`); the two-node forms
+(palettes, Cast -> Mul levels) are folded first by their own modules.
 
 dtype: None keeps the type the node produces (bit-exact). "float16" / "float32" store the folded
 tensor in that type; where that differs from the node's output type, the tensor is stored under
@@ -150,7 +151,23 @@ def _location(info: graph.GraphInfo, constant_node: bool) -> str:
 @graph.refuses_bad_text
 def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = None,
                     progress=None) -> onnx.ModelProto:
-    """A new model in which every constant DequantizeLinear (and registered pattern) is a float weight."""
+    """A new model in which every constant weight form is a float weight; `model` is never modified.
+
+    model: an onnx.ModelProto, or the path of an .onnx (external data read) or a packed .onnxz.
+    dtype: None keeps each weight's own float type (the folded values are bit-identical to what
+      onnxruntime computes for the nodes); "float32", "float16" or "bfloat16" stores the folded
+      weights in that type behind a Cast back to the type the graph expects. A weight the narrower
+      type cannot hold (values beyond its range, or too small: see NARROWING_MIN_SNR_DB) keeps its
+      own type, with a note.
+    report: a passes.Report to fill: one row per folded weight, and notes on what else changed
+      (nodes sorted, sparse initializers made dense, weights kept).
+    progress: called as progress(done, total) while the nodes fold.
+
+    With nothing to fold the model comes back as a copy, sorted or made dense only where the
+    checker needs it (the report says so).
+    Raises InvalidArgumentError (bad dtype), InvalidModelError (a model that cannot be read or a
+    weight node that is damaged), CorruptFileError (a damaged .onnxz).
+    """
     if dtype is not None and dtype not in _DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {', '.join(_DTYPES)} or None, got {dtype!r}")
     source = load_model(model)
