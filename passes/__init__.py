@@ -39,6 +39,7 @@ _LAZY = {
     "correct_bias": "bias_correction",
     "load_feeds": "fidelity",
     "evaluate": "fidelity",
+    "enforce": "fidelity",
     "parse_requirement": "fidelity",
     "parse_requirements": "fidelity",
     "run_outputs": "fidelity",
