@@ -11,8 +11,10 @@ Constant node they replace it at the same place.
 
 include / exclude: lists of patterns. A pattern that is the name of an op type (e.g. "MatMul",
 "Gather") matches weights consumed by that op; any other pattern is an fnmatch pattern on the
-weight's name ("*embeddings*"). `include` selects (and overrides the size rule: an included
-weight is quantized even when small or 1-D); `exclude` removes. Exclude wins over include.
+weight's name ("*embeddings*"). `include` selects: among the weights the size and bias rules
+would quantize when it names an op type, and whatever their size when a name pattern matches
+them (a weight named is quantized even when small, 1-D or a bias); `exclude` removes. Exclude
+wins over include.
 
 Axis rules (graph.choose_axis): Conv axis 0, ConvTranspose axis 1, MatMul B the last axis (A:
 the second last), Gemm by transA/transB, Gather its own axis (rows), LSTM/GRU/RNN W and R the gate
@@ -149,15 +151,21 @@ def _op_types() -> frozenset[str]:
     return frozenset(s.name for s in onnx.defs.get_all_schemas_with_history())
 
 
-def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
+def _match(w: graph.Weight, patterns: list[str], ops: set[str]) -> str | None:
+    """"name" when a name pattern matches `w`, else "op" when an op-type pattern names one of its
+    consumers, else None."""
     consumer_ops = {u.node.op_type for u in w.uses}
+    by_op = False
     for p in patterns:
         if p in ops or p in _QUANTIZED_OPS:
-            if p in consumer_ops:
-                return True
+            by_op = by_op or p in consumer_ops
         elif fnmatch.fnmatchcase(w.name, p):
-            return True
-    return False
+            return "name"
+    return "op" if by_op else None
+
+
+def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
+    return _match(w, patterns, ops) is not None
 
 
 def unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
@@ -316,14 +324,16 @@ def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | 
         return f"read as exact values ({exact})"
     if not w.uses and not w.graph_output:
         return "unused"
-    included = bool(include) and _matches(w, include, ops)
+    included = _match(w, include, ops) if include else None
     if include and not included:
         return "not included"
     shape = w.shape
     n = int(np.prod(shape, dtype=np.int64))
     if n == 0:
         return "empty"
-    if not included:
+    # a weight named by the user is quantized whatever its size; an op type ("Conv") names every
+    # input of that op, biases and tiny kernels too, which the rules below keep exact as usual
+    if included != "name":
         if all((u.node.op_type, u.index) in _BIAS_INPUTS for u in w.uses) and w.uses:
             return "bias"
         if len(shape) < 2 or sum(d > 1 for d in shape) < 2:

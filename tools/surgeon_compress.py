@@ -967,7 +967,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--granularity", choices=("tensor", "channel", "block"), help="one scale per tensor, per output channel (default) or per block")
     p.add_argument("--block-size", type=_positive_int, metavar="N", help="weights per scale block (implies --granularity block)")
     p.add_argument("--asymmetric", action="store_true", help="use a zero point (default symmetric)")
-    p.add_argument("--include", action="append", metavar="PATTERN", help="only weights whose name or consumer op type matches (repeatable)")
+    p.add_argument("--include", action="append", metavar="PATTERN", help="only weights whose name or consumer op type matches (repeatable); a name pattern also "
+                   "quantizes small, 1-D and bias weights it names")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave weights whose name or consumer op type matches (repeatable)")
     p.add_argument("--min-elements", type=_non_negative_int, metavar="N", help="leave tensors with fewer elements as they are")
     p.add_argument("--rounding", choices=("nearest", "rdo"), default="nearest",

@@ -223,6 +223,27 @@ def test_include_exclude():
     assert fnmatch.fnmatchcase("W1", "W*")
 
 
+def test_include_by_op_type_keeps_the_size_and_bias_rules():
+    """include=["Conv"] names every input of every Conv: its biases and small kernels stay exact as
+    without include (they grew: a 64-float bias became 64 int8 levels and 64 float scales); a name
+    pattern still quantizes the weight it names whatever its size."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph([helper.make_node("Conv", ["x", "W", "B"], ["y"], pads=[1, 1, 1, 1])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 8, 8])],
+                          [numpy_helper.from_array(rng.standard_normal((64, 32, 3, 3)).astype(np.float32), "W"),
+                           numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "B")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    report = Report()
+    q = quantize_weights(m, include=["Conv"], report=report)
+    assert {n.output[0] for n in _dq_nodes(q)} == {"W"}
+    assert next(t.scheme for t in report.tensors if t.name == "B") == "kept: bias"
+    q = quantize_weights(m, include=["B", "W"])
+    assert {n.output[0] for n in _dq_nodes(q)} == {"W", "B"}
+
+
 def test_already_quantized_inputs_stay():
     # a model with a float scale tensor of 2048 entries feeding a DequantizeLinear
     m = mg.dense_model("float32", 13)
