@@ -9,7 +9,9 @@ generated model also runs plain without onnxruntime's weight prepacking ("plain-
 mode turns prepacking off for it (over runtime.PREPACK_AUTO_LIMIT of shared weights), and
 onnxruntime's MatMul then sums in another order; its fold row gives max |difference| against both
 plain sessions (0 against the one that prepacks as it does). `--session-config KEY=VALUE` sets an
-onnxruntime config entry on every session, the plain rows' included.
+onnxruntime config entry on every session, the plain rows' included. `--ab-env KEY=VALUE` runs every
+passes row twice, as it is and with KEY=VALUE in its environment ("+ab" in the mode column), their
+rounds interleaved with the others: an A/B of an environment switch of the runtime in one run.
 
     python bench/load.py                                  # corpus models + ~3 GB model
     python bench/load.py --models minilm_fp32 --big-gb 0  # one model, no big one
@@ -224,8 +226,9 @@ def generate_big_model(tmp: Path, gigabytes: float, width: int = 4096) -> tuple[
 # ---------------------------------------------------------------------- driver
 
 def run_worker(spec: dict, timeout: int = 1800) -> dict:
+    env = dict(os.environ, **spec["env"]) if spec.get("env") else None
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(ROOT))
+                          timeout=timeout, cwd=str(ROOT), env=env)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:300]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -296,6 +299,9 @@ def main(argv=None) -> int:
     ap.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
                     help="an onnxruntime session config entry set on every session alike, the plain rows' too "
                          "(e.g. session.intra_op.allow_spinning=0); repeatable. The table says which were set")
+    ap.add_argument("--ab-env", metavar="KEY=VALUE",
+                    help="every passes row (not the plain ones) runs twice, its rounds interleaved: as it is and with "
+                         "KEY=VALUE in its environment (mode shown with '+ab'): an A/B of a switch in one run")
     ap.add_argument("--out", default=str(OUT / "load.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--prepare", help=argparse.SUPPRESS)
@@ -315,6 +321,12 @@ def main(argv=None) -> int:
         if not sep or not key:
             ap.error(f"--session-config wants KEY=VALUE, got {item!r}")
         config[key] = value
+    ab_env = None
+    if args.ab_env:
+        key, sep, value = args.ab_env.partition("=")
+        if not sep or not key:
+            ap.error(f"--ab-env wants KEY=VALUE, got {args.ab_env!r}")
+        ab_env = {key: value}
     manifest = _manifest()
     tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))
     rows = []
@@ -338,9 +350,11 @@ def main(argv=None) -> int:
             for key, how in variants:
                 how, _, dtype = how.partition(":")
                 how_key = f"{how}:{dtype}" if dtype else how
-                specs.append(dict(base, path=str(files[key]), how=how, dtype=dtype or None,
-                                  outputs=str(tmp / f"{name}.{key}.{how}{dtype}.npz")))
-                keys.append((key, how_key))
+                for env in [None] + ([ab_env] if ab_env and how != "plain" else []):
+                    tag = "+ab" if env else ""
+                    specs.append(dict(base, path=str(files[key]), how=how, dtype=dtype or None, env=env,
+                                      outputs=str(tmp / f"{name}.{key}.{how}{dtype}{tag}.npz")))
+                    keys.append((key, how_key + tag))
             print(f"[{name}] {len(specs)} variants x {args.rounds} rounds, interleaved", file=sys.stderr, flush=True)
             for (key, how_key), spec, r in zip(keys, specs, best_of_many(specs, args.rounds)):
                 if "error" not in r:
@@ -351,6 +365,8 @@ def main(argv=None) -> int:
             _big(args, tmp, provider, rows, config)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if ab_env:
+        print("rows marked +ab ran with " + ", ".join(f"{k}={v}" for k, v in ab_env.items()) + " in their environment")
     if config:
         print("onnxruntime session config on every row: " + ", ".join(f"{k}={v}" for k, v in config.items()))
     _print_table(rows)
@@ -377,9 +393,11 @@ def _summarise(name, metric, results, rows):
     base = results[("float.onnx", "plain")]
     folded = results.get(("q8.folded.onnx", "plain"), {})
     for (key, how), r in results.items():
+        how, ab = (how[:-3], True) if how.endswith("+ab") else (how, False)
         row = {"model": name, "file": key, "mode": how}
         if "error" in r:
             row["error"] = r["error"]
+            row["mode"] += "+ab" if ab else ""
             rows.append(row)
             continue
         row.update({k: r[k] for k in BEST_KEYS + ("mode", "ready_s_median", "ready_cpu_s_median", "ready_sleeps_median",
@@ -390,6 +408,9 @@ def _summarise(name, metric, results, rows):
         if r.get("fold_route") and "here" not in r["fold_route"]:  # (float16 on a CPU: onnxruntime's constant folding)
             row["mode"] += "/" + r["fold_route"].replace("onnxruntime", "ort")
         row["fold_route"] = r.get("fold_route")
+        if ab:
+            row["mode"] += "+ab"
+            row["ab_env"] = True
         if "error" not in base:
             row["ready_x"] = r["ready_s"] / base["ready_s"]
             row["ready_cpu_x"] = r["ready_cpu_s"] / base["ready_cpu_s"]
