@@ -251,7 +251,7 @@ def _stored_tensors(g: onnx.GraphProto):
 
 def _prequantized_note(model: onnx.ModelProto, min_elements: int) -> str | None:
     """Integer weights an earlier quantizer left for its own ops (ConvInteger, MatMulInteger,
-    DynamicQuantizeLSTM, QLinearConv, MatMulNBits, ...): they stay as they are, and a model made
+    DynamicQuantizeLSTM, QLinearConv, MatMulNBits, ..., or a Cast to float): they stay as they are, and a model made
     of them (onnxruntime's quantize_dynamic output) comes out at 1.00x; the note says why."""
     ints = {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4}
     count = nbytes = 0
@@ -259,11 +259,16 @@ def _prequantized_note(model: onnx.ModelProto, min_elements: int) -> str | None:
     for gi in graph.iter_graphs(model):
         readers: dict[str, set[str]] = {}
         for node in gi.graph.node:
+            # integer levels read through a Cast to float (then a Mul by their scale: the form
+            # the auto mode writes for MatMul weights, and other exporters') are weights too
+            op = node.op_type
+            if op == "Cast" and any(a.name == "to" and a.i in graph.FLOAT_TYPES for a in node.attribute):
+                op = "Cast to float"
             for name in node.input:
-                readers.setdefault(name, set()).add(node.op_type)
+                readers.setdefault(name, set()).add(op)
         for name, t in _stored_tensors(gi.graph):
             if t.data_type in ints and int(np.prod(t.dims, dtype=np.int64)) >= max(min_elements, 2):
-                by = readers.get(name, set()) & _QUANTIZED_OPS
+                by = readers.get(name, set()) & (_QUANTIZED_OPS | {"Cast to float"})
                 if by:
                     count += 1
                     nbytes += graph.tensor_nbytes(t)

@@ -446,6 +446,23 @@ def test_quantizing_again_says_the_weights_are_already_quantized(in_constant):
                for n in report.notes), report.notes
 
 
+def test_levels_read_through_a_cast_to_float_are_called_already_quantized():
+    """int8 levels -> Cast(to float) -> Mul(scale) -> MatMul (the auto mode's form of MatMul
+    weights; the corpus MiniLM int8 export): compressing it said '0 rewritten' and nothing else."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    levels = np.random.default_rng(0).integers(-127, 128, (64, 32)).astype(np.int8)
+    g = helper.make_graph([helper.make_node("Cast", ["Wq"], ["Wf"], to=TensorProto.FLOAT),
+                           helper.make_node("Mul", ["Wf", "s"], ["W"]),
+                           helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 32])],
+                          [numpy_helper.from_array(levels, "Wq"), numpy_helper.from_array(np.float32(0.01), "s")])
+    report = Report()
+    quantize_weights(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), report=report)
+    assert "already quantized: 1 integer weight(s) (2,048 bytes) read by Cast to float stay as they are" in report.notes
+
+
 def test_include_matching_nothing_says_so():
     report = Report()
     quantize_weights(mg.conv_model(), include=["Konv*"], report=report)
