@@ -1014,7 +1014,7 @@ def parse_requirement(text: str) -> Requirement:
     match = _REQUIREMENT.match(text)
     if not match:
         raise InvalidArgumentError(
-            f"cannot read requirement {text!r}: expected METRIC>=NUMBER or METRIC<=NUMBER, "
+            f"cannot read requirement {text!r}: expected METRIC>=NUMBER or METRIC<=NUMBER (or > / <), "
             "e.g. 'cosine>=0.999', 'top1>=0.99', 'maxabs<=0.01', 'snr>=30'"
         )
     metric, op, number = match.group(1).lower(), match.group(2), match.group(3)
@@ -1037,6 +1037,10 @@ def parse_requirement(text: str) -> Requirement:
     low, high = _RANGES[metric]
     if not low <= threshold <= high:
         raise InvalidArgumentError(f"requirement {text!r}: {metric} lies in [{low:g}, {high:g}]")
+    if op in (">", "<") and threshold == (high if higher else low):
+        # a strict bound at the end of the range: no model meets it, the original included
+        raise InvalidArgumentError(f"requirement {text!r} can never hold: {metric} is at {'most' if higher else 'least'} "
+                                   f"{threshold:g}; use {metric}{op}={number}")
     return Requirement(metric, op, threshold)
 
 

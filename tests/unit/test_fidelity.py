@@ -416,6 +416,9 @@ def test_parse_requirement_accepts(text, metric, op, threshold):
     ("top1>=1.5", r"lies in \[0, 1\]"),
     ("maxabs<=-1", "lies in"),
     ("cosine>=0.9 top1>=0.9", "expected METRIC>=NUMBER"),
+    ("top1>1", "can never hold: top1 is at most 1; use top1>=1"),  # strict at the range's end
+    ("cosine>1.0", "can never hold"),
+    ("maxabs<0", "can never hold: maxabs is at least 0"),
 ])
 def test_parse_requirement_rejects(text, message):
     with pytest.raises(InvalidArgumentError, match=message):
