@@ -397,8 +397,10 @@ def snr_db(ref, cand) -> float:
                 raise AssertionError("non-finite output")
             noise += float(np.sum((r - c) ** 2))
             sig += float(np.sum(r ** 2))
-        if noise:
-            worst = min(worst, 10 * np.log10(max(sig, 1e-30) / noise))
+        if sig == 0:  # an all-zero output (a zero weight): as before, noise under 1e-30 reads as a match
+            worst = worst if noise < 1e-30 else min(worst, 10 * np.log10(1e-30 / noise))
+        elif noise:  # (no floor on sig: a weight of denormals flushed to zero reads 0 dB, not 440)
+            worst = min(worst, 10 * np.log10(sig / noise))
     return worst
 
 

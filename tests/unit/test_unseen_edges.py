@@ -140,7 +140,7 @@ def test_every_path(made, name, tmp_path):
     for dtype in (None, "float16", "float32"):
         f = passes.fold_dequantize(q8, dtype=dtype)
         onnx.checker.check_model(f, full_check=True)
-        if not (name == "values" and dtype == "float16"):  # test_fold_to_float16_flushes_a_denormal_weight
+        if not (name == "values" and dtype == "float16"):  # test_fold_to_float16_keeps_a_weight_float16_cannot_hold
             assert _snr(ref, _run(f, feeds)) >= 27, dtype
     assert restored_digest(src, tmp_path) == before  # every file back byte for byte
     qpath, qz = tmp_path / "q.onnx", tmp_path / "q.onnxz"
@@ -178,7 +178,7 @@ def test_a_float_pack_with_external_attribute_tensors_runs(made, tmp_path):
     assert _snr(_run(src, feeds), _run(passes.InferenceSession(str(z), mode="fold"), feeds)) == np.inf
 
 
-@pytest.mark.parametrize("name", ["fn_nested", "convs", "ext_handmade", "dec_gqa_packed"])
+@pytest.mark.parametrize("name", ["fn_nested", "ext_handmade"])  # (bench/unseen.py runs it on every model)
 def test_compress_to_a_target(made, name):
     src, feeds = made[name]
     model, _ = passes.compress(str(src), target="snr>=25", feeds=feeds)
@@ -249,12 +249,16 @@ def test_weight_values_at_the_corners(made):
     assert _snr(_run(src, feeds), _run(f, feeds)) >= 40
 
 
-@pytest.mark.xfail(reason="fold(dtype='float16') stores a weight of denormals (~1e-40) as float16 zeros, no note "
-                          "(it keeps one beyond float16's range; .notes/H3_to_lead.md)", strict=False)
+@pytest.mark.xfail(reason="fold._narrowing_snr_db squares ~1e-40 values in float32: 0 noise, read as exact, so the "
+                          "weight is still stored as float16 zeros (.notes/H3_to_lead.md, second note)", strict=False)
 def test_fold_to_float16_keeps_a_weight_float16_cannot_hold(made):
+    """A weight of denormals (~1e-40) stored as float16 was all zeros (that output 44 -> 0 dB); it
+    stays in its own type, with a note (the lead's ae3a75d)."""
     src, feeds = made["values"]
-    f = passes.fold_dequantize(passes.quantize_weights(str(src), min_elements=0), dtype="float16")
+    rep = passes.Report()
+    f = passes.fold_dequantize(passes.quantize_weights(str(src), min_elements=0), dtype="float16", report=rep)
     assert _snr(_run(src, feeds), _run(f, feeds)) >= 27
+    assert any("denormal" in n for n in rep.notes)
 
 
 def test_names_the_writers_would_take_are_left_alone(made):
