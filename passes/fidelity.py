@@ -265,7 +265,7 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
             )
         shape = []
         for axis, d in enumerate(vi.type.tensor_type.shape.dim):
-            if d.HasField("dim_value") and d.dim_value > 0:
+            if d.HasField("dim_value"):  # a declared 0 too: onnxruntime holds an input to it ("Expected: 0")
                 shape.append(int(d.dim_value))
                 continue
             named = d.HasField("dim_param") and bool(d.dim_param)
@@ -381,7 +381,7 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
     the same message at two sizes in a row. A model without dynamic dimensions is run once."""
     model = load_model(model)
     first = synthesize_feeds(model, n=n, seed=seed)
-    if not any(not (d.HasField("dim_value") and d.dim_value > 0)
+    if not any(not d.HasField("dim_value")
                for vi in model_inputs(model) for d in vi.type.tensor_type.shape.dim):
         return first
     try:
@@ -389,7 +389,7 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
     except Exception:  # noqa: BLE001 - the caller's own run says what is wrong with the model
         return first
     inner_unnamed = any(0 < axis < len(vi.type.tensor_type.shape.dim) - 1
-                        and not (d.HasField("dim_value") and d.dim_value > 0)
+                        and not d.HasField("dim_value")
                         and not (d.HasField("dim_param") and d.dim_param)
                         for vi in model_inputs(model) for axis, d in enumerate(vi.type.tensor_type.shape.dim))
     last_errors: dict[bool, str] = {}
