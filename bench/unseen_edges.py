@@ -7,6 +7,8 @@ that tests/unit/test_unseen_edges.py runs every path on the same builders.
   (a function calling a function), Block is called twice from the main graph, a third function
   takes its scale as an attribute (Constant value_float by ref_attr_name) and two overloads of
   one function name (IR 10) hold different weights.
+- fn_in_subgraphs: a function with a Constant weight, importing opset 13 below the model's 17,
+  called from a Loop body and from an If branch.
 - recurrent_full: LSTM with every optional input (B, sequence_lens, initial_h / initial_c and
   peepholes P), bidirectional; GRU without bias and linear_before_reset; RNN bidirectional with
   Relu activations; sequences of different lengths.
@@ -107,6 +109,32 @@ def fn_nested(d=64, seed=0) -> onnx.ModelProto:
 
 def fn_nested_feeds(rng, n=4, d=64):
     return [{"x": rng.standard_normal((3, d)).astype(np.float32)} for _ in range(n)]
+
+
+def fn_in_subgraphs(seed=0) -> onnx.ModelProto:
+    """A function (Constant weight in its body, importing opset 13 below the model's 17) called from
+    a Loop body three times and from an If branch."""
+    rng = np.random.default_rng(seed)
+    dense = helper.make_function("local", "Dense", ["a"], ["b"], [
+        helper.make_node("Constant", [], ["W"], value=_t("W", _w(rng, 64, 64))),
+        helper.make_node("MatMul", ["a", "W"], ["mm"]), helper.make_node("Tanh", ["mm"], ["b"])],
+        [helper.make_opsetid("", 13)])
+    body = helper.make_graph([helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+                              helper.make_node("Dense", ["h_in"], ["h_out"], domain="local")], "body",
+                             [_vi("i", [], TensorProto.INT64), _vi("cond_in", [], TensorProto.BOOL), _vi("h_in", [4, 64])],
+                             [_vi("cond_out", [], TensorProto.BOOL), _vi("h_out", [4, 64])])
+    then = helper.make_graph([helper.make_node("Dense", ["x"], ["t"], domain="local")], "then", [], [_vi("t", [4, 64])])
+    other = helper.make_graph([helper.make_node("MatMul", ["x", "W2"], ["e"])], "else", [], [_vi("e", [4, 64])])
+    nodes = [helper.make_node("Loop", ["n", "keep_going", "x"], ["h"], body=body),
+             helper.make_node("If", ["flag"], ["y2"], then_branch=then, else_branch=other),
+             helper.make_node("Add", ["h", "y2"], ["y"])]
+    inits = [_t("n", np.array(3, np.int64)), _t("keep_going", np.array(True)), _t("W2", _w(rng, 64, 64))]
+    return _model(nodes, [_vi("x", [4, 64]), _vi("flag", [], TensorProto.BOOL)], [_vi("y", [4, 64])], inits,
+                  functions=[dense], extra_opsets=[helper.make_opsetid("local", 1)])
+
+
+def flag_feeds(rng, n=4):
+    return [{"x": rng.standard_normal((4, 64)).astype(np.float32), "flag": np.array(k % 2 == 0)} for k in range(n)]
 
 
 def recurrent_full(h=32, i=24, seed=0) -> onnx.ModelProto:
@@ -402,6 +430,7 @@ def names(seed=0) -> onnx.ModelProto:
 # name -> (builder returning a model, feeds(rng, n), writer(model, dst) or None for onnx.save)
 EDGES = {
     "fn_nested": (fn_nested, fn_nested_feeds, None),
+    "fn_in_subgraphs": (fn_in_subgraphs, flag_feeds, None),
     "recurrent_full": (recurrent_full, recurrent_feeds, None),
     "convs": (convs, convs_feeds, None),
     "degenerate": (degenerate, degenerate_feeds, None),
