@@ -84,6 +84,18 @@ def _squared_error(v: np.ndarray, c: np.ndarray) -> float:
     return float(np.sum((v - c[idx]) ** 2))
 
 
+def _palette_nbytes(t: onnx.TensorProto, bits: int, group_rows: int | None) -> int:
+    """Bytes of a palettized float tensor: its uint8 indices and its tables (one per group of rows);
+    a tiny weight (a [1, 1] one: 4 bytes -> 65) would grow."""
+    n = int(np.prod(t.dims))
+    rows = int(t.dims[0])
+    n_groups = -(-rows // int(group_rows)) if group_rows else 1
+    if n_groups << int(bits) > 256:  # refused as palette_array does, whatever the size
+        raise InvalidArgumentError(f"palette: {n_groups} groups x {1 << int(bits)} entries do not fit uint8 indices; "
+                                   "use larger group_rows or fewer bits")
+    return n + n_groups * (1 << int(bits)) * np.dtype(graph.NUMPY_TYPES[t.data_type]).itemsize
+
+
 def palette_array(w: np.ndarray, bits: int, group_rows: int | None):
     """(indices uint8 with group offsets, flat table float64, number of groups)."""
     k = 1 << bits
@@ -189,11 +201,11 @@ def _palettize_graph(info: graph.GraphInfo, consumers, exact, names, bits, group
         uses = consumers.get((info.key, t.name), [])
         n = int(np.prod(t.dims)) if t.dims else 1
         bias = uses and all(i == 2 and op in ("Conv", "Gemm", "ConvTranspose") for op, i in uses)
-        chosen = (t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and n >= min_elements and uses
+        chosen = (t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and n >= max(min_elements, 1) and uses
                   and not bias and t.name not in graph_inputs and (info.key, t.name) not in exact
                   and (not inc or any(fnmatch.fnmatchcase(t.name, p) for p in inc))
                   and not any(fnmatch.fnmatchcase(t.name, p) for p in exc))
-        if not chosen:
+        if not chosen or _palette_nbytes(t, bits, group_rows) >= graph.tensor_nbytes(t):
             keep_inits.append(t)
             continue
         w = graph.tensor_to_array(t)

@@ -69,6 +69,26 @@ def test_float16_and_input_untouched():
     assert np.array_equal(out[0], mg.run(fold_palettes(p), mg.feeds(m))[0])
 
 
+def test_weights_a_palette_would_grow_stay_float():
+    """At min_elements=0 a [0, 64] weight crashed the k-means and a [2, 2] one grew from 16 bytes to
+    4 indices + a 16-entry table; both stay as they are, the large weight is palettized."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph([helper.make_node("Concat", ["E", "x"], ["c"], axis=0),
+                           helper.make_node("MatMul", ["c", "W"], ["h"]),
+                           helper.make_node("MatMul", ["h", "T"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 2])],
+                          [numpy_helper.from_array(np.zeros((0, 64), np.float32), "E"),
+                           numpy_helper.from_array(rng.standard_normal((64, 2)).astype(np.float32), "W"),
+                           numpy_helper.from_array(rng.standard_normal((2, 2)).astype(np.float32), "T")])
+    p = palettize(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), bits=4, min_elements=0)
+    onnx.checker.check_model(p, full_check=True)
+    names = {t.name for t in p.graph.initializer}
+    assert {"E", "T"} <= names and "W" not in names and len(names) == 4  # W's indices and table
+
+
 @pytest.mark.parametrize("kwargs", [dict(bits=0), dict(bits=9), dict(bits=True), dict(group_rows=0),
                                     dict(bits=8, group_rows=1)])
 def test_bad_arguments(kwargs):
