@@ -38,9 +38,11 @@
 3. Allocation: per weight, the form minimising rate + mu * predicted error; mu is searched (on
    the same session, with the real metric of the target) for the smallest total rate whose
    model meets the target with a safety margin (cosine: COSINE_MARGIN, 0.6 of the allowed 1 - cosine;
-   agreement >= 0.98: also at most 1 - (the margined agreement) expected flips of held-out decisions from
-   the logits' margin errors (TieRisk; for ctc, or where output 0's argmax is not that of the measured
-   outputs: 40 dB centred-logit SNR instead)); one width for every weight is tried too
+   top-1 agreement: also at most (1 - target) / 2 expected flips of held-out decisions from the logits'
+   margin errors, and no more than a sample the size of the feeds allows (TieRisk, top1_flip_budget), or a
+   lower confidence bound on the agreement from the most frequent class, where the plan keeps and favours it
+   (TieRisk.majority_bound); for ctc >= 0.98, or where output 0's argmax is not that of the measured outputs:
+   40 dB centred-logit SNR instead); one width for every weight is tried too
    (kept when smaller and passing), then greedy one-width-narrower steps are kept while the check
    still passes. Error-fed levels are fitted to the calibration activations and look better there than
    on other inputs: each weight's error-fed forms are charged the held-out / calibration ratio of levels
@@ -124,6 +126,22 @@ TOP1_TIE_RISK = True  # agreement targets >= 0.98 held by TieRisk (False: the TO
 # bench/auto_split.py (calibrated on one half of the corpus feeds, packed and measured on the other; first / reversed
 # split; top1 1.0 held out in every row; load 6-16): open_nsfw 17.77 / 40.19% -> 17.58 / 19.53%, open_nsfw_fp16
 # 31.50 / 54.03% -> 31.50 / 37.42%, rapidocr_cls 23.21 / 26.82% -> 23.08 / 27.20%
+TOP1_TIE_RISK_BELOW = True  # top-1 targets below 0.98 held by TieRisk too (False: calibration agreement alone, margined
+# halfway to 1, as before). Why: on 24 calibration feeds top1>=0.95 asked every decision to agree there and nothing
+# about how close they came; bench/auto_split.py --target 'top1>=0.95' (first split): open_nsfw 7.25% with held-out
+# top1 0.875, open_nsfw_fp16 14.35% at 0.875 (missed); rapidocr_cls top1>=0.9 (second split) 11.31% at 0.75 (missed)
+TOP1_SAMPLE_CONFIDENCE = 0.2  # the expected-flip budget is also at most the flip rate whose count on a sample the size
+# of the calibration decisions (Poisson) exceeds the flips the target allows there with this probability: with 24
+# decisions top1>=0.96 or 0.97 allows none (budget 0.0093, not (1 - 0.97) / 2 = 0.015, which open_nsfw's first split
+# met with one held-out flip at top1>=0.95: 0.958); it binds only there (0.95: 0.034 > 0.025; 0.99: 0.0093 > 0.005)
+TOP1_MAJORITY_CONFIDENCE = 0.05  # a plan the flip budget refuses still passes where the calibration's most frequent
+# reference class c alone bounds the held-out agreement above the target: the candidate keeps every calibration
+# decision of c and moves c's margins away from a tie at a tie (intercept of their margin change on their margin >= 0),
+# so held-out inputs of class c keep it; their share is at least the one-sided Clopper-Pearson lower bound of n_c / n
+# at this confidence. Why: open_nsfw at quantize_dynamic's top1 0.8333 (first split, bench/lossy.py part b): the
+# smallest plan is nearly a constant 'SFW' classifier (7.25%, held-out top1 0.875 = the crops' share of class SFW);
+# its margin errors (4.6 nats RMS) put it far over any flip budget, and the budget's own plan there missed (9.51%,
+# held-out 0.792); 24 of 24 SFW decisions bound the share at 0.883
 TOP1_TIE_DENSITY = 0.125  # agreement targets on softmax/sigmoid logits (TieRisk): the density, per nat of top-1
 # margin, of held-out inputs near a tie assumed beyond those the calibration shows ...
 TOP1_TIE_DENSITY_REL = 0.6  # ... at most this many per RMS calibration margin (0.6: the 40 dB TOP1_SNR_DB floor on a
@@ -432,6 +450,9 @@ class TieRisk:
 
     def __init__(self, logits: list, nats: bool):
         z = np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1, np.shape(a)[-1]) for a in logits])
+        # the decisions' sample size for the bounds below: one a feed (a feed's decisions, tokens or pixels, are
+        # not independent draws)
+        self.n_samples = min(len(z), len(logits))
         self.top = z.argmax(axis=1)
         rows = np.arange(len(z))
         self.gaps = z[rows, self.top][:, None] - z  # >= 0; 0 at the top class itself
@@ -472,6 +493,36 @@ class TieRisk:
         n = d.size - len(d)
         return float(np.sqrt(np.square(d).sum() / n)) if n else 0.0
 
+    def majority_bound(self, proxy_cand: list) -> float:
+        """A lower bound on the candidate's held-out agreement from the calibration's most frequent reference
+        class c alone (TOP1_MAJORITY_CONFIDENCE): the one-sided Clopper-Pearson lower bound of c's share of the
+        decisions (n_samples of them: one a feed), where the candidate keeps every calibration decision of c and,
+        at a tie, moves c's margin up (the least-squares line of the change of c's runner-up margin on that margin
+        has an intercept >= 0); else 0."""
+        try:
+            zc = np.concatenate([np.asarray(row[0], dtype=np.float64).reshape(-1, self.z.shape[1]) for row in proxy_cand])
+        except ValueError:
+            return 0.0
+        if zc.shape != self.z.shape or not np.isfinite(zc).all() or not len(zc):
+            return 0.0
+        counts = np.bincount(self.top, minlength=self.z.shape[1])
+        c = int(counts.argmax())
+        mine = self.top == c
+        if (zc[mine].argmax(axis=1) != c).any():
+            return 0.0
+        others = np.ones(self.z.shape[1], dtype=bool)
+        others[c] = False
+        gap = self.gaps[mine][:, others].min(axis=1)
+        change = (zc[mine, c][:, None] - zc[mine][:, others]).min(axis=1) - gap
+        if len(gap) >= 2 and np.ptp(gap) > 0:
+            _, intercept = np.polyfit(gap, change, 1)
+        else:
+            intercept = float(change.mean())
+        if intercept < 0:
+            return 0.0
+        n = self.n_samples
+        return share_lower_bound(int(math.floor(counts[c] / len(self.top) * n + 1e-9)), n, TOP1_MAJORITY_CONFIDENCE)
+
     def risk(self, sigma: float) -> float:
         if sigma == 0:
             return 0.0
@@ -480,6 +531,60 @@ class TieRisk:
         s = TOP1_ERROR_GROWTH * sigma
         flips = np.minimum(1.0, 0.5 * _erfc_array(self.gaps / (s * math.sqrt(2.0))).sum(axis=1))
         return float(flips.mean()) + self.density * s / math.sqrt(2.0 * math.pi)
+
+
+def share_lower_bound(k: int, n: int, alpha: float) -> float:
+    """The one-sided Clopper-Pearson lower confidence bound (level 1 - alpha) of a share seen k times in n:
+    the p at which k or more of n would be seen with probability alpha."""
+    if k <= 0:
+        return 0.0
+    if k >= n:
+        return alpha ** (1.0 / n)
+    lo, hi = 0.0, k / n
+    for _ in range(60):
+        p = 0.5 * (lo + hi)
+        if _binomial_tail(k, n, p) < alpha:
+            lo = p
+        else:
+            hi = p
+    return lo
+
+
+def _binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), 0 < p < 1 (log-space terms: n may be thousands of decisions)."""
+    lp, lq = math.log(p), math.log1p(-p)
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq
+            for i in range(k, n + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in logs))
+
+
+def top1_flip_budget(threshold: float, n: int) -> float:
+    """The expected held-out flip rate a top-1 target allows (TieRisk): half of what it allows, 1 - threshold,
+    and at most the rate whose Poisson count on n decisions (the calibration's) exceeds the flips the target allows
+    among n with probability TOP1_SAMPLE_CONFIDENCE."""
+    margined = (1.0 - threshold) / 2.0
+    if n <= 0:
+        return margined
+    allowed = math.floor((1.0 - threshold) * n + 1e-9)
+
+    def exceeds(lam):  # P(K > allowed), K ~ Poisson(lam)
+        term, cdf = math.exp(-lam), 0.0
+        for i in range(allowed + 1):
+            cdf += term
+            term *= lam / (i + 1)
+        return 1.0 - cdf
+
+    lo, hi = 0.0, float(allowed + 1)
+    while exceeds(hi) < TOP1_SAMPLE_CONFIDENCE:
+        hi *= 2.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if exceeds(mid) < TOP1_SAMPLE_CONFIDENCE:
+            lo = mid
+        else:
+            hi = mid
+    return min(margined, lo / n)
 
 
 # erfc on [0, 6] by linear interpolation in a table of math.erfc at steps of 1e-4: absolute error
@@ -973,16 +1078,19 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
 
     # agreement targets on logits: the expected held-out flips from the margin errors (TieRisk)
     # instead of the SNR floor (ctc keeps the floor)
-    tie, tie_budget = None, None
-    if TOP1_TIE_RISK and floor is not None and not any(r.metric == "ctc" for r in reqs):
+    tie, tie_budget, top1_target = None, None, None
+    low_top1 = TOP1_TIE_RISK_BELOW and floor is None and any(r.metric == "top1" for r in reqs)
+    if TOP1_TIE_RISK and (floor is not None or low_top1) and not any(r.metric == "ctc" for r in reqs):
         tie = TieRisk.of([px[:1] for px in proxy_outputs(ref, proxy_plan)], [outs[0] for outs in ref],
                          nats=proxy_plan[0][0] >= n_out)
         if tie is not None:
+            instead = f" instead of the {TOP1_SNR_DB:g} dB floor" if floor is not None else ""
             floor = None
-            tie_budget = 1.0 - max(r.threshold for r in search_reqs if r.metric == "top1")
+            top1_target = max(r.threshold for r in reqs if r.metric == "top1")
+            tie_budget = top1_flip_budget(top1_target, tie.n_samples)
             notes.append(f"top-1 agreement held by the expected flips of held-out decisions from their margin errors "
                          f"(at most {tie_budget:.3g}; near-tie density {tie.density:.3g} per unit of margin "
-                         f"beyond the feeds' own) instead of the {TOP1_SNR_DB:g} dB floor")
+                         f"beyond the feeds' own){instead}")
 
     def tie_ok(sigma):
         return tie.risk(sigma) <= tie_budget
@@ -1005,7 +1113,12 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
             res.metrics["margin_sigma"] = sigma
             tie_growth = math.sqrt(growth) if TOP1_FIT_GROWTH else 1.0
             res.metrics["top1_risk"] = tie.risk(sigma * tie_growth)
-            ok = ok and tie_ok(sigma * tie_growth)
+            held_ok = tie_ok(sigma * tie_growth)
+            if not held_ok:
+                bound = tie.majority_bound([px[:1] for px in px_cand])
+                res.metrics["top1_majority_bound"] = bound
+                held_ok = bound >= top1_target
+            ok = ok and held_ok
         return res, ok and gate_subset_ok(ref_outs, outs, reqs_)
 
     infos, models = sens.dequantized_forms(probe, bits, granularity=granularity, min_elements=min_elements,

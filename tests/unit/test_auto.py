@@ -208,6 +208,102 @@ def test_near_tie_density_decides_how_much_the_top1_search_keeps(monkeypatch):
     assert results[10.0][1] >= results[0.01][1]
 
 
+def test_top1_targets_below_098_are_held_by_the_tie_risk_too(monkeypatch):
+    """top1>=0.95: the expected held-out flips within the budget (1 - 0.95) / 2, not only agreement on the
+    calibration feeds (which says nothing about how close the decisions came); off, as before."""
+    from passes import auto
+
+    m = _softmax_model()
+    f = feeds(m, n=6)
+    out, rep = passes.compress(m, target="top1>=0.95", feeds=f, tighten=0)
+    assert rep["met_on_feeds"] and rep["fidelity"]["top1_risk"] <= auto.top1_flip_budget(0.95, 6)
+    note = next(n for n in rep["notes"] if "expected flips" in n)
+    assert "floor" not in note  # (no 40 dB floor was asked below 0.98)
+    monkeypatch.setattr(auto, "TOP1_TIE_RISK_BELOW", False)
+    _, rep_off = passes.compress(m, target="top1>=0.95", feeds=f, tighten=0)
+    assert "top1_risk" not in rep_off["fidelity"] and not any("expected flips" in n for n in rep_off["notes"])
+
+
+def test_top1_flip_budget_asks_for_the_flips_a_sample_like_the_calibration_allows():
+    """Half of what the target allows, and at most the rate whose Poisson count on n decisions exceeds the
+    flips the target allows among n with probability TOP1_SAMPLE_CONFIDENCE: with 24 decisions 0.96 and
+    0.97 allow none, so they get that rate (not (1 - t) / 2); never a larger budget for a higher target."""
+    import math
+
+    from passes import auto
+
+    c = auto.TOP1_SAMPLE_CONFIDENCE
+    assert auto.top1_flip_budget(0.99, 24) == pytest.approx(0.005)
+    assert auto.top1_flip_budget(0.95, 24) == pytest.approx(0.025)  # one flip allowed: P(K > 1) at 0.6 > c
+    assert auto.top1_flip_budget(0.8333, 24) == pytest.approx(0.08335)
+    none_allowed = -math.log(1 - c) / 24  # P(K > 0) = 1 - exp(-lam) = c
+    for t in (0.96, 0.97, 0.98):
+        assert auto.top1_flip_budget(t, 24) == pytest.approx(none_allowed, rel=1e-6)
+    assert auto.top1_flip_budget(0.97, 10000) == pytest.approx(0.015)  # (many decisions: half of 1 - t)
+    budgets = [auto.top1_flip_budget(t, 24) for t in np.linspace(0.8, 0.999, 60)]
+    assert all(a >= b - 1e-12 for a, b in zip(budgets, budgets[1:]))
+
+
+def test_share_lower_bound_is_clopper_pearson():
+    from math import comb
+
+    from passes import auto
+
+    assert auto.share_lower_bound(24, 24, 0.05) == pytest.approx(0.05 ** (1 / 24))
+    assert auto.share_lower_bound(0, 24, 0.05) == 0.0
+    p = auto.share_lower_bound(21, 24, 0.05)
+    tail = sum(comb(24, i) * p ** i * (1 - p) ** (24 - i) for i in range(21, 25))
+    assert tail == pytest.approx(0.05, abs=1e-6) and p < 21 / 24
+
+
+def test_majority_bound_holds_a_candidate_that_favours_the_frequent_class():
+    """TieRisk.majority_bound: where the candidate keeps every calibration decision of the most frequent
+    class and moves its margins up at a tie, the held-out agreement is at least that class's share (its
+    Clopper-Pearson lower bound); a candidate that flips one of them, or pulls its near ties toward a tie, gets 0."""
+    from passes import auto
+
+    rng = np.random.default_rng(0)
+    gaps = rng.uniform(0.5, 8.0, 20)
+    ref = [np.array([[g / 2, -g / 2]]) for g in gaps]  # class 0 wins all 20
+    risk = auto.TieRisk.of([[a] for a in ref], ref, nats=True)
+    # nearly a constant classifier: every margin shrinks to 2 + 0.15 g (the largest by ~7 nats: a large sigma)
+    favour = [np.array([[(2 + 0.15 * g) / 2, -(2 + 0.15 * g) / 2]]) for g in gaps]
+    assert risk.risk(risk.sigma([[a] for a in favour])) > 0.2
+    assert risk.majority_bound([[a] for a in favour]) == pytest.approx(0.05 ** (1 / 20))
+    # toward a tie at a tie (intercept < 0): nothing bounded, though no decision flips on the feeds
+    pull = [np.array([[(0.6 * g - 0.2) / 2, -(0.6 * g - 0.2) / 2]]) for g in gaps]
+    assert all(a.argmax() == 0 for a in pull) and risk.majority_bound([[a] for a in pull]) == 0.0
+    flipped = list(favour)
+    flipped[3] = -flipped[3]
+    assert risk.majority_bound([[a] for a in flipped]) == 0.0
+
+
+def test_low_top1_target_passes_on_the_majority_bound_where_the_flip_budget_refuses(monkeypatch):
+    """A plan the flip budget refuses passes where the frequent class's bounded share meets the target (the
+    report says which bound held it: a smaller model); without that bound the budget alone holds the plan."""
+    from passes import auto
+
+    m = _softmax_model()
+    f = feeds(m, n=8)
+    monkeypatch.setattr(auto, "TOP1_TIE_DENSITY", 50.0)  # no plan's expected flips fit any budget
+    monkeypatch.setattr(auto, "TOP1_TIE_DENSITY_REL", 50.0)
+    bounds = []
+    real = auto.TieRisk.majority_bound
+
+    def spy(self, cand):
+        bounds.append(real(self, cand))
+        return 1.0  # every candidate taken as keeping the frequent class
+    monkeypatch.setattr(auto.TieRisk, "majority_bound", spy)
+    _, rep = passes.compress(m, target="top1>=0.5", feeds=f, tighten=0)
+    assert bounds and rep["fidelity"]["top1_risk"] > auto.top1_flip_budget(0.5, 8)
+    assert rep["fidelity"]["top1_majority_bound"] == 1.0 and rep["tensors"] and any(
+        t["form"] != "float" for t in rep["tensors"])
+    monkeypatch.setattr(auto.TieRisk, "majority_bound", lambda self, cand: 0.0)
+    _, rep0 = passes.compress(m, target="top1>=0.5", feeds=f, tighten=0)
+    assert rep0["fidelity"]["top1_risk"] <= auto.top1_flip_budget(0.5, 8)  # (the budget alone held it)
+    assert rep0["est_packed_weight_bytes"] > rep["est_packed_weight_bytes"]
+
+
 def test_ctc_targets_keep_the_logit_snr_floor():
     from passes import auto
 
