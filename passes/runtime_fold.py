@@ -425,7 +425,7 @@ def constant_foldable_nodes(split: SplitModel, folders: dict) -> list:
 
 
 def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead: bool = False,
-              constants: bool = True, refresh: bool = True) -> int:
+              constants: bool = True, refresh: bool = True, dequantize_only: bool = False) -> int:
     """Replace constant DequantizeLinear (and other registered constant-form) nodes by their
     float initializers (subgraphs too unless `only` is given or subgraphs=False); returns how
     many were folded. `only`: optional predicate on a main-graph node. `ahead` (only where
@@ -434,7 +434,11 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
     FoldAhead that becomes split.pending; the others are folded now. constants=False: the caller
     has run constants_to_initializers already; refresh=False: the caller refreshes the
     placeholders itself afterwards (each is a walk over every node, on the main thread before
-    onnxruntime can start)."""
+    onnxruntime can start). dequantize_only: the caller knows (fold_facts' onnxruntime_folds_all)
+    that the main graph's foldable nodes are standard DequantizeLinear nodes and that no node holds
+    a subgraph: the subgraph and palette walks, which would find nothing, are skipped, and readers
+    are counted only for the names the folded nodes read (three walks over every node fewer, on the
+    main thread before onnxruntime can start)."""
     decode = split.pending if ahead else None
     jobs = []
     # the outputs folded ahead are filled on the fold thread: small ones cut from shared arrays,
@@ -443,12 +447,12 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
     folders = _folders()
     if constants:
         constants_to_initializers(split)
-    if subgraphs if subgraphs is not None else only is None:
+    if (subgraphs if subgraphs is not None else only is None) and not dequantize_only:
         fold_subgraphs(split.skeleton.graph, folders)
     types = {t.name: t.data_type for t in split.skeleton.graph.initializer}
     nodes = [n for n in constant_foldable_nodes(split, folders) if only is None or only(n)]
     folded = set()
-    consumers = _consumer_counts(split.skeleton.graph)
+    consumers = _consumer_counts(split.skeleton.graph, {i for n in nodes for i in n.input} if dequantize_only else None)
     for done, node in enumerate(nodes, 1):
         arrays = [split.array(i) if i else None for i in node.input]
         if any(a is None for a, i in zip(arrays, node.input) if i):
@@ -482,7 +486,8 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
             progress(done, len(nodes))
     if jobs:
         split.pending = FoldAhead(decode, jobs)
-    folded |= _fold_palettes(split, consumers, only)
+    if not dequantize_only:
+        folded |= _fold_palettes(split, consumers, only)
     if folded:
         graph = split.skeleton.graph
         remove_nodes(graph, [i for i, n in enumerate(graph.node) if n.output and n.output[0] in folded])
@@ -662,11 +667,18 @@ def _names_read(g) -> set:
     return used
 
 
-def _consumer_counts(graph) -> dict:
+def _consumer_counts(graph, names=None) -> dict:
+    """name -> how many times it is read (node inputs, subgraphs' outer-scope reads, graph outputs);
+    `names` (a set): only the reads of those by nodes counted (a node reading none of them is
+    skipped in C), and every read by subgraphs and outputs."""
     counts = {}
     for node in graph.node:
-        for name in node.input:
-            counts[name] = counts.get(name, 0) + 1
+        inputs = node.input
+        if names is not None and names.isdisjoint(inputs):
+            inputs = ()
+        for name in inputs:
+            if names is None or name in names:
+                counts[name] = counts.get(name, 0) + 1
         if node.op_type not in GRAPH_OPS and node.domain in ("", "ai.onnx"):
             continue  # (no graph: see fold_subgraphs)
         for g in subgraphs(node):  # names a subgraph reads from the outer scope count as uses

@@ -178,3 +178,28 @@ def test_float32_fold_here_runs_the_kernel(tmp_path, monkeypatch):
     x = {"x": rng.standard_normal((2, 64)).astype(np.float32)}
     want = ort.InferenceSession(passes.fold_dequantize(q8).SerializeToString(), providers=CPU).run(None, x)[0]
     np.testing.assert_array_equal(session.run(None, x)[0], want)
+
+
+def test_dequantize_only_skips_walks_not_folds(tmp_path):
+    """fold_into(dequantize_only=True), for graphs whose foldable nodes are plain DequantizeLinear
+    nodes (fold_facts' onnxruntime_folds_all), leaves the same graph and weights as the full walks,
+    and drops each quantized input once its last reader is folded; _consumer_counts(names) counts
+    the reads of those names as the full count does."""
+    from passes.runtime_source import read_split
+
+    _packed_q8(tmp_path, _float16_mlp(seed=4))
+    src = tmp_path / "mlp16.q8.onnx"
+    full, fast = read_split(src), read_split(src)
+    assert runtime_fold.fold_facts(fast) == (True, True)
+    assert runtime_fold.fold_into(full) == runtime_fold.fold_into(fast, dequantize_only=True) == 4
+    assert [(n.op_type, list(n.input)) for n in full.skeleton.graph.node] == \
+           [(n.op_type, list(n.input)) for n in fast.skeleton.graph.node]
+    assert sorted(full.weights) == sorted(fast.weights)
+    assert all(a.dtype == np.float16 for a in fast.weights.values())  # (the 8-bit levels dropped)
+    for name in full.weights:
+        np.testing.assert_array_equal(full.weights[name], fast.weights[name])
+    graph = read_split(src).skeleton.graph
+    names = {n.input[1] for n in graph.node if n.op_type == "MatMul"} | {"x"}
+    every = runtime_fold._consumer_counts(graph)
+    assert runtime_fold._consumer_counts(graph, names) == {k: every[k] for k in names if k in every} | \
+        {o.name: every[o.name] for o in graph.output}
