@@ -24,16 +24,16 @@ PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 16
 N_TOKENS = 232
-LITERAL_TOKENS = 16
+LITERAL_TOKENS = 16  # magnitudes below this are their own token (see "Symbols" above)
 
 
 @nb.njit(cache=True, inline="always")
 def token_of(m):
-    if m < 16:
+    if m < LITERAL_TOKENS:
         return m, 0, 0
     e = 63 - _clz64(m)
     nbits = e - 3
-    return 16 + 8 * (e - 4) + ((m >> nbits) & 7), m & ((1 << nbits) - 1), nbits
+    return LITERAL_TOKENS + 8 * (e - 4) + ((m >> nbits) & 7), m & ((1 << nbits) - 1), nbits
 
 
 @nb.njit(cache=True, inline="always")
@@ -50,10 +50,10 @@ def _clz64(v):
 @nb.njit(cache=True, inline="always")
 def token_base(t):
     """Smallest magnitude of token t and its number of raw bits."""
-    if t < 16:
+    if t < LITERAL_TOKENS:
         return t, 0
-    e = (t - 16) // 8 + 4
-    mant = (t - 16) % 8
+    e = (t - LITERAL_TOKENS) // 8 + 4
+    mant = (t - LITERAL_TOKENS) % 8
     nbits = e - 3
     return ((8 + mant) << nbits), nbits
 

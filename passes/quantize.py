@@ -92,13 +92,6 @@ _QUANTIZED_OPS = {
 _BIAS_INPUTS = {("LSTM", 3), ("GRU", 3), ("RNN", 3), ("Gemm", 2), ("Conv", 2), ("ConvTranspose", 2)}
 
 
-@dataclass
-class _Plan:
-    weight: graph.Weight
-    axis: int | None  # scale axis (per channel) or block axis
-    block_size: int
-    why: str
-
 
 def _check_args(bits, granularity, block_size, min_elements):
     if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool) or not 2 <= bits <= 8:
