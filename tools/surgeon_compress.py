@@ -377,6 +377,10 @@ def _check_option_combinations(args) -> None:
     _refuse_options_the_search_ignores(args)
     if args.block_size is not None and args.granularity not in (None, "block"):
         raise InvalidArgumentError(f"--block-size needs --granularity block (got --granularity {args.granularity})")
+    if args.pack and not str(args.output).endswith(".onnxz"):
+        # a pack under an .onnx name is a file onnxruntime and onnx.load refuse
+        raise InvalidArgumentError(f"--pack writes an .onnxz pack: name the output {Path(str(args.output)).stem}.onnxz "
+                                   "(the name alone implies --pack)")
 
 
 def _quantize_options(args) -> dict[str, Any]:
@@ -975,7 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rdo: each channel/block takes the step that trades error against packed size (1.5-5%% smaller packs)")
     p.add_argument("--rd-max-snr-loss", type=_decibels, metavar="DB",
                    help="with --rounding rdo: dB of weight SNR each tensor may lose against nearest rounding (default 0.5)")
-    p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (implied by -o NAME.onnxz)")
+    p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (-o must end in .onnxz, which alone implies it)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     verify_option(p)
     _add_fidelity_options(p)

@@ -168,6 +168,16 @@ def test_compress_rd_option_without_rdo_is_refused(tmp_path, capsys):
     assert not (tmp_path / "x.onnx").exists()
 
 
+def test_compress_pack_needs_an_onnxz_name(tmp_path, capsys):
+    """--pack with -o X.onnx wrote a pack under that name: a file onnxruntime refuses."""
+    code, _, err = run(capsys, "compress", SAMPLE, "-o", tmp_path / "p.onnx", "--pack")
+    assert code == 1
+    assert_one_line_error(err, "--pack writes an .onnxz pack: name the output p.onnxz")
+    assert not (tmp_path / "p.onnx").exists()
+    code, _, _ = run(capsys, "compress", SAMPLE, "-o", tmp_path / "p.onnxz", "--pack")
+    assert code == 0 and passes.open_packed(tmp_path / "p.onnxz").keys()
+
+
 def test_compress_verbose_prints_the_per_tensor_table(tmp_path, capsys):
     code, stdout, _ = run(capsys, "compress", SAMPLE, "-o", tmp_path / "v.onnx", "-v")
     assert code == 0
