@@ -554,8 +554,10 @@ def cmd_fold(args) -> int:
         print(f"folded: {args.input} -> {args.output}")
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}")
         _print_pack_note(stats)
-        print(f"  weights    {len(report.tensors)} DequantizeLinear node(s) folded into float initializers"
-              f"{' of ' + args.dtype if args.dtype else ''}")
+        # DequantizeLinear nodes, palettes and Cast -> Mul levels alike; a weight that sat in a
+        # Constant node stays one (-v shows where each went)
+        print(f"  weights    {len(report.tensors)} weight(s) folded to float"
+              f"{' (' + args.dtype + ')' if args.dtype else ''}")
         for note in report.notes:
             print(f"  note       {printable(note)}")
         if args.verbose and report.tensors:
@@ -798,10 +800,9 @@ def cmd_verify(args) -> int:
             raise InvalidArgumentError(f"--against {args.against} is an .onnxz pack: --against takes the original "
                                        f"ONNX model, whose bytes the pack must restore")
     result = passes.verify(args.file, args.against, threads=args.threads, max_bytes=args.max_bytes)
-    ok = bool(getattr(result, "ok", True))
+    ok = result.ok  # a VerifyResult always says (a missing field must not read as "ok")
     details = _jsonable(result)
-    checks = details.get("checks", []) if isinstance(details, dict) else []
-    checks = [c for c in checks if isinstance(c, dict)]
+    checks = result.checks
     if args.json:
         print_json({"command": "verify", "file": args.file, "against": args.against, "ok": ok, "result": details})
     else:

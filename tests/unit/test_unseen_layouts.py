@@ -338,7 +338,7 @@ def test_fold_of_an_int8_model_has_no_such_note(tmp_path, capsys):
     assert main(["compress", str(src), "-o", str(q), "--min-elements", "0"]) == 0
     capsys.readouterr()
     rc, stdout, _ = _cli(capsys, "fold", q, "-o", tmp_path / "f.onnx")
-    assert rc == 0 and "left as they are" not in stdout and "3 DequantizeLinear node(s) folded" in stdout
+    assert rc == 0 and "left as they are" not in stdout and "3 weight(s) folded to float" in stdout
 
 
 # ------------------------------------------------------------------------------ shadowing
