@@ -967,7 +967,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     fused_matmul_form: "cast" or "dequantize", how the quantized MatMul weights that onnxruntime would
     run as MatMulNBits with int8 activations are written (see FUSED_MATMUL_FORM)."""
     from .fidelity import (RUN_AS, evaluate, feed_list, output_snr_db, parse_requirements,
-                           require_measurable, run_outputs, runnable_feeds)
+                           require_computable, require_measurable, run_outputs, runnable_feeds)
     from .fold import fold_dequantize
     from .quantize import quantize_weights
 
@@ -1063,6 +1063,7 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                                        "pass real feeds (--feeds)") from None
         raise
     require_measurable(ref, synthesized=synthesized)  # a target met on nothing is no target
+    require_computable(reqs, ref)  # nor is top1 of an output without classes
     lap("reference")
 
     # without feeds, the command's gate (fidelity.evaluate without feeds) measures on the first

@@ -265,7 +265,9 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
             )
         shape = []
         for axis, d in enumerate(vi.type.tensor_type.shape.dim):
-            if d.HasField("dim_value"):  # a declared 0 too: onnxruntime holds an input to it ("Expected: 0")
+            # a declared 0 too (onnxruntime holds an input to it: "Expected: 0"); a negative one is
+            # some exporters' way of saying dynamic (paddle2onnx writes -1)
+            if d.HasField("dim_value") and d.dim_value >= 0:
                 shape.append(int(d.dim_value))
                 continue
             named = d.HasField("dim_param") and bool(d.dim_param)
@@ -381,7 +383,7 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
     the same message at two sizes in a row. A model without dynamic dimensions is run once."""
     model = load_model(model)
     first = synthesize_feeds(model, n=n, seed=seed)
-    if not any(not d.HasField("dim_value")
+    if not any(not (d.HasField("dim_value") and d.dim_value >= 0)
                for vi in model_inputs(model) for d in vi.type.tensor_type.shape.dim):
         return first
     try:
@@ -389,7 +391,7 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
     except Exception:  # noqa: BLE001 - the caller's own run says what is wrong with the model
         return first
     inner_unnamed = any(0 < axis < len(vi.type.tensor_type.shape.dim) - 1
-                        and not d.HasField("dim_value")
+                        and not (d.HasField("dim_value") and d.dim_value >= 0)
                         and not (d.HasField("dim_param") and d.dim_param)
                         for vi in model_inputs(model) for axis, d in enumerate(vi.type.tensor_type.shape.dim))
     last_errors: dict[bool, str] = {}
@@ -645,11 +647,13 @@ def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence
 
 
 def top1_agreement(ref, cand) -> float | None:
-    """Fraction of positions of output 0 whose argmax over the last axis agrees (None: scalar output)."""
+    """Fraction of positions of output 0 whose argmax over the last axis agrees (None: a scalar output,
+    or a last axis of fewer than two entries, where argmax is 0 whatever the values: a one-probability
+    classifier or a regressor would read as full agreement however far it moved)."""
     agree = total = 0
     for r, c in zip(ref, cand):
         a, b = np.asarray(r[0]), np.asarray(c[0])
-        if a.ndim == 0 or a.shape[-1] == 0:
+        if a.ndim == 0 or a.shape[-1] < 2:
             return None
         positions = a.size // a.shape[-1]
         total += positions
@@ -955,6 +959,16 @@ def require_measurable(ref, *, synthesized: bool = False) -> None:
                                "there is nothing to measure fidelity on")
 
 
+def require_computable(requirements, ref) -> None:
+    """InvalidArgumentError, before any search, when a requirement names a metric these outputs
+    cannot give: top1 of an output 0 without a class axis of two or more entries (a single
+    probability, a regression value), where every candidate would read as full agreement."""
+    if any(r.metric == "top1" for r in requirements) and top1_agreement(ref, ref) is None:
+        shape = list(np.shape(ref[0][0])) if ref and len(ref[0]) else []
+        raise InvalidArgumentError(f"top1 needs output 0 with a last, class axis of at least two entries (output 0 is "
+                                   f"{shape}): give a cosine or snr target, e.g. 'cosine>=0.999'")
+
+
 def _non_finite_count(runs) -> tuple[int, int]:
     """(NaN or infinite values, all values) over every output of every run."""
     odd = total = 0
@@ -992,7 +1006,10 @@ class Requirement:
 
     def value(self, result: FidelityResult) -> float:
         if self.metric not in result.metrics:
-            hint = " (use --metric ctc with metric args time_axis/class_axis)" if self.metric == "ctc" else ""
+            hint = {
+                "ctc": " (use --metric ctc with metric args time_axis/class_axis)",
+                "top1": " (top1 needs output 0 with a last, class axis of at least two entries: gate on cosine or snr)",
+            }.get(self.metric, "")
             raise InvalidArgumentError(f"requirement {self} names metric {self.metric!r}, which was not computed{hint}")
         return result.metrics[self.metric]
 

@@ -134,9 +134,16 @@ class _Const:
 def _narrowing_snr_db(value: np.ndarray, stored: np.ndarray) -> float:
     """SNR of a weight's copy in a narrower float type against the weight (inf when exact or all zero)."""
     # float32 sums are precise enough for a threshold in dB, and spare a float64 copy of each weight
-    # (only values float16 holds without overflow get here, so their squares stay finite)
+    # (only values float16 holds without overflow get here, so their squares stay finite); the
+    # squares of ~1e-40 values are 0 in float32, so both sides are scaled first by the power of two
+    # that brings the peak to [0.5, 1) (exact: the ratio is unchanged)
     exact = value.ravel().astype(np.float32, copy=False)
-    error = stored.ravel().astype(np.float32) - exact
+    peak = float(np.max(np.abs(exact), initial=0.0))
+    if peak == 0.0:
+        return math.inf
+    shift = -math.frexp(peak)[1]
+    exact = np.ldexp(exact, shift)
+    error = np.ldexp(stored.ravel().astype(np.float32), shift) - exact
     noise = float(np.dot(error, error))
     if noise == 0.0:
         return math.inf
