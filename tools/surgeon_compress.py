@@ -905,16 +905,21 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
-    from passes.fidelity import METRICS
+# passes.fidelity.METRICS, spelled out so that --help need not import onnx (~1 s); test_cli checks
+# that the two agree
+METRICS = ("cosine", "top1", "ctc", "maxabs", "snr")
 
+
+def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feeds", metavar="FEEDS.npz", type=_path,
                    help="inputs to compare on: .npz with keys INDEX/INPUT_NAME (or INPUT_NAME for one feed); "
                         "without it, random inputs are synthesised from the model's input specs")
     p.add_argument("--require", metavar="EXPR", type=_requirement, action=_ExtendRequirements, default=[],
                    help="fidelity gate, e.g. 'cosine>=0.999', 'top1>=0.99', 'maxabs<=0.01', 'snr>=30' "
-                        "(repeat, or separate with commas); exit 3 when not met")
-    p.add_argument("--metric", choices=METRICS, help="the metric that matters for this model (ctc needs --metric-arg)")
+                        "(also cosine_min, snr_min: the worst feed / output; ctc with --metric ctc); repeat, or "
+                        "separate with commas; exit 3 when not met")
+    p.add_argument("--metric", choices=METRICS, help="the metric that matters for this model, recorded in the JSON report; "
+                                                     "ctc (greedy-CTC string agreement) is computed only when named, with --metric-arg")
     p.add_argument("--metric-arg", metavar="KEY=INT", action="append", type=_metric_arg,
                    help="metric parameter, e.g. --metric-arg time_axis=0 --metric-arg class_axis=2 --metric-arg blank=0")
     p.add_argument("--provider", choices=("cpu", "cuda"), default=None, help="onnxruntime device for the runs (default cpu)")
