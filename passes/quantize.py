@@ -63,7 +63,6 @@ import fnmatch
 import functools
 import itertools
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +71,7 @@ from onnx import TensorProto, helper
 
 from . import forms, graph
 from . import rounding as _rounding
+from ._cpus import usable_cpus
 from ._fileio import load_model
 from .errors import InvalidArgumentError, UnsupportedFormError
 from .report import Report, TensorChange
@@ -716,11 +716,7 @@ SMALL_JOB_ELEMENTS = 1 << 21  # below this many weight values in all, quantize o
 
 def _threads() -> int:
     """Worker threads for the numeric work (numpy releases the GIL); results never depend on it."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
-    return max(1, min(n, 8))
+    return min(usable_cpus(), 8)
 
 
 def _ordered_map(fn, items: list, threads: int):

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import struct
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from ._cpus import usable_cpus
 from .errors import (CorruptFileError, InvalidArgumentError, LimitExceededError, NewerFormatError,
                      UnsupportedFormError)
 
@@ -572,10 +572,7 @@ SIMD = 5
 
 
 def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    return usable_cpus()
 
 
 def _crc32(view) -> int:

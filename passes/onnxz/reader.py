@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 import xxhash
 
+from .._cpus import worker_count
 from .._fileio import atomic_fd, check_readable, check_writable, load_external_data, named_path, parse_model_bytes, same_file
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError, SurgeonError
 from . import codecs
@@ -182,12 +183,7 @@ def _hashers(fe, mode: str, streamed: bool = False) -> list:
     return out
 
 
-def _threads(threads) -> int:
-    if threads is None:
-        return os.cpu_count() or 1
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
-    return threads
+_threads = worker_count  # `threads=` checked, or (None) the CPUs this process may use
 
 
 def _as_buffer(data) -> Optional[memoryview]:
@@ -998,8 +994,10 @@ def _to_array(entry, payload: np.ndarray) -> np.ndarray:
 
 class PackedModel:
     """Lazy access to the tensors of a `.onnxz` file (a path, or the packed bytes in memory);
-    get_tensor decodes only that tensor's chunks. `packed_file` is the PackedFile underneath
-    (raw payload bytes, whole files, ranges)."""
+    get_tensor decodes only that tensor's chunks. A read-only mapping from tensor key to array:
+    `keys()`, `len()`, `in`, iteration and `packed[key]` (= get_tensor) work as on a dict, and a key
+    the pack does not hold raises KeyError, as a dict does. `packed_file` is the PackedFile
+    underneath (raw payload bytes, whole files, ranges). Use it as a context manager, or close()."""
 
     def __init__(self, source, *, threads=None, max_bytes=None):
         self._pf = PackedFile(source, threads=threads, max_bytes=max_bytes)
@@ -1009,7 +1007,15 @@ class PackedModel:
         return self._pf
 
     def keys(self) -> List[str]:
+        """The tensor keys in pack order: each tensor's name (an unnamed one's Constant-node output
+        or node/attribute path), with "#2", "#3" appended to repeated names (FORMAT.md, 4)."""
         return [t.key for t in self._pf.index.tensors]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.get_tensor(key)
 
     def __contains__(self, key) -> bool:
         return key in self._pf._by_key
@@ -1021,7 +1027,7 @@ class PackedModel:
         """The tensor `key` as a numpy array. With `out` (a C-contiguous writable array of the
         tensor's dtype and shape, e.g. one reused from call to call: fresh memory is page-fault
         bound) a plain payload is decoded straight into it, others are copied into it; after an
-        error its contents are undefined."""
+        error its contents are undefined. KeyError when the pack holds no tensor `key`."""
         self._pf._check_open()
         entry = self._pf._by_key.get(key)
         if entry is None:
@@ -1050,6 +1056,8 @@ class PackedModel:
         return {e.key: _to_array(e, b) for e, b in zip(entries, self._pf.tensors_bytes(entries))}
 
     def metadata(self) -> dict:
+        """What the pack's index says, without decoding: format version, writer, sizes, each
+        file's size and digests, and per tensor its key, name, dtype, shape, codec and chunks."""
         idx = self._pf.index
         tensors = []
         for t in idx.tensors:
@@ -1071,6 +1079,7 @@ class PackedModel:
         }
 
     def close(self) -> None:
+        """Release the file (or the memory) underneath; later calls raise InvalidArgumentError."""
         self._pf.close()
 
     def __enter__(self):

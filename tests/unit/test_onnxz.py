@@ -191,6 +191,22 @@ def test_every_tensor_readable_lazily(tmp_path):
         assert by_key["f32"]["codec"] in ("fplanes", "fpairs", "ans", "ans_shared")
         with pytest.raises(KeyError):
             pm.get_tensor("no such tensor")
+        # a read-only mapping, as a dict of arrays would be
+        assert list(pm) == pm.keys() and len(pm) == len(pm.keys())
+        assert np.array_equal(pm["f32"], pm.get_tensor("f32"))
+        with pytest.raises(KeyError):
+            pm["no such tensor"]
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_pack_and_unpack_refuse_the_same_thread_counts(tmp_path, threads):
+    src = tmp_path / "m.onnx"
+    src.write_bytes(layout_model().SerializeToString())
+    with pytest.raises(passes.InvalidArgumentError, match="threads must be a positive integer"):
+        passes.pack(src, tmp_path / "m.onnxz", threads=threads)
+    passes.pack(src, tmp_path / "m.onnxz", threads=1)
+    with pytest.raises(passes.InvalidArgumentError, match="threads must be a positive integer"):
+        passes.load(tmp_path / "m.onnxz", threads=threads)
 
 
 def test_layout_tensors_found_everywhere(tmp_path):
