@@ -1,7 +1,7 @@
 """The lossless stage: `.onnxz`, an entropy-coded pack of any ONNX file, restored byte for byte.
 
     stats = pack("model.onnx", "model.onnxz")     # the model and its external data files
-    unpack("model.onnxz", "restored.onnx")        # byte for byte (sha256 checked)
+    unpack("model.onnxz", "restored.onnx")        # byte for byte (whole-file XXH3-128 checked)
     model = load("model.onnxz")                   # ModelProto, in memory
     with open_packed("model.onnxz") as pm:        # lazy: decodes one tensor's chunks only
         w = pm.get_tensor(pm.keys()[0])

@@ -1119,7 +1119,7 @@ def unpack(src, dst=None, *, threads=None, force: bool = False, max_bytes=None, 
     restored file is then not cached, so reading it right after costs the disk (measured: +5-7 ms
     CPU, +19-42 ms wall on the same models). direct_io=False (or env ONNXZ_NO_DIRECT=1) writes
     through the page cache: for a file loaded right after. Every restored file's whole-file
-    digest is checked: digest="fast" (default) its XXH3-128 (format 1.2; ~15 GB/s) or, in a
+    digest is checked: digest="fast" (default) its XXH3-128 (recorded since format 1.2; ~15 GB/s) or, in a
     1.0 / 1.1 file that has none, its sha256 (~1-2 GB/s: 30-50% of unpack's CPU on float models);
     "sha256" always the sha256; "none" skips the whole-file digest (every stored chunk's XXH3-64
     is still checked, so damaged data is still refused; a reader bug would go unnoticed).
@@ -1446,8 +1446,8 @@ class VerifyResult:
 
 
 def verify(path, against=None, *, threads=None, max_bytes=None) -> VerifyResult:
-    """Decode everything and check every checksum, the sha256 of each restored file and, in a 1.2
-    file, its XXH3-128 too (CorruptFileError on damage). With `against` (the original .onnx), also compare the restored
+    """Decode everything and check every checksum, the sha256 of each restored file and (files of
+    format 1.2 or later) its XXH3-128 too (CorruptFileError on damage). With `against` (the original .onnx), also compare the restored
     bytes with it and its external data files: a difference makes the result not ok."""
     with PackedFile(path, threads=threads, max_bytes=max_bytes) as pf:
         files = pf.index.files
