@@ -123,12 +123,12 @@ def _check_destination(p: Path, force: bool, st=None) -> None:
     mode = st.st_mode
     if stat.S_ISDIR(mode):
         raise FileAccessError(f"{p}: is a folder, not a file")
-    if not force:
-        raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
-    kind = _special_kind(mode)
+    kind = _special_kind(mode)  # before "exists": --force would not help there
     if kind:
         raise FileAccessError(f"{p} is {kind}, not a regular file: outputs replace the path whole, "
                               "so it is never written there; choose a file path")
+    if not force:
+        raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
 
 
 def _fsync_dir(folder: PathLike) -> None:

@@ -1480,6 +1480,7 @@ def verify(path, against=None, *, threads=None, max_bytes=None) -> VerifyResult:
             if fe.xxh3_128 is not None:
                 result.checks.append({"check": f"xxh3_128 {fe.name}", "ok": True, "detail": f"{fe.size} bytes"})
             if handle is not None:
-                result.checks.append({"check": f"compare {fe.name}", "ok": same, "detail": "identical" if same else f"differs from {originals[fi]}"})
+                result.checks.append({"check": f"compare {fe.name}", "ok": same, "detail": f"identical to {originals[fi]}" if same else
+                                      f"the restored {fe.name} ({fe.size} bytes) differs from {originals[fi]}"})
                 result.ok = result.ok and same
         return result
