@@ -956,12 +956,12 @@ def build_parser() -> argparse.ArgumentParser:
     def max_bytes_option(p):
         p.add_argument("--max-bytes", type=_non_negative_int, metavar="N",
                        help="refuse a .onnxz that restores to more than N bytes, before decoding it "
-                            "(for untrusted files; default: the library's cap)")
+                            "(for untrusted files; default: 1 TiB)")
 
-    def common(p, output=True, output_required=True):
+    def common(p, output=True, output_required=True, output_help="output file"):
         if output:
             p.add_argument("-o", "--output", required=output_required, metavar="OUT", type=_path,
-                           help="output file (never overwritten without --force)")
+                           help=f"{output_help} (never overwritten without --force)")
             p.add_argument("--force", action="store_true", help="replace OUT if it exists")
         p.add_argument("--json", action="store_true", help="print a machine-readable report on stdout")
 
@@ -980,7 +980,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include", action="append", metavar="PATTERN", help="only weights whose name or consumer op type matches (repeatable); a name pattern also "
                    "quantizes small, 1-D and bias weights it names")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave weights whose name or consumer op type matches (repeatable)")
-    p.add_argument("--min-elements", type=_non_negative_int, metavar="N", help="leave tensors with fewer elements as they are")
+    p.add_argument("--min-elements", type=_non_negative_int, metavar="N",
+                   help="leave tensors with fewer elements as they are (default 1024; 128 with --target)")
     p.add_argument("--rounding", choices=("nearest", "rdo"), default="nearest",
                    help="rdo: each channel/block takes the step that trades error against packed size (1.5-5%% smaller packs)")
     p.add_argument("--rd-max-snr-loss", type=_decibels, metavar="DB",
@@ -992,8 +993,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compress)
 
     p = sub.add_parser("fold", help="DequantizeLinear of constants -> float initializers",
-                       description="Materialise float weights: every DequantizeLinear of constant inputs becomes an initializer.")
-    p.add_argument("input", metavar="IN", type=_path)
+                       description="Materialise float weights: every DequantizeLinear of constant inputs, palette "
+                                   "and Cast -> Mul level tensor becomes a float weight (-o NAME.onnxz packs the result).")
+    p.add_argument("input", metavar="IN", type=_path, help="ONNX model (.onnx or .onnxz)")
     common(p)
     p.add_argument("--dtype", choices=("float16", "float32"), help="float type of the folded weights (default: what the node produced)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
@@ -1001,7 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="weights by dtype and scheme, sizes, per-tensor table",
                        description="Describe a model's weights (.onnx; .onnxz also shows the packed tensor table).")
-    p.add_argument("file", metavar="FILE", type=_path)
+    p.add_argument("file", metavar="FILE", type=_path, help="ONNX model (.onnx or .onnxz)")
     p.add_argument("--all", action="store_true", help="list every tensor, small ones too")
     common(p, output=False)
     max_bytes_option(p)
@@ -1009,8 +1011,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="compare a candidate model's outputs with the original's",
                        description="Run ORIGINAL and CANDIDATE on the same feeds and print the metrics; with --require, exit 3 when not met.")
-    p.add_argument("original", metavar="ORIGINAL", type=_path)
-    p.add_argument("candidate", metavar="CANDIDATE", type=_path)
+    p.add_argument("original", metavar="ORIGINAL", type=_path, help="the reference model (.onnx or .onnxz)")
+    p.add_argument("candidate", metavar="CANDIDATE", type=_path, help="the model to compare with it (.onnx or .onnxz)")
     common(p, output=False)
     max_bytes_option(p)
     _add_fidelity_options(p)
@@ -1018,19 +1020,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="lossless entropy-coded .onnxz of any ONNX file",
                        description="Pack IN into OUT.onnxz; unpack restores IN byte for byte.")
-    p.add_argument("input", metavar="IN", type=_path)
+    p.add_argument("input", metavar="IN", type=_path, help="any ONNX model (.onnx, with its external data files)")
     common(p)
-    p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: the CPUs this process may use)")
     p.add_argument("--effort", choices=["default", "max"], default="default",
                    help="max: also tries layouts that shave up to ~0.1%% off float32 weights, for slower "
                         "decoding of those tensors (open_nsfw: 0.04%% smaller, restore ~1.2x the CPU time)")
     verify_option(p)
     p.set_defaults(func=cmd_pack)
 
-    p = sub.add_parser("unpack", help=".onnxz -> the original .onnx, byte for byte")
-    p.add_argument("input", metavar="IN.onnxz", type=_path)
-    common(p, output_required=False)
-    p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: all cores)")
+    p = sub.add_parser("unpack", help=".onnxz -> the original .onnx, byte for byte",
+                       description="Restore the .onnx packed in IN (and its external data files, beside it) byte for "
+                                   "byte, every checksum checked.")
+    p.add_argument("input", metavar="IN.onnxz", type=_path, help="the pack")
+    common(p, output_required=False, output_help="the restored .onnx (default: IN with .onnxz replaced by .onnx)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: the CPUs this process may use)")
     p.add_argument("--sha256", action="store_true",
                    help="check each restored file by its sha256 (identity with the original's published hash; "
                         "default: the stored XXH3-128, ~10x faster; 1.0/1.1 files always use the sha256)")
@@ -1041,10 +1045,13 @@ def build_parser() -> argparse.ArgumentParser:
     max_bytes_option(p)
     p.set_defaults(func=cmd_unpack)
 
-    p = sub.add_parser("verify", help="check every checksum of a .onnxz (and compare with the original)")
-    p.add_argument("file", metavar="FILE", type=_path)
+    p = sub.add_parser("verify", help="check every checksum of a .onnxz (and compare with the original)",
+                       description="Decode FILE in memory and check every chunk checksum and each restored file's "
+                                   "digests; with --against, also compare the restored bytes with the original. "
+                                   "Nothing is written (exit 4 on damage or a mismatch).")
+    p.add_argument("file", metavar="FILE", type=_path, help="the .onnxz pack")
     p.add_argument("--against", metavar="ORIGINAL", type=_path, help="the original .onnx: the unpacked bytes must equal it")
-    p.add_argument("--threads", type=_positive_int, metavar="N")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="worker threads (default: the CPUs this process may use)")
     common(p, output=False)
     max_bytes_option(p)
     p.set_defaults(func=cmd_verify)

@@ -185,6 +185,21 @@ def test_the_metric_choices_are_the_librarys():
     assert cli.METRICS == passes.fidelity.METRICS
 
 
+def test_the_defaults_the_help_names_are_the_librarys(capsys):
+    """--help spells out defaults the library holds (it must not import onnx to read them)."""
+    from passes.auto import AUTO_MIN_ELEMENTS
+    from passes.onnxz.format import DEFAULT_MAX_OUTPUT_BYTES
+    from passes.quantize import DEFAULT_MIN_ELEMENTS
+
+    with pytest.raises(SystemExit):
+        main(["compress", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default {DEFAULT_MIN_ELEMENTS}; {AUTO_MIN_ELEMENTS} with --target" in text
+    with pytest.raises(SystemExit):
+        main(["unpack", "--help"])
+    assert DEFAULT_MAX_OUTPUT_BYTES == 1 << 40 and "default: 1 TiB" in " ".join(capsys.readouterr().out.split())
+
+
 def test_compress_verbose_prints_the_per_tensor_table(tmp_path, capsys):
     code, stdout, _ = run(capsys, "compress", SAMPLE, "-o", tmp_path / "v.onnx", "-v")
     assert code == 0
