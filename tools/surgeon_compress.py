@@ -336,20 +336,6 @@ def _print_fidelity(result, checks) -> None:
 # commands
 
 
-def _dense_copy(model, report):
-    """`model`, or a copy with its sparse initializers stored dense when it has any (with a
-    note): the auto mode's sensitivity pass reads the original of every quantized weight among
-    the dense initializers (a sparse one raised KeyError, exit 70)."""
-    from passes import graph
-
-    if not any(gi.graph.sparse_initializer for gi in graph.iter_graphs(model)):
-        return model
-    dense = graph.copy_model(model)
-    count = graph.densify_sparse_initializers(dense)
-    report.note(f"{count} sparse initializer(s) stored dense before the search (the same values)")
-    return dense
-
-
 def _refuse_options_the_search_ignores(args) -> None:
     """--target chooses each weight's width, scheme and rounding itself: the options of the plain
     mode were silently ignored with it (--exclude W quantized W all the same). --min-elements is
@@ -403,9 +389,8 @@ def _search(model, feeds, args, report):
     import passes
     from passes.fidelity import parse_requirements
 
-    searched = _dense_copy(model, report)
     chosen = {} if args.min_elements is None else {"min_elements": args.min_elements}
-    compressed, record = passes.compress(searched, target=args.target, feeds=feeds,
+    compressed, record = passes.compress(model, target=args.target, feeds=feeds,
                                          metric_args=_metric_args(args.metric_arg), run_as=args.run_as,
                                          report=report, **chosen)
     required = {str(r) for r in args.require or []}
