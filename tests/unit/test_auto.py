@@ -227,19 +227,25 @@ def test_top1_targets_below_098_are_held_by_the_tie_risk_too(monkeypatch):
 def test_top1_flip_budget_asks_for_the_flips_a_sample_like_the_calibration_allows():
     """Half of what the target allows, and at most the rate whose Poisson count on n decisions exceeds the
     flips the target allows among n with probability TOP1_SAMPLE_CONFIDENCE: with 24 decisions 0.96 and
-    0.97 allow none, so they get that rate (not (1 - t) / 2); never a larger budget for a higher target."""
+    0.97 allow none, so they get that rate (not (1 - t) / 2); below 0.98 also over TOP1_LOW_TARGET_SHORTFALL;
+    never a larger budget for a higher target."""
     import math
 
     from passes import auto
 
     c = auto.TOP1_SAMPLE_CONFIDENCE
+    short = auto.TOP1_LOW_TARGET_SHORTFALL
     assert auto.top1_flip_budget(0.99, 24) == pytest.approx(0.005)
-    assert auto.top1_flip_budget(0.95, 24) == pytest.approx(0.025)  # one flip allowed: P(K > 1) at 0.6 > c
-    assert auto.top1_flip_budget(0.8333, 24) == pytest.approx(0.08335)
+    # below 0.98: half of 1 - t over the shortfall TieRisk showed held out (a flip allowed at 0.95: P(K > 1) > c)
+    assert auto.top1_flip_budget(0.95, 24) == pytest.approx(0.025 / short)
+    assert auto.top1_flip_budget(0.8333, 24) == pytest.approx(0.08335 / short)
     none_allowed = -math.log(1 - c) / 24  # P(K > 0) = 1 - exp(-lam) = c
     for t in (0.96, 0.97, 0.98):
         assert auto.top1_flip_budget(t, 24) == pytest.approx(none_allowed, rel=1e-6)
-    assert auto.top1_flip_budget(0.97, 10000) == pytest.approx(0.015)  # (many decisions: half of 1 - t)
+    # many decisions: half of 1 - t at 0.98 and above, over the shortfall below (never under the 0.98 budget)
+    assert auto.top1_flip_budget(0.98, 10000) == pytest.approx(0.01)
+    assert auto.top1_flip_budget(0.97, 10000) == pytest.approx(0.01)
+    assert auto.top1_flip_budget(0.9, 10000) == pytest.approx(0.05 / short)
     budgets = [auto.top1_flip_budget(t, 24) for t in np.linspace(0.8, 0.999, 60)]
     assert all(a >= b - 1e-12 for a, b in zip(budgets, budgets[1:]))
 
