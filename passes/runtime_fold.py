@@ -264,7 +264,10 @@ def fold_facts(split: SplitModel) -> tuple[bool, bool]:
                 break
             inner.extend(subgraphs(node))
     if casts and gathers:  # palettes: Gather(constant table, Cast(constant indices)), see _fold_palettes
-        inits = split.initializer_names()
+        # (indices or table in a small Constant node count too: constants_to_initializers makes them
+        # initializers before fold_into looks for palettes)
+        inits = split.initializer_names() | {n.output[0] for n in split.skeleton.graph.node
+                                              if n.op_type == "Constant" and n.output}
         cast_of_constant = {n.output[0] for n in casts if n.input and n.input[0] in inits}
         for n in gathers:
             if len(n.input) == 2 and n.input[1] in cast_of_constant:

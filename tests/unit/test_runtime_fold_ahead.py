@@ -203,3 +203,30 @@ def test_dequantize_only_skips_walks_not_folds(tmp_path):
     every = runtime_fold._consumer_counts(graph)
     assert runtime_fold._consumer_counts(graph, names) == {k: every[k] for k in names if k in every} | \
         {o.name: every[o.name] for o in graph.output}
+
+
+def test_a_palette_indexed_by_a_constant_node_is_still_folded(monkeypatch):
+    """fold_facts counts Constant-node indices as constant (constants_to_initializers makes them
+    initializers before fold_into looks for palettes): such a palette is not taken for a graph of
+    plain DequantizeLinear nodes, whose palette walk fold_into(dequantize_only=True) skips."""
+    from passes.runtime_feed import SplitModel
+
+    monkeypatch.setattr(runtime_fold, "fold_kernel_fast", lambda: True)
+    rng = np.random.default_rng(5)
+    table = numpy_helper.from_array(rng.standard_normal(16).astype(np.float16), "table")
+    indices = numpy_helper.from_array(rng.integers(0, 16, (8, 8)).astype(np.uint8), "idx")
+    nodes = [helper.make_node("Constant", [], ["idx"], value=indices),
+             helper.make_node("Cast", ["idx"], ["idx64"], to=TensorProto.INT64),
+             helper.make_node("Gather", ["table", "idx64"], ["W"], axis=0),
+             helper.make_node("MatMul", ["x", "W"], ["y"])]
+    graph = helper.make_graph(nodes, "palette16", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 8])], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    split = SplitModel(model, {})
+    assert runtime_fold.fold_facts(split) == (True, False)
+    split = SplitModel(model, {})
+    runtime_fold.constants_to_initializers(split)
+    assert runtime_fold.fold_into(split, constants=False) == 2  # the Cast and the Gather
+    assert [n.op_type for n in split.skeleton.graph.node] == ["MatMul"]
+    want = numpy_helper.to_array(table)[numpy_helper.to_array(indices).astype(np.int64)]
+    np.testing.assert_array_equal(split.array("W"), want)
