@@ -715,6 +715,10 @@ def output_snr_db(ref, cand) -> float:
     energies = _output_energies(ref, cand)
     if energies is None:
         return -math.inf
+    return _pooled_snr_db(energies)
+
+
+def _pooled_snr_db(energies) -> float:
     # each output's sums are in its own unit squared: pooled in the largest unit
     top = max((k for _, _, k in energies), default=0.0)
     if top == 0:
@@ -876,11 +880,26 @@ def _outputs_beside_output0(ref, cand, names: list[str]) -> list[str]:
     snrs = [_snr_db(s, n) for s, n, _ in energies]
     low = [(j, db) for j, db in enumerate(snrs[1:], 1) if db < snrs[0] - OTHER_OUTPUT_NOTE_DB]
     if not low:
+        return _outputs_below_pooled(energies, names)
+    named = ", ".join(f"{(names[j] if j < len(names) else j)!r} {db:.1f} dB" for j, db in low[:5])
+    more = f" (and {len(low) - 5} more)" if len(low) > 5 else ""
+    notes = [f"output(s) {named}{more} moved more than output 0 ({snrs[0]:.1f} dB): top1, cosine and ctc read "
+             "output 0 only; add snr_min>=DB to the target or gate to hold every output"]
+    return notes + _outputs_below_pooled(energies, names, skip={j for j, _ in low})
+
+
+def _outputs_below_pooled(energies, names: list[str], skip=frozenset()) -> list[str]:
+    """snr pools every output's signal and noise, so an output whose signal is small beside the
+    others' can sit far below it (an LSTM's state beside its sequence: 12.6 dB under a pooled 25)."""
+    pooled = _pooled_snr_db(energies)
+    low = [(j, _snr_db(s, n)) for j, (s, n, _) in enumerate(energies)
+           if j not in skip and _snr_db(s, n) < pooled - OTHER_OUTPUT_NOTE_DB]
+    if not low:
         return []
     named = ", ".join(f"{(names[j] if j < len(names) else j)!r} {db:.1f} dB" for j, db in low[:5])
     more = f" (and {len(low) - 5} more)" if len(low) > 5 else ""
-    return [f"output(s) {named}{more} moved more than output 0 ({snrs[0]:.1f} dB): top1, cosine and ctc read "
-            "output 0 only; add snr_min>=DB to the target or gate to hold every output"]
+    return [f"output(s) {named}{more} lie more than {OTHER_OUTPUT_NOTE_DB:g} dB below the pooled snr ({pooled:.1f} dB, "
+            "every output's signal and noise summed); add snr_min>=DB to the target or gate to hold every output"]
 
 
 # how the candidate is run in evaluate(): as onnxruntime runs the file, or with its weights folded

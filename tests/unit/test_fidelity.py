@@ -622,3 +622,12 @@ def test_an_output_beside_output0_that_moved_is_named():
     assert any("'boxes'" in n and "snr_min>=" in n for n in moved.notes), moved.notes
     alike = F.evaluate(src, two_outputs(w0 * 1.001, w1 * 1.001), feeds=feeds)
     assert not any("output 0 only" in n for n in alike.notes)
+    assert not any("pooled" in n for n in alike.notes)
+    # snr pools every output: 'scores' 100x smaller than 'boxes' sits ~20 dB below the pooled
+    # figure, which 'boxes' sets (no output is far below output 0 here: only the pooled note)
+    small = two_outputs(w0 * 0.01, w1)
+    noisy = (w0 + 0.1 * rng.standard_normal(w0.shape).astype(np.float32)) * 0.01
+    pooled = F.evaluate(small, two_outputs(noisy, w1 * 1.01), feeds=feeds)
+    assert pooled.metrics["snr"] - pooled.metrics["snr_min"] > 10
+    assert any("'scores'" in n and "below the pooled snr" in n for n in pooled.notes), pooled.notes
+    assert not any("output 0 only" in n for n in pooled.notes)
