@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .graph import node_subgraphs
+from .graph import NameAllocator, all_names, node_subgraphs
 from .runtime_feed import INLINE_MAX_BYTES, SplitModel, main_graph_uses
 
 MS_DOMAIN = "com.microsoft"
@@ -508,6 +508,8 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
         return
     graph = split.skeleton.graph
     uses = main_graph_uses(graph)
+    # each weight's parts get names the model does not hold yet (a model may have "W_quantized")
+    names = NameAllocator(all_names(split.skeleton) | set(split.weights))
     new_nodes = []
     kept = {}  # why -> [float bytes, count] of big float weights left float
     for name in sorted(split.weights):
@@ -547,7 +549,7 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
             axis, block = (1 - axis), 0
         qbits = 4 if bits == 4 and block else 8
         quant = forms.quantize_linear(w, forms.Levels(qbits, True), axis, block, search=qbits == 4)
-        q_name, s_name = name + "_quantized", name + "_scale"
+        q_name, s_name = names.take(name + "_quantized"), names.take(name + "_scale")
         split.remove_initializer(name)
         split.set_weight(q_name, quant.q)
         if qbits == 4:
@@ -556,7 +558,8 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
         attrs = {"axis": axis}
         if block:
             attrs["block_size"] = block
-        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name], [name], name=name + "_dequantize", **attrs))
+        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name], [name], name=names.take(name + "_dequantize"),
+                                          **attrs))
     if new_nodes:
         nodes = new_nodes + list(graph.node)
         del graph.node[:]

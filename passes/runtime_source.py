@@ -442,7 +442,11 @@ def _sparse_zeros(size: int) -> np.ndarray:
 
 def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
     """Main-graph initializers in the pack's external data files: coded ones join `coded` (decoded
-    together later), others are read from their range."""
+    together later), others are read from their range. Tensors elsewhere in the external files
+    (subgraph initializers, Constant attributes: onnx's convert_attribute layout) are read into the
+    skeleton, as _map_external does for a plain .onnx (onnxruntime cannot open the pack's files)."""
+    from ._fileio import external_tensors
+
     names = {f.name: fi for fi, f in enumerate(pf.index.files)}
     for t in model.graph.initializer:
         if t.data_location != TensorProto.EXTERNAL:
@@ -468,6 +472,22 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
             arrays[t.name] = _view_external(t, {**info, "offset": "0", "length": str(length)},
                                             pf.read_range(fi, offset, length))
         t.CopyFrom(placeholder(t.name, arrays[t.name]))
+    # (a walk over every attribute of every node: only where the pack has external data files)
+    for t in external_tensors(model) if len(names) > 1 else ():
+        if is_placeholder(t):  # (the main graph's, made above or by _placeholder_for)
+            continue
+        info = _external_info(t)
+        fi = names.get(info.get("location", ""))
+        if fi is None or fi == 0:
+            raise CorruptFileError(f"damaged .onnxz file: external data {info.get('location')!r} of {t.name!r} is not in the pack")
+        offset = int(info.get("offset", 0) or 0)
+        entry = entries.get((fi, offset))
+        if entry is not None and _plain_layout(t, entry.length):
+            value = np.asarray(packed.get_tensor(entry.key)).reshape(list(t.dims))
+        else:
+            length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
+            value = _view_external(t, {**info, "offset": "0", "length": str(length)}, pf.read_range(fi, offset, length))
+        t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), t.name))
 
 
 def _plain_layout(t: TensorProto, length: int) -> bool:
