@@ -15,7 +15,6 @@ import onnxruntime as ort
 import pytest
 
 import passes
-from passes.errors import InvalidModelError
 from unseen_helpers import folder_digest, restored_digest, same_outputs, worst_output_snr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -154,13 +153,7 @@ def test_every_path(made, name, tmp_path):
     assert folder_digest(src.parent) == before  # inputs never modified, nothing left beside them
 
 
-NAMES_H1 = pytest.mark.xfail(reason="runtime_int8._quantize_float_weights names W's parts W_quantized / W_scale "
-                                     "over the model's own W_quantized: KeyError (.notes/H3_to_H1.md)", strict=False,
-                             raises=KeyError)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=NAMES_H1) if n == "names" else n
-                                  for n in ALL if n != "ext_attribute"])
+@pytest.mark.parametrize("name", [n for n in ALL if n != "ext_attribute"])
 def test_a_float_pack_runs_in_every_session_mode(made, name, tmp_path):
     src, feeds = made[name]
     ref = _run(src, feeds)
@@ -170,9 +163,6 @@ def test_a_float_pack_runs_in_every_session_mode(made, name, tmp_path):
     assert _snr(ref, _run(passes.InferenceSession(str(z), mode="int8"), feeds)) >= 27
 
 
-@pytest.mark.xfail(reason="runtime_source._packed_external reads main-graph initializers only: a Constant's or "
-                          "an If branch's external tensor stays a file reference onnxruntime cannot open "
-                          "(.notes/H3_to_H1.md)", strict=False, raises=InvalidModelError)
 def test_a_float_pack_with_external_attribute_tensors_runs(made, tmp_path):
     src, feeds = made["ext_attribute"]
     z = tmp_path / "f.onnxz"
@@ -251,9 +241,6 @@ def test_weight_values_at_the_corners(made):
     assert _snr(_run(src, feeds), _run(f, feeds)) >= 40
 
 
-@pytest.mark.xfail(reason="fold._narrowing_snr_db squares ~1e-40 values in float32: 0 noise, read as exact, so the "
-                          "weight is still stored as float16 zeros (.notes/H3_to_lead.md, second note)", strict=False,
-                   raises=AssertionError)
 def test_fold_to_float16_keeps_a_weight_float16_cannot_hold(made):
     """A weight of denormals (~1e-40) stored as float16 was all zeros (that output 44 -> 0 dB); it
     stays in its own type, with a note (the lead's ae3a75d)."""
