@@ -1,6 +1,6 @@
 """Auto mode: the smallest model that meets a fidelity target on the feeds.
 
-    model, report = passes.compress("model.onnx", target="top1>=0.99", feeds="calib.npz")
+    model, record = passes.compress("model.onnx", target="top1>=0.99", feeds="calib.npz")
 
 0. Weights in Constant nodes and in If/Loop subgraphs become main-graph initializers (subgraphs
    see outer names), so every weight can be allocated on its own. BatchNormalization nodes after a Conv are
@@ -962,422 +962,584 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
              min_elements: int = AUTO_MIN_ELEMENTS, run_as: str = "onnxruntime",
              n_synthesized: int = 8, tighten: int = TIGHTEN_TRIES, bias_correction: bool = BIAS_CORRECTION,
              fused_matmul_form: str = FUSED_MATMUL_FORM, report: Report | None = None, progress=None):
-    """Returns (compressed ModelProto, report dict). See the module docstring.
+    """The smallest model this search finds that meets `target` on the feeds (how: the module docstring).
+
+    Returns (model, record): the compressed onnx.ModelProto (the input is not modified) and the search
+    record, a dict (not a passes.Report) with the keys target, met_on_feeds, fidelity (the returned
+    model's metrics on the feeds), n_feeds, synthesized_feeds, per_tensor_allocation, fit_optimism,
+    est_packed_weight_bytes, tensors (one row per weight: form, estimated packed bytes, SNR, sensitivity),
+    trials (every plan checked on the way), notes, seconds and cpu_seconds (per phase).
+    A target that no quantized plan meets is no error: the model comes back with every weight float
+    (its original values) and a note saying so; met_on_feeds is False only where even that misses.
 
     target: "top1>=0.99", "cosine>=0.999", "maxabs<=0.01", "snr>=30" or a comma list of them.
     feeds: list of feed dicts, an .npz path, or None (synthesised; fidelity on real data unmeasured).
+    metric_args: the ctc metric's time_axis, class_axis and blank (needed for a ctc target).
     bits: candidate widths (2..8) for weights; a weight may also stay float.
+    ref_bits: the width at which each weight's sensitivity is measured (one of bits; else their middle one).
     gptq: error-feedback rounding (passes.gptq) for MatMul/Gemm/Conv weights.
     min_elements: smaller tensors (and 1-D ones, biases) stay float.
+    n_synthesized: how many inputs are synthesised when feeds is None.
     tighten: greedy one-width-narrower steps tried after the search (0: none).
     bias_correction: fold each quantized weight's mean output shift into its layer's bias (only with
     real feeds: the mean inputs of synthesised ones say nothing about real data; default BIAS_CORRECTION).
     run_as: how candidates are measured, as in passes.fidelity.evaluate: "onnxruntime" (the file as
     onnxruntime runs it) or "fold" (weights folded to float, as fold / InferenceSession run it).
     fused_matmul_form: "cast" or "dequantize", how the quantized MatMul weights that onnxruntime would
-    run as MatMulNBits with int8 activations are written (see FUSED_MATMUL_FORM)."""
-    from .fidelity import (RUN_AS, evaluate, feed_list, output_snr_db, parse_requirements,
-                           require_computable, require_measurable, run_outputs, runnable_feeds)
-    from .fold import fold_dequantize
-    from .quantize import quantize_weights
+    run as MatMulNBits with int8 activations are written (see FUSED_MATMUL_FORM).
+    report: a passes.Report that also receives a TensorChange per weight and the notes.
+    progress: accepted and not used.
 
-    t0 = time.perf_counter()
-    reqs = parse_requirements(target)
-    if any(r.metric == "ctc" for r in reqs) and not metric_args:
-        raise InvalidArgumentError("target ctc needs metric_args (time_axis, class_axis, blank)")
-    try:
-        bits = sorted({int(b) for b in bits})
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"bits must be a list of integers 2..8, got {bits!r}") from None
-    if not bits or bits[0] < 2 or bits[-1] > 8:
-        raise InvalidArgumentError(f"bits must be integers from 2 to 8, got {bits!r}")
-    if ref_bits not in bits:
-        ref_bits = bits[len(bits) // 2]
-    src = load_model(model)
-    sparse = any(info.graph.sparse_initializer for info in graph.iter_graphs(src))
-    if sparse:
-        # quantize_weights stores sparse initializers dense, and the sensitivity pass looks every
-        # quantized weight's original up among the dense ones (KeyError on a pruned model before)
-        src = onnx.ModelProto()
-        src.CopyFrom(load_model(model))
-        graph.densify_sparse_initializers(src)
-    if run_as not in RUN_AS:
-        raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
-    if fused_matmul_form not in FUSED_MATMUL_FORMS:
-        raise InvalidArgumentError(f"unknown fused_matmul_form {fused_matmul_form!r}: choose one of "
-                                   f"{', '.join(FUSED_MATMUL_FORMS)}")
-    notes = []
-    if sparse:
-        notes.append("sparse initializers stored dense (same values) for the search and the built model")
-    if graph.toposort(src, dry_run=True):  # (onnxruntime runs such graphs; the checker, and the result, must not)
-        ordered = onnx.ModelProto()
-        ordered.CopyFrom(src)
-        graph.toposort(ordered)
-        src = ordered
-        notes.append("nodes sorted topologically (the input graph was not)")
-    if run_as == "fold":
-        notes.append("candidates measured with their weights folded to float (run_as='fold')")
-
-    def run_candidate(m):
-        return run_outputs(fold_dequantize(m) if run_as == "fold" else m, feeds)
-
-    synthesized = feeds is None
-    if feeds is None:
-        # at the smallest dynamic size the model runs at (an audio model's reflect Pad or 512-tap
-        # Conv refuses 64 samples)
-        feeds = runnable_feeds(src, n=n_synthesized)
-        notes.append(f"no feeds given: {n_synthesized} synthesised random inputs; fidelity on real data is unmeasured")
+    Raises InvalidArgumentError for a malformed target, a ctc target without metric_args, bits outside
+    2..8, an unknown run_as or fused_matmul_form, feeds that do not fit the model, outputs that are all
+    NaN / infinite on the feeds, a top1 target on an output 0 without a class axis, or a model that
+    does not run on synthesised inputs; the loader's errors
+    (passes.load_model: FileAccessError, InvalidModelError, ...) for a model that cannot be read, and
+    InvalidModelError where onnxruntime cannot run it on the given feeds."""
+    search = _Search(model, target=target, metric_args=metric_args, bits=bits, granularity=granularity,
+                     ref_bits=ref_bits, error_feedback=gptq, min_elements=min_elements, run_as=run_as,
+                     tighten=tighten, fused_matmul_form=fused_matmul_form)
+    # the phases as the module docstring numbers them
+    search.prepare(feeds, n_synthesized, bias_correction)  # 0. feeds, the model as measured, reference outputs
+    search.make_forms()  # 1. every weight's candidate forms and their rates
+    search.fit_error_feedback()  # 1. error-fed and blocked forms, charged their fit optimism
+    search.add_bias_shifts()  # 1. bias correction (off by default)
+    if search.allocatable_per_tensor():
+        search.measure_sensitivities()  # 2. each weight's output error alone
+        plan = search.allocate()  # 3. mu searched, one width for every weight tried, greedy steps
+        plan, candidate = search.confirm_on_built_model(plan)  # 4. built and checked as the file will run
     else:
-        feeds = feed_list(feeds, src, "", check=True)
-    timings = {}
-    clock = [time.process_time()]
+        plan, candidate = search.one_width_for_all()  # (weights the trial session cannot feed one by one)
+    return search.finish(plan, candidate, report)  # checked with the target itself; the record
 
-    def lap(stage):
-        now = time.process_time()
-        timings[stage] = round(timings.get(stage, 0.0) + now - clock[0], 2)
-        clock[0] = now
 
-    padded = padded_batches(src, feeds, PADDED_BATCH) if not synthesized else []
-    if padded:
+class _Search:
+    """One compress() call: the state its phases share and a method per phase, called in this order.
+
+    0. __init__: the arguments checked, the model loaded; prepare: the feeds, the model as measured
+       (self.probe), its reference outputs (self.ref) and how top-1 targets are judged (TieRisk or floor).
+    1. make_forms, fit_error_feedback, add_bias_shifts: every weight's candidate forms (self.infos: name ->
+       sensitivity.TensorInfo, options keyed by width) with their estimated packed rates.
+    2. measure_sensitivities: each weight's output error alone (on a few feeds).
+    3. allocate: mu searched on the trial session, one width for every weight tried, greedy tightening.
+    4. confirm_on_built_model: the plan built and checked as a file; fallbacks where it misses; float16
+       values and rounded scales where the check still passes.
+    finish: the final check with the target itself, the returned model and the search record.
+    Where weights cannot be allocated one by one, one_width_for_all replaces 2-4.
+
+    A plan is a dict weight name -> form key (a width, a between-widths or blocked key, or sens.FLOAT)."""
+
+    def __init__(self, model, *, target, metric_args, bits, granularity, ref_bits, error_feedback,
+                 min_elements, run_as, tighten, fused_matmul_form):
+        """Checks the arguments and loads the model (sparse initializers stored dense, nodes sorted
+        topologically), raising before any measuring."""
+        from .fidelity import RUN_AS, parse_requirements
+
+        self.started = time.perf_counter()
+        self.reqs = parse_requirements(target)
+        if any(r.metric == "ctc" for r in self.reqs) and not metric_args:
+            raise InvalidArgumentError("target ctc needs metric_args (time_axis, class_axis, blank)")
         try:
-            run_outputs(src, padded[:1])
-        except InvalidModelError:
-            padded = []
-    if padded:
-        feeds = list(feeds) + padded
-        notes.append(f"{len(padded)} zero-padded batches of {PADDED_BATCH} feeds added to the {len(feeds) - len(padded)} "
-                     "feeds (their lengths differ: batched inference pads them)")
-    search_reqs = [_margin(r, PADDED_COSINE_MARGIN if padded else None) for r in reqs]
-    # agreement on a few calibration feeds is a coarse measure (one miss in 24 is 4%) and blind
-    # to how close the decisions came: the (pre-softmax) outputs must also stay close
-    floor = TOP1_SNR_DB if any(r.metric in ("top1", "ctc") and r.threshold >= 0.98 for r in reqs) else None
-    src = _constants_to_initializers(src)
-    unfolded = src
-    if AFFINE_FOLD_OPS:
-        src = _fold_affine(src, feeds, notes, run_outputs)
-    probe, n_out, proxy_plan = probe_outputs(src)
-    bias_t, added_biases = {}, set()
-    if bias_correction and not synthesized:
-        from . import bias_correction as bc
+            bits = sorted({int(b) for b in bits})
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"bits must be a list of integers 2..8, got {bits!r}") from None
+        if not bits or bits[0] < 2 or bits[-1] > 8:
+            raise InvalidArgumentError(f"bits must be integers from 2 to 8, got {bits!r}")
+        self.bits = bits
+        self.ref_bits = ref_bits if ref_bits in bits else bits[len(bits) // 2]
+        src = load_model(model)
+        sparse = any(info.graph.sparse_initializer for info in graph.iter_graphs(src))
+        if sparse:
+            # quantize_weights stores sparse initializers dense, and the sensitivity pass looks every
+            # quantized weight's original up among the dense ones (KeyError on a pruned model before)
+            src = onnx.ModelProto()
+            src.CopyFrom(load_model(model))
+            graph.densify_sparse_initializers(src)
+        if run_as not in RUN_AS:
+            raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
+        if fused_matmul_form not in FUSED_MATMUL_FORMS:
+            raise InvalidArgumentError(f"unknown fused_matmul_form {fused_matmul_form!r}: choose one of "
+                                       f"{', '.join(FUSED_MATMUL_FORMS)}")
+        self.notes = []
+        if sparse:
+            self.notes.append("sparse initializers stored dense (same values) for the search and the built model")
+        if graph.toposort(src, dry_run=True):  # (onnxruntime runs such graphs; the checker, and the result, must not)
+            ordered = onnx.ModelProto()
+            ordered.CopyFrom(src)
+            graph.toposort(ordered)
+            src = ordered
+            self.notes.append("nodes sorted topologically (the input graph was not)")
+        if run_as == "fold":
+            self.notes.append("candidates measured with their weights folded to float (run_as='fold')")
+        self.src = src
+        self.metric_args = metric_args
+        self.granularity = granularity
+        self.error_feedback = error_feedback
+        self.min_elements = min_elements
+        self.run_as = run_as
+        self.tighten_tries = tighten
+        self.fused_matmul_form = fused_matmul_form
+        self.trials = []  # every plan checked on the way, for the record
 
-        before = {t.name for t in probe.graph.initializer}
-        bias_t = bc.bias_targets(probe, [t.name for t in probe.graph.initializer])
-        probe, bias_t = bc.with_bias_inputs(probe, bias_t)  # zero biases: the outputs are unchanged
-        added_biases = {t.bias for t in bias_t.values()} - before
+    # 0. prepare
 
-    try:
-        ref = run_outputs(probe, feeds)
-    except InvalidModelError as exc:
-        if synthesized:
-            raise InvalidArgumentError(f"the original model does not run on synthesised inputs ({exc}); "
-                                       "pass real feeds (--feeds)") from None
-        raise
-    require_measurable(ref, synthesized=synthesized)  # a target met on nothing is no target
-    require_computable(reqs, ref)  # nor is top1 of an output without classes
-    lap("reference")
+    def prepare(self, feeds, n_synthesized: int, bias_correction: bool) -> None:
+        """Everything the measuring needs before any weight is touched: the feeds, the model as measured,
+        its reference outputs, and how a top-1 target is judged."""
+        self._resolve_feeds(feeds, n_synthesized)
+        self._ready_probe(bias_correction)
+        self._run_reference()
+        self._choose_top1_judgement()
 
-    # without feeds, the command's gate (fidelity.evaluate without feeds) measures on the first
-    # few of the same synthesised feeds (runnable_feeds, seed 0): a plan must meet the target there
-    # too, or the command refuses what the auto mode found. ppocr4_det on noise: 26.0 dB on the 8
-    # feeds, 16.0 dB on the gate's 4 (its outputs are ~1e-8; one feed's error weighs a lot)
-    gate_n = inspect.signature(evaluate).parameters["n_synthesized"].default if synthesized else 0
+    def _resolve_feeds(self, feeds, n_synthesized: int) -> None:
+        """self.feeds: the given feeds checked against the model, or synthesised ones; plus zero-padded
+        batches of them (PADDED_BATCH) where lengths differ and the model runs them. Starts the clock of
+        the record's cpu_seconds."""
+        from .fidelity import feed_list, run_outputs, runnable_feeds
 
-    def gate_subset_ok(ref_outs, outs, reqs_):
-        if not 0 < gate_n < len(ref_outs):
+        self.synthesized = feeds is None
+        if feeds is None:
+            # at the smallest dynamic size the model runs at (an audio model's reflect Pad or 512-tap
+            # Conv refuses 64 samples)
+            feeds = runnable_feeds(self.src, n=n_synthesized)
+            self.notes.append(f"no feeds given: {n_synthesized} synthesised random inputs; fidelity on real data "
+                              "is unmeasured")
+        else:
+            feeds = feed_list(feeds, self.src, "", check=True)
+        self.timings = {}
+        self._clock = time.process_time()
+        padded = padded_batches(self.src, feeds, PADDED_BATCH) if not self.synthesized else []
+        if padded:
+            try:
+                run_outputs(self.src, padded[:1])
+            except InvalidModelError:
+                padded = []
+        if padded:
+            feeds = list(feeds) + padded
+            self.notes.append(f"{len(padded)} zero-padded batches of {PADDED_BATCH} feeds added to the "
+                              f"{len(feeds) - len(padded)} feeds (their lengths differ: batched inference pads them)")
+        self.padded = padded
+        self.feeds = feeds
+
+    def _ready_probe(self, bias_correction: bool) -> None:
+        """The margined requirements the search asks for, and self.probe, the model every candidate is
+        made from and measured as: Constant weights lifted to initializers (each weight allocatable on
+        its own), affine nodes folded into their Conv (their parameters cost bytes), saturating outputs'
+        logits added as outputs (probe_outputs), and zero biases where bias correction needs one."""
+        from .fidelity import run_outputs
+
+        self.search_reqs = [_margin(r, PADDED_COSINE_MARGIN if self.padded else None) for r in self.reqs]
+        # agreement on a few calibration feeds is a coarse measure (one miss in 24 is 4%) and blind
+        # to how close the decisions came: the (pre-softmax) outputs must also stay close
+        agreement = any(r.metric in ("top1", "ctc") and r.threshold >= 0.98 for r in self.reqs)
+        self.floor = TOP1_SNR_DB if agreement else None
+        src = _constants_to_initializers(self.src)
+        self.unfolded = src  # what a plan keeping every weight float returns (the fold only served the search)
+        if AFFINE_FOLD_OPS:
+            src = _fold_affine(src, self.feeds, self.notes, run_outputs)
+        self.probe, self.n_out, self.proxy_plan = probe_outputs(src)
+        self.bias_targets, self.added_biases = {}, set()
+        if bias_correction and not self.synthesized:
+            from . import bias_correction as bc
+
+            before = {t.name for t in self.probe.graph.initializer}
+            bias_t = bc.bias_targets(self.probe, [t.name for t in self.probe.graph.initializer])
+            self.probe, self.bias_targets = bc.with_bias_inputs(self.probe, bias_t)  # zero biases: outputs unchanged
+            self.added_biases = {t.bias for t in self.bias_targets.values()} - before
+
+    def _run_reference(self) -> None:
+        """self.ref: the probe's outputs on the feeds, which every candidate is compared with. A model
+        that fails on synthesised inputs is the caller's to fix (real feeds); a target met on NaNs is no
+        target, nor is top1 of an output without classes."""
+        from .fidelity import require_computable, require_measurable, run_outputs
+
+        try:
+            self.ref = run_outputs(self.probe, self.feeds)
+        except InvalidModelError as exc:
+            if self.synthesized:
+                raise InvalidArgumentError(f"the original model does not run on synthesised inputs ({exc}); "
+                                           "pass real feeds (--feeds)") from None
+            raise
+        require_measurable(self.ref, synthesized=self.synthesized)
+        require_computable(self.reqs, self.ref)
+        self._lap("reference")
+
+    def _choose_top1_judgement(self) -> None:
+        """How a plan's top-1 agreement is judged beyond its agreement on the feeds: by TieRisk (the expected
+        held-out flips from the logits' margin errors, within self.tie_budget, or the majority class's bound
+        on the agreement, against self.top1_target) where it applies, else by the TOP1_SNR_DB floor on the
+        centred logits (self.floor, targets >= 0.98); and self.gate_n, the synthesised feeds the command's
+        gate will measure on."""
+        from .fidelity import evaluate
+
+        # without feeds, the command's gate (fidelity.evaluate without feeds) measures on the first
+        # few of the same synthesised feeds (runnable_feeds, seed 0): a plan must meet the target there
+        # too, or the command refuses what the auto mode found. ppocr4_det on noise: 26.0 dB on the 8
+        # feeds, 16.0 dB on the gate's 4 (its outputs are ~1e-8; one feed's error weighs a lot)
+        self.gate_n = inspect.signature(evaluate).parameters["n_synthesized"].default if self.synthesized else 0
+        # agreement targets on logits: the expected held-out flips from the margin errors (TieRisk)
+        # instead of the SNR floor (ctc keeps the floor); top-1 targets below 0.98 too (TOP1_TIE_RISK_BELOW)
+        self.tie, self.tie_budget, self.top1_target = None, None, None
+        low_top1 = TOP1_TIE_RISK_BELOW and self.floor is None and any(r.metric == "top1" for r in self.reqs)
+        if (TOP1_TIE_RISK and (self.floor is not None or low_top1)
+                and not any(r.metric == "ctc" for r in self.reqs)):
+            self.tie = TieRisk.of([px[:1] for px in proxy_outputs(self.ref, self.proxy_plan)],
+                                  [outs[0] for outs in self.ref], nats=self.proxy_plan[0][0] >= self.n_out)
+            if self.tie is not None:
+                instead = f" instead of the {TOP1_SNR_DB:g} dB floor" if self.floor is not None else ""
+                self.floor = None
+                self.top1_target = max(r.threshold for r in self.reqs if r.metric == "top1")
+                self.tie_budget = top1_flip_budget(self.top1_target, self.tie.n_samples)
+                self.notes.append(f"top-1 agreement held by the expected flips of held-out decisions from their "
+                                  f"margin errors (at most {self.tie_budget:.3g}; near-tie density "
+                                  f"{self.tie.density:.3g} per unit of margin beyond the feeds' own){instead}")
+
+    def _lap(self, stage: str) -> None:
+        """Adds the CPU time since the last lap to the record's cpu_seconds[stage]."""
+        now = time.process_time()
+        self.timings[stage] = round(self.timings.get(stage, 0.0) + now - self._clock, 2)
+        self._clock = now
+
+    # the check every plan passes through (phases 3 and 4)
+
+    def _run_candidate(self, model):
+        """A candidate's outputs on the feeds, run as the caller asked (run_as)."""
+        from .fidelity import run_outputs
+        from .fold import fold_dequantize
+
+        return run_outputs(fold_dequantize(model) if self.run_as == "fold" else model, self.feeds)
+
+    def _gate_subset_ok(self, ref_outs, outs, reqs) -> bool:
+        """Whether the target is also met on the first self.gate_n feeds, where the command's gate measures."""
+        if not 0 < self.gate_n < len(ref_outs):
             return True
-        return _meets(_metrics(ref_outs[:gate_n], outs[:gate_n], reqs_, metric_args, n_out), reqs_)
+        return _meets(_metrics(ref_outs[:self.gate_n], outs[:self.gate_n], reqs, self.metric_args, self.n_out), reqs)
 
-    # agreement targets on logits: the expected held-out flips from the margin errors (TieRisk)
-    # instead of the SNR floor (ctc keeps the floor)
-    tie, tie_budget, top1_target = None, None, None
-    low_top1 = TOP1_TIE_RISK_BELOW and floor is None and any(r.metric == "top1" for r in reqs)
-    if TOP1_TIE_RISK and (floor is not None or low_top1) and not any(r.metric == "ctc" for r in reqs):
-        tie = TieRisk.of([px[:1] for px in proxy_outputs(ref, proxy_plan)], [outs[0] for outs in ref],
-                         nats=proxy_plan[0][0] >= n_out)
-        if tie is not None:
-            instead = f" instead of the {TOP1_SNR_DB:g} dB floor" if floor is not None else ""
-            floor = None
-            top1_target = max(r.threshold for r in reqs if r.metric == "top1")
-            tie_budget = top1_flip_budget(top1_target, tie.n_samples)
-            notes.append(f"top-1 agreement held by the expected flips of held-out decisions from their margin errors "
-                         f"(at most {tie_budget:.3g}; near-tie density {tie.density:.3g} per unit of margin "
-                         f"beyond the feeds' own){instead}")
+    def _tie_ok(self, sigma: float) -> bool:
+        """Whether a margin error sigma keeps the expected held-out top-1 flips within the budget."""
+        return self.tie.risk(sigma) <= self.tie_budget
 
-    def tie_ok(sigma):
-        return tie.risk(sigma) <= tie_budget
-
-    def check(ref_outs, outs, reqs_, plan=None):
+    def _check(self, ref_outs, outs, reqs, plan=None):
         """(metrics on the feeds, whether the target is met). With the plan that made outs, the error is
         first grown by the plan's fit optimism (sens.optimism_of_plan): what its error-fed levels will
         lose on inputs they were not fitted to."""
-        res = _metrics(ref_outs, outs, reqs_, metric_args, n_out)
-        px_cand = proxy_outputs(outs, proxy_plan)
-        psnr = output_snr_db(proxy_outputs(ref_outs, proxy_plan), px_cand)
+        from .fidelity import output_snr_db
+
+        res = _metrics(ref_outs, outs, reqs, self.metric_args, self.n_out)
+        px_cand = proxy_outputs(outs, self.proxy_plan)
+        psnr = output_snr_db(proxy_outputs(ref_outs, self.proxy_plan), px_cand)
         res.metrics["proxy_snr"] = psnr
-        growth = sens.optimism_of_plan(infos, plan) if plan is not None and infos else 1.0
+        growth = sens.optimism_of_plan(self.infos, plan) if plan is not None and self.infos else 1.0
         if growth > 1.0:
             res.metrics["fit_optimism"] = growth
         held = _held_out_estimate(res, growth)
-        ok = _meets(held, reqs_) and (floor is None or psnr - 10 * math.log10(growth) >= floor)
-        if tie is not None:
-            sigma = tie.sigma([px[:1] for px in px_cand])
+        ok = _meets(held, reqs) and (self.floor is None or psnr - 10 * math.log10(growth) >= self.floor)
+        if self.tie is not None:
+            sigma = self.tie.sigma([px[:1] for px in px_cand])
             res.metrics["margin_sigma"] = sigma
             tie_growth = math.sqrt(growth) if TOP1_FIT_GROWTH else 1.0
-            res.metrics["top1_risk"] = tie.risk(sigma * tie_growth)
-            held_ok = tie_ok(sigma * tie_growth)
+            res.metrics["top1_risk"] = self.tie.risk(sigma * tie_growth)
+            held_ok = self._tie_ok(sigma * tie_growth)
             if not held_ok:
-                bound = tie.majority_bound([px[:1] for px in px_cand])
+                # a plan over the flip budget still passes where the majority class alone bounds the agreement
+                bound = self.tie.majority_bound([px[:1] for px in px_cand])
                 res.metrics["top1_majority_bound"] = bound
-                held_ok = bound >= top1_target
+                held_ok = bound >= self.top1_target
             ok = ok and held_ok
-        return res, ok and gate_subset_ok(ref_outs, outs, reqs_)
+        return res, ok and self._gate_subset_ok(ref_outs, outs, reqs)
 
-    infos, models = sens.dequantized_forms(probe, bits, granularity=granularity, min_elements=min_elements,
-                                           rounding=AUTO_ROUNDING, scale_mantissa_bits=AUTO_SCALE_MANTISSA_BITS,
-                                           scale_mantissa_widths=AUTO_SCALE_MANTISSA_WIDTHS,
-                                           # (rounded scales are what the pack narrows: their rate is its bytes)
-                                           scale_bytes=_scale_pack_bytes if AUTO_SCALE_MANTISSA_BITS else None)
-    half_models = {}
-    if HALF_STEP_TABLES and granularity == "channel" and len(bits) > 1:
-        tables = gather_tables(probe, infos)
-        half_models = sens.half_step_forms(probe, infos, bits, tables, min_elements=min_elements)
-        if half_models:
-            notes.append(f"{len(tables)} embedding table(s) (read only by Gather) also tried between widths "
-                         f"(levels at {sens.HALF_STEP:.2f}x the step of their width)")
-    n_folds = CV_FOLDS if len(feeds) >= 2 * CV_FOLDS else 1
-    one_step = {}  # name -> form key -> (levels, scales): forms with one step for all channels
-    if ONE_STEP_FORMS and granularity == "channel" and n_folds == 1:
-        row_counts = sens.gathered_row_counts(probe, feeds, gather_tables(probe, infos)) if not synthesized else {}
-        one_step = sens.one_step_forms(infos, _one_step_axes(probe, infos, models[bits[-1]]), scale_bytes=_scale_pack_bytes,
-                                       row_counts=row_counts)
-        if one_step:
-            notes.append(f"{len(one_step)} weight(s) (embedding tables, MatMul/Gemm) quantized with one step for "
-                         "all their channels (wider only where a channel's largest value would not fit int8)")
-    def one_step_model(key, names):
+    # 1. forms
+
+    def make_forms(self) -> None:
+        """Every weight's candidate forms at every width (sensitivity.dequantized_forms: self.infos, and
+        self.models, the probe with every weight at one width), plus the between-widths forms of embedding
+        tables (HALF_STEP_TABLES) and the one-step forms of tables and single-reader MatMul/Gemm weights
+        (ONE_STEP_FORMS)."""
+        self.infos, self.models = sens.dequantized_forms(
+            self.probe, self.bits, granularity=self.granularity, min_elements=self.min_elements,
+            rounding=AUTO_ROUNDING, scale_mantissa_bits=AUTO_SCALE_MANTISSA_BITS,
+            scale_mantissa_widths=AUTO_SCALE_MANTISSA_WIDTHS,
+            # (rounded scales are what the pack narrows: their rate is its bytes)
+            scale_bytes=_scale_pack_bytes if AUTO_SCALE_MANTISSA_BITS else None)
+        self.half_models = {}
+        if HALF_STEP_TABLES and self.granularity == "channel" and len(self.bits) > 1:
+            tables = gather_tables(self.probe, self.infos)
+            self.half_models = sens.half_step_forms(self.probe, self.infos, self.bits, tables,
+                                                    min_elements=self.min_elements)
+            if self.half_models:
+                self.notes.append(f"{len(tables)} embedding table(s) (read only by Gather) also tried between "
+                                  f"widths (levels at {sens.HALF_STEP:.2f}x the step of their width)")
+        self.n_folds = CV_FOLDS if len(self.feeds) >= 2 * CV_FOLDS else 1
+        self.one_step = {}  # name -> form key -> (levels, scales): forms with one step for all channels
+        if ONE_STEP_FORMS and self.granularity == "channel" and self.n_folds == 1:
+            row_counts = (sens.gathered_row_counts(self.probe, self.feeds, gather_tables(self.probe, self.infos))
+                          if not self.synthesized else {})
+            self.one_step = sens.one_step_forms(
+                self.infos, _one_step_axes(self.probe, self.infos, self.models[self.bits[-1]]),
+                scale_bytes=_scale_pack_bytes, row_counts=row_counts)
+            if self.one_step:
+                self.notes.append(f"{len(self.one_step)} weight(s) (embedding tables, MatMul/Gemm) quantized with one "
+                                  "step for all their channels (wider only where a channel's largest value would "
+                                  "not fit int8)")
+        self._lap("forms")
+        # the nearest-rounding forms at the reference width, kept before error feedback replaces them: the
+        # sensitivity pass measures error feedback's gain against them
+        self.plain_ref = {n: i.options[self.ref_bits].dequantized for n, i in self.infos.items()
+                          if self.ref_bits in i.options}
+
+    def _one_step_model(self, key, names):
         """The probe with the named weights in their one-step forms at `key` (int8 DequantizeLinear)."""
-        q = quantize_weights(probe, bits=8, granularity=granularity, min_elements=min_elements,
-                             include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING)
-        return sens.write_one_step_levels(q, {n: one_step[n][key] for n in names})
+        from .quantize import quantize_weights
 
-    lap("forms")
-    gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
-    blocked_levels = {}  # blocked form key -> name -> (levels, scale, axis, block) (sensitivity.blocked_forms)
-    plain_ref = {n: i.options[ref_bits].dequantized for n, i in infos.items() if ref_bits in i.options}
-    hess, gptq_fit = {}, None
-    hess_rows = {}  # name -> activation rows its Hessian was summed over (gptq.sample_damp)
-    if gptq and infos:
+        q = quantize_weights(self.probe, bits=8, granularity=self.granularity, min_elements=self.min_elements,
+                             include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING)
+        return sens.write_one_step_levels(q, {n: self.one_step[n][key] for n in names})
+
+    def fit_error_feedback(self) -> None:
+        """With gptq: error-feedback levels (passes.gptq) from the feeds' activations replace nearest
+        rounding's at GPTQ_MIN_BITS..GPTQ_MAX_BITS where they lower the error without fitting the
+        calibration span (GPTQ_MAX_NOISE_GAIN); MatMul/Gemm weights also get blocked error-fed forms
+        (BLOCKED_BITS), and error-fed forms are charged their fit optimism (FIT_OPTIMISM)."""
+        self.gptq_levels = {}  # bits -> name -> levels, where error feedback replaced plain rounding
+        self.blocked_levels = {}  # blocked form key -> name -> (levels, scale, axis, block) (sensitivity.blocked_forms)
+        self.hess = {}
+        self.hess_rows = {}  # name -> activation rows its Hessian was summed over (gptq.sample_damp)
+        self.conv = set()  # weights read by a Conv (damped apart: GPTQ_CONV_DAMP)
+        self.gptq_fit = None  # the levels' fitter (_fit_with_feedback) once error feedback runs
+        self.final_factors = {}  # inverse Hessian factors of the final fits (_final_levels), shared by widths
+        if not (self.error_feedback and self.infos):
+            return
         from . import gptq as gq
 
-        # cross-validated error feedback: levels judged on a feed are never fitted on its
-        # activations (fitted there, GPTQ looked 6.9-8.9 dB of layer SNR better than it was held out)
+        fit_without = self._collect_hessians()
+        consumers = gq.consumers(self.probe, self.hess)
+        self.conv = {n for n in self.hess if n in consumers and consumers[n][0].op_type == "Conv"}
+        self.gptq_fit = self._fit_with_feedback
+        factors = [{} for _ in range(self.n_folds)]  # the inverse Hessian factor of a weight serves every width
+        for b in self.bits:
+            if GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS:
+                self._error_fed_forms(b, fit_without, factors)
+        self._add_blocked_forms(factors[0])
+        self._charge_fit_optimism(consumers)
+        self._lap("gptq")
+
+    def _collect_hessians(self) -> list[dict]:
+        """self.hess (name -> H of the activations a weight multiplies, over all the feeds) and, per fold,
+        the Hessians the levels judged on that fold are fitted on (CV_FOLDS: cross-validated error feedback,
+        levels judged on a feed are never fitted on its activations; fitted there, GPTQ looked 6.9-8.9 dB of
+        layer SNR better than it was held out)."""
+        from . import gptq as gq
+
+        n_folds = self.n_folds
         if n_folds > 1:
-            fold_hess = [gq.collect_hessians(probe, feeds[f::n_folds], list(infos)) for f in range(n_folds)]
+            fold_hess = [gq.collect_hessians(self.probe, self.feeds[f::n_folds], list(self.infos))
+                         for f in range(n_folds)]
             names_h = set.intersection(*(set(h) for h in fold_hess))
-            hess = {n: sum(h[n] for h in fold_hess) / n_folds for n in names_h}
-            fit_without = [{n: sum(fold_hess[g][n] for g in range(n_folds) if g != f) / (n_folds - 1)
-                            for n in names_h} for f in range(n_folds)]
-            del fold_hess
-        else:
-            hess = gq.collect_hessians(probe, feeds, list(infos), rows=hess_rows)
-            fit_without = [hess]
-        cons = gq.consumers(probe, hess)
-        conv = {n for n in hess if n in cons and cons[n][0].op_type == "Conv"}
+            self.hess = {n: sum(h[n] for h in fold_hess) / n_folds for n in names_h}
+            return [{n: sum(fold_hess[g][n] for g in range(n_folds) if g != f) / (n_folds - 1)
+                     for n in names_h} for f in range(n_folds)]
+        self.hess = gq.collect_hessians(self.probe, self.feeds, list(self.infos), rows=self.hess_rows)
+        return [self.hess]
 
-        def matmul_damp(hs, rows=None):
-            """GPTQ_DAMP, or per weight gptq.sample_damp of its inputs and rows (GPTQ_DAMP_PER_INPUT)."""
-            if GPTQ_DAMP_PER_INPUT is None:
-                return GPTQ_DAMP
-            rows = hess_rows if rows is None else rows
-            return {n: gq.sample_damp(h.shape[0], rows.get(n, 0), GPTQ_DAMP, GPTQ_DAMP_PER_INPUT)
-                    for n, h in hs.items() if n not in conv}
+    def _matmul_damp(self, hs, rows=None):
+        """GPTQ_DAMP, or per weight gptq.sample_damp of its inputs and rows (GPTQ_DAMP_PER_INPUT)."""
+        from . import gptq as gq
 
-        def fit_with_feedback(qmodel, hs, b, factors, rows=None):
-            """Error-feedback levels, damped as measured best held out (quantize_with_feedback); rows: the
-            activation rows each H was summed over (sample_damp; default those of all the feeds)."""
-            out = gq.refine(qmodel, probe, {n: h for n, h in hs.items() if n not in conv}, b,
-                            damp=matmul_damp(hs, rows), factors=factors, act_order=GPTQ_ACT_ORDER)
-            conv_damp = GPTQ_CONV_DAMP
-            if GPTQ_CONV_DAMP_PER_INPUT is not None:
-                rows = hess_rows if rows is None else rows
-                conv_damp = {n: gq.sample_damp(h.shape[0], rows.get(n, 0), GPTQ_CONV_DAMP, GPTQ_CONV_DAMP_PER_INPUT)
-                             for n, h in hs.items() if n in conv}
-            out.update(gq.refine(qmodel, probe, {n: h for n, h in hs.items() if n in conv}, b,
-                                 damp=conv_damp, factors=factors, act_order=GPTQ_ACT_ORDER))
-            return out
+        if GPTQ_DAMP_PER_INPUT is None:
+            return GPTQ_DAMP
+        rows = self.hess_rows if rows is None else rows
+        return {n: gq.sample_damp(h.shape[0], rows.get(n, 0), GPTQ_DAMP, GPTQ_DAMP_PER_INPUT)
+                for n, h in hs.items() if n not in self.conv}
 
-        gptq_fit = fit_with_feedback
-        factors = [{} for _ in range(n_folds)]  # the inverse Hessian factor of a weight serves every width
-        for b in bits:
-            if not GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS:
-                continue
-            stepped = {n for n in fit_without[0] if b in one_step.get(n, {})}  # (one fold only)
-            per_fold = [gptq_fit(models[b], {n: h for n, h in fit_without[f].items() if n not in stepped}, b, factors[f])
-                        for f in range(n_folds)]
-            if stepped:
-                # error feedback at the one-step forms' steps: int8 levels (refine's range) at their scales
-                qm = one_step_model(b, stepped)
-                per_fold[0].update(gptq_fit(qm, {n: fit_without[0][n] for n in stepped}, 8, factors[0]))
-            gptq_levels[b] = {}
-            for name in set.intersection(*(set(r) for r in per_fold)):
-                opt = infos[name].options.get(b)
-                if opt is None:
-                    continue
-                w = infos[name].options[sens.FLOAT].dequantized.astype(np.float64)
-                noise = max(float(np.sum((w - r[name][1].astype(np.float64)) ** 2)) for r in per_fold)
-                if noise > GPTQ_MAX_NOISE_GAIN * opt.noise:
-                    continue  # fitted to the calibration activations' span: nearest rounding stays
-                lev_bytes = float(np.mean([sens.entropy_bytes(r[name][0]) for r in per_fold]))
-                rate = lev_bytes + (opt.rate_bytes - opt.levels_entropy_bytes)
-                infos[name].options[b] = sens.TensorOption(
-                    b, rate, noise, opt.snr_db if noise == 0 else round(10 * math.log10(infos[name].energy / noise), 3),
-                    per_fold[0][name][1], lev_bytes, "gptq", opt.noise,
-                    tuple(r[name][1] for r in per_fold) if n_folds > 1 else None)
-                if n_folds == 1:
-                    gptq_levels[b][name] = per_fold[0][name][0]
-        if BLOCKED_BITS and n_folds == 1 and fused_matmul_form == "cast" and granularity == "channel":
-            widths = [b for b in BLOCKED_BITS if b in bits and GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS]
-            axes = sens.blocked_weights(probe, infos, [n for n in hess if n not in conv], BLOCKED_SIZE)
-            blocked_levels = sens.blocked_forms(infos, axes, hess, widths, BLOCKED_SIZE, damp=matmul_damp(hess),
-                                                factors=factors[0], max_noise_gain=GPTQ_MAX_NOISE_GAIN,
-                                                scale_bytes=_scale_pack_bytes)
-            if blocked_levels:
-                notes.append(f"{len(axes)} MatMul/Gemm weight(s) also tried as blocked levels (int{'/'.join(map(str, widths))}, "
-                             f"a scale per {BLOCKED_SIZE} inputs; written as Cast+Mul+Reshape)")
-        if FIT_OPTIMISM and n_folds == 1 and len(feeds) >= 4:
-            optimistic = _estimate_fit_optimism(probe, feeds, infos, hess, cons, models, gptq_fit,
-                                                ref_bits if GPTQ_MIN_BITS <= ref_bits <= GPTQ_MAX_BITS else GPTQ_MIN_BITS,
-                                                full_fit=TOP1_FULL_FIT_OPTIMISM and tie is not None
-                                                and all(r.metric == "top1" for r in reqs))
-            if optimistic:
-                notes.append(f"{len(optimistic)} weight(s)' error-fed levels charged for fitting the calibration "
-                             f"activations (fit optimism from the two halves of the feeds: median "
-                             f"{float(np.median(list(optimistic.values()))):.2f}, largest {max(optimistic.values()):.2f})")
-        del fit_without, factors
-        lap("gptq")
-    plain_shift = {}
-    if bias_t and infos:
-        # each form's bias shift E[x] @ (W - W_hat), E[x] from the float model's activations on the feeds
-        means = bc.input_means(probe, feeds, {n: t for n, t in bias_t.items() if n in infos})
-        p_inits = graph.unique_initializers(probe)
-        for n, mean in means.items():
-            info, t = infos[n], bias_t[n]
-            info.bias, info.bias_base = t.bias, graph.tensor_to_array(p_inits[t.bias])
-            w = info.options[sens.FLOAT].dequantized
-            added = sens.float_pack_bytes(info.bias_base) if t.bias in added_biases else 0.0
-            for b, opt in info.options.items():
-                if b != sens.FLOAT:
-                    opt.bias_shift = bc.bias_shift(t, mean, w, opt.dequantized)
-                    opt.rate_bytes += added  # a bias the layer did not have is paid for by its quantized forms
-            if n in plain_ref:
-                plain_shift[n] = bc.bias_shift(t, mean, w, plain_ref[n])
-        if means:
-            notes.append(f"bias correction: {len(means)} weights' forms carry their mean output shift in the bias")
-        lap("bias correction")
-    bias_names = sorted({i.bias for i in infos.values() if i.bias is not None})
-    final_factors = {}
+    def _fit_with_feedback(self, qmodel, hs, b, factors, rows=None):
+        """Error-feedback levels, damped as measured best held out (quantize_with_feedback); rows: the
+        activation rows each H was summed over (sample_damp; default those of all the feeds)."""
+        from . import gptq as gq
 
-    def final_levels(plan):
-        """name -> levels of the plan's error-feedback weights; with folds, fitted on all the
-        feeds' activations (only the plan's weights at their widths; kept for later plans)."""
-        for b in bits:
-            todo = {n: hess[n] for n, nb in plan.items() if nb == b and n in hess
-                    and infos[n].options[b].rounding == "gptq" and n not in gptq_levels.get(b, {})}
-            if todo and gptq_fit is not None:
-                gptq_levels[b].update({n: lv for n, (lv, _) in gptq_fit(models[b], todo, b, final_factors).items()})
-        return {n: gptq_levels[b][n] for n, b in plan.items()
-                if b != sens.FLOAT and infos[n].options[b].rounding == "gptq" and n in gptq_levels.get(b, {})}
-
-    main_inits = {t.name for t in probe.graph.initializer}
-    all_quantized = set()
-    for b, qm in models.items():
-        all_quantized |= {t.name[: -len("_quantized")] for t in qm.graph.initializer if t.name.endswith("_quantized")}
-    per_tensor = bool(infos) and all_quantized <= set(infos) and set(infos) <= main_inits
-
-    cast_names = set()  # weights written as Cast+Mul of their levels once quantized (FUSED_MATMUL_FORM)
-
-    def build(plan):
-        out = probe
-        one_stepped = {n: one_step[n][nb] for n, nb in plan.items() if nb in one_step.get(n, {})}
-        for b in bits:
-            names = [n for n, nb in plan.items() if nb == b and n not in one_stepped]
-            if names:
-                out = quantize_weights(out, bits=b, granularity=granularity, min_elements=min_elements,
-                                       include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING,
-                                       scale_mantissa_bits=_scale_mantissa(b))
-        for key in sorted(half_models):
-            names = [n for n, nb in plan.items() if nb == key and n not in one_stepped]
-            if names:
-                out = sens.half_step_quantize(out, key, names, min_elements=min_elements)
-        if one_stepped:
-            # int8 per-channel DequantizeLinear nodes, then the one-step levels and scales in them (error-fed
-            # levels replace theirs below)
-            out = quantize_weights(out, bits=8, granularity=granularity, min_elements=min_elements,
-                                   include=[sens.pattern_for(n) for n in one_stepped], rounding=AUTO_ROUNDING)
-            out = sens.write_one_step_levels(out, one_stepped)
-        blocked = {n: blocked_levels[k][n] for n, k in plan.items() if n in blocked_levels.get(k, {})}
-        if blocked:
-            out = cast_levels.as_blocked_cast_mul(out, blocked)
-        refined = final_levels(plan)
-        if refined:
-            from . import gptq as gq
-
-            out = gq.write_levels(out, refined)
-        if bias_t:
-            values = {}
-            for n, b in plan.items():
-                if b != sens.FLOAT and n in infos:
-                    values.update(sens.bias_feed(infos[n], infos[n].options[b].bias_shift))
-            if values:
-                out = bc.set_biases(out, values)
-        quantized_cast = [n for n in cast_names if plan.get(n, sens.FLOAT) != sens.FLOAT]
-        if quantized_cast:
-            out = cast_levels.as_cast_mul(out, quantized_cast)
+        out = gq.refine(qmodel, self.probe, {n: h for n, h in hs.items() if n not in self.conv}, b,
+                        damp=self._matmul_damp(hs, rows), factors=factors, act_order=GPTQ_ACT_ORDER)
+        conv_damp = GPTQ_CONV_DAMP
+        if GPTQ_CONV_DAMP_PER_INPUT is not None:
+            rows = self.hess_rows if rows is None else rows
+            conv_damp = {n: gq.sample_damp(h.shape[0], rows.get(n, 0), GPTQ_CONV_DAMP, GPTQ_CONV_DAMP_PER_INPUT)
+                         for n, h in hs.items() if n in self.conv}
+        out.update(gq.refine(qmodel, self.probe, {n: h for n, h in hs.items() if n in self.conv}, b,
+                             damp=conv_damp, factors=factors, act_order=GPTQ_ACT_ORDER))
         return out
 
-    trials = []
-    if per_tensor:
-        # sensitivities need only a few feeds (they set the allocation's shape); the search for
-        # mu checks the target on all of them
+    def _error_fed_forms(self, b: int, fit_without: list[dict], factors: list[dict]) -> None:
+        """Replaces the width-b options of the weights with a Hessian by error-fed levels (fitted per fold;
+        one-step forms at their own steps), except where their weight noise exceeds GPTQ_MAX_NOISE_GAIN x
+        nearest rounding's. Without folds, the levels are kept in self.gptq_levels for the build."""
+        n_folds = self.n_folds
+        stepped = {n for n in fit_without[0] if b in self.one_step.get(n, {})}  # (one fold only)
+        per_fold = [self.gptq_fit(self.models[b], {n: h for n, h in fit_without[f].items() if n not in stepped},
+                                  b, factors[f])
+                    for f in range(n_folds)]
+        if stepped:
+            # error feedback at the one-step forms' steps: int8 levels (refine's range) at their scales
+            qm = self._one_step_model(b, stepped)
+            per_fold[0].update(self.gptq_fit(qm, {n: fit_without[0][n] for n in stepped}, 8, factors[0]))
+        self.gptq_levels[b] = {}
+        for name in set.intersection(*(set(r) for r in per_fold)):
+            info = self.infos[name]
+            opt = info.options.get(b)
+            if opt is None:
+                continue
+            w = info.options[sens.FLOAT].dequantized.astype(np.float64)
+            noise = max(float(np.sum((w - r[name][1].astype(np.float64)) ** 2)) for r in per_fold)
+            if noise > GPTQ_MAX_NOISE_GAIN * opt.noise:
+                continue  # fitted to the calibration activations' span: nearest rounding stays
+            lev_bytes = float(np.mean([sens.entropy_bytes(r[name][0]) for r in per_fold]))
+            rate = lev_bytes + (opt.rate_bytes - opt.levels_entropy_bytes)
+            info.options[b] = sens.TensorOption(
+                b, rate, noise, opt.snr_db if noise == 0 else round(10 * math.log10(info.energy / noise), 3),
+                per_fold[0][name][1], lev_bytes, "gptq", opt.noise,
+                tuple(r[name][1] for r in per_fold) if n_folds > 1 else None)
+            if n_folds == 1:
+                self.gptq_levels[b][name] = per_fold[0][name][0]
+
+    def _add_blocked_forms(self, factors: dict) -> None:
+        """MatMul/Gemm weights whose K is a multiple of BLOCKED_SIZE also get blocked error-fed levels at
+        BLOCKED_BITS (sensitivity.blocked_forms: self.blocked_levels), only where they are written as
+        Cast+Mul (their DequantizeLinear would run as MatMulNBits)."""
+        if not (BLOCKED_BITS and self.n_folds == 1 and self.fused_matmul_form == "cast"
+                and self.granularity == "channel"):
+            return
+        widths = [b for b in BLOCKED_BITS if b in self.bits and GPTQ_MIN_BITS <= b <= GPTQ_MAX_BITS]
+        axes = sens.blocked_weights(self.probe, self.infos, [n for n in self.hess if n not in self.conv], BLOCKED_SIZE)
+        self.blocked_levels = sens.blocked_forms(self.infos, axes, self.hess, widths, BLOCKED_SIZE,
+                                                 damp=self._matmul_damp(self.hess), factors=factors,
+                                                 max_noise_gain=GPTQ_MAX_NOISE_GAIN, scale_bytes=_scale_pack_bytes)
+        if self.blocked_levels:
+            self.notes.append(f"{len(axes)} MatMul/Gemm weight(s) also tried as blocked levels "
+                              f"(int{'/'.join(map(str, widths))}, a scale per {BLOCKED_SIZE} inputs; written as "
+                              "Cast+Mul+Reshape)")
+
+    def _charge_fit_optimism(self, consumers: dict) -> None:
+        """FIT_OPTIMISM: each weight's error-fed forms charged the held-out / calibration ratio of levels
+        fitted on one half of the feeds and measured on the other (_estimate_fit_optimism; for top-1-only
+        targets held by TieRisk the full fit's share, TOP1_FULL_FIT_OPTIMISM)."""
+        if not (FIT_OPTIMISM and self.n_folds == 1 and len(self.feeds) >= 4):
+            return
+        ref_bits = self.ref_bits
+        optimistic = _estimate_fit_optimism(self.probe, self.feeds, self.infos, self.hess, consumers, self.models,
+                                            self.gptq_fit,
+                                            ref_bits if GPTQ_MIN_BITS <= ref_bits <= GPTQ_MAX_BITS else GPTQ_MIN_BITS,
+                                            full_fit=TOP1_FULL_FIT_OPTIMISM and self.tie is not None
+                                            and all(r.metric == "top1" for r in self.reqs))
+        if optimistic:
+            self.notes.append(f"{len(optimistic)} weight(s)' error-fed levels charged for fitting the calibration "
+                              f"activations (fit optimism from the two halves of the feeds: median "
+                              f"{float(np.median(list(optimistic.values()))):.2f}, "
+                              f"largest {max(optimistic.values()):.2f})")
+
+    def add_bias_shifts(self) -> None:
+        """With bias correction: each quantized form's mean output shift E[x] @ (W - W_hat) (E[x] from the
+        float model's activations on the feeds), carried in its layer's bias; a bias the layer did not have
+        is paid for by the weight's quantized forms."""
+        self.plain_shift = {}  # the reference width's nearest forms' shifts (the sensitivity pass's baseline)
+        if self.bias_targets and self.infos:
+            from . import bias_correction as bc
+
+            means = bc.input_means(self.probe, self.feeds,
+                                   {n: t for n, t in self.bias_targets.items() if n in self.infos})
+            p_inits = graph.unique_initializers(self.probe)
+            for n, mean in means.items():
+                info, t = self.infos[n], self.bias_targets[n]
+                info.bias, info.bias_base = t.bias, graph.tensor_to_array(p_inits[t.bias])
+                w = info.options[sens.FLOAT].dequantized
+                added = sens.float_pack_bytes(info.bias_base) if t.bias in self.added_biases else 0.0
+                for b, opt in info.options.items():
+                    if b != sens.FLOAT:
+                        opt.bias_shift = bc.bias_shift(t, mean, w, opt.dequantized)
+                        opt.rate_bytes += added
+                if n in self.plain_ref:
+                    self.plain_shift[n] = bc.bias_shift(t, mean, w, self.plain_ref[n])
+            if means:
+                self.notes.append(f"bias correction: {len(means)} weights' forms carry their mean output shift in "
+                                  "the bias")
+            self._lap("bias correction")
+        self.bias_names = sorted({i.bias for i in self.infos.values() if i.bias is not None})
+
+    def allocatable_per_tensor(self) -> bool:
+        """Whether every weight quantize_weights takes has forms and is a main-graph initializer, so that
+        the trial session can feed each one on its own (else one_width_for_all)."""
+        main_inits = {t.name for t in self.probe.graph.initializer}
+        all_quantized = set()
+        for qm in self.models.values():
+            all_quantized |= {t.name[: -len("_quantized")] for t in qm.graph.initializer
+                              if t.name.endswith("_quantized")}
+        self.per_tensor = bool(self.infos) and all_quantized <= set(self.infos) and set(self.infos) <= main_inits
+        self.cast_names = set()  # weights written as Cast+Mul of their levels once quantized (FUSED_MATMUL_FORM)
+        return self.per_tensor
+
+    # 2. sensitivities
+
+    def measure_sensitivities(self) -> None:
+        """Each weight's output error alone at ref_bits (sensitivity.measure) on a few feeds: they set the
+        allocation's shape, and the search for mu checks the target on all of them. Weights whose error
+        never reaches the outputs get a data-free sensitivity (_allocate_unexercised)."""
         # (with padded batches, one of them too: the error there spreads over the weights otherwise)
-        few_feeds = feeds[:SENSITIVITY_FEEDS - 1] + padded[:1] if padded else feeds[:SENSITIVITY_FEEDS]
-        trial_model, act_names = probe, []
+        feeds = self.feeds
+        few_feeds = feeds[:SENSITIVITY_FEEDS - 1] + self.padded[:1] if self.padded else feeds[:SENSITIVITY_FEEDS]
+        self.trial_model, act_names = self._trial_model()
+        self.trial_names = list(self.infos) + self.bias_names + act_names  # what a trial may override
+        few = sens.TrialRunner(self.trial_model, self.trial_names, few_feeds)
+        sens.measure(self.infos, few, few.run({}), self.ref_bits,
+                     transform=lambda o: proxy_outputs(o, self.proxy_plan),
+                     plain=self.plain_ref, n_folds=self.n_folds, plain_shift=self.plain_shift)
+        self.plain_ref = None  # (the forms error feedback replaced: no longer needed)
+        del few
+        self._allocate_unexercised()
+        self._lap("sensitivity")
+
+    def _trial_model(self):
+        """(the model trials override weights in, the names of its activation-quantization switches).
+        The MatMul weights onnxruntime would run as MatMulNBits with int8 activations are written as Cast+Mul
+        (self.cast_names; onnxruntime folds it to float, which is what the trials compute), or, kept as
+        DequantizeLinear, get that activation quantization emulated behind a switch (ACT_QUANT_EMULATION)."""
+        trial_model, act_names = self.probe, []
         # blocked levels keep their DequantizeLinear (cast_levels writes per-tensor / per-channel scales
         # only): their int8 activations are emulated instead
-        cast = fused_matmul_form == "cast" and granularity != "block"
-        if cast or (run_as == "onnxruntime" and ACT_QUANT_EMULATION):
-            blocks = sens.fused_matmul_blocks([models[b] for b in sorted({bits[0], bits[-1]})], list(infos))
+        cast = self.fused_matmul_form == "cast" and self.granularity != "block"
+        emulate = self.run_as == "onnxruntime" and ACT_QUANT_EMULATION
+        if cast or emulate:
+            blocks = sens.fused_matmul_blocks([self.models[b] for b in sorted({self.bits[0], self.bits[-1]})],
+                                              list(self.infos))
         if cast and blocks:
             # written as Cast+Mul, onnxruntime runs them as float MatMuls: the trials' float weights
             # are what the built model computes, nothing to emulate
-            cast_names.update(blocks)
-            notes.append(f"{len(blocks)} MatMul weight(s) written as Cast+Mul of their levels where quantized "
-                         "(onnxruntime would run DequantizeLinear+MatMul as MatMulNBits with int8 activations; it "
-                         "folds Cast+Mul to a float weight at load: the same file size, float memory and run time)")
-        elif run_as == "onnxruntime" and ACT_QUANT_EMULATION:
-            trial_model, switches = sens.with_act_quant(probe, blocks)
+            self.cast_names.update(blocks)
+            self.notes.append(f"{len(blocks)} MatMul weight(s) written as Cast+Mul of their levels where quantized "
+                              "(onnxruntime would run DequantizeLinear+MatMul as MatMulNBits with int8 activations; "
+                              "it folds Cast+Mul to a float weight at load: the same file size, float memory and run "
+                              "time)")
+        elif emulate:
+            trial_model, switches = sens.with_act_quant(self.probe, blocks)
             for n, switch in switches.items():
-                infos[n].act_switch = switch
+                self.infos[n].act_switch = switch
             act_names = sorted(switches.values())
             if switches:
-                notes.append(f"{len(switches)} MatMul weights run as MatMulNBits with int8 activations once quantized "
-                             "(onnxruntime's optimiser): their activation quantization is emulated in the trials")
-        few = sens.TrialRunner(trial_model, list(infos) + bias_names + act_names, few_feeds)
-        sens.measure(infos, few, few.run({}), ref_bits, transform=lambda o: proxy_outputs(o, proxy_plan),
-                     plain=plain_ref, n_folds=n_folds, plain_shift=plain_shift)
-        del plain_ref
-        del few
-        # a weight whose error never reaches the outputs on the feeds (the untaken branch of an
-        # If, as silero_vad's 8 kHz weights under 16 kHz feeds, or a recurrent weight under a zero
-        # state) is unmeasured, not harmless. It gets a data-free criterion: the output error per
-        # unit of relative weight noise (1 / weight SNR) of the measured weights of its shape (the
-        # same layer in the other branch; the most sensitive of them), else the median of all
-        # measured weights; so the same mu keeps it at a weight SNR like theirs. No check on the
-        # feeds can see it, so the greedy tightening leaves it alone.
-        unexercised = [n for n, i in infos.items() if i.out_error.get(ref_bits, 1.0) == 0.0
-                       and i.options[ref_bits].noise > 0]
+                self.notes.append(f"{len(switches)} MatMul weights run as MatMulNBits with int8 activations once "
+                                  "quantized (onnxruntime's optimiser): their activation quantization is emulated in "
+                                  "the trials")
+        return trial_model, act_names
+
+    def _allocate_unexercised(self) -> None:
+        """self.unexercised: the weights whose error never reached the outputs on the feeds (the untaken
+        branch of an If, as silero_vad's 8 kHz weights under 16 kHz feeds, or a recurrent weight under a zero
+        state): unmeasured, not harmless. Each gets a data-free criterion, the output error per unit of
+        relative weight noise (1 / weight SNR) of the measured weights of its shape (the same layer in the
+        other branch; the most sensitive of them), else the median of all measured weights, so that the same
+        mu keeps it at a weight SNR like theirs. No check on the feeds can see it, so the greedy tightening
+        leaves it alone."""
+        infos, ref_bits = self.infos, self.ref_bits
+        self.unexercised = [n for n, i in infos.items() if i.out_error.get(ref_bits, 1.0) == 0.0
+                            and i.options[ref_bits].noise > 0]
         measured = [(i.shape, i.sensitivity * i.energy) for n, i in infos.items()
-                    if n not in unexercised and i.sensitivity > 0 and i.energy > 0]
-        for n in unexercised:
+                    if n not in self.unexercised and i.sensitivity > 0 and i.energy > 0]
+        for n in self.unexercised:
             info = infos[n]
             peers = [s for shape, s in measured if shape == info.shape]
             if measured and info.energy > 0:
@@ -1386,253 +1548,402 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
                 # its error is its own weight noise (error feedback without activations shapes nothing)
                 info.options = {b: dataclasses.replace(o, plain_noise=None) for b, o in info.options.items()}
             else:
-                info.options = {b: o for b, o in info.options.items() if b in (sens.FLOAT, bits[-1])}
+                info.options = {b: o for b, o in info.options.items() if b in (sens.FLOAT, self.bits[-1])}
             info.out_error.clear()
-        if unexercised:
-            notes.append(f"{len(unexercised)} weights never reached the outputs on the feeds (untaken branches?): "
-                         "allocated by weight SNR, as sensitive as the measured weights of their shape (else the median)")
-        lap("sensitivity")
-        runner = sens.TrialRunner(trial_model, list(infos) + bias_names + act_names, feeds)
-        ref_s = runner.run({})
+        if self.unexercised:
+            self.notes.append(f"{len(self.unexercised)} weights never reached the outputs on the feeds (untaken "
+                              "branches?): allocated by weight SNR, as sensitive as the measured weights of their "
+                              "shape (else the median)")
 
-        seen = {}  # plan -> (verdict, metrics): neighbouring mu often give the same plan; run it once
+    # 3. allocation
 
-        def trial_plan(plan, mu=None):
-            key = _plan_key(plan)
-            if key in seen:
-                return plan, seen[key][0]
-            res, ok = check(ref_s, runner.run(*sens.replacements(infos, plan, n_folds)), search_reqs, plan)
-            trials.append({"mu": mu, "rate": sens.plan_rate(infos, plan), "ok": ok, "metrics": res.metrics})
-            seen[key] = (ok, res.metrics)
-            return plan, ok
+    def allocate(self) -> dict:
+        """The smallest plan the trial session passes: the Lagrangian search for mu (_search_mu), never
+        worse than one width for every weight (_no_worse_than_one_width), then greedy one-width-narrower
+        steps (_tighten) kept while the check passes. self.history: the plans kept, in order (the
+        confirmation falls back along them)."""
+        self.runner = sens.TrialRunner(self.trial_model, self.trial_names, self.feeds)
+        self.ref_trial = self.runner.run({})
+        self.seen = {}  # plan key -> (verdict, metrics): neighbouring mu often give the same plan; run it once
+        plan, passed = self._search_mu()
+        plan, passed = self._no_worse_than_one_width(plan, passed)
+        self.history = [plan]  # plans that passed on the trial session, in the order they were kept
+        if passed and self.tighten_tries:
+            plan = _tighten(plan, self.infos, lambda p: self._trial_plan(p)[1], self.tighten_tries,
+                            frozen=self.unexercised, kept=self.history)
+        self._lap("search")
+        return plan
 
-        def trial(mu):
-            return trial_plan(sens.allocate(infos, mu), mu)
+    def _trial_plan(self, plan, mu=None):
+        """(plan, whether it passes the check on the trial session), recorded in self.trials; a plan
+        already tried is not run again."""
+        key = _plan_key(plan)
+        if key in self.seen:
+            return plan, self.seen[key][0]
+        res, ok = self._check(self.ref_trial, self.runner.run(*sens.replacements(self.infos, plan, self.n_folds)),
+                              self.search_reqs, plan)
+        self.trials.append({"mu": mu, "rate": sens.plan_rate(self.infos, plan), "ok": ok, "metrics": res.metrics})
+        self.seen[key] = (ok, res.metrics)
+        return plan, ok
 
-        # mu: bytes per unit of relative output error; bracket then bisect in log space
+    def _trial(self, mu):
+        """The allocation at mu, tried (_trial_plan)."""
+        return self._trial_plan(sens.allocate(self.infos, mu), mu)
+
+    def _search_mu(self):
+        """(plan, passed): the allocation at the smallest mu found (bytes per unit of relative output error)
+        whose plan passes, bracketed then bisected in log space; every weight float where none passes.
+        self.mu: where the search ended (the confirmation grows it from there)."""
         lo, hi = 1.0, 1e4
-        plan_hi, ok_hi = trial(hi)
+        plan_hi, ok_hi = self._trial(hi)
         while not ok_hi and hi < 1e16:
             lo, hi = hi, hi * 100
-            plan_hi, ok_hi = trial(hi)
+            plan_hi, ok_hi = self._trial(hi)
         if not ok_hi:
-            plan_hi = {n: sens.FLOAT for n in infos}
+            plan_hi = {n: sens.FLOAT for n in self.infos}
         else:
-            plan_lo, ok_lo = trial(lo)
+            plan_lo, ok_lo = self._trial(lo)
             if ok_lo:
                 plan_hi = plan_lo
             else:
                 for _ in range(12):
                     mid = math.sqrt(lo * hi)
-                    p, ok = trial(mid)
+                    p, ok = self._trial(mid)
                     if ok:
                         hi, plan_hi = mid, p
                     else:
                         lo = mid
                     if hi / lo < 1.15:
                         break
-        plan = plan_hi
-        # never worse than one width for every weight (with the same rounding and the same check):
-        # widest first, stopping at the first width that fails
-        for b in sorted(bits, reverse=True):
-            uniform = {n: (b if b in infos[n].options else plan[n]) for n in infos}
-            if sens.plan_rate(infos, uniform) >= sens.plan_rate(infos, plan) and ok_hi:
+        self.mu = hi
+        return plan_hi, ok_hi
+
+    def _uniform(self, b, plan) -> dict:
+        """Every weight at width b, those without that form as in plan."""
+        return {n: (b if b in self.infos[n].options else plan[n]) for n in self.infos}
+
+    def _no_worse_than_one_width(self, plan, passed):
+        """(plan, passed), never worse than one width for every weight (with the same rounding and the same
+        check): widest first, stopping at the first width that fails."""
+        for b in sorted(self.bits, reverse=True):
+            uniform = self._uniform(b, plan)
+            if sens.plan_rate(self.infos, uniform) >= sens.plan_rate(self.infos, plan) and passed:
                 continue
-            if not trial_plan(uniform, f"uniform int{b}")[1]:
+            if not self._trial_plan(uniform, f"uniform int{b}")[1]:
                 break
-            plan, ok_hi = uniform, True
-        history = [plan]  # plans that passed on the trial session, in the order they were kept
-        if ok_hi and tighten:
-            plan = _tighten(plan, infos, lambda p: trial_plan(p)[1], tighten, frozen=unexercised, kept=history)
-        lap("search")
-        # confirm on the built model: the graph may run other kernels than the trial session
-        # (onnxruntime fuses DequantizeLinear+MatMul into MatMulNBits with int8 activations: on
-        # open_nsfw the built model sat ~0.5 dB below its trial). When it misses, the gap between the
-        # two is measured and the latest kept plan whose trial result clears the check by that gap is
-        # taken (the tightening steps sit at the edge of the check); without one, mu grows.
-        candidate = build(plan)
+            plan, passed = uniform, True
+        return plan, passed
+
+    # 4. build and confirm
+
+    def _final_levels(self, plan):
+        """name -> levels of the plan's error-feedback weights; with folds, fitted on all the
+        feeds' activations (only the plan's weights at their widths; kept for later plans)."""
+        infos = self.infos
+        for b in self.bits:
+            todo = {n: self.hess[n] for n, nb in plan.items() if nb == b and n in self.hess
+                    and infos[n].options[b].rounding == "gptq" and n not in self.gptq_levels.get(b, {})}
+            if todo and self.gptq_fit is not None:
+                self.gptq_levels[b].update(
+                    {n: lv for n, (lv, _) in self.gptq_fit(self.models[b], todo, b, self.final_factors).items()})
+        return {n: self.gptq_levels[b][n] for n, b in plan.items()
+                if b != sens.FLOAT and infos[n].options[b].rounding == "gptq" and n in self.gptq_levels.get(b, {})}
+
+    def _build(self, plan):
+        """The model of a plan, as it will be written: quantize_weights per width (include naming its
+        weights), between-widths and one-step forms, blocked levels as Cast+Mul+Reshape, error-fed levels,
+        corrected biases, and Cast+Mul for the weights onnxruntime would fuse (self.cast_names)."""
+        from .quantize import quantize_weights
+
+        out = self.probe
+        one_stepped = {n: self.one_step[n][nb] for n, nb in plan.items() if nb in self.one_step.get(n, {})}
+        for b in self.bits:
+            names = [n for n, nb in plan.items() if nb == b and n not in one_stepped]
+            if names:
+                out = quantize_weights(out, bits=b, granularity=self.granularity, min_elements=self.min_elements,
+                                       include=[sens.pattern_for(n) for n in names], rounding=AUTO_ROUNDING,
+                                       scale_mantissa_bits=_scale_mantissa(b))
+        for key in sorted(self.half_models):
+            names = [n for n, nb in plan.items() if nb == key and n not in one_stepped]
+            if names:
+                out = sens.half_step_quantize(out, key, names, min_elements=self.min_elements)
+        if one_stepped:
+            # int8 per-channel DequantizeLinear nodes, then the one-step levels and scales in them (error-fed
+            # levels replace theirs below)
+            out = quantize_weights(out, bits=8, granularity=self.granularity, min_elements=self.min_elements,
+                                   include=[sens.pattern_for(n) for n in one_stepped], rounding=AUTO_ROUNDING)
+            out = sens.write_one_step_levels(out, one_stepped)
+        blocked = {n: self.blocked_levels[k][n] for n, k in plan.items() if n in self.blocked_levels.get(k, {})}
+        if blocked:
+            out = cast_levels.as_blocked_cast_mul(out, blocked)
+        refined = self._final_levels(plan)
+        if refined:
+            from . import gptq as gq
+
+            out = gq.write_levels(out, refined)
+        if self.bias_targets:
+            from . import bias_correction as bc
+
+            values = {}
+            for n, b in plan.items():
+                if b != sens.FLOAT and n in self.infos:
+                    values.update(sens.bias_feed(self.infos[n], self.infos[n].options[b].bias_shift))
+            if values:
+                out = bc.set_biases(out, values)
+        quantized_cast = [n for n in self.cast_names if plan.get(n, sens.FLOAT) != sens.FLOAT]
+        if quantized_cast:
+            out = cast_levels.as_cast_mul(out, quantized_cast)
+        return out
+
+    def _built_passes(self, plan, candidate=None):
+        """(candidate, passed): the plan built (unless given) and checked on the feeds as a file."""
+        candidate = self._build(plan) if candidate is None else candidate
+        return candidate, self._check(self.ref, self._run_candidate(candidate), self.search_reqs, plan)[1]
+
+    def confirm_on_built_model(self, plan):
+        """(plan, model) that passes the check as built: the graph may run other kernels than the trial
+        session (onnxruntime fuses DequantizeLinear+MatMul into MatMulNBits with int8 activations: on
+        open_nsfw the built model sat ~0.5 dB below its trial). Where it misses, _retreat_until_built_passes
+        and _float_until_built_passes; then the result is never larger than one width for every weight, and
+        its float weights, float parameters and scales are narrowed where the check still passes."""
+        plan, candidate, ok = self._retreat_until_built_passes(plan)
+        if not ok:
+            plan, candidate = self._float_until_built_passes()
+        plan, candidate = self._one_width_if_smaller(plan, candidate)
+        candidate = self._float16_values(plan, candidate)
+        candidate = self._rounded_scales(plan, candidate)
+        self._lap("confirm")
+        return plan, candidate
+
+    def _trial_clears(self, plan, gap) -> bool:
+        """Whether a tried plan's trial-session metrics still pass once worsened by the measured gap."""
+        return _clears(self.seen[_plan_key(plan)][1], gap, self.search_reqs, self.floor,
+                       self._tie_ok if self.tie is not None else None)
+
+    def _retreat_until_built_passes(self, plan):
+        """(plan, model, passed), up to 12 builds: when the built model misses, the gap between it and its
+        trial is measured and the latest kept plan whose trial result clears the check by that gap is taken
+        (the tightening steps sit at the edge of the check); without one, the search runs again asking
+        every plan to clear the gap (_search_again_with_gap), and after that mu doubles."""
+        candidate = self._build(plan)
         gap = {"snr": 0.0, "cos": 1.0}
         tried = set()
-        retightened = False
+        searched_again = False
         for _ in range(12):
-            res, ok = check(ref, run_candidate(candidate), search_reqs, plan)
+            res, ok = self._check(self.ref, self._run_candidate(candidate), self.search_reqs, plan)
             if ok:
                 break
             tried.add(_plan_key(plan))
-            seen_ok = seen.get(_plan_key(plan))
+            seen_ok = self.seen.get(_plan_key(plan))
             if seen_ok is not None:
                 _widen_gap(gap, seen_ok[1], res.metrics)
-            back = next((h for h in reversed(history) if _plan_key(h) not in tried
-                         and _plan_key(h) in seen
-                         and _clears(seen[_plan_key(h)][1], gap, search_reqs, floor,
-                                         tie_ok if tie is not None else None)), None)
+            back = next((h for h in reversed(self.history) if _plan_key(h) not in tried
+                         and _plan_key(h) in self.seen and self._trial_clears(h, gap)), None)
             if back is not None:
                 plan = back
-                notes.append(f"the built model missed the check its plan passed on the trial session "
-                             f"(gap {gap['snr']:.2f} dB): took an earlier kept plan")
-            elif not retightened:
-                # search again on the trial session, asking each plan to clear the check by the gap:
-                # mu grows until one does, then the greedy steps run again from there
-                retightened = True
-
-                def clears(q):
-                    return trial_plan(q)[1] and _clears(seen[_plan_key(q)][1], gap, search_reqs, floor,
-                                                                       tie_ok if tie is not None else None)
-
-                start = None
-                for _k in range(10):
-                    hi *= 1.2  # about the bisection's resolution
-                    q = sens.allocate(infos, hi)
-                    if clears(q):
-                        start = q
-                        break
-                plan = sens.allocate(infos, hi) if start is None else _tighten(
-                    start, infos, clears, tighten, frozen=unexercised)
-                notes.append(f"the built model missed the check its plan passed on the trial session "
-                             f"(gap {gap['snr']:.2f} dB): searched again with the gap added")
+                self.notes.append(f"the built model missed the check its plan passed on the trial session "
+                                  f"(gap {gap['snr']:.2f} dB): took an earlier kept plan")
+            elif not searched_again:
+                searched_again = True
+                plan = self._search_again_with_gap(gap)
+                self.notes.append(f"the built model missed the check its plan passed on the trial session "
+                                  f"(gap {gap['snr']:.2f} dB): searched again with the gap added")
             else:
-                hi *= 2.0  # the gap is the built graph's (its kernels): small steps of mu may never clear it
-                plan = sens.allocate(infos, hi)
-                notes.append("the built model missed the check its plan passed on the trial session: mu grown")
-            candidate = build(plan)
-        if not ok:
-            # the built model still misses: mu grows tenfold (the most sensitive weights go float
-            # first) until a built plan passes; with every weight float the model is the original,
-            # which meets any target
-            for _k in range(8):
-                hi *= 10.0
-                plan = sens.allocate(infos, hi)
-                if all(b == sens.FLOAT for b in plan.values()):
-                    break
-                candidate = build(plan)
-                res, ok = check(ref, run_candidate(candidate), search_reqs, plan)
-                if ok:
-                    n_float = sum(b == sens.FLOAT for b in plan.values())
-                    notes.append(f"the built model missed the target at the searched plans: {n_float} of "
-                                 f"{len(plan)} weights kept float (the most sensitive) to meet it")
-                    break
-            if not ok:
-                plan = {n: sens.FLOAT for n in infos}
-                candidate, ok = build(plan), True
-                notes.append("the built model missed the target at every quantized plan tried: every weight "
-                             "kept float (the original weights; the target is met, nothing is saved)")
-        # the fallbacks above may end larger than one width for every weight: never larger than a
-        # uniform width that passes the same checks (trial session, then the built model)
-        if ok:
-            for b in bits:
-                uniform = {n: (b if b in infos[n].options else plan[n]) for n in infos}
-                if sens.plan_rate(infos, uniform) >= sens.plan_rate(infos, plan) or not trial_plan(uniform, f"uniform int{b}")[1]:
-                    continue
-                cand_u = build(uniform)
-                if check(ref, run_candidate(cand_u), search_reqs, uniform)[1]:
-                    plan, candidate = uniform, cand_u
-                    notes.append(f"one width for every weight (int{b}) passed and is smaller than the searched plan")
-                    break
-        if ok and AUTO_FLOAT16_VALUED:
-            # the weights kept float hold float16 values (~70 dB of weight SNR; the pack's narrow codec stores
-            # them in two bytes a value), where the same check still passes (H5's quantize.float16_valued); then,
-            # tried apart so that a miss there keeps the weights' rounding, the float parameters only arithmetic
-            # reads (biases, unfolded normalisations' vectors: quantize.float_parameters)
-            from .quantize import float16_valued, float_parameters
+                self.mu *= 2.0  # the gap is the built graph's (its kernels): small steps of mu may never clear it
+                plan = sens.allocate(self.infos, self.mu)
+                self.notes.append("the built model missed the check its plan passed on the trial session: mu grown")
+            candidate = self._build(plan)
+        return plan, candidate, ok
 
-            kept_float = [n for n, b in plan.items() if b == sens.FLOAT]
-            cand_h, changed = float16_valued(candidate, kept_float) if kept_float else (candidate, [])
-            if changed and check(ref, run_candidate(cand_h), search_reqs, plan)[1]:
-                candidate = cand_h
-                notes.append(f"{len(changed)} weight(s) kept float hold float16 values (the pack stores them in two "
-                             "bytes a value)")
-            if AUTO_FLOAT16_PARAMETERS:
-                cand_h, changed = float16_valued(candidate, float_parameters(candidate, exclude=plan))
-                if changed and check(ref, run_candidate(cand_h), search_reqs, plan)[1]:
-                    candidate = cand_h
-                    notes.append(f"{len(changed)} float parameter(s) (biases, normalisation vectors) hold float16 "
-                                 "values")
-        if ok and AUTO_ROUND_SCALES:
-            # the finished model's float32 scales at AUTO_ROUND_SCALES significant bits (H5's quantize.round_scales:
-            # levels untouched, each weight moves by <= 2**-bits of itself), where the same check still passes
-            from .quantize import round_scales
+    def _search_again_with_gap(self, gap):
+        """The search again on the trial session, asking each plan to clear the check by the gap: mu grows
+        (in steps about the bisection's resolution) until one does, then the greedy steps run from there."""
+        def clears(q):
+            return self._trial_plan(q)[1] and self._trial_clears(q, gap)
 
-            cand_s, changed = round_scales(candidate, AUTO_ROUND_SCALES)
-            if changed and check(ref, run_candidate(cand_s), search_reqs, plan)[1]:
-                candidate = cand_s
-                notes.append(f"{len(changed)} scale tensor(s) hold {AUTO_ROUND_SCALES} significant bits")
-        lap("confirm")
-    else:
-        if not infos:
-            notes.append(_nothing_quantizable(probe, min_elements))
-        else:
-            notes.append("weights outside main-graph initializers: one width for all weights (no per-tensor allocation)")
-        plan = None
-        candidate = probe
-        for b in bits:  # smallest width that meets the target
-            res, ok = check(ref, run_candidate(models[b]), search_reqs)
-            trials.append({"bits": b, "ok": ok, "metrics": res.metrics})
+        start = None
+        for _k in range(10):
+            self.mu *= 1.2
+            q = sens.allocate(self.infos, self.mu)
+            if clears(q):
+                start = q
+                break
+        if start is None:
+            return sens.allocate(self.infos, self.mu)
+        return _tighten(start, self.infos, clears, self.tighten_tries, frozen=self.unexercised)
+
+    def _float_until_built_passes(self):
+        """(plan, model) where the built model still misses: mu grows tenfold (the most sensitive weights
+        go float first) until a built plan passes; with every weight float the model is the original,
+        which meets any target."""
+        for _k in range(8):
+            self.mu *= 10.0
+            plan = sens.allocate(self.infos, self.mu)
+            if all(b == sens.FLOAT for b in plan.values()):
+                break
+            candidate, ok = self._built_passes(plan)
             if ok:
-                candidate = models[b]
-                plan = {n: b for n in infos}
+                n_float = sum(b == sens.FLOAT for b in plan.values())
+                self.notes.append(f"the built model missed the target at the searched plans: {n_float} of "
+                                  f"{len(plan)} weights kept float (the most sensitive) to meet it")
+                return plan, candidate
+        plan = {n: sens.FLOAT for n in self.infos}
+        self.notes.append("the built model missed the target at every quantized plan tried: every weight "
+                          "kept float (the original weights; the target is met, nothing is saved)")
+        return plan, self._build(plan)
+
+    def _one_width_if_smaller(self, plan, candidate):
+        """(plan, model): the fallbacks may end larger than one width for every weight: never larger than a
+        uniform width that passes the same checks (trial session, then the built model)."""
+        for b in self.bits:
+            uniform = self._uniform(b, plan)
+            if (sens.plan_rate(self.infos, uniform) >= sens.plan_rate(self.infos, plan)
+                    or not self._trial_plan(uniform, f"uniform int{b}")[1]):
+                continue
+            cand_u, ok = self._built_passes(uniform)
+            if ok:
+                self.notes.append(f"one width for every weight (int{b}) passed and is smaller than the searched plan")
+                return uniform, cand_u
+        return plan, candidate
+
+    def _float16_values(self, plan, candidate):
+        """AUTO_FLOAT16_VALUED: the weights kept float hold float16 values (~70 dB of weight SNR; the pack's
+        narrow codec stores them in two bytes a value), where the same check still passes (H5's
+        quantize.float16_valued); then, tried apart so that a miss there keeps the weights' rounding, the
+        float parameters only arithmetic reads (biases, unfolded normalisations' vectors:
+        quantize.float_parameters; AUTO_FLOAT16_PARAMETERS)."""
+        if not AUTO_FLOAT16_VALUED:
+            return candidate
+        from .quantize import float16_valued, float_parameters
+
+        kept_float = [n for n, b in plan.items() if b == sens.FLOAT]
+        cand_h, changed = float16_valued(candidate, kept_float) if kept_float else (candidate, [])
+        if changed and self._built_passes(plan, cand_h)[1]:
+            candidate = cand_h
+            self.notes.append(f"{len(changed)} weight(s) kept float hold float16 values (the pack stores them in two "
+                              "bytes a value)")
+        if AUTO_FLOAT16_PARAMETERS:
+            cand_h, changed = float16_valued(candidate, float_parameters(candidate, exclude=plan))
+            if changed and self._built_passes(plan, cand_h)[1]:
+                candidate = cand_h
+                self.notes.append(f"{len(changed)} float parameter(s) (biases, normalisation vectors) hold float16 "
+                                  "values")
+        return candidate
+
+    def _rounded_scales(self, plan, candidate):
+        """AUTO_ROUND_SCALES: the finished model's float32 scales at that many significant bits (H5's
+        quantize.round_scales: levels untouched, each weight moves by <= 2**-bits of itself), where the same
+        check still passes."""
+        if not AUTO_ROUND_SCALES:
+            return candidate
+        from .quantize import round_scales
+
+        cand_s, changed = round_scales(candidate, AUTO_ROUND_SCALES)
+        if changed and self._built_passes(plan, cand_s)[1]:
+            candidate = cand_s
+            self.notes.append(f"{len(changed)} scale tensor(s) hold {AUTO_ROUND_SCALES} significant bits")
+        return candidate
+
+    # where weights cannot be allocated one by one
+
+    def one_width_for_all(self):
+        """(plan, model): the smallest width that meets the target with every weight at it (weights the
+        trial session cannot feed: nothing quantizable, or weights outside main-graph initializers); every
+        weight float where none does."""
+        if not self.infos:
+            self.notes.append(_nothing_quantizable(self.probe, self.min_elements))
+        else:
+            self.notes.append("weights outside main-graph initializers: one width for all weights (no per-tensor "
+                              "allocation)")
+        plan = None
+        candidate = self.probe
+        for b in self.bits:
+            res, ok = self._check(self.ref, self._run_candidate(self.models[b]), self.search_reqs)
+            self.trials.append({"bits": b, "ok": ok, "metrics": res.metrics})
+            if ok:
+                candidate = self.models[b]
+                plan = {n: b for n in self.infos}
                 break
         if plan is None:
-            plan = {n: sens.FLOAT for n in infos}
-        lap("search")
-    final_outs = run_candidate(candidate)
-    res, _ = check(ref, final_outs, reqs)
-    met = _meets(res, reqs) and gate_subset_ok(ref, final_outs, reqs)
-    all_float = all(b == sens.FLOAT for b in plan.values())
-    if all_float:
-        candidate = unfolded  # nothing quantized: the model as given, not its folded form (float rounding apart)
-    candidate = _without_value_info(strip_outputs(_drop_zero_biases(candidate, added_biases), n_out))
-    lap("final")
-    if not met:
-        notes.append("target not met on the feeds even with every weight float" if all_float
-                     else "target not met on the feeds")
-    elif all_float and infos and not any("every weight kept float" in n for n in notes):
-        notes.append("no quantized plan met the target on the feeds: every weight kept float "
-                     "(the original weights; nothing is saved)")
-    if synthesized and all_float and infos:
-        notes.append(_synthesised_outputs_note([outs[:n_out] for outs in ref]))  # (the model's own outputs)
-    rows = []
-    for name, b in sorted(plan.items()):
-        info = infos.get(name)
-        if info is None:
-            continue
-        opt = info.options[b]
-        blocked_form = sens.blocked_width(b) is not None
-        form = "float" if b == sens.FLOAT else _form_label(b, opt, name in cast_names, b in one_step.get(name, {}))
-        rows.append({"name": name, "shape": list(info.shape), "form": form,
-                     "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
-                     "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
-                     "bias_corrected": per_tensor and b != sens.FLOAT and opt.bias_shift is not None,
-                     # the runtime's activation quantization once quantized (relative output error alone)
-                     "act_error": info.act_error if info.act_switch is not None else None,
-                     # the runtime consequence of the Cast+Mul form: onnxruntime holds and multiplies it as float
-                     "runs_as": ("float weight (Cast+Mul folded at load: float memory and run time)"
-                                 if b != sens.FLOAT and (name in cast_names or blocked_form) else None),
-                     "sensitivity": info.sensitivity})
+            plan = {n: sens.FLOAT for n in self.infos}
+        self._lap("search")
+        return plan, candidate
+
+    # the result
+
+    def finish(self, plan, candidate, report):
+        """(model, record): the candidate checked with the target itself (no margin), written as returned
+        (the given model where every weight stays float; zero biases the correction added dropped; probe
+        outputs and value_info removed), the closing notes, and the record (report filled too, if given)."""
+        reqs = self.reqs
+        final_outs = self._run_candidate(candidate)
+        res, _ = self._check(self.ref, final_outs, reqs)
+        met = _meets(res, reqs) and self._gate_subset_ok(self.ref, final_outs, reqs)
+        all_float = all(b == sens.FLOAT for b in plan.values())
+        if all_float:
+            # nothing quantized: the model as given, not its folded form (float rounding apart)
+            candidate = self.unfolded
+        candidate = _without_value_info(strip_outputs(_drop_zero_biases(candidate, self.added_biases), self.n_out))
+        self._lap("final")
+        notes = self.notes
+        if not met:
+            notes.append("target not met on the feeds even with every weight float" if all_float
+                         else "target not met on the feeds")
+        elif all_float and self.infos and not any("every weight kept float" in n for n in notes):
+            notes.append("no quantized plan met the target on the feeds: every weight kept float "
+                         "(the original weights; nothing is saved)")
+        if self.synthesized and all_float and self.infos:
+            notes.append(_synthesised_outputs_note([outs[:self.n_out] for outs in self.ref]))  # (the model's own)
+        rows = self._tensor_rows(plan, report)
         if report is not None:
-            # a weight kept float keeps its bytes in the model (as quantize_weights reports its kept
-            # tensors); its pack estimate is the row's est_packed_bytes
-            nbytes = info.options[sens.FLOAT].dequantized.nbytes
-            report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),
-                                    rows[-1]["form"], nbytes, nbytes if b == sens.FLOAT else int(opt.rate_bytes),
-                                    opt.snr_db))
-    if report is not None:
-        report.pass_name = report.pass_name or "compress"
-        for n in notes:
-            report.note(n)
-    summary = {
-        "target": [str(r) for r in reqs],
-        "met_on_feeds": met,
-        "fidelity": res.metrics,
-        "n_feeds": len(feeds),
-        "synthesized_feeds": synthesized,
-        "per_tensor_allocation": per_tensor,
-        # the held-out / calibration error its error-fed levels are expected to show (check's growth)
-        "fit_optimism": round(sens.optimism_of_plan(infos, plan), 4) if per_tensor else 1.0,
-        "est_packed_weight_bytes": int(sum(r["est_packed_bytes"] for r in rows)),
-        "tensors": rows,
-        "trials": trials,
-        "notes": notes,
-        "seconds": round(time.perf_counter() - t0, 2),
-        "cpu_seconds": timings,
-    }
-    return candidate, summary
+            report.pass_name = report.pass_name or "compress"
+            for n in notes:
+                report.note(n)
+        record = {
+            "target": [str(r) for r in reqs],
+            "met_on_feeds": met,
+            "fidelity": res.metrics,
+            "n_feeds": len(self.feeds),
+            "synthesized_feeds": self.synthesized,
+            "per_tensor_allocation": self.per_tensor,
+            # the held-out / calibration error its error-fed levels are expected to show (check's growth)
+            "fit_optimism": round(sens.optimism_of_plan(self.infos, plan), 4) if self.per_tensor else 1.0,
+            "est_packed_weight_bytes": int(sum(r["est_packed_bytes"] for r in rows)),
+            "tensors": rows,
+            "trials": self.trials,
+            "notes": notes,
+            "seconds": round(time.perf_counter() - self.started, 2),
+            "cpu_seconds": self.timings,
+        }
+        return candidate, record
+
+    def _tensor_rows(self, plan, report) -> list[dict]:
+        """The record's row per weight of the plan (form, estimated packed bytes, SNR, sensitivity, how
+        onnxruntime runs it), in name order; report gets a TensorChange per row."""
+        rows = []
+        for name, b in sorted(plan.items()):
+            info = self.infos.get(name)
+            if info is None:
+                continue
+            opt = info.options[b]
+            blocked_form = sens.blocked_width(b) is not None
+            form = ("float" if b == sens.FLOAT
+                    else _form_label(b, opt, name in self.cast_names, b in self.one_step.get(name, {})))
+            rows.append({"name": name, "shape": list(info.shape), "form": form,
+                         "bits_after_packing": round(8 * opt.rate_bytes / max(1, int(np.prod(info.shape))), 3),
+                         "snr_db": opt.snr_db, "est_packed_bytes": int(opt.rate_bytes),
+                         "bias_corrected": self.per_tensor and b != sens.FLOAT and opt.bias_shift is not None,
+                         # the runtime's activation quantization once quantized (relative output error alone)
+                         "act_error": info.act_error if info.act_switch is not None else None,
+                         # the runtime consequence of the Cast+Mul form: onnxruntime holds and multiplies it as float
+                         "runs_as": ("float weight (Cast+Mul folded at load: float memory and run time)"
+                                     if b != sens.FLOAT and (name in self.cast_names or blocked_form) else None),
+                         "sensitivity": info.sensitivity})
+            if report is not None:
+                # a weight kept float keeps its bytes in the model (as quantize_weights reports its kept
+                # tensors); its pack estimate is the row's est_packed_bytes
+                nbytes = info.options[sens.FLOAT].dequantized.nbytes
+                report.add(TensorChange(name, info.shape, str(info.options[sens.FLOAT].dequantized.dtype),
+                                        form, nbytes, nbytes if b == sens.FLOAT else int(opt.rate_bytes),
+                                        opt.snr_db))
+        return rows
