@@ -184,27 +184,6 @@ def choose_mode(split: SplitModel, providers, dtype) -> tuple[str, str]:
     return "int8", f"CPU: float weights {need / 2**20:.0f} MiB exceed half the free memory {free / 2**20:.0f} MiB"
 
 
-# SURGEON_FOLD16_HANDOVER=1: mode="fold" of a float16 model on a CPU (weights folded here, the
-# fold16 route) hands the folded weights to onnxruntime as OrtValues over our arrays
-# (add_external_initializers) instead of inside the streamed model bytes. onnxruntime reads such
-# values only in initialize_session (checked: values written after its parse, before its
-# initialisation, are the ones it runs with), so its parse (a ~0.1 MB skeleton instead of ~12 MB of
-# weights through the pipe) starts while the weights still decode and fold, and the full wait moves
-# to just before its initialisation. Cost: our arrays live until initialisation ends, beside the
-# copies onnxruntime makes of them: added memory +1x the float16 weights (bench/load.py, load 7-10:
-# open_nsfw_fp16 q8.onnxz 75.0 -> 87.1 MB, 1.17x the plain model's; minilm_fp16 q8.onnxz 93.0 ->
-# 140.5 MB, 1.37x: over issue 5's 1.2x, so never a default there). Measured on the loaded host
-# (--ab-env, 10 interleaved rounds, load 8): the calling thread's sleeps 23 -> 12, onnxruntime's
-# parse 19 -> 10 ms of its CPU (its initialisation +6 ms: the copies), ready best / median
-# 0.96x / 1.25x -> 0.86x / 1.39x of the plain model: not separable from the load. Off by default
-# until an A/B on a quiet host (bench/load.py --variants fold --ab-env SURGEON_FOLD16_HANDOVER=1)
-FOLD16_HANDOVER_ENV = "SURGEON_FOLD16_HANDOVER"
-
-
-def _fold16_handover() -> bool:
-    return os.environ.get(FOLD16_HANDOVER_ENV, "0") == "1"
-
-
 def _reads_gathered_dequantize(split: SplitModel) -> bool:
     """Whether a Gather reads a DequantizeLinear output (an embedding table that
     runtime_fold.gather_dequantized_rows may rewrite on the float16 route)."""
@@ -731,9 +710,6 @@ class InferenceSession(ort.InferenceSession):
         target = s["target"]
         mode, own_dtype = resolved if resolved is not None else self._resolve_mode(split)
         self.verbatim = False
-        # float16 weights folded here, handed over as OrtValues read in initialize_session (see
-        # FOLD16_HANDOVER_ENV); else they travel inside the model bytes
-        self._weights_read_at_init = False
         # how mode="fold" folded the DequantizeLinear nodes: "here" (this thread, before
         # onnxruntime; "here+onnxruntime" when the weights onnxruntime cannot share were left to
         # its constant folding), "onnxruntime" (its constant folding: float16 weights on a CPU
@@ -793,7 +769,6 @@ class InferenceSession(ort.InferenceSession):
                     if onnxruntime_folds_all:  # (the plain graphs the rewrite below was made for)
                         self._keep_tables_8bit(split, gather_dequantized_rows)
                     deferred = set()
-                    self._weights_read_at_init = _fold16_handover()
                 else:
                     deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
                 # (constants moved above; the placeholders are refreshed below, after graph_reads)
@@ -837,10 +812,14 @@ class InferenceSession(ort.InferenceSession):
         copied_bytes = sum(self.weight_arrays[n].nbytes for n in copied)
         self.skeleton_bytes = split.skeleton.ByteSize()
         self.embedded_names = set()
-        if copied and not self.on_gpu and not self._weights_read_at_init and \
-                self.skeleton_bytes + copied_bytes + 64 * len(copied) <= EMBED_MAX_BYTES:
+        if copied and not self.on_gpu and self.skeleton_bytes + copied_bytes + 64 * len(copied) <= EMBED_MAX_BYTES:
             # the weights onnxruntime copies travel inside the model bytes: its parsed copy is the
-            # only one during optimisation (see serialise_with_weights)
+            # only one during optimisation (see serialise_with_weights). Measured and not kept: the
+            # folded float16 weights handed over instead as OrtValues, which onnxruntime reads only
+            # in initialize_session, so that it parses a small skeleton while they fold (quiet host,
+            # bench/load.py --ab-env, 11 rounds: open_nsfw_fp16 / minilm_fp16 packs ready 1.24-1.38x
+            # of the plain file against 1.19-1.35x embedded, both signs; added memory +12-37%, our
+            # arrays beside onnxruntime's copies)
             if split.pending is not None:  # in the order they finish decoding (see parse_pieces)
                 copied.sort(key=lambda n: split.pending.order(self.weight_arrays[n]))
             model_bytes = serialise_with_weights(split.skeleton, self.weight_arrays, copied)
@@ -883,10 +862,7 @@ class InferenceSession(ort.InferenceSession):
         pending = split.pending if split is not None else None
         ready = pending.ready if pending is not None and isinstance(model, list) and not copied else None
         speculated = isinstance(model, ParsedModel)  # (parsed as the file it is, see _parse_while_walking)
-        # (float16 weights handed over as OrtValues over the arrays being folded: onnxruntime reads
-        # them in initialize_session only, after the full wait below; see FOLD16_HANDOVER_ENV)
-        read_at_init = self.__dict__.get("_weights_read_at_init", False) and copied and not self.shared_names
-        if ready is None and split is not None and not speculated and not read_at_init:
+        if ready is None and split is not None and not speculated:
             _wait_weights(split, self.source)
         keep_values = []
         for name in sorted(self.shared_names):
