@@ -448,15 +448,25 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
     from ._fileio import external_tensors
 
     names = {f.name: fi for fi, f in enumerate(pf.index.files)}
-    for t in model.graph.initializer:
-        if t.data_location != TensorProto.EXTERNAL:
-            continue
+
+    def where(t):
+        """(info, file index, offset, the pack's tensor entry there or None) of an external tensor."""
         info = _external_info(t)
         fi = names.get(info.get("location", ""))
         if fi is None or fi == 0:
             raise CorruptFileError(f"damaged .onnxz file: external data {info.get('location')!r} of {t.name!r} is not in the pack")
         offset = int(info.get("offset", 0) or 0)
-        entry = entries.get((fi, offset))
+        return info, fi, offset, entries.get((fi, offset))
+
+    def read_range(t, info, fi, offset):
+        """The tensor's values from its byte range (the range read starts at the tensor: offset 0 there)."""
+        length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
+        return _view_external(t, {**info, "offset": "0", "length": str(length)}, pf.read_range(fi, offset, length))
+
+    for t in model.graph.initializer:
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        info, fi, offset, entry = where(t)
         shape = list(t.dims)
         if entry is not None and _plain_layout(t, entry.length):
             coded.append((t.name, entry, helper.tensor_dtype_to_np_dtype(t.data_type), shape))
@@ -467,26 +477,17 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
             value = packed.get_tensor(entry.key)
             arrays[t.name] = (value if value.flags.writeable else value.copy()).reshape(shape)
         else:
-            length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
-            # (the range read starts at the tensor: its offset in that buffer is 0)
-            arrays[t.name] = _view_external(t, {**info, "offset": "0", "length": str(length)},
-                                            pf.read_range(fi, offset, length))
+            arrays[t.name] = read_range(t, info, fi, offset)
         t.CopyFrom(placeholder(t.name, arrays[t.name]))
     # (a walk over every attribute of every node: only where the pack has external data files)
     for t in external_tensors(model) if len(names) > 1 else ():
         if is_placeholder(t):  # (the main graph's, made above or by _placeholder_for)
             continue
-        info = _external_info(t)
-        fi = names.get(info.get("location", ""))
-        if fi is None or fi == 0:
-            raise CorruptFileError(f"damaged .onnxz file: external data {info.get('location')!r} of {t.name!r} is not in the pack")
-        offset = int(info.get("offset", 0) or 0)
-        entry = entries.get((fi, offset))
+        info, fi, offset, entry = where(t)
         if entry is not None and _plain_layout(t, entry.length):
             value = np.asarray(packed.get_tensor(entry.key)).reshape(list(t.dims))
         else:
-            length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
-            value = _view_external(t, {**info, "offset": "0", "length": str(length)}, pf.read_range(fi, offset, length))
+            value = read_range(t, info, fi, offset)
         t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), t.name))
 
 

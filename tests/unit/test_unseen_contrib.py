@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 import passes
-from unseen_helpers import folder_digest as _digest, restored_digest, same_outputs as _same, worst_output_snr as _snr
+from unseen_helpers import folder_digest as _digest, restored_digest, run_outputs as _run
+from unseen_helpers import same_outputs as _same, worst_output_snr as _snr
 from passes.errors import InvalidArgumentError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -31,18 +31,6 @@ SMALL = dict(hidden=64, ffn=128, vocab=256, layers=2)
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
 
-def _session(model, optimize=True):
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    src = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-
-
-def _run(model, feeds, optimize=True):
-    s = model if isinstance(model, passes.InferenceSession) else _session(model, optimize)
-    return [[np.asarray(o) for o in s.run(None, f)] for f in feeds]
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 import passes
-from unseen_helpers import folder_digest, restored_digest, same_outputs, worst_output_snr
+from unseen_helpers import folder_digest, restored_digest, run_outputs as _run, same_outputs
+from unseen_helpers import worst_output_snr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import unseen_edges as edges  # noqa: E402
@@ -24,18 +24,6 @@ import unseen_shapes as shapes  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
 
-def _session(model, optimize=True):
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    src = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-
-
-def _run(model, feeds):
-    s = model if isinstance(model, passes.InferenceSession) else _session(model)
-    return [[np.asarray(o) for o in s.run(None, f)] for f in feeds]
 
 
 def _snr(ref, out) -> float:

@@ -1,12 +1,30 @@
-"""Helpers shared by the tests of bench/unseen_shapes.py's models (test_unseen_decoder, test_unseen_contrib)."""
+"""Helpers shared by the tests of bench/unseen_shapes.py's and bench/unseen_edges.py's models
+(test_unseen_decoder, test_unseen_contrib, test_unseen_edges)."""
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 import passes
+
+
+def ort_session(model, optimize=True) -> ort.InferenceSession:
+    """A plain CPU onnxruntime session of a model or its path (optimize=False: no graph optimisation)."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    src = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def run_outputs(model, feeds, optimize=True) -> list[list[np.ndarray]]:
+    """The outputs per feed of a model, a path or a passes.InferenceSession."""
+    s = model if isinstance(model, passes.InferenceSession) else ort_session(model, optimize)
+    return [[np.asarray(o) for o in s.run(None, f)] for f in feeds]
 
 
 def worst_output_snr(ref, out) -> float:
