@@ -159,13 +159,13 @@ def fold_conv_affine(model: onnx.ModelProto, ops=AFFINE_OPS) -> tuple[onnx.Model
     ops: the affine node types folded (a subset of AFFINE_OPS); a chain ends at any other.
     The input model is not changed; without anything to fold it is returned as is.
     An IR 3 model (every initializer also listed as a graph input, as IR 3 requires) is folded as
-    IR 4 with those inputs unlisted (quantize.unlist_ir3_initializers, as quantize_weights does):
+    IR 4 with those inputs unlisted (graph.unlist_ir3_initializers, as quantize_weights does):
     at IR >= 4 a listed initializer is an overridable input, not a constant, and is left alone."""
     unknown = set(ops) - set(AFFINE_OPS)
     if unknown:
         raise InvalidArgumentError(f"fold_conv_affine: ops must be among {', '.join(AFFINE_OPS)}, got {sorted(unknown)}")
     if model.ir_version < 4 and {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}:
-        from .quantize import unlist_ir3_initializers
+        from .graph import unlist_ir3_initializers
 
         ir4 = onnx.ModelProto()
         ir4.CopyFrom(model)

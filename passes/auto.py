@@ -1051,10 +1051,12 @@ class _Search:
         sparse = any(info.graph.sparse_initializer for info in graph.iter_graphs(src))
         if sparse:
             # quantize_weights stores sparse initializers dense, and the sensitivity pass looks every
-            # quantized weight's original up among the dense ones (KeyError on a pruned model before)
-            src = onnx.ModelProto()
-            src.CopyFrom(load_model(model))
-            graph.densify_sparse_initializers(src)
+            # quantized weight's original up among the dense ones (KeyError on a pruned model before);
+            # a copy: the caller's model is never modified (a path was read once, above)
+            dense = onnx.ModelProto()
+            dense.CopyFrom(src)
+            graph.densify_sparse_initializers(dense)
+            src = dense
         if run_as not in RUN_AS:
             raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
         if fused_matmul_form not in FUSED_MATMUL_FORMS:

@@ -198,14 +198,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     payloads = {n.input[0]: unique[n.input[0]] for n in source.graph.node
                 if (n.domain, n.op_type) in FOLDERS and n.input and n.input[0] in unique}
     out = graph.copy_model(source, set(payloads))
-    densified = graph.densify_sparse_initializers(out)
-    if densified and report is not None:
-        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses "
-                    "standard ops fed by a sparse tensor)")
-    # onnxruntime runs graphs whose nodes are out of order (a float16 converter appends its input
-    # Casts after their readers); the checker does not, and every pass leaves a model it takes
-    if graph.toposort(out) and report is not None:
-        report.note("nodes sorted topologically (the input graph was not)")
+    graph.standard_form(out, report, ir3=False)  # (fold writes float weights: IR 3's listed inputs may stay)
     weights, graphs = graph.find_weights(out)
     names = graph.NameAllocator(graph.all_names(out))
     opset = graph.default_opset(out)

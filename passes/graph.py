@@ -269,6 +269,41 @@ def sparse_to_array(sparse: onnx.SparseTensorProto) -> np.ndarray:
     return dense.reshape(dims)
 
 
+def unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
+    """IR 3 made every initializer a graph input as well; IR 4 made that mean "overridable by the
+    caller", which a weight being replaced by DequantizeLinear cannot be. The inputs that only
+    list an initializer of an IR 3 model leave the graph's inputs (in place), the IR becomes 4.
+    True when any was removed."""
+    inits = {t.name for t in model.graph.initializer}
+    keep = [v for v in model.graph.input if v.name not in inits]
+    removed = len(keep) != len(model.graph.input)
+    if removed:
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+        model.ir_version = 4
+    return removed
+
+
+def standard_form(model: onnx.ModelProto, report=None, *, rewritten: str | None = None, ir3: bool = True) -> None:
+    """Put a pass's own copy of a model in the form its rewrite and onnx.checker need, in place, with
+    a note on `report` for each change: sparse initializers stored dense, (ir3) IR 3 initializers no
+    longer listed as graph inputs, nodes in topological order. `rewritten`: what the pass does to
+    dense weights ("quantized", "palettized"), said in the note on sparse ones."""
+    ir = model.ir_version
+    densified = densify_sparse_initializers(model)
+    if densified and report is not None:
+        why = f", and only dense weights are {rewritten}" if rewritten else ""
+        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard "
+                    f"ops fed by a sparse tensor{why})")
+    if ir3 and ir < 4 and unlist_ir3_initializers(model) and report is not None:
+        report.note(f"IR version raised from {ir} to 4: initializers are no longer listed as graph inputs (IR 3 "
+                    "required it; from IR 4 it would make them overridable and keep them float)")
+    # onnxruntime runs graphs whose nodes are out of order (a float16 converter appends its input
+    # Casts after their readers); the checker does not, and every pass leaves a model it takes
+    if toposort(model) and report is not None:
+        report.note("nodes sorted topologically (the input graph was not)")
+
+
 def densify_sparse_initializers(model: onnx.ModelProto) -> int:
     """Turn every graph's sparse_initializer into a dense initializer of the same name, in place;
     returns how many. The values are the same, but the standard ops read them as plain tensors:

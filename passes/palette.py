@@ -136,19 +136,9 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     graph.unshadow_initializers(out)  # a subgraph table named like an outer tensor would break SSA
     if report is not None:
         report.pass_name = report.pass_name or "palettize"
-    densified = graph.densify_sparse_initializers(out)
-    if densified and report is not None:
-        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are palettized)")
-    from .quantize import unlist_ir3_initializers
-
-    # as quantize_weights does: an IR 3 model lists every initializer as a graph input because it
-    # must (not to make it overridable); left listed, none of them was palettized, without a word
-    ir = out.ir_version
-    if ir < 4 and unlist_ir3_initializers(out) and report is not None:
-        report.note(f"IR version raised from {ir} to 4: initializers are no longer listed as graph inputs "
-                    "(IR 3 required it; from IR 4 it would make them overridable and keep them float)")
-    if graph.toposort(out) and report is not None:  # (as quantize_weights: the checker takes the result)
-        report.note("nodes sorted topologically (the input graph was not)")
+    # as quantize_weights does (an IR 3 model lists every initializer as a graph input because it
+    # must, not to make it overridable; left listed, none of them would be palettized, without a word)
+    graph.standard_form(out, report, rewritten="palettized")
     # children before parents: rewriting a graph's node list copies the subgraphs inside it
     infos = graph.iter_graphs(out)
     hoisted = sum(_hoist_constants(info.graph, min_elements) for info in reversed(infos))

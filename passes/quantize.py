@@ -161,21 +161,6 @@ def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
     return _match(w, patterns, ops) is not None
 
 
-def unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
-    """IR 3 made every initializer a graph input as well; IR 4 made that mean "overridable by the
-    caller", which a weight being replaced by DequantizeLinear cannot be. The inputs that only
-    list an initializer of an IR 3 model leave the graph's inputs (in place), the IR becomes 4.
-    True when any was removed."""
-    inits = {t.name for t in model.graph.initializer}
-    keep = [v for v in model.graph.input if v.name not in inits]
-    removed = len(keep) != len(model.graph.input)
-    if removed:
-        del model.graph.input[:]
-        model.graph.input.extend(keep)
-        model.ir_version = 4
-    return removed
-
-
 def _unreached_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, int]:
     """Float tensors of >= min_elements that find_weights does not list, by where they are:
     Constant nodes inside model-local function bodies, and sparse Constants."""
@@ -548,14 +533,7 @@ def _standard_copy(source: onnx.ModelProto, payloads: dict, report: Report | Non
     replaced), in the form the rewrite needs: sparse initializers dense, IR 3 initializers no longer
     listed as inputs, nodes in topological order; each change noted."""
     out = graph.copy_model(source, set(payloads))
-    densified = graph.densify_sparse_initializers(out)
-    if densified and report is not None:
-        report.note(f"{densified} sparse initializer(s) stored dense (the same values; onnx.checker refuses standard ops fed by a sparse tensor, and only dense weights are quantized)")
-    if out.ir_version < 4 and unlist_ir3_initializers(out) and report is not None:
-        report.note(f"IR version raised from {source.ir_version} to 4: initializers are no longer listed as graph "
-                    "inputs (IR 3 required it; from IR 4 it would make them overridable and keep them float)")
-    if graph.toposort(out) and report is not None:
-        report.note("nodes sorted topologically (the input graph was not)")
+    graph.standard_form(out, report, rewritten="quantized")
     return out
 
 

@@ -126,7 +126,7 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     by the offline pass here, and float weights that stay float, with why."""
     from .runtime_fold import fold_into
 
-    from .quantize import unlist_ir3_initializers
+    from .graph import unlist_ir3_initializers
 
     notes = notes if notes is not None else []
     session_config(options)

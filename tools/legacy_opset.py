@@ -93,7 +93,7 @@ def measurable(model: onnx.ModelProto, feeds: Sequence[dict] | None, what: str =
         return model, None
     source = model
     if model.ir_version < 4:  # as quantize_weights does first: IR 3's listed initializers stay weights, not inputs
-        from passes.quantize import unlist_ir3_initializers
+        from passes.graph import unlist_ir3_initializers
 
         source = graph.copy_model(model)
         unlist_ir3_initializers(source)
