@@ -24,9 +24,8 @@ from .errors import CorruptFileError, FileAccessError, InvalidModelError
 
 PathLike = Union[str, os.PathLike]
 
-# Protobuf cannot serialise a message of 2 GiB or more; above this many weight bytes a model is
-# written with its tensors in an external data file.
-PROTOBUF_LIMIT = 2**31 - 1
+# Protobuf cannot serialise a message of 2 GiB (2**31 - 1 bytes) or more; above this many weight
+# bytes a model is written with its tensors in an external data file.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
 

@@ -753,7 +753,7 @@ class InferenceSession(ort.InferenceSession):
                 # as they decode (session.disable_quant_qdq=1 makes its constant folding fold every
                 # constant DequantizeLinear, with the arithmetic fold_dequantize copies bit for bit).
                 # Folding them on a worker thread instead (float16 streamed as each is folded)
-                # was measured slower with numpy, quiet machine or loaded: see onnxruntime_folds_all
+                # was measured slower with numpy, quiet machine or loaded: see runtime_fold.fold_facts
                 options.add_session_config_entry("session.disable_quant_qdq", "1")
                 self.fold_route = "onnxruntime"
                 if not share_planned:

@@ -206,19 +206,18 @@ class FoldAhead:
 _QUANTIZE_OPS = frozenset({("", "QuantizeLinear"), ("", "DynamicQuantizeLinear")})
 
 
-def has_foldable(split: SplitModel) -> bool:
-    """Whether any node of the model (subgraphs included) is one fold_into may replace: a
-    DequantizeLinear, an operator with a registered folder, or a Gather with a Cast (palettes)."""
-    return fold_facts(split)[0]
+def fold_facts(split: SplitModel) -> tuple[bool, bool]:
+    """(foldable, onnxruntime_folds_all) from one walk of the graph (each walk over a ResNet-50's 900
+    nodes costs about a millisecond of protobuf access, and the load takes both answers).
 
+    foldable: whether any node (subgraphs included) is one fold_into may replace: a DequantizeLinear,
+    an operator with a registered folder, or a Gather with a Cast (palettes).
 
-def onnxruntime_folds_all(split: SplitModel) -> bool:
-    """Whether onnxruntime's own constant folding can do the whole fold (then nothing here needs to
-    touch the graph or read a weight): the only foldable nodes are standard DequantizeLinear nodes
-    of the main graph (no other registered form, no palette, no subgraph), and no activation is
-    quantized (QuantizeLinear: disabling the QDQ fusions would slow the run down).
-
-    Used for float16 weights on a CPU, where plan_fold(share=False) would defer every big
+    onnxruntime_folds_all: whether onnxruntime's own constant folding can do the whole fold (then
+    nothing here needs to touch the graph or read a weight): the only foldable nodes are standard
+    DequantizeLinear nodes of the main graph (no other registered form, no palette, no subgraph),
+    and no activation is quantized (QuantizeLinear: disabling the QDQ fusions would slow the run
+    down). Used for float16 weights on a CPU, where plan_fold(share=False) would defer every big
     DequantizeLinear to onnxruntime anyway: folding the small ones here and walking the graph to
     do so cost more than it saved (open_nsfw float16 q8.onnx: 182 ms CPU to a ready session
     against 140 ms for onnxruntime on the same file, 134 ms for the plain float16 model).
@@ -228,13 +227,8 @@ def onnxruntime_folds_all(split: SplitModel) -> bool:
     minilm_fp16 q8.onnxz ready wall 1.62x (onnxruntime's fold 1.38x), CPU 1.57x (1.31x);
     open_nsfw_fp16 1.31x (1.25x). onnxruntime's own initialisation of the float16 model keeps
     both cores busy (its CPU is 1.5x its wall), and the fold (~47 ms on MiniLM, as much per value
-    as onnxruntime's) plus parsing float16 instead of int8 bytes delays its parse."""
-    return fold_facts(split)[1]
-
-
-def fold_facts(split: SplitModel) -> tuple[bool, bool]:
-    """(has_foldable, onnxruntime_folds_all) from one walk of the graph: each walk over a ResNet-50's
-    900 nodes costs about a millisecond of protobuf access, and the load takes both answers."""
+    as onnxruntime's) plus parsing float16 instead of int8 bytes delays its parse. (Since then, on an
+    AVX-512 CPU, the float16 route folds here, each weight as soon as its levels decode: runtime.py.)"""
     folders = _folders()
     foldable, folds_all = False, True
     casts, gathers, inner = [], [], []

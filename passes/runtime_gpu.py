@@ -28,10 +28,6 @@ _ELEM_TYPES = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProt
                "tensor(bfloat16)": TensorProto.BFLOAT16}
 
 
-def cuda_available() -> bool:
-    return "CUDAExecutionProvider" in ort.get_available_providers()
-
-
 def _device_placeholder(name: str, elem_type: int, shape) -> TensorProto:
     t = TensorProto()
     t.name, t.data_type = name, elem_type

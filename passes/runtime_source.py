@@ -183,10 +183,6 @@ def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
 
 # ---------------------------------------------------------------------- packed files
 
-def read_packed(path: Path, threads=None, max_bytes=None, background=False) -> SplitModel:
-    return PackedRead(path, threads=threads, max_bytes=max_bytes, background=background).finish()
-
-
 class PackedRead:
     """A packed file being read (see start_read): the index open, the big payloads decoding aside
     (`background`), the model file restored but for them."""

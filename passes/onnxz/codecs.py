@@ -47,7 +47,6 @@ SAMPLE_BYTES = 1 << 19  # tensors above 2x this choose their codec on a sample o
 
 CHUNK_BYTES = 1 << 20  # raw bytes per chunk written (readers accept any size up to MAX_CHUNK_BYTES)
 MAX_CHUNK_BYTES = 64 << 20
-CODECS = ("bytes", "bpairs", "planes", "fplanes", "fpairs", "narrow", "ans", "ans_shared", "transpose")
 SHARED_MAX_BYTES = 64 << 10  # payloads up to this size may code planes with a file-wide table (1.2)
 SHARED_MIN_BYTES = 64
 # True: the writer would keep a short blob, once its table is put back, shorter than its plane

@@ -904,14 +904,6 @@ class PackedFile:
             pass
         return out
 
-    def restore_into(self, fi: int, out: np.ndarray) -> None:
-        """Old name of restore_file(fi, out)."""
-        self.restore_file(fi, out)
-
-    def restore_bytes(self, fi: int) -> np.ndarray:
-        """Old name of restore_file(fi)."""
-        return self.restore_file(fi)
-
     def _read_range_into(self, fi: int, offset: int, out: np.ndarray) -> None:
         length = out.size
         skel = None

@@ -411,10 +411,13 @@ def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp
 
 
 def test_onnxruntime_folds_all_only_plain_dequantize_graphs():
-    """Activations quantized (QuantizeLinear), a palette or a subgraph: folded here, not left to
-    onnxruntime."""
+    """fold_facts' onnxruntime_folds_all: activations quantized (QuantizeLinear), a palette or a
+    subgraph: folded here, not left to onnxruntime."""
     from passes.runtime_feed import split_model
-    from passes.runtime_fold import onnxruntime_folds_all
+    from passes.runtime_fold import fold_facts
+
+    def onnxruntime_folds_all(split):
+        return fold_facts(split)[1]
 
     q = numpy_helper.from_array(np.ones((64, 64), np.int8), "Wq")
     s = numpy_helper.from_array(np.array(0.5, np.float16), "Ws")

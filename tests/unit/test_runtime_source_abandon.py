@@ -1,4 +1,4 @@
-"""runtime_source.read_packed(background=True): a load that fails while the big weights decode
+"""runtime_source.PackedRead(background=True): a load that fails while the big weights decode
 aside stops that decode at the next batch instead of decoding the whole model first."""
 from __future__ import annotations
 
