@@ -20,7 +20,7 @@ import onnx
 import pytest
 
 import passes
-from unseen_helpers import folder_digest as _digest, restored_digest, run_outputs as _run
+from unseen_helpers import check_packed_sessions, folder_digest as _digest, restored_digest, run_outputs as _run
 from unseen_helpers import same_outputs as _same, worst_output_snr as _snr
 from passes.errors import InvalidArgumentError
 
@@ -135,12 +135,7 @@ def test_every_path(made, name, tmp_path):
     # lossless: every file back byte for byte (onnx's per-tensor layout too)
     assert restored_digest(src, tmp_path) == before
     # the pack's sessions; fold mode runs what fold_dequantize writes, output for output
-    qpath, qz = tmp_path / "q.onnx", tmp_path / "q.onnxz"
-    qpath.write_bytes(q8.SerializeToString())
-    passes.pack(str(qpath), str(qz))
-    for mode in ("fold", "int8", "auto"):
-        assert _snr(ref, _run(passes.InferenceSession(str(qz), mode=mode), feeds)) >= 28, mode
-    assert _same(_run(passes.InferenceSession(str(qz), mode="fold"), feeds), _run(passes.fold_dequantize(q8), feeds))
+    check_packed_sessions(q8, ref, feeds, tmp_path, 28, snr=_snr)
     assert _snr(ref, _run(passes.InferenceSession(str(tmp_path / "f.onnxz"), mode="int8"), feeds)) >= 28
     # evaluate pools every output: no lower than the worst one's SNR
     assert passes.evaluate(str(src), q8, feeds=feeds).metrics["snr"] >= _snr(ref, _run(q8, feeds)) - 0.01

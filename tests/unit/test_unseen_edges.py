@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 import passes
-from unseen_helpers import folder_digest, restored_digest, run_outputs as _run, same_outputs
+from unseen_helpers import check_packed_sessions, folder_digest, restored_digest, run_outputs as _run, same_outputs
 from unseen_helpers import worst_output_snr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -131,12 +131,7 @@ def test_every_path(made, name, tmp_path):
         if not (name == "values" and dtype == "float16"):  # test_fold_to_float16_keeps_a_weight_float16_cannot_hold
             assert _snr(ref, _run(f, feeds)) >= 27, dtype
     assert restored_digest(src, tmp_path) == before  # every file back byte for byte
-    qpath, qz = tmp_path / "q.onnx", tmp_path / "q.onnxz"
-    qpath.write_bytes(q8.SerializeToString())
-    passes.pack(str(qpath), str(qz))
-    for mode in ("fold", "int8", "auto"):
-        assert _snr(ref, _run(passes.InferenceSession(str(qz), mode=mode), feeds)) >= 27, mode
-    assert same_outputs(_run(passes.InferenceSession(str(qz), mode="fold"), feeds), _run(passes.fold_dequantize(q8), feeds))
+    check_packed_sessions(q8, ref, feeds, tmp_path, 27, snr=_snr)
     assert passes.evaluate(str(src), q8, feeds=feeds).metrics["snr"] >= _snr(ref, _run(q8, feeds)) - 0.01
     assert folder_digest(src.parent) == before  # inputs never modified, nothing left beside them
 

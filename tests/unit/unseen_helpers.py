@@ -27,6 +27,20 @@ def run_outputs(model, feeds, optimize=True) -> list[list[np.ndarray]]:
     return [[np.asarray(o) for o in s.run(None, f)] for f in feeds]
 
 
+def check_packed_sessions(q8, ref, feeds, work: Path, min_db: float, snr=None) -> None:
+    """A quantized model packed into `work`: every InferenceSession mode of the pack within min_db of
+    the float outputs `ref` (by `snr`, default worst_output_snr), and mode="fold" running what
+    fold_dequantize writes, output for output."""
+    snr = snr or worst_output_snr
+    qpath, qz = work / "q.onnx", work / "q.onnxz"
+    qpath.write_bytes(q8.SerializeToString())
+    passes.pack(str(qpath), str(qz))
+    for mode in ("fold", "int8", "auto"):
+        assert snr(ref, run_outputs(passes.InferenceSession(str(qz), mode=mode), feeds)) >= min_db, mode
+    assert same_outputs(run_outputs(passes.InferenceSession(str(qz), mode="fold"), feeds),
+                        run_outputs(passes.fold_dequantize(q8), feeds))
+
+
 def worst_output_snr(ref, out) -> float:
     """Worst output's SNR (dB) over the feeds (runs as lists of outputs per feed); inf when identical."""
     worst = np.inf
