@@ -251,24 +251,32 @@ def test_bfloat16_weight_folds_through_its_cast():
     assert np.array_equal(w_ort, graph.tensor_to_array(folded["W"]).astype(np.float32))
 
 
-def test_fold_to_float16_keeps_weights_beyond_its_range():
-    """A weight with values past float16's 65504 stays float32 when folding to float16 (it would
-    become inf), with a note; the others are stored as float16."""
+def _odd_weight_then_normal_one(name: str, scale: float, k: float) -> onnx.ModelProto:
+    """x -> MatMul(`name`: N(0, 1) x scale, 64x48) -> Mul(k) -> MatMul(SMALL: N(0, 0.1), 48x32) -> y:
+    a weight of unusual magnitude, brought back to normal outputs by k, beside an ordinary one."""
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
-    big = (rng.standard_normal((64, 48)) * 1e6).astype(np.float32)
+    odd = (rng.standard_normal((64, 48)) * scale).astype(np.float32)
     small = (rng.standard_normal((48, 32)) * 0.1).astype(np.float32)
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "BIG"], ["h"]),
+    g = helper.make_graph([helper.make_node("MatMul", ["x", name], ["h"]),
                            helper.make_node("Mul", ["h", "k"], ["hs"]),
                            helper.make_node("MatMul", ["hs", "SMALL"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 32])],
-                          [onnx.numpy_helper.from_array(big, "BIG"), onnx.numpy_helper.from_array(small, "SMALL"),
-                           onnx.numpy_helper.from_array(np.array(1e-6, np.float32), "k")])
+                          [onnx.numpy_helper.from_array(odd, name), onnx.numpy_helper.from_array(small, "SMALL"),
+                           onnx.numpy_helper.from_array(np.array(k, np.float32), "k")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
-    q = quantize_weights(m)
+    return m
+
+
+def test_fold_to_float16_keeps_weights_beyond_its_range():
+    """A weight with values past float16's 65504 stays float32 when folding to float16 (it would
+    become inf), with a note; the others are stored as float16."""
+    from onnx import TensorProto
+
+    q = quantize_weights(_odd_weight_then_normal_one("BIG", 1e6, 1e-6))
     rep = Report()
     f = fold_dequantize(q, dtype="float16", report=rep)
     onnx.checker.check_model(f, full_check=True)
@@ -288,21 +296,9 @@ def test_fold_to_a_narrower_type_keeps_weights_too_small_for_it(dtype, scale, ke
     bit or two) stays float32 when folding to float16, with a note; bfloat16 holds float32's normal
     range, so there it is converted like the others (its own rounding, ~53 dB, is no reason to keep);
     float32 subnormals (~1e-40, whose float32 squares are 0) lose their bits in both."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    rng = np.random.default_rng(0)
-    tiny = (rng.standard_normal((64, 48)) * scale).astype(np.float32)
-    small = (rng.standard_normal((48, 32)) * 0.1).astype(np.float32)
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "TINY"], ["h"]),
-                           helper.make_node("Mul", ["h", "k"], ["hs"]),
-                           helper.make_node("MatMul", ["hs", "SMALL"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 32])],
-                          [onnx.numpy_helper.from_array(tiny, "TINY"), onnx.numpy_helper.from_array(small, "SMALL"),
-                           onnx.numpy_helper.from_array(np.array(min(0.1 / scale, 1e30), np.float32), "k")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    q = quantize_weights(m)
+    q = quantize_weights(_odd_weight_then_normal_one("TINY", scale, min(0.1 / scale, 1e30)))
     rep = Report()
     f = fold_dequantize(q, dtype=dtype, report=rep)
     onnx.checker.check_model(f, full_check=True)
