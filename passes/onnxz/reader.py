@@ -1171,10 +1171,11 @@ class _Buffers:
     ~1 ms per 4 MiB window on these machines, a tenth of a small model's unpack), at most
     `keep` of them (8+ MiB held after an unpack); a restore takes two and gives them back."""
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2, private_from: int = HUGE_PAGE):
         self._free: List[np.ndarray] = []
         self._keep = keep
         self._lock = threading.Lock()
+        self._private_from = private_from
 
     def take(self, n: int) -> np.ndarray:
         with self._lock:
@@ -1185,12 +1186,18 @@ class _Buffers:
 
         size = -(-n // ALIGN) * ALIGN  # anonymous maps are page-aligned
         head = 0
-        if n >= WINDOW_BYTES:
-            # whole windows: private, so that they can take huge pages (Python's default,
-            # MAP_SHARED, is shmem, which gets none where shmem_enabled is "never", as on our
-            # hosts). Measured on 22.9 MB: -20% CPU (min), -5% (median). The smaller buffers of
-            # files under a window stay shared: private measured no better there (silero_vad_v6,
-            # rapidocr_cls.int8: +14-17% min, +1-2% median, at load 12-17)
+        if n >= self._private_from:
+            # buffers that can hold a huge page (whole windows, and files of 2-4 MiB): private,
+            # so that they can take huge pages (Python's default, MAP_SHARED, is shmem, which gets
+            # none where shmem_enabled is "never", as on our hosts). Measured on 22.9 MB: -20% CPU
+            # (min), -5% (median). Files of 2-4 MiB (one window) took shared buffers until session
+            # 19: silero_vad_v6 (2.3 MB) then pinned ~570 small pages per O_DIRECT write (~90 us
+            # of kernel CPU); private, its first 2 MiB are one huge page: unpack CPU per round
+            # new/old 0.94 / 0.91 at 1 thread, 0.95 / 0.92 at 2 (one process alternating the two
+            # pools, 60-100 rounds of 5, load 2-3), its first unpack in a fresh process ~5.0 ->
+            # ~3.3 ms (12 processes each). Buffers under 2 MiB stay shared: private measured no
+            # better there (silero_vad_v6.int8, rapidocr_cls.int8: +14-17% min, +1-2% median, at
+            # load 12-17; session 19, mapped up to one whole huge page: 0.97-1.0, within the spread)
             # The window starts on a huge-page boundary (HUGE_PAGE more mapped, never touched):
             # from a page-aligned start only the huge pages wholly inside the map are huge, about
             # one of a 4 MiB window's two. Measured (6 windows of a 22.9 MB file written with
