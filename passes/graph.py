@@ -304,6 +304,99 @@ def standard_form(model: onnx.ModelProto, report=None, *, rewritten: str | None 
         report.note("nodes sorted topologically (the input graph was not)")
 
 
+# main-graph initializers above this many payload bytes are checked as typed graph inputs (their
+# length checked here): the checker would otherwise serialize a copy of every weight. Tensors
+# read as shapes, axes or indices are far smaller, so shape inference still sees their values.
+_CHECK_STUB_BYTES = 4096
+
+
+def refuse_invalid(model: onnx.ModelProto, payloads: dict[str, TensorProto] | None = None) -> None:
+    """Raise InvalidModelError naming the problem when `model` -- a pass's own copy of its input,
+    already in standard_form (the repairs a pass makes: nodes sorted, sparse initializers dense, IR 3
+    initializers unlisted) -- fails onnx.checker (its structure), strict type and shape inference
+    through its nodes, or imports a default-domain opset newer than onnx defines (onnxruntime
+    refuses it; the checker does not say). Declarations onnxruntime reads as hints (graph outputs
+    without a type or shape, value_info) are not judged: see below.
+
+    Why up front: a pass writes what it is given plus its rewrite, so an input the checker refuses
+    (a node reading an undefined name, two nodes writing one name, a graph output nothing writes, a
+    weight whose raw_data is shorter than its dims) came out as an output that fails it too, and
+    with nothing quantized it was written without a word. The user's problem is the input's.
+    `payloads`: the original tensors of main-graph initializers the copy holds without their
+    raw_data (quantize_weights copies the weights it replaces that way).
+
+    The view checked costs no copy of the large weights (typed graph inputs in their place, their
+    lengths checked here), so models of any size are checked in about the time of their graph."""
+    payloads = payloads or {}
+    newest = onnx.defs.onnx_opset_version()
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx") and imp.version > newest:
+            raise InvalidModelError(f"the model imports opset {imp.version} of the default domain; the newest "
+                                    f"there is (onnx {onnx.__version__}) is {newest}")
+    stubs = set()
+    for t in model.graph.initializer:
+        original = payloads.get(t.name, t)
+        if t.name in payloads or t.ByteSize() > _CHECK_STUB_BYTES:  # (ByteSize: no copy of the payload)
+            _check_raw_length(original)
+            stubs.add(t.name)
+    view = copy_model(model, stubs)
+    g = view.graph
+    listed = {v.name for v in g.input}
+    typed = [t for t in g.initializer if t.name in stubs]
+    for i in reversed([i for i, t in enumerate(g.initializer) if t.name in stubs]):
+        del g.initializer[i]
+    for t in typed:
+        if t.name not in listed:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    # two checks, so that the declarations onnxruntime reads as hints only do not refuse a model it
+    # runs (and the passes always took): a graph output declared without a type or shape (common in
+    # hand-built and exported models alike) and declared shapes that inference contradicts. First
+    # the structure (names defined once and before use, outputs produced, opsets, attributes,
+    # tensors) with such outputs given a placeholder type; then types and shapes through the nodes
+    # by strict inference, with the graphs' value_info and output declarations left out.
+    # (subgraph outputs keep their declarations for the second: an If's inference compares its
+    # branches' declared output types)
+    structure = copy_model(view)
+    for info in iter_graphs(structure):
+        for v in itertools.chain(info.graph.input, info.graph.output):
+            if not v.type.HasField("tensor_type") and not v.type.ListFields():
+                v.type.tensor_type.elem_type = TensorProto.FLOAT
+            if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape"):
+                v.type.tensor_type.shape.SetInParent()
+    for info in iter_graphs(view):
+        del info.graph.value_info[:]
+    for v in view.graph.output:
+        v.ClearField("type")
+    try:
+        onnx.checker.check_model(structure, full_check=False)
+        onnx.shape_inference.infer_shapes(view, check_type=True, strict_mode=True)
+    except ValueError as exc:
+        if "2GB" in str(exc) or "2 GB" in str(exc):  # large Constant nodes: the pass's own checks only
+            return
+        raise InvalidModelError(f"the model is not valid ONNX: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the checker raises several C++-bound types
+        raise InvalidModelError(f"the model is not valid ONNX: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_raw_length(t: TensorProto) -> None:
+    """A raw_data payload must hold exactly what its dims and type say (the checker's own test,
+    for the tensors refuse_invalid keeps out of its view)."""
+    if t.data_location == TensorProto.EXTERNAL or not t.HasField("raw_data"):
+        return
+    if t.data_type not in NUMPY_TYPES and t.data_type not in INT4_TYPES:
+        return
+    want = tensor_nbytes(t)
+    if len(t.raw_data) != want:
+        raise InvalidModelError(f"the model is not valid ONNX: initializer {t.name!r} holds {len(t.raw_data):,} "
+                                f"bytes of raw_data; its dims {list(t.dims)} and type {type_name(t.data_type)} "
+                                f"need {want:,}")
+
+
 def densify_sparse_initializers(model: onnx.ModelProto) -> int:
     """Turn every graph's sparse_initializer into a dense initializer of the same name, in place;
     returns how many. The values are the same, but the standard ops read them as plain tensors:

@@ -139,6 +139,7 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     # as quantize_weights does (an IR 3 model lists every initializer as a graph input because it
     # must, not to make it overridable; left listed, none of them would be palettized, without a word)
     graph.standard_form(out, report, rewritten="palettized")
+    graph.refuse_invalid(out)  # an input the checker refuses: the output would be refused too
     # children before parents: rewriting a graph's node list copies the subgraphs inside it
     infos = graph.iter_graphs(out)
     hoisted = sum(_hoist_constants(info.graph, min_elements) for info in reversed(infos))

@@ -531,9 +531,12 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
 def _standard_copy(source: onnx.ModelProto, payloads: dict, report: Report | None) -> onnx.ModelProto:
     """The copy the quantized model is built in (without the payloads of the weights about to be
     replaced), in the form the rewrite needs: sparse initializers dense, IR 3 initializers no longer
-    listed as inputs, nodes in topological order; each change noted."""
+    listed as inputs, nodes in topological order; each change noted. Raises InvalidModelError
+    when the model is not valid ONNX (graph.refuse_invalid: what onnx.checker refuses)."""
     out = graph.copy_model(source, set(payloads))
     graph.standard_form(out, report, rewritten="quantized")
+    # an input the checker refuses would come out refused too (and, with nothing quantized, as it was)
+    graph.refuse_invalid(out, payloads)
     return out
 
 
