@@ -397,6 +397,41 @@ def _check_raw_length(t: TensorProto) -> None:
                                 f"need {want:,}")
 
 
+def drop_stale_training_info(model: onnx.ModelProto, rewritten: str, report=None) -> int:
+    """Drop, in place, each ModelProto.training_info entry whose initialization_binding or
+    update_binding names a tensor that is no longer a main-graph initializer (the pass turned it
+    into levels + DequantizeLinear, a palette, ...), with a note on `report`; returns how many.
+
+    Why dropped and not kept: a binding assigns a training step's float result to an initializer,
+    and the checker does not look. Left as it was, the entry pointed at a node output (the
+    DequantizeLinear's): a trainer following it writes a float tensor over nothing, or over the
+    int8 levels. Keeping the bound weights float instead would keep the recipe runnable but, as
+    a training algorithm updates every weight, leave the model uncompressed without a word.
+    A compressed model is for inference (onnxruntime ignores training_info); training goes on
+    from the float original, and exclude= keeps named weights float where a user wants both.
+    Entries whose bindings all still name initializers stay as they were."""
+    if not model.training_info:
+        return 0
+    initializers = {t.name for t in model.graph.initializer}
+    kept, dropped = [], []
+    for ti in model.training_info:
+        stale = sorted({b.key for b in itertools.chain(ti.initialization_binding, ti.update_binding)}
+                       - initializers)
+        (dropped if stale else kept).append((ti, stale))
+    if not dropped:
+        return 0
+    stale_names = sorted({name for _, stale in dropped for name in stale})
+    del model.training_info[:]
+    model.training_info.extend(ti for ti, _ in kept)
+    if report is not None:
+        shown = ", ".join(repr(n) for n in stale_names[:3]) + (f" and {len(stale_names) - 3} more"
+                                                                 if len(stale_names) > 3 else "")
+        report.note(f"{len(dropped)} training_info entr{'y' if len(dropped) == 1 else 'ies'} dropped: "
+                    f"{'its' if len(dropped) == 1 else 'their'} bindings name {shown}, {rewritten} (no longer a "
+                    "float initializer a training step can assign); exclude them to keep it")
+    return len(dropped)
+
+
 def densify_sparse_initializers(model: onnx.ModelProto) -> int:
     """Turn every graph's sparse_initializer into a dense initializer of the same name, in place;
     returns how many. The values are the same, but the standard ops read them as plain tensors:

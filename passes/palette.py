@@ -177,6 +177,7 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
         if report is not None:
             report.note(f"IR version raised from {out.ir_version} to 4: the new initializers are not graph inputs")
         out.ir_version = 4
+    graph.drop_stale_training_info(out, "palettized", report)
     return out
 
 

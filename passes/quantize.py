@@ -525,6 +525,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
             progress(i + 1, total)
 
     _splice(graphs, new_inits, new_first_nodes, const_nodes)
+    graph.drop_stale_training_info(out, "quantized", report)
     return out
 
 

@@ -260,22 +260,35 @@ def _annotations(m: onnx.ModelProto) -> dict:
 def test_metadata_doc_strings_and_training_info_survive_every_writer(made):
     """The opset raise of the 4-bit block form dropped the graph's and the nodes' metadata_props,
     the quantization annotations, the input's metadata and training_info (onnx's converter keeps
-    none of them); every writer keeps them now."""
+    none of them); every writer keeps them now. training_info goes only where its update_binding
+    names a weight the pass rewrote (graph.drop_stale_training_info says why), with a note; with
+    that weight excluded it stays, binding the float initializer it names."""
     src, feeds = made["metadata"]
     m = onnx.load(str(src))
     want = _annotations(m)
-    outs = {"q8": passes.quantize_weights(m, min_elements=0),
-            "q4": passes.quantize_weights(m, bits=4, granularity="block", block_size=32, min_elements=0),
-            "palette": passes.palettize(m, min_elements=0)}
+    assert want["training"] == 1
+    reports = {name: passes.Report() for name in ("q8", "q4", "palette", "q8_trainable")}
+    outs = {"q8": passes.quantize_weights(m, min_elements=0, report=reports["q8"]),
+            "q4": passes.quantize_weights(m, bits=4, granularity="block", block_size=32, min_elements=0,
+                                          report=reports["q4"]),
+            "palette": passes.palettize(m, min_elements=0, report=reports["palette"]),
+            "q8_trainable": passes.quantize_weights(m, min_elements=0, exclude=["fc2.weight"],
+                                                    report=reports["q8_trainable"])}
     outs["fold"] = passes.fold_dequantize(outs["q4"])
     for name, out in outs.items():
         onnx.checker.check_model(out, full_check=True)
-        assert _annotations(out) == want, name
+        trainable = name == "q8_trainable"
+        assert _annotations(out) == {**want, "training": 1 if trainable else 0}, name
+        if name in reports:
+            said = [n for n in reports[name].notes if "training_info" in n]
+            assert (said == []) if trainable else ("'fc2.weight'" in said[0]), name
     # the weight docs follow the weights that stay float
     q4 = outs["q4"]
     assert {t.name: t.doc_string for t in q4.graph.initializer if t.name.endswith("bias")} == \
         {t.name: t.doc_string for t in m.graph.initializer if t.name.endswith("bias")}
-    assert q4.training_info[0].update_binding[0].key == "fc2.weight"
+    kept = outs["q8_trainable"]
+    assert kept.training_info[0].update_binding[0].key == "fc2.weight"
+    assert "fc2.weight" in {t.name for t in kept.graph.initializer}
 
 
 def test_degenerate_shapes(made, tmp_path):
