@@ -11,9 +11,11 @@ import contextlib
 import errno
 import hashlib
 import os
+import queue
 import re
 import signal
 import stat
+import threading
 from pathlib import Path
 from typing import IO, Callable, Iterator, Union
 
@@ -144,6 +146,98 @@ def _fsync_dir(folder: PathLike) -> None:
         os.close(fd)
 
 
+# The file an output replaces is released off the caller's path. Renaming over an existing file
+# drops its last link, and the kernel frees its blocks in the rename when nothing else holds it
+# open: with ext4's `discard` mount option (our hosts) it also trims them before the rename
+# returns, measured 1.5 ms of a ~4.5 ms unpack of silero_vad_v6 (2.3 MB; strace -T) and ~4 ms
+# on a fresh 2.3 MB file written in a loop. Holding a descriptor of the old file across the rename
+# moves that work to the descriptor's close, which a background thread makes; the new file is
+# renamed and the folder fsynced exactly as before (the promises are about the new file; the old
+# one's space comes back a few ms later). The work stays in this process: its CPU time counts
+# as before, off the caller's wall-clock path. POSIX only (Windows refuses to replace an open file).
+_RELEASE_REPLACED = os.name == "posix"
+_HOLD_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+class _Closer:
+    """One daemon thread that closes the descriptors it is given, in order."""
+
+    def __init__(self):
+        self.fds: queue.SimpleQueue = queue.SimpleQueue()  # descriptors, or flush_released's events
+        self.thread = threading.Thread(target=self._run, name="surgeon-release-replaced", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fd = self.fds.get()
+            if isinstance(fd, threading.Event):  # flush_released's marker: all before it are closed
+                fd.set()
+                continue
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_closer = None
+_closer_lock = threading.Lock()
+
+
+def _forget_closer() -> None:  # a forked child has none of its parent's threads
+    global _closer, _closer_lock
+    _closer, _closer_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_closer)
+
+
+def _hold_replaced(p: PathLike, st=None) -> int:
+    """A read-only descriptor of the regular file at `p` that a rename is about to replace, or -1
+    (none there, not a regular file, not readable: then the rename frees it as before). `st`: an
+    os.stat of p made already (False: it failed)."""
+    if not _RELEASE_REPLACED or st is False or (st is not None and not stat.S_ISREG(st.st_mode)):
+        return -1
+    try:
+        fd = os.open(p, _HOLD_FLAGS)
+    except OSError:
+        return -1
+    if st is not None:  # a regular file a moment ago (O_NONBLOCK: whatever took its place, the open did not wait)
+        return fd
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return -1
+
+
+def _release_later(fd: int) -> None:
+    """Close `fd` (from _hold_replaced) on the closer thread; at once where it cannot start."""
+    global _closer
+    if fd < 0:
+        return
+    try:
+        if _closer is None:
+            with _closer_lock:
+                if _closer is None:
+                    _closer = _Closer()
+        _closer.fds.put(fd)
+    except RuntimeError:  # no new threads (interpreter shutting down)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def flush_released(timeout: float = 5.0) -> bool:
+    """Wait until every replaced file handed to the closer so far is closed (its space freed);
+    False if that took longer than `timeout` seconds. For tests and callers that measure disk use."""
+    closer = _closer
+    if closer is None:
+        return True
+    done = threading.Event()
+    closer.fds.put(done)
+    return done.wait(timeout)
+
+
 @contextlib.contextmanager
 def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
     """Open a temporary file beside `path`; on success it is flushed, fsynced and renamed over
@@ -166,8 +260,12 @@ def atomic_output(path: PathLike, force: bool = False) -> Iterator[IO[bytes]]:
             os.fsync(f.fileno())
         if not force and os.path.exists(p):  # appeared while we worked (not asked when replacing anyway)
             raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
-        os.replace(tmp, p)
-        _fsync_dir(folder)
+        old = _hold_replaced(p) if force else -1
+        try:
+            os.replace(tmp, p)
+            _fsync_dir(folder)
+        finally:
+            _release_later(old)
     except OSError as exc:
         _remove_quietly(tmp)
         if isinstance(exc, FileAccessError):
@@ -298,8 +396,12 @@ class atomic_fd:
                 os.close(fd)
             if not self.force and os.path.exists(p):  # appeared while we worked
                 raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
-            os.replace(self.tmp, p)
-            _fsync_dir(self.folder)
+            old = _hold_replaced(p, self.st) if self.force else -1
+            try:
+                os.replace(self.tmp, p)
+                _fsync_dir(self.folder)
+            finally:
+                _release_later(old)
         except OSError as error:
             self._abandon()
             if isinstance(error, FileAccessError):

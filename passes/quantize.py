@@ -37,7 +37,8 @@ Left as they are, with the reason in the report: biases, 1-D and small tensors, 
 listed as graph inputs from IR 4 on (overridable; an IR 3 model lists every initializer as an
 input because it must: those entries are removed and the IR raised to 4), float tensors read as
 exact values (Cast to an integer type, Equal/Less/..., Floor/Round/...: indices and masks), and
-(a note counts them) weights inside model-local functions and sparse Constants.
+(a note counts them) sparse Constants, and (each a row of the report, and a note naming them)
+weights in Constant nodes of model-local function bodies (see _report_function_weights).
 
 Rounding: to nearest by default; rounding="rdo" chooses, per row (channel / block), the step
 factor that minimises squared error + lambda * (bits the pack's order-0 coder spends on the
@@ -525,8 +526,69 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
             progress(i + 1, total)
 
     _splice(graphs, new_inits, new_first_nodes, const_nodes)
+    if report is not None:
+        _report_function_weights(out, include_p, exclude_p, ops, min_elements, report)
     graph.drop_stale_training_info(out, "quantized", report)
     return out
+
+
+def _function_constants(fn: onnx.FunctionProto):
+    """(node, tensor) of the Constant nodes at the top of a function body whose value is stored
+    there (not a ref_attr_name: those take the call's attribute, nothing is stored)."""
+    for node in fn.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+            continue
+        for a in node.attribute:
+            if a.name == "value" and a.type == onnx.AttributeProto.TENSOR and not a.ref_attr_name:
+                yield node, a.t
+
+
+def _function_weights(fn: onnx.FunctionProto, where: str) -> list[graph.Weight]:
+    """The float weights of a function body's Constant nodes, with their uses in the body."""
+    readers: dict[str, list[graph.Use]] = {}
+    for node in fn.node:
+        for i, name in enumerate(node.input):
+            if name:
+                readers.setdefault(name, []).append(graph.Use(node, i, -1))
+    outputs = set(fn.output)
+    return [graph.Weight(node.output[0], t, -1, f"{where}: Constant node", node=node,
+                         uses=readers.get(node.output[0], []), graph_output=node.output[0] in outputs)
+            for node, t in _function_constants(fn) if t.data_type in graph.FLOAT_TYPES]
+
+
+# why a function body's weights stay float, in the report
+FUNCTION_WEIGHTS_KEPT = ("fold_dequantize and InferenceSession's fold and int8 modes fold DequantizeLinear in "
+                         "graphs, not in function bodies")
+
+
+def _report_function_weights(out: onnx.ModelProto, include_p, exclude_p, ops, min_elements, report: Report) -> None:
+    """A row per float weight of a model-local function body that would be quantized in a graph
+    ("kept: ...", with where it is), and one note naming them.
+
+    Why they stay float: quantizing them would be sound for the model itself (a Constant's stored
+    value is the same at every call: a call's attributes reach a body only through ref_attr_name,
+    and the body's DequantizeLinear would read only the body's own Constants; a body importing an
+    opset too old for the form would keep its weight). But the other passes and the runtime fold
+    DequantizeLinear only in graphs: fold_dequantize would leave these quantized, and
+    InferenceSession(mode="fold") would run them unfolded under its own session options, so its
+    outputs would no longer be fold_dequantize's bit for bit (tried, on a Dense function called
+    twice: 44 dB apart instead of identical). Until those read function bodies, the weights stay
+    float and the report says which (bench/unseen_edges.py fn_nested: 50 kB of its 55 kB; with them
+    quantized it would be 54658 -> 16250 bytes at int8 instead of 51770)."""
+    rows = []
+    for fn in out.functions:
+        where = f"function {fn.domain}:{fn.name}" + (f" ({fn.overload})" if fn.overload else "")
+        for w in _function_weights(fn, where):
+            reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
+            if reason is None:
+                nbytes = graph.tensor_nbytes(w.tensor)
+                report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type),
+                                        "kept: in a model-local function body", nbytes, nbytes, None, w.location))
+                rows.append(f"{w.name} ({fn.domain}:{fn.name}{' ' + fn.overload if fn.overload else ''})")
+    if rows:
+        shown = ", ".join(rows[:4]) + (f" and {len(rows) - 4} more" if len(rows) > 4 else "")
+        report.note(f"{len(rows)} float weight(s) inside model-local functions stay float (not quantized): {shown}; "
+                    f"{FUNCTION_WEIGHTS_KEPT}")
 
 
 def _standard_copy(source: onnx.ModelProto, payloads: dict, report: Report | None) -> onnx.ModelProto:
@@ -560,7 +622,7 @@ def _note_weights_left_float(out: onnx.ModelProto, min_elements: int, report: Re
     """Notes on float weights the rewrite does not reach (with why), float values held in node
     attributes, and weights another tool already quantized."""
     for what, count in _unreached_weights(out, min_elements).items():
-        if count:
+        if count and what != "inside model-local functions":  # (_report_function_weights names those)
             report.note(f"{count} float weight(s) {what} stay float (not quantized)")
     for note in (attribute_weights_note(out, min_elements), _prequantized_note(out, min_elements)):
         if note:

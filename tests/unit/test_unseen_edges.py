@@ -176,6 +176,25 @@ def test_a_function_attribute_reference_survives_the_opset_raise(made):
     assert any("inside model-local functions stay float" in n for n in rep.notes)
 
 
+def test_the_report_names_each_function_weight_left_float(made):
+    """fn_nested keeps 50 kB of its 55 kB in function bodies, which stay float (quantize's
+    _report_function_weights says why): a row for each, where it is, and a note naming them; the
+    1-D scale and the Constant whose value the call gives (ref_attr_name) are no weights."""
+    src, _ = made["fn_nested"]
+    rep = passes.Report()
+    q8 = passes.quantize_weights(str(src), report=rep)
+    kept = sorted((t.name, t.location) for t in rep.tensors if t.scheme == "kept: in a model-local function body")
+    assert kept == [("P", "function local:Proj (v1): Constant node"), ("P", "function local:Proj (v2): Constant node"),
+                    ("W", "function local:Dense: Constant node")]
+    note = next(n for n in rep.notes if "inside model-local functions" in n)
+    assert note.startswith("3 float weight(s) inside model-local functions stay float (not quantized): ")
+    assert "W (local:Dense)" in note and "P (local:Proj v1)" in note and "fold" in note
+    assert [f.SerializeToString() for f in q8.functions] == [f.SerializeToString() for f in onnx.load(str(src)).functions]
+    named = passes.Report()
+    passes.quantize_weights(str(src), include=["Wout"], report=named)
+    assert not any("inside model-local functions" in n for n in named.notes)  # not included: not a candidate
+
+
 def test_info_counts_the_weights_inside_functions(made):
     """fn_nested holds 50 kB of its 55 kB in function bodies: info said "1 tensors, 4.10 kB".
     Each function is a scope of its own (two overloads both call their weight P); a Constant whose
