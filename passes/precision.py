@@ -29,7 +29,7 @@ import threading
 
 from .errors import UnsupportedFormError
 from .graph import node_subgraphs
-from .runtime_feed import SplitModel, is_placeholder
+from .runtime_feed import NodeTable, SplitModel, is_placeholder, node_table
 
 # Reductions and normalisations whose float16 results drift (sums over many terms, exp, variance):
 # kept in float32 on top of onnxruntime's default block list.
@@ -39,14 +39,15 @@ SENSITIVE_OPS = ["ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "Redu
 _FLOATS = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16)}
 
 
-def dominant_float_dtype(split: SplitModel) -> np.dtype:
-    """The float type holding most weight bytes (DequantizeLinear scales count for their weight)."""
+def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> np.dtype:
+    """The float type holding most weight bytes (DequantizeLinear scales count for their weight).
+    `table`: the graph's runtime_feed.NodeTable, when the caller has one."""
     counts = {np.dtype(np.float32): 0, np.dtype(np.float16): 0}
     for name, array in split.weights.items():
         if array.dtype in counts:
             counts[array.dtype] += array.nbytes
-    scale_names = {n.input[1]: n.input[0] for n in split.skeleton.graph.node
-                   if n.op_type == "DequantizeLinear" and len(n.input) > 1}
+    scale_names = {inputs[1]: inputs[0] for op_type, _, inputs, _ in node_table(split.skeleton.graph, table).rows
+                   if op_type == "DequantizeLinear" and len(inputs) > 1}
     for t in split.skeleton.graph.initializer:
         dtype = _FLOATS.get(t.data_type)
         if dtype is None:

@@ -44,8 +44,8 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError
-from .runtime_feed import (EMBED_MAX_BYTES, GraphReads, SplitModel, graph_reads, operator_counts, serialise_with_weights,
-                           shareable_names)
+from .runtime_feed import (EMBED_MAX_BYTES, GraphReads, NodeTable, SplitModel, graph_reads, node_table, operator_counts,
+                           serialise_with_weights, shareable_names)
 from .runtime_options import OptionsDraft, copy_session_options
 
 log = logging.getLogger("passes.runtime")
@@ -150,11 +150,12 @@ def _wait_weights(split: SplitModel, path) -> None:
         raise CorruptFileError(f"{path}: cannot read model ({type(exc).__name__}: {exc})") from None
 
 
-def model_float_dtype(split: SplitModel):
-    """The float type the model computes in: that of its DequantizeLinear scales and float weights."""
+def model_float_dtype(split: SplitModel, table=None):
+    """The float type the model computes in: that of its DequantizeLinear scales and float weights
+    (`table`: the graph's runtime_feed.NodeTable, when the caller has one)."""
     from .precision import dominant_float_dtype
 
-    return dominant_float_dtype(split)
+    return dominant_float_dtype(split, table)
 
 
 def _free_memory_bytes() -> int | None:
@@ -182,14 +183,6 @@ def choose_mode(split: SplitModel, providers, dtype) -> tuple[str, str]:
     if need <= AUTO_FOLD_MEMORY_SHARE * free:
         return "fold", f"CPU: float weights {need / 2**20:.0f} MiB fit in free memory {free / 2**20:.0f} MiB"
     return "int8", f"CPU: float weights {need / 2**20:.0f} MiB exceed half the free memory {free / 2**20:.0f} MiB"
-
-
-def _reads_gathered_dequantize(split: SplitModel) -> bool:
-    """Whether a Gather reads a DequantizeLinear output (an embedding table that
-    runtime_fold.gather_dequantized_rows may rewrite on the float16 route)."""
-    graph = split.skeleton.graph
-    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output}
-    return any(n.op_type == "Gather" and n.input and n.input[0] in dequantized for n in graph.node)
 
 
 def _streaming_supported() -> bool:
@@ -652,11 +645,12 @@ class InferenceSession(ort.InferenceSession):
         self.skeleton_bytes = found.get("skeleton_bytes")
         return found["split"], found["resolved"], (parsed, reads, kind) if reads is not None else None
 
-    def _resolve_mode(self, split):
-        """(mode, the model's float dtype): mode="auto" resolved (and logged)."""
+    def _resolve_mode(self, split, table=None):
+        """(mode, the model's float dtype): mode="auto" resolved (and logged). `table`: the graph's
+        NodeTable."""
         s = self._settings
         mode = s["mode"]
-        own_dtype = model_float_dtype(split)
+        own_dtype = model_float_dtype(split, table)
         self.mode_reason = f"requested mode={mode}"
         if mode == "auto":
             mode, self.mode_reason = choose_mode(split, s["providers"], s["target"])
@@ -669,30 +663,34 @@ class InferenceSession(ort.InferenceSession):
         it is, else None): mode fold in the model's own dtype, (nearly) nothing to share, and
         nothing to fold (`kind` "float") or every fold left to onnxruntime as the usual route
         would leave it ("quantized": fold_route "onnxruntime" without a rewrite). See runtime_verbatim."""
-        from .runtime_fold import fold_facts, little_to_share
+        from .runtime_fold import fold_facts, little_to_share, reads_gathered_dequantize
         from .runtime_verbatim import verbatim_fits
 
-        resolved = self._resolve_mode(split)
+        # every step below reads the graph from one table; _rewrite takes it over when this route is
+        # not kept (the graph is unchanged until then)
+        table = self._walk_table = NodeTable(split.skeleton.graph)
+        resolved = self._resolve_mode(split, table)
         mode, own_dtype = resolved
         target = self._settings["target"]
         if mode != "fold" or (target is not None and target != own_dtype):
             return resolved, None
         float16 = own_dtype == np.float16  # (on a CPU: never shared, see _rewrite)
-        foldable, onnxruntime_folds_all = fold_facts(split)
+        foldable, onnxruntime_folds_all = fold_facts(split, table)
         if kind == "float" and foldable:
             return resolved, None
         if kind == "quantized" and not (foldable and onnxruntime_folds_all and (
-                not _reads_gathered_dequantize(split) if float16 else little_to_share(split))):
+                not reads_gathered_dequantize(table) if float16 else little_to_share(split, table))):
             return resolved, None
         if float16:  # nothing to share: only the operator counts are kept (a walk that reads no inputs)
-            return resolved, GraphReads(set(), {}, set(), operator_counts(split.skeleton.graph))
-        reads = graph_reads(split.skeleton.graph, split.weights, collect_used=False)
+            return resolved, GraphReads(set(), {}, set(), operator_counts(split.skeleton.graph, table))
+        reads = graph_reads(split.skeleton.graph, split.weights, collect_used=False, table=table)
         return resolved, reads if verbatim_fits(split, reads, share=True) else None
 
     def _verbatim_route(self, split, resolved, options, parsed, reads, kind):
         """(options, disabled optimisers, the ParsedModel) for a model onnxruntime has parsed as
         the file it is (see _verbatim_decision)."""
         self.verbatim = True
+        self.__dict__.pop("_walk_table", None)  # (the walk's NodeTable: not needed past the load)
         self.fold_route = "onnxruntime" if kind == "quantized" else None
         self.notes = []
         self.dtype = np.dtype(resolved[1])
@@ -708,7 +706,9 @@ class InferenceSession(ort.InferenceSession):
     def _rewrite(self, split, sess_options, share, resolved=None):
         s = self._settings
         target = s["target"]
-        mode, own_dtype = resolved if resolved is not None else self._resolve_mode(split)
+        # the graph's nodes read once (see NodeTable), kept current by the fold steps below
+        table = node_table(split.skeleton.graph, self.__dict__.pop("_walk_table", None))
+        mode, own_dtype = resolved if resolved is not None else self._resolve_mode(split, table)
         self.verbatim = False
         # how mode="fold" folded the DequantizeLinear nodes: "here" (this thread, before
         # onnxruntime; "here+onnxruntime" when the weights onnxruntime cannot share were left to
@@ -729,13 +729,14 @@ class InferenceSession(ort.InferenceSession):
 
                 _wait_weights(split, self.source)
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
+                table = None  # (the folded nodes are gone)
             from .runtime_fold import (constants_to_initializers, fold_facts, fold_into, fold_kernel_fast,
                                        gather_dequantized_rows, little_to_share, plan_fold)
 
             converting = target is not None and target != own_dtype  # the converter must see float weights
             # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
             share_planned = not (own_dtype == np.float16 and not self.on_gpu)
-            foldable, onnxruntime_folds_all = fold_facts(split)
+            foldable, onnxruntime_folds_all = fold_facts(split, table)
             # float16 weights on a CPU, where the one-pass kernel runs vectorised: folded here (see
             # runtime_dequantize), the embedding tables kept 8-bit as below; onnxruntime gets float16
             # weights and no DequantizeLinear to fold
@@ -743,7 +744,7 @@ class InferenceSession(ort.InferenceSession):
             if not foldable:  # (a lossless float model has nothing to fold: skip the walks)
                 pass
             elif not (converting or self.on_gpu or fold16_here) and onnxruntime_folds_all and (
-                    not share_planned or little_to_share(split)):
+                    not share_planned or little_to_share(split, table)):
                 # ... the small ones too (float16 on a CPU without the vectorised kernel; float32
                 # whose foldable weights are nearly
                 # all Conv weights, which onnxruntime folds anyway: open_nsfw q8.onnxz, 9 fresh
@@ -757,28 +758,31 @@ class InferenceSession(ort.InferenceSession):
                 options.add_session_config_entry("session.disable_quant_qdq", "1")
                 self.fold_route = "onnxruntime"
                 if not share_planned:
-                    self._keep_tables_8bit(split, gather_dequantized_rows)
+                    table = self._keep_tables_8bit(split, gather_dequantized_rows, table)
             else:
                 # folded as the weights decode (FoldAhead) where nothing but DequantizeLinear nodes of
                 # the main graph is folded: nothing else here reads a weight's values
                 ahead = fold16_here and onnxruntime_folds_all and split.pending is not None
                 if not ahead:
                     _wait_weights(split, self.source)
-                constants_to_initializers(split)
+                constants_to_initializers(split, table)
                 if fold16_here:
                     if onnxruntime_folds_all:  # (the plain graphs the rewrite below was made for)
-                        self._keep_tables_8bit(split, gather_dequantized_rows)
+                        table = self._keep_tables_8bit(split, gather_dequantized_rows, table)
                     deferred = set()
                 else:
-                    deferred = plan_fold(split, options, share=share_planned) if not (self.on_gpu or converting) else set()
+                    deferred = plan_fold(split, options, share=share_planned, table=table) \
+                        if not (self.on_gpu or converting) else set()
                 # (constants moved above; the placeholders are refreshed below, after graph_reads)
                 fold_into(split, progress=s["progress"], only=lambda n: n.output[0] not in deferred, subgraphs=True,
-                          ahead=ahead, constants=False, refresh=converting, dequantize_only=onnxruntime_folds_all)
+                          ahead=ahead, constants=False, refresh=converting, dequantize_only=onnxruntime_folds_all,
+                          table=table)
                 self.fold_route = "here" if not deferred else "here+onnxruntime"
         else:
             from .runtime_int8 import prepare_quantized
 
             _wait_weights(split, self.source)
+            table = None  # (the quantized rewrite adds and replaces nodes)
             disabled |= prepare_quantized(split, bits=4 if mode == "int4" else 8, options=options, notes=self.notes)
             for line in self.notes:
                 log.info("passes.InferenceSession(%s): mode=%s: %s", self.source.name, mode, line)
@@ -787,8 +791,9 @@ class InferenceSession(ort.InferenceSession):
             from .precision import convert_split
 
             _wait_weights(split, self.source)
+            table = None  # (the conversion adds Cast nodes)
             convert_split(split, target, keep_io_types=s["keep_io_types"])
-        reads = graph_reads(split.skeleton.graph, split.weights)
+        reads = graph_reads(split.skeleton.graph, split.weights, table=table)
         split.refresh_placeholders(reads.used)
         self.weight_arrays = split.weights
         extra = None
@@ -834,14 +839,17 @@ class InferenceSession(ort.InferenceSession):
         attached = self.shared_names or device_values or any(n not in self.shared_names for n in self.weight_arrays)
         return options.build(private=bool(attached)), disabled, model_bytes
 
-    def _keep_tables_8bit(self, split, gather_dequantized_rows) -> None:
+    def _keep_tables_8bit(self, split, gather_dequantized_rows, table):
         """float16 on a CPU: embedding tables are not folded whole: their rows are dequantized as
         gathered (minilm_fp16 q8.onnxz, 3 interleaved A/Bs at load 6-8: CPU to a ready session 2-15%
-        lower at the min, -5%..+9% at the median; peak RSS 182 -> 171 MB)."""
-        for table in gather_dequantized_rows(split):
-            self.notes.append(f"{table}: 8-bit embedding table kept, rows dequantized as gathered "
+        lower at the min, -5%..+9% at the median; peak RSS 182 -> 171 MB). Returns the graph's
+        NodeTable: `table` when nothing was rewritten, else a new one (the rewrite replaces nodes)."""
+        rewritten = gather_dequantized_rows(split, table)
+        for name in rewritten:
+            self.notes.append(f"{name}: 8-bit embedding table kept, rows dequantized as gathered "
                               f"(bit-identical to the folded table)")
             log.info("passes.InferenceSession(%s): mode=fold: %s", self.source.name, self.notes[-1])
+        return NodeTable(split.skeleton.graph) if rewritten else table
 
     # onnxruntime's loader, with the weights attached to our private options: shared ones kept
     # alive with the session, copied ones dropped as soon as onnxruntime holds its copy

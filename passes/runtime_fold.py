@@ -15,7 +15,7 @@ from .errors import InvalidArgumentError
 from .graph import NameAllocator
 from .runtime_arena import Arena, MemoryOwners
 from .runtime_dequantize import dequantize as _dequantize, kernel_name, layout as _layout
-from .runtime_feed import GRAPH_OPS, SplitModel, main_graph_uses, subgraphs
+from .runtime_feed import GRAPH_OPS, NodeTable, SplitModel, main_graph_uses, node_table, subgraphs
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -206,9 +206,9 @@ class FoldAhead:
 _QUANTIZE_OPS = frozenset({("", "QuantizeLinear"), ("", "DynamicQuantizeLinear")})
 
 
-def fold_facts(split: SplitModel) -> tuple[bool, bool]:
-    """(foldable, onnxruntime_folds_all) from one walk of the graph (each walk over a ResNet-50's 900
-    nodes costs about a millisecond of protobuf access, and the load takes both answers).
+def fold_facts(split: SplitModel, table: NodeTable | None = None) -> tuple[bool, bool]:
+    """(foldable, onnxruntime_folds_all) from one walk of the graph's NodeTable (`table`: the
+    caller's, when it has one; the load takes both answers).
 
     foldable: whether any node (subgraphs included) is one fold_into may replace: a DequantizeLinear,
     an operator with a registered folder, or a Gather with a Cast (palettes).
@@ -230,27 +230,25 @@ def fold_facts(split: SplitModel) -> tuple[bool, bool]:
     as onnxruntime's) plus parsing float16 instead of int8 bytes delays its parse. (Since then, on an
     AVX-512 CPU, the float16 route folds here, each weight as soon as its levels decode: runtime.py.)"""
     folders = _folders()
+    table = node_table(split.skeleton.graph, table)
     foldable, folds_all = False, True
-    casts, gathers, inner = [], [], []
-    for node in split.skeleton.graph.node:
-        op_type, domain = node.op_type, node.domain
-        key = (domain or "", op_type)
+    casts, gathers = [], []
+    for row in table.rows:
+        op_type, domain = row[0], row[1]
         if op_type == "DequantizeLinear":
             foldable = True
             folds_all = folds_all and domain in ("", "ai.onnx")
-        elif key in folders:
+        elif (domain or "", op_type) in folders:
             foldable, folds_all = True, False
-        elif key in _QUANTIZE_OPS:
+        elif (domain or "", op_type) in _QUANTIZE_OPS:
             folds_all = False
         elif op_type == "Cast":
-            casts.append(node)
+            casts.append(row)
         elif op_type == "Gather":
-            gathers.append(node)
-        if op_type in GRAPH_OPS or domain not in ("", "ai.onnx"):
-            graphs = subgraphs(node)
-            if graphs:
-                folds_all = False
-                inner.extend(graphs)
+            gathers.append(row)
+    inner = table.subgraphs()
+    if inner:
+        folds_all = False
     while inner and not foldable:  # inside subgraphs only whether something is foldable counts
         for node in inner.pop().node:
             if node.op_type == "DequantizeLinear" or (node.domain or "", node.op_type) in folders:
@@ -260,13 +258,13 @@ def fold_facts(split: SplitModel) -> tuple[bool, bool]:
     if casts and gathers:  # palettes: Gather(constant table, Cast(constant indices)), see _fold_palettes
         # (indices or table in a small Constant node count too: constants_to_initializers makes them
         # initializers before fold_into looks for palettes)
-        inits = split.initializer_names() | {n.output[0] for n in split.skeleton.graph.node
-                                              if n.op_type == "Constant" and n.output}
-        cast_of_constant = {n.output[0] for n in casts if n.input and n.input[0] in inits}
-        for n in gathers:
-            if len(n.input) == 2 and n.input[1] in cast_of_constant:
+        inits = split.initializer_names() | {outputs[0] for op_type, _, _, outputs in table.rows
+                                              if op_type == "Constant" and outputs}
+        cast_of_constant = {outputs[0] for _, _, inputs, outputs in casts if inputs and inputs[0] in inits}
+        for _, _, inputs, _ in gathers:
+            if len(inputs) == 2 and inputs[1] in cast_of_constant:
                 folds_all = False
-                foldable = foldable or n.input[0] in inits
+                foldable = foldable or inputs[0] in inits
     return foldable, folds_all
 
 
@@ -276,35 +274,38 @@ def fold_facts(split: SplitModel) -> tuple[bool, bool]:
 SHARED_FOLD_MIN_SHARE = 0.05
 
 
-def little_to_share(split: SplitModel) -> bool:
+def little_to_share(split: SplitModel, table: NodeTable | None = None) -> bool:
     """Whether folding here would share almost nothing with onnxruntime: the constant
     DequantizeLinear nodes whose every reader is a shareable operator input (SHAREABLE_CONSUMERS)
     hold at most SHARED_FOLD_MIN_SHARE of the quantized bytes. The other big ones (Conv weights,
     which onnxruntime reorders) are left to onnxruntime's constant folding anyway (plan_fold); then
     folding the few shareable ones here costs more in graph walks than it saves (open_nsfw q8:
     52 Conv weights and one 2048x2 MatMul weight). Call only where onnxruntime_folds_all holds
-    (main-graph standard DequantizeLinear nodes, no subgraph)."""
+    (main-graph standard DequantizeLinear nodes, no subgraph). `table`: the graph's NodeTable."""
     from .runtime_feed import SHAREABLE_CONSUMERS
 
     graph = split.skeleton.graph
+    table = node_table(graph, table)
     quantized = {}  # DequantizeLinear output -> bytes of its quantized input
-    for node in graph.node:
-        if node.op_type == "DequantizeLinear" and node.input:
-            q = split.weights.get(node.input[0])
-            quantized[node.output[0]] = q.nbytes if q is not None else 0
+    for op_type, _, inputs, outputs in table.rows:
+        if op_type == "DequantizeLinear" and inputs:
+            q = split.weights.get(inputs[0])
+            quantized[outputs[0]] = q.nbytes if q is not None else 0
     total = sum(quantized.values())
     if not total:
         return True
     unshared = {o.name for o in graph.output if o.name in quantized}
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if name in quantized and index not in SHAREABLE_CONSUMERS.get((node.domain or "", node.op_type), ()):
+    for op_type, domain, inputs, _ in table.rows:
+        if quantized.keys().isdisjoint(inputs):
+            continue
+        for index, name in enumerate(inputs):
+            if name in quantized and index not in SHAREABLE_CONSUMERS.get((domain or "", op_type), ()):
                 unshared.add(name)
     shareable = sum(size for name, size in quantized.items() if name not in unshared)
     return shareable <= SHARED_FOLD_MIN_SHARE * total
 
 
-def gather_dequantized_rows(split: SplitModel) -> list:
+def gather_dequantized_rows(split: SplitModel, table: NodeTable | None = None) -> list:
     """Embedding tables read only by a Gather (axis 0) through a constant DequantizeLinear are
     dequantized as their rows are gathered, at run time, instead of folded whole at load:
     Gather(DequantizeLinear(q, s, zp), ids) becomes DequantizeLinear(Gather(q, ids), s, zp), the
@@ -315,11 +316,11 @@ def gather_dequantized_rows(split: SplitModel) -> list:
     Used where onnxruntime folds everything (float16 weights on a CPU): its constant folding of a
     float16 DequantizeLinear costs several times its float32 one, and an embedding table is often
     the largest weight (MiniLM: 11.7 M of its 22 M weights). The table stays 8-bit in memory; a
-    run dequantizes only the rows it reads."""
+    run dequantizes only the rows it reads. `table`: the graph's NodeTable (a rewrite here adds
+    nodes: the caller's table is then no longer current)."""
     graph = split.skeleton.graph
-    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output}
-    if not any(n.op_type == "Gather" and n.input and n.input[0] in dequantized for n in graph.node):
-        return []  # (most models: the reader map below costs several times these two walks)
+    if not reads_gathered_dequantize(node_table(graph, table)):
+        return []  # (most models: the reader map below costs several times this look)
     readers = main_graph_uses(graph)  # subgraph reads and graph outputs count: the table stays then
     outputs = {o.name for o in graph.output}
     inits = split.initializer_names()
@@ -376,6 +377,13 @@ def gather_dequantized_rows(split: SplitModel) -> list:
     return rewritten
 
 
+def reads_gathered_dequantize(table: NodeTable) -> bool:
+    """Whether a Gather of the main graph reads a DequantizeLinear output (an embedding table that
+    gather_dequantized_rows may rewrite)."""
+    dequantized = {outputs[0] for op_type, _, _, outputs in table.rows if op_type == "DequantizeLinear" and outputs}
+    return any(op_type == "Gather" and inputs and inputs[0] in dequantized for op_type, _, inputs, _ in table.rows)
+
+
 def _gather_rows_plan(node, split: SplitModel, readers: dict, outputs: set, inits: set):
     """(gather node, table shape, "tensor" | "column" | "row") when `node` is a constant
     DequantizeLinear of a 2-D 8-bit table whose only reader is input 0 of a Gather on axis 0;
@@ -411,18 +419,21 @@ def _gather_rows_plan(node, split: SplitModel, readers: dict, outputs: set, init
     return gather, q.shape, "row" if axis == 0 else "column"
 
 
-def constant_foldable_nodes(split: SplitModel, folders: dict) -> list:
-    """Main-graph nodes with a folder whose inputs are all initializers."""
+def constant_foldable_nodes(split: SplitModel, folders: dict, table: NodeTable | None = None) -> list:
+    """Main-graph nodes with a folder whose inputs are all initializers (`table`: the graph's
+    NodeTable)."""
     inits = split.initializer_names()
+    nodes = split.skeleton.graph.node
     return [
-        n for n in split.skeleton.graph.node
-        if ((n.domain or "", n.op_type) in folders or (n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx")))
-        and n.input and all((not i) or i in inits for i in n.input)
+        nodes[k] for k, (op_type, domain, inputs, _) in enumerate(node_table(split.skeleton.graph, table).rows)
+        if ((domain or "", op_type) in folders or (op_type == "DequantizeLinear" and domain in ("", "ai.onnx")))
+        and inputs and all((not name) or name in inits for name in inputs)
     ]
 
 
 def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead: bool = False,
-              constants: bool = True, refresh: bool = True, dequantize_only: bool = False) -> int:
+              constants: bool = True, refresh: bool = True, dequantize_only: bool = False,
+              table: NodeTable | None = None) -> int:
     """Replace constant DequantizeLinear (and other registered constant-form) nodes by their
     float initializers (subgraphs too unless `only` is given or subgraphs=False); returns how
     many were folded. `only`: optional predicate on a main-graph node. `ahead` (only where
@@ -435,21 +446,24 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
     that the main graph's foldable nodes are standard DequantizeLinear nodes and that no node holds
     a subgraph: the subgraph and palette walks, which would find nothing, are skipped, and readers
     are counted only for the names the folded nodes read (three walks over every node fewer, on the
-    main thread before onnxruntime can start)."""
+    main thread before onnxruntime can start). `table`: the graph's NodeTable, kept current here
+    (the folded nodes' rows are removed with them)."""
     decode = split.pending if ahead else None
     jobs = []
     # the outputs folded ahead are filled on the fold thread: small ones cut from shared arrays,
     # whose first touch maps huge pages (see runtime_arena)
     arena = Arena() if decode is not None else None
     folders = _folders()
+    table = node_table(split.skeleton.graph, table)
     if constants:
-        constants_to_initializers(split)
+        constants_to_initializers(split, table)
     if (subgraphs if subgraphs is not None else only is None) and not dequantize_only:
         fold_subgraphs(split.skeleton.graph, folders)
     types = {t.name: t.data_type for t in split.skeleton.graph.initializer}
-    nodes = [n for n in constant_foldable_nodes(split, folders) if only is None or only(n)]
+    nodes = [n for n in constant_foldable_nodes(split, folders, table) if only is None or only(n)]
     folded = set()
-    consumers = _consumer_counts(split.skeleton.graph, {i for n in nodes for i in n.input} if dequantize_only else None)
+    consumers = _consumer_counts(split.skeleton.graph, {i for n in nodes for i in n.input} if dequantize_only else None,
+                                 table)
     for done, node in enumerate(nodes, 1):
         arrays = [split.array(i) if i else None for i in node.input]
         if any(a is None for a, i in zip(arrays, node.input) if i):
@@ -487,7 +501,9 @@ def fold_into(split: SplitModel, progress=None, only=None, subgraphs=None, ahead
         folded |= _fold_palettes(split, consumers, only)
     if folded:
         graph = split.skeleton.graph
-        remove_nodes(graph, [i for i, n in enumerate(graph.node) if n.output and n.output[0] in folded])
+        gone = [i for i, row in enumerate(table.rows) if row[3] and row[3][0] in folded]
+        remove_nodes(graph, gone)
+        table.remove(gone)
         if refresh:
             split.refresh_placeholders()
     return len(folded)
@@ -532,7 +548,7 @@ def _fold_palettes(split: SplitModel, consumers: dict, only) -> set:
     return done
 
 
-def plan_fold(split: SplitModel, options, share: bool = True) -> set:
+def plan_fold(split: SplitModel, options, share: bool = True, table: NodeTable | None = None) -> set:
     """Which constant DequantizeLinear nodes onnxruntime should fold itself (their output names).
 
     A weight we fold and share costs one float copy (ours). A weight whose consumers need its
@@ -552,12 +568,13 @@ def plan_fold(split: SplitModel, options, share: bool = True) -> set:
     from .runtime_feed import consumers_shareable, main_graph_readers
 
     graph = split.skeleton.graph
-    readers = main_graph_readers(graph)
-    if any(n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear") for n in graph.node):
+    table = node_table(graph, table)
+    if any(row[0] in ("QuantizeLinear", "DynamicQuantizeLinear") for row in table.rows):
         return set()
+    readers = main_graph_readers(graph)
     folders = _folders()
     deferred = set()
-    for node in constant_foldable_nodes(split, folders):
+    for node in constant_foldable_nodes(split, folders, table):
         if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
             continue
         if split.array(node.input[0]) is None or split.array(node.input[0]).nbytes <= 4096:
@@ -569,20 +586,25 @@ def plan_fold(split: SplitModel, options, share: bool = True) -> set:
     return deferred
 
 
-def constants_to_initializers(split: SplitModel) -> None:
+def constants_to_initializers(split: SplitModel, table: NodeTable | None = None) -> None:
     """Main-graph Constant nodes holding a tensor become initializers (small ones stay inline),
-    so that a DequantizeLinear reading e.g. a Constant scale is constant-foldable here."""
+    so that a DequantizeLinear reading e.g. a Constant scale is constant-foldable here. `table`:
+    the graph's NodeTable, kept current (the moved nodes' rows are removed with them)."""
     graph = split.skeleton.graph
+    table = node_table(graph, table)
+    nodes = graph.node
     moved = []
-    for i, node in enumerate(graph.node):
-        if node.op_type != "Constant":
+    for i, row in enumerate(table.rows):
+        if row[0] != "Constant":
             continue
+        node = nodes[i]
         value = _constant_tensor(node)
         if value is not None:
             split.set_weight(node.output[0], numpy_helper.to_array(value))
             moved.append(i)
     if moved:
         remove_nodes(graph, moved)
+        table.remove(moved)
 
 
 def _constant_tensor(node):
@@ -664,23 +686,22 @@ def _names_read(g) -> set:
     return used
 
 
-def _consumer_counts(graph, names=None) -> dict:
+def _consumer_counts(graph, names=None, table: NodeTable | None = None) -> dict:
     """name -> how many times it is read (node inputs, subgraphs' outer-scope reads, graph outputs);
     `names` (a set): only the reads of those by nodes counted (a node reading none of them is
-    skipped in C), and every read by subgraphs and outputs."""
+    skipped in C), and every read by subgraphs and outputs. `table`: the graph's NodeTable."""
+    table = node_table(graph, table)
     counts = {}
-    for node in graph.node:
-        inputs = node.input
+    for row in table.rows:
+        inputs = row[2]
         if names is not None and names.isdisjoint(inputs):
-            inputs = ()
+            continue
         for name in inputs:
             if names is None or name in names:
                 counts[name] = counts.get(name, 0) + 1
-        if node.op_type not in GRAPH_OPS and node.domain in ("", "ai.onnx"):
-            continue  # (no graph: see fold_subgraphs)
-        for g in subgraphs(node):  # names a subgraph reads from the outer scope count as uses
-            for inner in _consumer_counts(g):
-                counts[inner] = counts.get(inner, 0) + 1
+    for g in table.subgraphs():  # names a subgraph reads from the outer scope count as uses
+        for inner in _consumer_counts(g):
+            counts[inner] = counts.get(inner, 0) + 1
     for o in graph.output:
         counts[o.name] = counts.get(o.name, 0) + 1
     return counts

@@ -230,3 +230,42 @@ def test_a_palette_indexed_by_a_constant_node_is_still_folded(monkeypatch):
     assert [n.op_type for n in split.skeleton.graph.node] == ["MatMul"]
     want = numpy_helper.to_array(table)[numpy_helper.to_array(indices).astype(np.int64)]
     np.testing.assert_array_equal(split.array("W"), want)
+
+
+def test_one_node_table_through_the_fold_steps_gives_what_the_walks_gave(tmp_path):
+    """The fold route's steps read one runtime_feed.NodeTable (see NodeTable), kept current as
+    constants_to_initializers and fold_into remove nodes: every answer, the graph and the weights
+    are those of the same steps each walking the graph itself; a stale table is never used."""
+    from passes.precision import dominant_float_dtype
+    from passes.runtime_feed import NodeTable, graph_reads, node_table, operator_counts
+    from passes.runtime_source import read_split
+
+    q8, _ = _packed_q8(tmp_path, _float16_mlp(seed=6))
+    graph = q8.graph
+    shape = numpy_helper.from_array(np.array([3, 96], np.int64), "shape")
+    graph.node.insert(0, helper.make_node("Constant", [], ["shape"], value=shape))
+    graph.node.append(helper.make_node("Reshape", [graph.output[0].name, "shape"], ["y"]))
+    graph.output[0].name = "y"
+    onnx.save(q8, str(tmp_path / "with_constant.onnx"))
+    walked, tabled = read_split(tmp_path / "with_constant.onnx"), read_split(tmp_path / "with_constant.onnx")
+    table = NodeTable(tabled.skeleton.graph)
+    assert dominant_float_dtype(walked) == dominant_float_dtype(tabled, table) == np.float16
+    assert runtime_fold.fold_facts(walked) == runtime_fold.fold_facts(tabled, table) == (True, True)
+    assert runtime_fold.little_to_share(walked) == runtime_fold.little_to_share(tabled, table)
+    runtime_fold.constants_to_initializers(walked)
+    runtime_fold.constants_to_initializers(tabled, table)
+    assert table.current() and "Constant" not in [row[0] for row in table.rows]
+    assert runtime_fold.fold_into(walked, constants=False, dequantize_only=True) == \
+        runtime_fold.fold_into(tabled, constants=False, dequantize_only=True, table=table) == 4
+    assert table.current() and [row[:3] for row in table.rows] == \
+        [(n.op_type, n.domain, list(n.input)) for n in tabled.skeleton.graph.node]
+    assert walked.skeleton.SerializeToString() == tabled.skeleton.SerializeToString()
+    assert sorted(walked.weights) == sorted(tabled.weights)
+    a, b = graph_reads(walked.skeleton.graph, walked.weights), graph_reads(tabled.skeleton.graph, tabled.weights,
+                                                                          table=table)
+    assert (a.used, a.readers, a.outer, a.op_counts) == (b.used, b.readers, b.outer, b.op_counts)
+    assert operator_counts(tabled.skeleton.graph, table) == a.op_counts
+    # a table no longer listing the graph's nodes is not used: a fresh one is read
+    tabled.skeleton.graph.node.add().CopyFrom(helper.make_node("Identity", ["y"], ["z"]))
+    assert not table.current() and node_table(tabled.skeleton.graph, table) is not table
+    assert operator_counts(tabled.skeleton.graph, table)["Identity"] == 1

@@ -73,7 +73,7 @@ def test_failed_session_load_stops_the_background_decode(slow_pack, monkeypatch)
 
     packed, decoded, first = slow_pack
 
-    def failing_walk(split):
+    def failing_walk(split, table=None):
         first.wait(5)
         raise InvalidModelError("test: the rewrite failed")
 
