@@ -235,7 +235,8 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
     last axis of its input is 1 too (a recurrent state [layers, batch, hidden] exported without
     names: silero VAD 6's state [2, ?, 128] beside its input [?, ?]). Floats ~ N(0, 1); integer
     inputs in [0, 100) (valid token ids; below the rows of a table the input indexes, see
-    gather_index_bounds), except names containing "mask" (ones) and "length" (the sequence size);
+    gather_index_bounds), except an RNN / LSTM / GRU's sequence_lens (in 1..seq_length, see
+    sequence_length_bounds), names containing "mask" (ones) and "length" (the sequence size);
     bool inputs random.
     """
     model = load_model(model)
@@ -286,6 +287,7 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
         specs[i][2][axis] = graph.evaluate_dim_expression(param, named_dims) or dim
     specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
     index_bounds = gather_index_bounds(model)
+    sequence_bounds = sequence_length_bounds(model, {name: shape for name, _, shape in specs})
 
     feeds = []
     for _ in range(n):
@@ -296,6 +298,8 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
                 value = rng.standard_normal(shape).astype(dtype)
             elif dtype.kind == "b":
                 value = rng.integers(0, 2, size=shape).astype(bool)
+            elif name in sequence_bounds:  # an RNN's sequence_lens: each in 1..seq_length, or onnxruntime refuses
+                value = rng.integers(1, sequence_bounds[name] + 1, size=shape).astype(dtype)
             elif "mask" in lname:
                 value = np.ones(shape, dtype=dtype)
             elif "length" in lname or "len" == lname:
@@ -313,6 +317,10 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
 _INDEX_CARRIERS = graph.VALUE_MOVING_OPS | {"Cast", "Concat"}
 # com.microsoft's fused BERT embedding: its input i indexes the table at input j
 _EMBED_LAYER_NORM_TABLES = {0: 2, 1: 4}
+# ops a weight table is read through on its way to a Gather, keeping its dims
+_TABLE_CARRIERS = {"DequantizeLinear", "Cast", "Identity"}
+# the recurrent ops and the input index of their sequence_lens ([batch] lengths, each 1..seq_length)
+_SEQUENCE_LENS_INPUT = {"RNN": 4, "GRU": 4, "LSTM": 4}
 
 
 def gather_index_bounds(model: onnx.ModelProto) -> dict[str, int]:
@@ -324,17 +332,22 @@ def gather_index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     initializer, its Constant node or the DequantizeLinear that a compressed model reads it
     through (the dims alone: external data is not loaded)."""
     g = model.graph
-    dims: dict[str, list[int]] = {t.name: list(t.dims) for t in g.initializer}
-    for node in g.node:
+    nodes = [node for info in graph.iter_graphs(model) for node in info.graph.node]
+    dims: dict[str, list[int]] = {t.name: list(t.dims) for info in graph.iter_graphs(model)
+                                  for t in info.graph.initializer}
+    for node in nodes:
         if node.op_type == "Constant" and node.output:
             for a in node.attribute:
                 if a.name == "value" and a.HasField("t"):
                     dims[node.output[0]] = list(a.t.dims)
-    for node in g.node:  # a compressed model reads its tables through DequantizeLinear
-        if node.op_type == "DequantizeLinear" and node.input and node.input[0] in dims and node.output:
+    # a compressed model reads its tables through DequantizeLinear, a float16 one (keep_io_types)
+    # through a Cast to float32; nodes are in order, so chains of them resolve in one sweep
+    for node in nodes:
+        if node.op_type in _TABLE_CARRIERS and node.input and node.input[0] in dims and node.output:
             dims.setdefault(node.output[0], dims[node.input[0]])
+    # readers in every graph: a Gather inside an If branch or a Loop body reads the outer input by name
     readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in g.node:
+    for node in nodes:
         for name in node.input:
             if name:
                 readers.setdefault(name, []).append(node)
@@ -366,6 +379,82 @@ def gather_index_bounds(model: onnx.ModelProto) -> dict[str, int]:
                 if rows and rows > 0:
                     bounds[start] = min(rows, bounds.get(start, rows))
     return bounds
+
+
+def sequence_length_bounds(model: onnx.ModelProto, shapes: dict[str, tuple]) -> dict[str, int]:
+    """For each integer graph input that is (or is cast into) the sequence_lens of an RNN, GRU or
+    LSTM, the shortest seq_length of those nodes' X at the input shapes `shapes` {input name: shape}
+    the feeds are synthesised at; 1 where it cannot be inferred (always in range).
+
+    Why: onnxruntime refuses a sequence_lens value outside 1..seq_length ("Invalid sequence
+    length"), and the token-id range [0, 100) (or a name's "length" at 64) put such values in: a
+    model with a sequence_lens input could not be measured without user feeds. X's seq_length is
+    its axis 0 (axis 1 with layout=1): read from the input's own shape when X is a graph input,
+    else from shape inference at those shapes."""
+    g = model.graph
+    nodes = [node for info in graph.iter_graphs(model) for node in info.graph.node]
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            if name:
+                readers.setdefault(name, []).append(node)
+    recurrent: dict[str, list[tuple[str, int]]] = {}  # graph input -> [(X name, seq axis)]
+    for start in shapes:
+        seen, todo = {start}, [start]
+        while todo:
+            name = todo.pop()
+            for node in readers.get(name, ()):
+                at = _SEQUENCE_LENS_INPUT.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+                if at is not None and at < len(node.input) and node.input[at] == name and node.input[0]:
+                    layout = next((a.i for a in node.attribute if a.name == "layout"), 0)
+                    recurrent.setdefault(start, []).append((node.input[0], 1 if layout == 1 else 0))
+                elif node.op_type in ("Cast", "Identity") and node.domain in ("", "ai.onnx") and node.output:
+                    if node.output[0] not in seen:
+                        seen.add(node.output[0])
+                        todo.append(node.output[0])
+    if not recurrent:
+        return {}
+    known = dict(shapes)
+    if any(x not in known for uses in recurrent.values() for x, _ in uses):
+        known.update(_inferred_shapes(model, shapes))
+    bounds = {}
+    for start, uses in recurrent.items():
+        lengths = []
+        for x, axis in uses:
+            shape = known.get(x)
+            size = shape[axis] if shape is not None and axis < len(shape) else None
+            lengths.append(size if isinstance(size, int) and size >= 1 else 1)
+        bounds[start] = min(lengths)
+    return bounds
+
+
+def _inferred_shapes(model: onnx.ModelProto, shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """{value name: shape} by onnx's shape inference with the graph inputs at `shapes`, on a copy
+    without the main graph's large payloads (their dims are all inference reads); sizes it cannot
+    give are None. Empty when inference refuses the model."""
+    large = {t.name for t in model.graph.initializer if t.ByteSize() > 4096}
+    probe = graph.copy_model(model, large)
+    for t in probe.graph.initializer:
+        if t.name in large:  # dims kept, payload gone: typed inputs instead, as the checker's view
+            probe.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    kept = [t for t in probe.graph.initializer if t.name not in large]
+    del probe.graph.initializer[:]
+    probe.graph.initializer.extend(kept)
+    for vi in probe.graph.input:
+        if vi.name in shapes and vi.type.HasField("tensor_type"):
+            vi.type.tensor_type.shape.ClearField("dim")
+            for size in shapes[vi.name]:
+                vi.type.tensor_type.shape.dim.add().dim_value = int(size)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False)
+    except Exception:  # noqa: BLE001 - nothing to learn from a model inference refuses
+        return {}
+    found = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            found[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None
+                                   for d in vi.type.tensor_type.shape.dim)
+    return found
 
 
 # sizes tried for the dynamic dimensions, in order, when the model does not run at the smaller

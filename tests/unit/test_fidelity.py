@@ -631,3 +631,77 @@ def test_an_output_beside_output0_that_moved_is_named():
     assert pooled.metrics["snr"] - pooled.metrics["snr_min"] > 10
     assert any("'scores'" in n and "below the pooled snr" in n for n in pooled.notes), pooled.notes
     assert not any("output 0 only" in n for n in pooled.notes)
+
+
+# ------------------------------------------------------------------------------ index-like inputs
+
+
+def _recurrent(op: str, layout: int = 0, x_dims=("T", "B", 8), lens_name="seq", computed_x=False) -> onnx.ModelProto:
+    """One RNN / GRU / LSTM whose sequence_lens is a graph input (int32, through a Cast from int64
+    when named 'ids'), X either the graph input or a Transpose of it (computed: only shape
+    inference knows its seq_length)."""
+    gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
+    h, i = 4, 8
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((1, gates * h, i)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((1, gates * h, h)).astype(np.float32), "R")]
+    nodes, x = [], "x"
+    if computed_x:  # x arrives [B, T, 8] and is transposed to the layout the op reads
+        nodes.append(helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2] if layout == 0 else [0, 1, 2]))
+        x = "xt"
+    lens_type = TensorProto.INT64 if lens_name == "ids" else TensorProto.INT32
+    lens = lens_name
+    if lens_type == TensorProto.INT64:
+        nodes.append(helper.make_node("Cast", [lens_name], ["lens32"], to=TensorProto.INT32))
+        lens = "lens32"
+    nodes.append(helper.make_node(op, [x, "W", "R", "", lens], ["y"], hidden_size=h, layout=layout))
+    batch_axis = 1 if layout == 0 and not computed_x else 0
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_dims)),
+              helper.make_tensor_value_info(lens_name, lens_type, [x_dims[batch_axis]])]
+    g = helper.make_graph(nodes, "rec", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+
+
+@pytest.mark.parametrize("op", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("case", ["fixed", "dynamic", "layout1", "computed", "cast"])
+def test_synthesised_sequence_lens_are_within_the_sequence(op, case):
+    """sequence_lens got token ids in [0, 100) (or 64 for a name with 'length'): onnxruntime
+    refused the run ('Invalid sequence length') and no such model could be measured without feeds."""
+    model, length = {
+        "fixed": (lambda: _recurrent(op, x_dims=(5, 3, 8)), 5),
+        "dynamic": (lambda: _recurrent(op, lens_name="sequence_length"), F.DEFAULT_DIM),
+        "layout1": (lambda: _recurrent(op, layout=1, x_dims=(3, 7, 8)), 7),
+        "computed": (lambda: _recurrent(op, x_dims=(3, 6, 8), computed_x=True), 6),
+        "cast": (lambda: _recurrent(op, x_dims=(9, 2, 8), lens_name="ids"), 9),
+    }[case]
+    model = model()
+    feeds = F.synthesize_feeds(model, n=3)
+    lens_name = model.graph.input[1].name
+    values = np.concatenate([f[lens_name].ravel() for f in feeds])
+    assert values.min() >= 1 and values.max() <= length
+    if case != "layout1":  # (onnxruntime's CPU kernels refuse layout=1 outright)
+        assert len(F.run_outputs(model, feeds)) == 3  # onnxruntime runs every feed
+
+
+def test_gather_bounds_follow_a_cast_table_and_a_branch():
+    """Token ids index a float16 table cast to float32 (a keep_io_types converter's form), and a
+    second table only inside an If branch: both tables' rows bound the synthesised ids."""
+    rng = np.random.default_rng(0)
+    table16 = numpy_helper.from_array(rng.standard_normal((30, 4)).astype(np.float16), "table16")
+    small = numpy_helper.from_array(rng.standard_normal((7, 4)).astype(np.float32), "small")
+    branch = helper.make_graph([helper.make_node("Gather", ["small", "ids"], ["b_out"])], "then", [],
+                               [helper.make_tensor_value_info("b_out", TensorProto.FLOAT, None)], [small])
+    other = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["o_out"])], "else", [],
+                              [helper.make_tensor_value_info("o_out", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Cast", ["table16"], ["table"], to=TensorProto.FLOAT),
+             helper.make_node("Gather", ["table", "ids"], ["emb"]),
+             helper.make_node("If", ["flag"], ["picked"], then_branch=branch, else_branch=other),
+             helper.make_node("Add", ["emb", "picked"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 5]),
+                                       helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [table16])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    assert F.gather_index_bounds(model) == {"ids": 7}
+    feeds = F.synthesize_feeds(model, n=4)
+    assert max(int(f["ids"].max()) for f in feeds) < 7
+    F.run_outputs(model, feeds)
