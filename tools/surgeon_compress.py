@@ -294,7 +294,10 @@ def _measurable(model, feeds, what: str) -> tuple[Any, list[str]]:
     """`model`, or where onnxruntime has no kernels for its old opset, the model raised to an opset
     it runs, checked against onnx's reference evaluator of `model` (tools/legacy_opset.py), with the
     note that says so."""
-    from tools.legacy_opset import measurable
+    if __package__:  # tools.surgeon_compress in the repository, surgeon_compress_cli.surgeon_compress installed
+        from .legacy_opset import measurable
+    else:  # run as a file (python tools/surgeon_compress.py): its folder is on sys.path
+        from legacy_opset import measurable
 
     raised, note = measurable(model, feeds, what)
     return raised, [note] if note else []
