@@ -994,7 +994,8 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     2..8, an unknown run_as or fused_matmul_form, feeds that do not fit the model, outputs that are all
     NaN / infinite on the feeds, a top1 target on an output 0 without a class axis, or a model that
     does not run on synthesised inputs; the loader's errors
-    (passes.load_model: FileAccessError, InvalidModelError, ...) for a model that cannot be read, and
+    (passes.load_model: FileAccessError, InvalidModelError, ...) for a model that cannot be read,
+    InvalidModelError naming the problem for a model onnx.checker refuses (graph.refuse_invalid), and
     InvalidModelError where onnxruntime cannot run it on the given feeds."""
     search = _Search(model, target=target, metric_args=metric_args, bits=bits, granularity=granularity,
                      ref_bits=ref_bits, error_feedback=gptq, min_elements=min_elements, run_as=run_as,
@@ -1071,6 +1072,8 @@ class _Search:
             graph.toposort(ordered)
             src = ordered
             self.notes.append("nodes sorted topologically (the input graph was not)")
+        # a model the checker refuses is named here, not later as "does not run on synthesised inputs"
+        graph.refuse_invalid(src)
         if run_as == "fold":
             self.notes.append("candidates measured with their weights folded to float (run_as='fold')")
         self.src = src

@@ -78,6 +78,7 @@ PASSES = {
     "quantize nothing": lambda m: passes.quantize_weights(m, min_elements=10 ** 9),
     "quantize 4-bit blocks": lambda m: passes.quantize_weights(m, bits=4, granularity="block", block_size=32),
     "palette": lambda m: passes.palettize(m),
+    "auto": lambda m: passes.compress(m, target="snr>=20")[0],
 }
 
 
