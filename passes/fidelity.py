@@ -432,14 +432,7 @@ def _inferred_shapes(model: onnx.ModelProto, shapes: dict[str, tuple]) -> dict[s
     """{value name: shape} by onnx's shape inference with the graph inputs at `shapes`, on a copy
     without the main graph's large payloads (their dims are all inference reads); sizes it cannot
     give are None. Empty when inference refuses the model."""
-    large = {t.name for t in model.graph.initializer if t.ByteSize() > 4096}
-    probe = graph.copy_model(model, large)
-    for t in probe.graph.initializer:
-        if t.name in large:  # dims kept, payload gone: typed inputs instead, as the checker's view
-            probe.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    kept = [t for t in probe.graph.initializer if t.name not in large]
-    del probe.graph.initializer[:]
-    probe.graph.initializer.extend(kept)
+    probe = graph.payload_free_view(model)
     for vi in probe.graph.input:
         if vi.name in shapes and vi.type.HasField("tensor_type"):
             vi.type.tensor_type.shape.ClearField("dim")

@@ -339,15 +339,7 @@ def refuse_invalid(model: onnx.ModelProto, payloads: dict[str, TensorProto] | No
         if t.name in payloads or t.ByteSize() > _CHECK_STUB_BYTES:  # (ByteSize: no copy of the payload)
             _check_raw_length(original)
             stubs.add(t.name)
-    view = copy_model(model, stubs)
-    g = view.graph
-    listed = {v.name for v in g.input}
-    typed = [t for t in g.initializer if t.name in stubs]
-    for i in reversed([i for i, t in enumerate(g.initializer) if t.name in stubs]):
-        del g.initializer[i]
-    for t in typed:
-        if t.name not in listed:
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    view = payload_free_view(model, stubs)
     # two checks, so that the declarations onnxruntime reads as hints only do not refuse a model it
     # runs (and the passes always took): a graph output declared without a type or shape (common in
     # hand-built and exported models alike) and declared shapes that inference contradicts. First
@@ -376,6 +368,25 @@ def refuse_invalid(model: onnx.ModelProto, payloads: dict[str, TensorProto] | No
         raise InvalidModelError(f"the model is not valid ONNX: {_first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - the checker raises several C++-bound types
         raise InvalidModelError(f"the model is not valid ONNX: {_first_line(exc)}") from None
+
+
+def payload_free_view(model: onnx.ModelProto, stubs: set[str] | None = None) -> onnx.ModelProto:
+    """A copy of `model` for onnx.checker and shape inference without the large weights: the
+    main-graph initializers named in `stubs` (default: those above _CHECK_STUB_BYTES) become typed
+    graph inputs of their type and dims (an IR 3 model's listed ones just lose the initializer).
+    Both read only their dims; copying their payloads would cost a copy of the model."""
+    if stubs is None:
+        stubs = {t.name for t in model.graph.initializer if t.ByteSize() > _CHECK_STUB_BYTES}
+    view = copy_model(model, stubs)
+    g = view.graph
+    listed = {v.name for v in g.input}
+    typed = [t for t in g.initializer if t.name in stubs]
+    for i in reversed([i for i, t in enumerate(g.initializer) if t.name in stubs]):
+        del g.initializer[i]
+    for t in typed:
+        if t.name not in listed:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return view
 
 
 def _first_line(exc: Exception) -> str:

@@ -446,3 +446,30 @@ def test_dim_expressions_are_sized_from_their_names(param, sizes, names, size):
 def test_other_dim_params_are_no_expressions(param):
     assert graph.dim_expression_names(param) is None
     assert graph.evaluate_dim_expression(param, {"a": 2, "b": 1, "N": 3, "batch_size": 1}) is None
+
+
+def test_the_payload_free_view_types_large_weights_as_inputs_once():
+    """refuse_invalid and the feed synthesis' shape inference read a view whose large weights are
+    typed inputs: an IR 3 model already lists them as inputs, and a second entry of the same name
+    made inference refuse the view (the feeds then fell back to 1 for sequence_lens)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from passes import graph
+
+    big = numpy_helper.from_array(np.ones((64, 32), np.float32), "W")
+    small = numpy_helper.from_array(np.ones((2,), np.int64), "shape")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Reshape", ["y", "shape"], ["z"])]
+    for listed in (False, True):
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])]
+        if listed:
+            inputs += [helper.make_tensor_value_info("W", TensorProto.FLOAT, [64, 32]),
+                       helper.make_tensor_value_info("shape", TensorProto.INT64, [2])]
+        g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                              [big, small])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=3 if listed else 8)
+        view = graph.payload_free_view(m)
+        assert [i.name for i in view.graph.input].count("W") == 1
+        assert [t.name for t in view.graph.initializer] == ["shape"]  # small ones keep their values
+        onnx.shape_inference.infer_shapes(view, strict_mode=True)
+        assert m.graph.initializer[0].raw_data  # the model itself untouched
