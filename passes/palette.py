@@ -122,7 +122,9 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     """A new model whose float weights (>= 2-D, >= min_elements, not biases nor tensors read as
     exact values), initializers and Constant nodes of the main graph and of If/Loop/Scan bodies,
     are palettized in their own graph (see the module docstring). include/exclude: fnmatch
-    patterns on weight names. Weights inside model-local functions stay float (a note)."""
+    patterns on weight names. Weights inside model-local functions stay float (a note).
+    Raises InvalidModelError for a model that is not valid ONNX (graph.refuse_invalid names the
+    problem), InvalidArgumentError for bad options."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
         raise InvalidArgumentError(f"palette bits must be an integer from 1 to 8, got {bits!r}")
     if group_rows is not None and (isinstance(group_rows, bool) or not isinstance(group_rows, (int, np.integer))

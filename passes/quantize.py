@@ -407,6 +407,10 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     scale_mantissa_bits: float32 weights' scales rounded to that many mantissa bits before their
     levels are chosen (forms.quantize_linear; 8: bfloat16 values, which the pack stores in two
     bytes instead of four). None keeps full float32 scales.
+
+    Raises InvalidModelError for a model that is not valid ONNX (graph.refuse_invalid names the
+    problem: the output would not be either), InvalidArgumentError for bad options,
+    UnsupportedFormError for a form this model's opset cannot be raised to.
     """
     block = _check_args(bits, granularity, block_size, min_elements)
     if scale_mantissa_bits is not None and (not isinstance(scale_mantissa_bits, (int, np.integer))
