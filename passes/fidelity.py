@@ -230,10 +230,11 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
                      inner_batch: bool = False) -> list[Feed]:
     """`n` random feeds built from the model's input specs, the same for the same seed.
 
-    Dynamic dimensions: the first one 1 (batch), others `dim` (64); a named dimension keeps one size
-    across inputs. inner_batch: an unnamed dynamic dimension that is neither the first nor the
-    last axis of its input is 1 too (a recurrent state [layers, batch, hidden] exported without
-    names: silero VAD 6's state [2, ?, 128] beside its input [?, ?]). Floats ~ N(0, 1); integer
+    Dynamic dimensions: the first one 1 (batch), others `dim` (64), except an RNN / GRU / LSTM's X
+    input, whose time axis is `dim` and batch axis 1; a named dimension keeps one size across
+    inputs. inner_batch: an unnamed dynamic dimension that is neither the first nor the last axis
+    of its input is 1 too (a recurrent state [layers, batch, hidden] exported without names:
+    silero VAD 6's state [2, ?, 128] beside its input [?, ?]). Floats ~ N(0, 1); integer
     inputs in [0, 100) (valid token ids; below the rows of a table the input indexes, see
     gather_index_bounds), except an RNN / LSTM / GRU's sequence_lens (in 1..seq_length, see
     sequence_length_bounds), names containing "mask" (ones) and "length" (the sequence size);
@@ -252,6 +253,9 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
                   if d.dim_param and graph.dim_expression_names(d.dim_param) is None}
     sums = []
     check_feedable(model)
+    # a recurrent op's X as a graph input: its time axis is the sequence, not a batch (1 step
+    # measured little), and its batch axis is the batch
+    time_batch_axes = _recurrent_input_axes(model)
     for vi in model_inputs(model):
         if not vi.type.HasField("tensor_type"):
             raise InvalidArgumentError(f"cannot synthesise input {vi.name!r}: not a tensor (pass --feeds)")
@@ -279,6 +283,9 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
                 continue
             inner = 0 < axis < len(vi.type.tensor_type.shape.dim) - 1
             size = DEFAULT_BATCH if axis == 0 or (inner_batch and inner and not named) else dim
+            if vi.name in time_batch_axes:
+                size = dim if axis == time_batch_axes[vi.name][0] else (
+                    DEFAULT_BATCH if axis == time_batch_axes[vi.name][1] else size)
             if named:
                 size = named_dims.setdefault(d.dim_param, size)
             shape.append(size)
@@ -426,6 +433,20 @@ def sequence_length_bounds(model: onnx.ModelProto, shapes: dict[str, tuple]) -> 
             lengths.append(size if isinstance(size, int) and size >= 1 else 1)
         bounds[start] = min(lengths)
     return bounds
+
+
+def _recurrent_input_axes(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
+    """{graph input: (time axis, batch axis)} for graph inputs read directly as an RNN / GRU /
+    LSTM's X (layout 0: [seq_length, batch, input]; layout 1: [batch, seq_length, input])."""
+    inputs = {vi.name for vi in model_inputs(model)}
+    found = {}
+    for info in graph.iter_graphs(model):
+        for node in info.graph.node:
+            if node.op_type in _SEQUENCE_LENS_INPUT and node.domain in ("", "ai.onnx") and node.input \
+                    and node.input[0] in inputs:
+                layout = next((a.i for a in node.attribute if a.name == "layout"), 0)
+                found.setdefault(node.input[0], (1, 0) if layout == 1 else (0, 1))
+    return found
 
 
 def _inferred_shapes(model: onnx.ModelProto, shapes: dict[str, tuple]) -> dict[str, tuple]:

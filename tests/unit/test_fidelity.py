@@ -705,3 +705,15 @@ def test_gather_bounds_follow_a_cast_table_and_a_branch():
     feeds = F.synthesize_feeds(model, n=4)
     assert max(int(f["ids"].max()) for f in feeds) < 7
     F.run_outputs(model, feeds)
+
+
+@pytest.mark.parametrize("op", ["RNN", "GRU", "LSTM"])
+def test_a_recurrent_input_is_synthesised_with_time_steps(op):
+    """X [?, ?, 8] of a recurrent op (layout 0: time first): the first dynamic axis is its sequence,
+    not a batch; it got 1 step (a one-step sequence measures little of a recurrence). Now `dim`
+    steps of batch 1, and sequence_lens within them."""
+    model = _recurrent(op, x_dims=(None, None, 8))
+    feeds = F.runnable_feeds(model, n=2)
+    assert feeds[0]["x"].shape == (F.DEFAULT_DIM, 1, 8)
+    assert all(1 <= int(f["seq"].max()) <= F.DEFAULT_DIM and f["seq"].shape == (1,) for f in feeds)
+    assert len(F.run_outputs(model, feeds)) == 2
