@@ -26,6 +26,16 @@ Values: float(q - zp) * scale rounded once to W's type, what DequantizeLinear co
 product of a level and a scale is exact in float32, so float16 rounds once either way).
 Blocked DequantizeLinear (block_size) and a scale or zero point read elsewhere are left as they are.
 
+float16 weights: the arithmetic is written in float32, with the stored tensors kept float16:
+    Cast(W_quantized -> FLOAT), Cast(W_scale -> FLOAT) [, Cast(W_zero_point -> FLOAT), Sub]
+    Mul -> W_product (float32) -> Cast(-> FLOAT16) -> W
+Why: onnxruntime's CPU provider has no float16 Mul kernel, and its constant folding only folds
+nodes it has a CPU kernel for: a float16 Mul(Cast(levels), scale) stayed in the graph and ran at
+every inference (all-MiniLM-L6-v2 in float16: 2.4x the float16 model's run time, and one warning
+per weight at each load). Every node of the float32 chain has a CPU kernel, so the chain folds at
+load; the values are the same bit for bit (the float32 product is exact, rounded once to float16).
+Files written with a float16 Mul are still read (folded, turned back into DequantizeLinear).
+
 Blocked form (as_blocked_cast_mul; the auto mode's blocked levels): one scale per block of B
 consecutive weights along an axis a whose length is a multiple of B, and per index of the
 other axes; standard ops that onnxruntime folds to a float weight at load (no opset raise):
@@ -37,6 +47,8 @@ fold_cast_mul folds it to W bit for bit; dequantize_graph / as_dequantize write 
 DequantizeLinear (axis a, block_size B, opset 21) for the int8 runtime.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -116,13 +128,38 @@ def _rewrite(node, wanted, inits, reads, alloc):
             zp = None
     out_name = node.output[0]
     _replace(s_t, scale.reshape(bshape))
-    nodes = [helper.make_node("Cast", [q_t.name], [alloc.take(out_name + "_levels")], name=alloc.take(out_name + "_Cast"),
-                              to=s_t.data_type)]
     if zp is not None:
         _replace(z_t, zp.astype(graph.NUMPY_TYPES[s_t.data_type]).reshape(bshape), s_t.data_type)
-        nodes.append(helper.make_node("Sub", [nodes[-1].output[0], z_t.name], [alloc.take(out_name + "_centred")],
+    return _level_chain(q_t.name, s_t.name, z_t.name if zp is not None else None, s_t.data_type, out_name, alloc)
+
+
+def _level_chain(q_name: str, s_name: str, zp_name: str | None, w_type: int, out_name: str, alloc,
+                 mul_name: str | None = None) -> list:
+    """Cast(levels) [- zero point] * scale -> out_name, in float32 arithmetic for a float16 weight
+    (the module docstring says why). `mul_name`: the product's name when something (a Reshape)
+    follows the chain; out_name is then the chain's last output."""
+    widen = w_type == TensorProto.FLOAT16
+    arith = TensorProto.FLOAT if widen else w_type
+    nodes = [helper.make_node("Cast", [q_name], [alloc.take(out_name + "_levels")], name=alloc.take(out_name + "_Cast"),
+                              to=arith)]
+    if widen:
+        nodes.append(helper.make_node("Cast", [s_name], [alloc.take(s_name + "_float")], name=alloc.take(s_name + "_Cast"),
+                                      to=TensorProto.FLOAT))
+        s_name = nodes[-1].output[0]
+    value = nodes[0].output[0]
+    if zp_name is not None:
+        if widen:
+            nodes.append(helper.make_node("Cast", [zp_name], [alloc.take(zp_name + "_float")],
+                                          name=alloc.take(zp_name + "_Cast"), to=TensorProto.FLOAT))
+            zp_name = nodes[-1].output[0]
+        nodes.append(helper.make_node("Sub", [value, zp_name], [alloc.take(out_name + "_centred")],
                                       name=alloc.take(out_name + "_Sub")))
-    nodes.append(helper.make_node("Mul", [nodes[-1].output[0], s_t.name], [out_name], name=alloc.take(out_name + "_Mul")))
+        value = nodes[-1].output[0]
+    product = mul_name or (alloc.take(out_name + "_product") if widen else out_name)
+    nodes.append(helper.make_node("Mul", [value, s_name], [product], name=alloc.take(out_name + "_Mul")))
+    if widen:
+        narrow_out = alloc.take(product + "_half") if mul_name else out_name
+        nodes.append(helper.make_node("Cast", [product], [narrow_out], name=alloc.take(out_name + "_Cast_half"), to=w_type))
     return nodes
 
 
@@ -165,14 +202,12 @@ def as_blocked_cast_mul(model, blocked: dict) -> onnx.ModelProto:
         if levels.size and (levels.min() < lo or levels.max() > hi):
             raise InvalidArgumentError(f"levels of {name!r} outside int8")
         q_name, s_name, shape_name = (alloc.take(name + suffix) for suffix in ("_quantized", "_scale", "_shape"))
-        cast_out, mul_out = alloc.take(name + "_levels"), alloc.take(name + "_blocks")
         new_inits += [graph.array_to_tensor(np.asarray(levels, np.int8).reshape(block_split_shape(dims, axis, block)),
                                             q_name, TensorProto.INT8),
                       graph.array_to_tensor(np.asarray(scale).astype(graph.NUMPY_TYPES[t.data_type]), s_name, t.data_type),
                       graph.array_to_tensor(np.array(dims, np.int64), shape_name, TensorProto.INT64)]
-        nodes += [helper.make_node("Cast", [q_name], [cast_out], name=alloc.take(name + "_Cast"), to=t.data_type),
-                  helper.make_node("Mul", [cast_out, s_name], [mul_out], name=alloc.take(name + "_Mul")),
-                  helper.make_node("Reshape", [mul_out, shape_name], [name], name=alloc.take(name + "_Reshape"))]
+        nodes += _level_chain(q_name, s_name, None, t.data_type, name, alloc, mul_name=alloc.take(name + "_blocks"))
+        nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], shape_name], [name], name=alloc.take(name + "_Reshape")))
         replaced.add(name)
     keep = [x for x in g.initializer if x.name not in replaced]
     del g.initializer[:]
@@ -184,33 +219,40 @@ def as_blocked_cast_mul(model, blocked: dict) -> onnx.ModelProto:
 
 
 def blocked_patterns(g: onnx.GraphProto):
-    """(Reshape node, Mul node, Cast node, levels, scale, shape initializer, axis, block) for each
+    """(Reshape node, LevelPattern, levels, scale, shape initializer, axis, block) for each
     blocked form of `g` (as_blocked_cast_mul): a level pattern without zero point whose levels
     have W's shape with one axis split into (blocks, block), whose scale has (blocks, 1) there
     and W's other dims, read by a Reshape alone whose constant shape merges the split back."""
     inits = {t.name: t for t in g.initializer}
     reads = _reads(g)
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    readers = _readers(g)
     found = []
-    for mul, cast, sub, q_t, zp_t, s_t in level_patterns(g):
-        if sub is not None or q_t.data_type != TensorProto.INT8 or reads.get(mul.output[0], 0) != 1:
+    for p in level_patterns(g):
+        q_t, s_t = p.levels, p.scale
+        if (p.sub is not None or q_t.data_type != TensorProto.INT8 or reads.get(p.output, 0) != 1
+                or p.weight_type != s_t.data_type):  # (a blocked DequantizeLinear's scale has the weight's type)
             continue
-        users = readers.get(mul.output[0], [])
+        users = readers.get(p.output, [])
         if len(users) != 1 or users[0].op_type != "Reshape" or users[0].domain not in ("", "ai.onnx"):
             continue
         reshape = users[0]
-        if len(reshape.input) != 2 or reshape.input[0] != mul.output[0] or reshape.input[1] not in inits:
+        if len(reshape.input) != 2 or reshape.input[0] != p.output or reshape.input[1] not in inits:
             continue
         shape_t = inits[reshape.input[1]]
         if shape_t.data_type != TensorProto.INT64 or _attr(reshape, "allowzero", 0):
             continue
         split = _split_axis(tuple(q_t.dims), tuple(s_t.dims), tuple(int(v) for v in graph.tensor_to_array(shape_t).reshape(-1)))
         if split is not None:
-            found.append((reshape, mul, cast, q_t, s_t, shape_t) + split)
+            found.append((reshape, p, q_t, s_t, shape_t) + split)
     return found
+
+
+def _readers(g: onnx.GraphProto) -> dict[str, list]:
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    return readers
 
 
 def _split_axis(q_dims: tuple, s_dims: tuple, target: tuple):
@@ -230,34 +272,83 @@ def _split_axis(q_dims: tuple, s_dims: tuple, target: tuple):
 # the fold
 
 
-def level_patterns(g: onnx.GraphProto):
-    """(Mul node, Cast node, Sub node or None, levels, zero point or None, scale) for each
-    Mul(Cast(levels) [- zero point], scale) of initializers in `g` whose intermediate values are
-    read by the chain alone."""
+class LevelPattern(NamedTuple):
+    """One Mul(Cast(levels) [- zero point], scale) of initializers (as_cast_mul's form)."""
+    mul: onnx.NodeProto
+    cast: onnx.NodeProto  # Cast(levels -> the Mul's type)
+    sub: onnx.NodeProto | None
+    levels: TensorProto
+    zero_point: TensorProto | None
+    scale: TensorProto  # as stored (float16 for the float32-arithmetic form)
+    widen: tuple  # the Casts of a float16 scale / zero point to float32 (the float16 form), else ()
+    narrow: onnx.NodeProto | None  # Cast(product -> float16) of the float16 form
+
+    @property
+    def output(self) -> str:
+        """The weight's name: what the chain's last node writes."""
+        return (self.narrow or self.mul).output[0]
+
+    @property
+    def weight_type(self) -> int:
+        if self.narrow is not None:
+            return int(_attr(self.narrow, "to", 0))
+        return TensorProto.FLOAT if self.widen else self.scale.data_type
+
+    def nodes(self) -> list:
+        return [n for n in (self.cast, self.sub, *self.widen, self.mul, self.narrow) if n is not None]
+
+
+def level_patterns(g: onnx.GraphProto) -> list[LevelPattern]:
+    """Each Mul(Cast(levels) [- zero point], scale) of initializers in `g` whose intermediate
+    values are read by the chain alone: the Mul in the scale's type, or (the float16 form) in
+    float32 on Casts of a float16 scale and zero point, then Cast back to float16."""
     inits = {t.name: t for t in g.initializer}
     reads = _reads(g)
     by_out = {n.output[0]: n for n in g.node if n.output}
+    readers = _readers(g)
+
+    def operand(name):  # (initializer, the Cast widening it from float16, or None)
+        if name in inits:
+            return inits[name], None
+        node = by_out.get(name)
+        if (node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or len(node.input) != 1
+                or _attr(node, "to", 0) != TensorProto.FLOAT or reads.get(name, 0) != 1):
+            return None, None
+        t = inits.get(node.input[0])
+        return (t, node) if t is not None and t.data_type == TensorProto.FLOAT16 else (None, None)
+
     found = []
     for mul in g.node:
         if mul.op_type != "Mul" or len(mul.input) != 2 or mul.domain not in ("", "ai.onnx"):
             continue
         for a, b in (mul.input, tuple(reversed(mul.input))):
-            s_t = inits.get(b)
+            s_t, s_widen = operand(b)
             prev = by_out.get(a)
             if s_t is None or prev is None or s_t.data_type not in _OUT_TYPES or reads.get(a, 0) != 1:
                 continue
-            sub, zp_t = None, None
-            if prev.op_type == "Sub" and len(prev.input) == 2 and prev.input[1] in inits:
-                sub, zp_t = prev, inits[prev.input[1]]
+            arith = TensorProto.FLOAT if s_widen is not None else s_t.data_type
+            sub, zp_t, zp_widen = None, None, None
+            if prev.op_type == "Sub" and len(prev.input) == 2:
+                zp_t, zp_widen = operand(prev.input[1])
+                if zp_t is None or (zp_widen is None) != (s_widen is None) or zp_t.data_type != s_t.data_type:
+                    continue
+                sub = prev
                 prev = by_out.get(prev.input[0])
-                if prev is None or reads.get(sub.input[0], 0) != 1 or zp_t.data_type != s_t.data_type:
+                if prev is None or reads.get(sub.input[0], 0) != 1:
                     continue
             if prev.op_type != "Cast" or len(prev.input) != 1 or prev.input[0] not in inits:
                 continue
             q_t = inits[prev.input[0]]
-            if q_t.data_type not in LEVEL_TYPES or _attr(prev, "to", 0) != s_t.data_type:
+            if q_t.data_type not in LEVEL_TYPES or _attr(prev, "to", 0) != arith:
                 continue
-            found.append((mul, prev, sub, q_t, zp_t, s_t))
+            narrow = None
+            users = readers.get(mul.output[0], [])
+            if (s_widen is not None and len(users) == 1 and reads.get(mul.output[0], 0) == 1
+                    and users[0].op_type == "Cast" and users[0].domain in ("", "ai.onnx")
+                    and _attr(users[0], "to", 0) == s_t.data_type):
+                narrow = users[0]
+            widen = tuple(n for n in (s_widen, zp_widen) if n is not None)
+            found.append(LevelPattern(mul, prev, sub, q_t, zp_t, s_t, widen, narrow))
             break
     return found
 
@@ -285,21 +376,22 @@ def _fold_graph(g: onnx.GraphProto, read_anywhere: dict[str, int], report) -> No
     if not found:
         return
     # a blocked form's Reshape is folded with it: the float weight gets the Reshape's name and shape
-    reshaped = {mul.output[0]: (reshape, shape_t) for reshape, mul, _, _, _, shape_t, _, _ in blocked_patterns(g)}
+    reshaped = {p.output: (reshape, shape_t) for reshape, p, _, _, shape_t, _, _ in blocked_patterns(g)}
     drop_nodes, drop_reads, added = set(), {}, []
-    for mul, cast, sub, q_t, zp_t, s_t in found:
+    for p in found:
+        q_t, zp_t, s_t = p.levels, p.zero_point, p.scale
         q = graph.tensor_to_array(q_t).astype(np.float32)
         if zp_t is not None:
             q = q - graph.tensor_to_array(zp_t).astype(np.float32)  # small integers: exact
         with np.errstate(over="ignore"):
-            value = (q * graph.tensor_to_array(s_t).astype(np.float32)).astype(graph.NUMPY_TYPES[s_t.data_type])
-        out_name, reshape, shape_t = mul.output[0], None, None
-        if mul.output[0] in reshaped:
-            reshape, shape_t = reshaped[mul.output[0]]
+            value = (q * graph.tensor_to_array(s_t).astype(np.float32)).astype(graph.NUMPY_TYPES[p.weight_type])
+        out_name, reshape, shape_t = p.output, None, None
+        if p.output in reshaped:
+            reshape, shape_t = reshaped[p.output]
             out_name = reshape.output[0]
             value = value.reshape(tuple(int(v) for v in graph.tensor_to_array(shape_t).reshape(-1)))
-        added.append(graph.array_to_tensor(value, out_name, s_t.data_type))
-        drop_nodes |= {n.output[0] for n in (mul, cast, sub, reshape) if n is not None}
+        added.append(graph.array_to_tensor(value, out_name, p.weight_type))
+        drop_nodes |= {n.output[0] for n in p.nodes() + ([reshape] if reshape is not None else [])}
         for t in (q_t, zp_t, s_t, shape_t):
             if t is not None:
                 drop_reads[t.name] = drop_reads.get(t.name, 0) + 1
@@ -343,12 +435,12 @@ class _GraphValues:
         graph.fill_tensor(t, value, name, elem_type)
 
 
-def dequantize_opset(q_t: TensorProto, s_t: TensorProto) -> int:
-    """The opset DequantizeLinear needs for these levels and scale: 4-bit levels 21, a float16
-    scale 19, an axis 13."""
-    if q_t.data_type in (TensorProto.INT4, TensorProto.UINT4):
+def dequantize_opset(p: LevelPattern) -> int:
+    """The opset the DequantizeLinear of a level pattern needs: 4-bit levels 21, a float16 weight
+    (its scale float16) 19, an axis 13."""
+    if p.levels.data_type in (TensorProto.INT4, TensorProto.UINT4):
         return 21
-    return 19 if s_t.data_type == TensorProto.FLOAT16 else 13
+    return 19 if p.weight_type == TensorProto.FLOAT16 else 13
 
 
 def _dequantize_layout(dims, scale: np.ndarray, zp: np.ndarray | None):
@@ -401,21 +493,22 @@ def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, n
     Reshape's output (opset BLOCKED_OPSET). Returns the rewritten weights' names."""
     wanted = None if names is None else set(names)
     by_mul, done, unread = {}, [], set()
-    blocked = {mul.output[0]: b for b in blocked_patterns(g) for mul in [b[1]]}
-    for mul, cast, sub, q_t, zp_t, s_t in level_patterns(g):
-        out_name = mul.output[0]
+    blocked = {b[1].output: b for b in blocked_patterns(g)}
+    for p in level_patterns(g):
+        q_t, zp_t, s_t, out_name = p.levels, p.zero_point, p.scale, p.output
+        chain = {n.output[0] for n in p.nodes()}
         if out_name in blocked:
-            reshape, _, _, _, _, shape_t, axis, block = blocked[out_name]
+            reshape, _, _, _, shape_t, axis, block = blocked[out_name]
             w_name = reshape.output[0]
             if (wanted is not None and w_name not in wanted) or BLOCKED_OPSET > opset:
                 continue
             dq = _blocked_dequantize(values, reads, alloc, q_t, s_t, shape_t, w_name, axis, block)
-            by_mul[w_name] = (dq, {cast.output[0], mul.output[0]})
+            by_mul[w_name] = (dq, chain)
             if reads.get(shape_t.name, 0) == 1:
                 unread.add(shape_t.name)
             done.append(w_name)
             continue
-        if (wanted is not None and out_name not in wanted) or dequantize_opset(q_t, s_t) > opset:
+        if (wanted is not None and out_name not in wanted) or dequantize_opset(p) > opset:
             continue
         zp = None if zp_t is None else values.get(zp_t.name)
         layout = _dequantize_layout(tuple(q_t.dims), values.get(s_t.name), zp)
@@ -428,7 +521,9 @@ def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, n
                 continue
         # a scale or zero point read elsewhere too keeps its own layout there: a new tensor here
         s_name = s_t.name if reads.get(s_t.name, 0) == 1 else alloc.take(out_name + "_scale")
-        values.put(s_name, scale.astype(graph.NUMPY_TYPES[s_t.data_type]), s_t.data_type)
+        # DequantizeLinear's scale has the weight's type: a float16 form's float16 scale as stored,
+        # one widened to a float32 weight exactly so
+        values.put(s_name, scale.astype(graph.NUMPY_TYPES[p.weight_type]), p.weight_type)
         inputs = [q_t.name, s_name]
         if zp is not None:
             z_name = zp_t.name if reads.get(zp_t.name, 0) == 1 else alloc.take(out_name + "_zero_point")
@@ -438,7 +533,7 @@ def dequantize_graph(g: onnx.GraphProto, values, reads: dict[str, int], alloc, n
         if axis is not None:
             dq.attribute.append(helper.make_attribute("axis", axis))
         # nodes keyed by their output (protobuf hands out new wrapper objects on each walk)
-        by_mul[out_name] = (dq, {cast.output[0], sub.output[0]} if sub is not None else {cast.output[0]})
+        by_mul[out_name] = (dq, chain - {out_name})
         done.append(out_name)
     if by_mul:
         dropped = set().union(*(ids for _, ids in by_mul.values()))
@@ -459,7 +554,7 @@ BLOCKED_OPSET = 21  # DequantizeLinear's block_size attribute
 def patterns_opset(g: onnx.GraphProto) -> int:
     """The opset dequantize_graph needs to rewrite every level pattern of `g` (blocked forms:
     BLOCKED_OPSET); 0 when there is none."""
-    need = max((dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in level_patterns(g)), default=0)
+    need = max((dequantize_opset(p) for p in level_patterns(g)), default=0)
     return max(need, BLOCKED_OPSET) if blocked_patterns(g) else need
 
 
@@ -495,8 +590,8 @@ def as_dequantize(model, names=None) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(src)
     wanted = None if names is None else set(names)
-    need = max((dequantize_opset(q_t, s_t) for info in graph.iter_graphs(out)
-                for mul, _, _, q_t, _, s_t in level_patterns(info.graph) if wanted is None or mul.output[0] in wanted),
+    need = max((dequantize_opset(p) for info in graph.iter_graphs(out)
+                for p in level_patterns(info.graph) if wanted is None or p.output in wanted),
                default=0)
     if any(wanted is None or b[0].output[0] in wanted for info in graph.iter_graphs(out) for b in blocked_patterns(info.graph)):
         need = max(need, BLOCKED_OPSET)

@@ -434,7 +434,7 @@ def _dequantize_cast_levels(split: SplitModel, notes: list) -> int:
     # blocked forms (Cast+Mul+Reshape) need opset 21 (DequantizeLinear's block_size); where the
     # model cannot be raised that far, the others still get theirs (13, or 19 for float16 scales)
     need = max(patterns_opset(g) for g in graphs)
-    plain = max(dequantize_opset(q_t, s_t) for *_, q_t, _, s_t in found)
+    plain = max(dequantize_opset(p) for p in found)
     opset = next((v for v in (need, plain) if _opset_at_least(split, v)),  # (may replace the skeleton)
                  default_opset(split.skeleton))
     alloc = NameAllocator(all_names(split.skeleton))

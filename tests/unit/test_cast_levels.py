@@ -40,7 +40,9 @@ def test_same_values_as_dequantize_linear_and_folds_bit_exactly(dtype, bits, sym
     assert q.SerializeToString() == before, "the input is not modified"
     onnx.checker.check_model(c, full_check=True)
     ops = {n.output[0]: n.op_type for n in c.graph.node}
-    assert ops["W2"] == ops["W3"] == "Mul" and ops["W1"] == "DequantizeLinear" and has_cast_mul(c)
+    # a float16 weight: the Mul in float32, then a Cast back to float16 writes W (module docstring)
+    last = "Cast" if dtype == "float16" else "Mul"
+    assert ops["W2"] == ops["W3"] == last and ops["W1"] == "DequantizeLinear" and has_cast_mul(c)
     ref, got = _folded(q), _folded(c)
     for name in ("W1", "W2", "W3"):
         assert got[name].dtype == ref[name].dtype and got[name].tobytes() == ref[name].tobytes()
@@ -94,6 +96,54 @@ def test_onnxruntime_runs_the_matmul_on_float_weights(tmp_path):
     assert "MatMulNBits" not in ops and "Cast" not in ops and "Mul" not in ops
     f = feeds(m, n=2)
     np.testing.assert_allclose(np.concatenate(run(c, f)), np.concatenate(run(fold_dequantize(q), f)), rtol=1e-5, atol=1e-6)
+
+
+def _float16_mul_form(model, names):
+    """The float16 form files held before the float32 arithmetic: Cast(levels -> FLOAT16) [- zero
+    point] * scale, all float16 (still read: folded and turned back into DequantizeLinear)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {t.name: t for t in out.graph.initializer}
+    nodes = []
+    for n in out.graph.node:
+        if n.op_type != "DequantizeLinear" or n.output[0] not in names:
+            nodes.append(n)
+            continue
+        w = n.output[0]
+        scale = inits[n.input[1]]
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+        rank = len(inits[n.input[0]].dims)
+        shape = (-1,) + (1,) * (rank - 1 - axis) if len(scale.dims) else ()
+        scale.CopyFrom(onnx.numpy_helper.from_array(graph.tensor_to_array(scale).reshape(shape), scale.name))
+        nodes += [helper.make_node("Cast", [n.input[0]], [w + "_lv"], to=TensorProto.FLOAT16),
+                  helper.make_node("Mul", [w + "_lv", scale.name], [w])]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def test_float16_weights_fold_at_load_in_onnxruntime(tmp_path):
+    """onnxruntime's CPU provider has no float16 Mul kernel, so it cannot constant-fold a float16
+    Mul: the form computes in float32 and casts back, which it folds (nothing left at run time),
+    and holds the same values bit for bit as DequantizeLinear and as the old float16-Mul form."""
+    m = dense_model(dtype="float16")
+    q = passes.quantize_weights(m, bits=8, min_elements=16)
+    c = as_cast_mul(q, ["W2", "W3"])
+    ops = _optimized_ops(c, tmp_path)
+    assert "Mul" not in ops and "DequantizeLinear" in ops, ops  # (W1, read twice, stays DequantizeLinear)
+    stored = {t.name: t.data_type for t in c.graph.initializer}
+    assert stored["W2_scale"] == TensorProto.FLOAT16  # the file stores what it stored before
+    old = _float16_mul_form(q, {"W2", "W3"})
+    assert "Mul" in _optimized_ops(old, tmp_path)  # what the float32 arithmetic is for
+    ref = _folded(q)
+    for form in (c, old):
+        got = _folded(form)
+        from passes.cast_levels import as_dequantize
+        back = _folded(as_dequantize(form))
+        for name in ("W2", "W3"):
+            assert got[name].dtype == np.float16 and got[name].tobytes() == ref[name].tobytes()
+            assert back[name].tobytes() == ref[name].tobytes()
+    assert _runtime_weight(c, "W2").tobytes() == ref["W2"].tobytes()
 
 
 def test_blocked_and_shared_scales_are_left_as_they_are():
