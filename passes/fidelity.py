@@ -653,14 +653,15 @@ def _as_array(value) -> np.ndarray:
 
     Tensors come back as they are; sklearn-onnx classifiers' ZipMap output (a sequence of maps
     class -> probability) becomes a [n, classes] array ordered by class; a sequence of tensors
-    is stacked; string tensors (class labels) become CRC-32 codes of their strings, so that any
-    changed label shows in maxabs (the codes carry no other meaning)."""
+    is stacked; string tensors (class labels) become integer CRC-32 codes of their strings, so that
+    any changed label shows in maxabs and a vector of them counts as labels (_is_labels; the codes
+    carry no other meaning)."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "OUS":
             import zlib
 
             codes = [zlib.crc32(str(v).encode()) for v in value.ravel()]
-            return np.asarray(codes, dtype=np.float64).reshape(value.shape)
+            return np.asarray(codes, dtype=np.int64).reshape(value.shape)
         return value
     if isinstance(value, list):
         if value and all(isinstance(v, dict) for v in value):
@@ -728,11 +729,32 @@ def _finite_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     return a[both], b[both], not bool(same.all())
 
 
+def _is_labels(a) -> bool:
+    """A vector of class labels (an integer, boolean or string output along one axis: a classifier's
+    predicted label per row, beside its probabilities). Its values are names, not magnitudes: top1
+    compares them, cosine and snr leave them out where another output can be measured."""
+    a = np.asarray(a)
+    return a.ndim == 1 and a.dtype.kind in "iub"
+
+
+def measured_output(outs) -> int:
+    """The output cosine reads: output 0, or, where output 0 is a vector of labels, the first
+    output that is not (the probabilities of a "label, probabilities" classifier)."""
+    if not len(outs) or not _is_labels(outs[0]):
+        return 0
+    return next((j for j, o in enumerate(outs) if not _is_labels(o)), 0)
+
+
 def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
-    """Cosine similarity of the flattened output 0, one value per feed."""
+    """Cosine similarity of the flattened output 0 (measured_output: the first non-label output
+    where output 0 holds labels), one value per feed."""
     values = np.empty(len(ref))
     for i, (r, c) in enumerate(zip(ref, cand)):
-        a, b = np.asarray(r[0]), np.asarray(c[0])
+        k = measured_output(r)
+        if k >= len(c):
+            values[i] = 0.0
+            continue
+        a, b = np.asarray(r[k]), np.asarray(c[k])
         if a.shape != b.shape:
             values[i] = 0.0
             continue
@@ -750,12 +772,18 @@ def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence
 
 
 def top1_agreement(ref, cand) -> float | None:
-    """Fraction of positions of output 0 whose argmax over the last axis agrees (None: a scalar output,
-    or a last axis of fewer than two entries, where argmax is 0 whatever the values: a one-probability
-    classifier or a regressor would read as full agreement however far it moved)."""
+    """Fraction of positions of output 0 whose argmax over the last axis agrees; where output 0 is
+    a vector of labels (_is_labels), the fraction of equal labels (an argmax would run across the
+    batch). None: a scalar output, or a last axis of fewer than two entries, where argmax is 0
+    whatever the values: a one-probability classifier or a regressor would read as full agreement
+    however far it moved."""
     agree = total = 0
     for r, c in zip(ref, cand):
         a, b = np.asarray(r[0]), np.asarray(c[0])
+        if _is_labels(a):
+            total += a.size
+            agree += int(np.count_nonzero(a == b)) if a.shape == b.shape else 0
+            continue
         if a.ndim == 0 or a.shape[-1] < 2:
             return None
         positions = a.size // a.shape[-1]
@@ -861,8 +889,16 @@ def _output_energies(ref, cand) -> list[tuple[float, float, float]] | None:
             if a64.size:
                 scales[j] = max(scales[j], float(np.abs(a64).max()), float(np.abs(b64).max()))
     energies = [[0.0, 0.0] for _ in scales]
+    # label vectors carry names, not magnitudes (codes of strings ~1e9 drowned the probabilities'
+    # noise): left out (infinite SNR of their own) where another output can be measured
+    first = [_as_array(o) for o in ref[0]] if len(ref) else []
+    labels = {j for j, o in enumerate(first) if _is_labels(o)}
+    if len(labels) == len(first):
+        labels = set()
     for r_outs, c_outs in zip(ref, cand):
         for j, (a, b) in enumerate(zip(r_outs, c_outs)):
+            if j in labels:
+                continue
             a64, b64, _ = _finite_pairs(_as_array(a), _as_array(b))
             unit = _unit(scales[j])
             if unit != 1.0:
@@ -981,13 +1017,14 @@ def _outputs_beside_output0(ref, cand, names: list[str]) -> list[str]:
     if energies is None or len(energies) < 2:
         return []
     snrs = [_snr_db(s, n) for s, n, _ in energies]
-    low = [(j, db) for j, db in enumerate(snrs[1:], 1) if db < snrs[0] - OTHER_OUTPUT_NOTE_DB]
+    k = measured_output(_comparable(ref[:1])[0]) if len(ref) else 0  # (output 0 unless it holds labels)
+    low = [(j, db) for j, db in enumerate(snrs) if j != k and db < snrs[k] - OTHER_OUTPUT_NOTE_DB]
     if not low:
         return _outputs_below_pooled(energies, names)
     named = ", ".join(f"{(names[j] if j < len(names) else j)!r} {db:.1f} dB" for j, db in low[:5])
     more = f" (and {len(low) - 5} more)" if len(low) > 5 else ""
-    notes = [f"output(s) {named}{more} moved more than output 0 ({snrs[0]:.1f} dB): top1, cosine and ctc read "
-             "output 0 only; add snr_min>=DB to the target or gate to hold every output"]
+    notes = [f"output(s) {named}{more} moved more than output {k} ({snrs[k]:.1f} dB): top1, cosine and ctc read "
+             f"output {k} only; add snr_min>=DB to the target or gate to hold every output"]
     return notes + _outputs_below_pooled(energies, names, skip={j for j, _ in low})
 
 
@@ -1061,8 +1098,22 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
     if odd:
         notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "
                      "equal where the candidate has the same, and left out of cosine and snr")
-    notes.extend(_outputs_beside_output0(ref, cand, [o.name for o in original_model.graph.output]))
+    names = [o.name for o in original_model.graph.output]
+    notes.extend(_label_notes(_comparable(ref[:1]), names))
+    notes.extend(_outputs_beside_output0(ref, cand, names))
     return FidelityResult(metrics=metrics, n_feeds=len(feeds), synthesized=synthesized, metric=metric, notes=notes)
+
+
+def _label_notes(first_run, names: list[str]) -> list[str]:
+    outs = first_run[0] if first_run else []
+    labels = [j for j, o in enumerate(outs) if _is_labels(o)]
+    if not labels or len(labels) == len(outs):
+        return []
+    named = ", ".join(repr(names[j]) if j < len(names) else str(j) for j in labels)
+    k = measured_output(outs)
+    cosine = f"; cosine reads output {k} ({names[k]!r})" if k and k < len(names) else ""
+    top1 = "top1 compares output 0's labels; " if 0 in labels else ""
+    return [f"output(s) {named} hold class labels: {top1}they count in maxabs and are left out of snr{cosine}"]
 
 
 def require_measurable(ref, *, synthesized: bool = False) -> None:
