@@ -1434,11 +1434,16 @@ def load(path, *, threads=None, max_bytes=None, digest: str = "fast") -> onnx.Mo
 
 @dataclass
 class VerifyResult:
+    """What verify found; true exactly when `ok` (so `if passes.verify(...)` and `assert
+    passes.verify(...)` mean what they read as: a result object would otherwise always be true)."""
     path: str
     ok: bool
     checks: List[dict] = field(default_factory=list)  # {"check", "ok", "detail"}
     original_bytes: int = 0
     packed_bytes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.ok)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -428,13 +428,14 @@ def test_size_limit(tmp_path, small_packed):
 def test_verify_against(tmp_path, small_packed):
     src, packed = small_packed
     r = passes.verify(packed, against=src)
-    assert r.ok and all(c["ok"] for c in r.checks)
+    assert r.ok and all(c["ok"] for c in r.checks) and r
     other = tmp_path / "other.onnx"
     data = bytearray(src.read_bytes())
     data[-1] ^= 1
     other.write_bytes(data)
     r = passes.verify(packed, against=other)
     assert not r.ok and any(not c["ok"] for c in r.checks)
+    assert not r  # `assert passes.verify(...)` fails on a mismatch (the README's example)
 
 
 def test_bad_inputs(tmp_path, small_packed):
