@@ -347,7 +347,8 @@ def refuse_invalid(model: onnx.ModelProto, payloads: dict[str, TensorProto] | No
     view = payload_free_view(model, stubs)
     # two checks, so that the declarations onnxruntime reads as hints only do not refuse a model it
     # runs (and the passes always took): a graph output declared without a type or shape (common in
-    # hand-built and exported models alike) and declared shapes that inference contradicts. First
+    # hand-built and exported models alike) and declared shapes that inference contradicts
+    # (standard_form has completed those it could: complete_output_declarations). First
     # the structure (names defined once and before use, outputs produced, opsets, attributes,
     # tensors) with such outputs given a placeholder type; then types and shapes through the nodes
     # by strict inference, with the graphs' value_info and output declarations left out.
