@@ -1011,7 +1011,11 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
         plan, candidate = search.confirm_on_built_model(plan)  # 4. built and checked as the file will run
     else:
         plan, candidate = search.one_width_for_all()  # (weights the trial session cannot feed one by one)
-    return search.finish(plan, candidate, report)  # checked with the target itself; the record
+    out, record = search.finish(plan, candidate, report)  # checked with the target itself; the record
+    if out is model:  # (nothing quantized: the caller's own object) -- the result is the caller's to change,
+        out = onnx.ModelProto()  # e.g. onnx's external-data save moves its tensors out in place
+        out.CopyFrom(model)
+    return out, record
 
 
 class _Search:

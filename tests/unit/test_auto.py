@@ -1225,3 +1225,15 @@ def test_unsorted_input_comes_out_sorted(min_elements):
     onnx.checker.check_model(out, full_check=True)
     assert any("sorted topologically" in n for n in rep["notes"])
     assert m.SerializeToString() == before
+
+
+def test_a_result_with_nothing_quantized_is_a_copy_not_the_callers_model():
+    """With nothing to quantize (or a target no plan meets) the float model comes back: as a copy,
+    so that what the caller does with the result (onnx's external-data save moves tensors out in
+    place) leaves the model it passed in as it was."""
+    m = dense_model()
+    before = m.SerializeToString()
+    out, record = passes.compress(m, target="cosine>=0.99", feeds=feeds(m, n=2), min_elements=10 ** 9)
+    assert out is not m and out.SerializeToString() == before
+    out.graph.initializer[0].raw_data = b""
+    assert m.SerializeToString() == before
