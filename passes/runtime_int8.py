@@ -115,9 +115,33 @@ def _role(uses) -> str | None:
     return None
 
 
-def session_config(options) -> None:
-    """Config entries the int8 forms rely on (added to our private SessionOptions copy)."""
-    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(ACCURACY_LEVEL))
+ACCURACY_LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def session_config(options) -> int:
+    """The MatMulNBits accuracy level of this load, which the int8 forms are written with.
+
+    The caller's `session.qdq_matmulnbits_accuracy_level` when their SessionOptions set it (e.g. 0,
+    float compute, for fidelity): it is then left as it is (the private copy carries it over) and
+    written on every MatMulNBits made here; otherwise ACCURACY_LEVEL, added to our private copy
+    (onnxruntime's own DequantizeLinear+MatMul fusions read the entry). `options`: the load's
+    OptionsDraft (the caller's options as its `source`) or a SessionOptions."""
+    from .errors import InvalidArgumentError
+    from .runtime_options import config_entry
+
+    source = getattr(options, "source", options)
+    given = config_entry(source, ACCURACY_LEVEL_KEY) if source is not None else None
+    if given is None:
+        options.add_session_config_entry(ACCURACY_LEVEL_KEY, str(ACCURACY_LEVEL))
+        return ACCURACY_LEVEL
+    try:
+        level = int(given)
+    except ValueError:
+        level = -1
+    if not 0 <= level <= 4:
+        raise InvalidArgumentError(f"sess_options' {ACCURACY_LEVEL_KEY} is {given!r}; MatMulNBits takes 0 (unset: "
+                                   f"float), 1 (float32), 2 (float16), 3 (bfloat16) or 4 (int8)")
+    return level
 
 
 def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None = None) -> set:
@@ -129,7 +153,7 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     from .graph import unlist_ir3_initializers
 
     notes = notes if notes is not None else []
-    session_config(options)
+    level = session_config(options)
     # IR 3 lists every initializer as a graph input too; a weight replaced below by a
     # DequantizeLinear output would stay listed, and onnxruntime would then ask the caller for it
     if split.skeleton.ir_version < 4 and unlist_ir3_initializers(split.skeleton):
@@ -164,11 +188,11 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
         if role in ("matmul", "gemm") and consumer.input and consumer.input[0] in dequantized:
             left_to_qdq += 1
         elif role in ("matmul", "gemm"):
-            done = _to_matmulnbits(split, qw, consumer, role, node.output[0])
+            done = _to_matmulnbits(split, qw, consumer, role, node.output[0], accuracy_level=level)
         elif role == "gather":
             done = _to_gather_rows(split, qw, consumer, node.output[0])
         elif role is None:
-            done = _to_tied_forms(split, qw, node.output[0], target_uses, uses, dequantized)
+            done = _to_tied_forms(split, qw, node.output[0], target_uses, uses, dequantized, accuracy_level=level)
         if done:
             replaced[node.output[0]] = node
     if left_to_qdq:
@@ -490,6 +514,7 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
     """Float weights of MatMul/Gemm/Gather/Conv become DequantizeLinear(int) in the graph; the
     other big float weights stay float, counted in `notes`."""
     from . import forms
+    from .quantize import _QUANTIZED_OPS  # (their float inputs are scales: never quantized, nor counted)
 
     notes = notes if notes is not None else []
     big = [name for name, w in split.weights.items() if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS]
@@ -512,6 +537,7 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
     names = NameAllocator(all_names(split.skeleton) | set(split.weights))
     new_nodes = []
     kept = {}  # why -> [float bytes, count] of big float weights left float
+    done = _LoadQuantized()
     for name in sorted(split.weights):
         w = split.weights[name]
         if w.dtype.kind != "f" or w.size < MIN_QUANTIZE_ELEMENTS:
@@ -520,12 +546,15 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
         if not node_uses:
             continue
         if any(n is None for n, _ in node_uses):
-            why = "read inside a subgraph or as a graph output" if node_uses else "unused"
+            why = ("read inside a subgraph or as a graph output" if node_uses else "unused") + _QUANTIZED_HERE
             kept.setdefault(why, [0, 0])
             kept[why][0] += w.nbytes
             kept[why][1] += 1
             continue
+        if all(n.op_type in _QUANTIZED_OPS for n, _ in node_uses):
+            continue  # a quantized weight's scale or zero point, not a weight of its own
         ops = {(n.op_type, i) for n, i in node_uses}
+        tied = w.ndim == 2 and _tied_projection(node_uses, uses) is not None
         if ops <= {("MatMul", 1)} and w.ndim == 2:
             axis, block = (0, BLOCK_4BIT) if bits == 4 else (1, 0)
         elif ops <= {("Gemm", 1)} and w.ndim == 2:
@@ -534,13 +563,31 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
                 axis, block = (1 if trans else 0), BLOCK_4BIT
             else:
                 axis, block = (0 if trans else 1), 0
-        elif ops <= {("Gather", 0)} or ops <= {("Conv", 1)} or ops <= {("ConvTranspose", 1)}:
-            axis, block = (1 if ops <= {("ConvTranspose", 1)} else 0), 0
+        elif tied:
+            # an embedding table that is also the output projection ([vocabulary, width]): its rows
+            # are the Gather's rows and the projection's output channels, so one scale per row
+            # serves both integer forms prepare_quantized gives it (_to_tied_forms: Gather of
+            # integer rows, MatMulNBits over the rows); int8 in both modes (the Gather form takes
+            # no blocks)
+            axis, block = 0, 0
+        elif ops <= {("Gather", 0)} or ops <= {("Conv", 1)}:
+            axis, block = 0, 0
+        elif ops <= {("ConvTranspose", 1)}:
+            # [C_in, C_out/group, k..]: axis 1 is the output channel within a group, so with
+            # group > 1 it mixes the groups (a depthwise one has a single index there: one scale for
+            # the whole weight); axis 0 stays inside one group (the rule graph.choose_axis follows)
+            grouped = any(int(_attr(n, "group", 1)) > 1 for n, _ in node_uses)
+            axis, block = (0 if grouped or w.ndim < 2 else 1), 0
         else:
-            why = "consumed by " + "/".join(sorted({f"{op}[{i}]" for op, i in ops}))
-            if ops <= RECURRENT_WEIGHT_INPUTS and not QUANTIZE_RECURRENT_WEIGHTS:
-                why += (": onnxruntime would dequantize an int8 recurrent weight to float on every run and"
-                        " keep that buffer, more memory than the float weight (QUANTIZE_RECURRENT_WEIGHTS)")
+            if ops <= {("MatMul", 1)}:
+                why = (f"a {w.ndim}-D (batched) MatMul B (MatMulNBits takes a 2-D B; as DequantizeLinear it "
+                       "would be dequantized on every run)")
+            else:
+                why = "consumed by " + "/".join(sorted({f"{op}[{i}]" for op, i in ops}))
+                if ops <= RECURRENT_WEIGHT_INPUTS and not QUANTIZE_RECURRENT_WEIGHTS:
+                    why += (": onnxruntime would dequantize an int8 recurrent weight to float on every run and"
+                            " keep that buffer, more memory than the float weight (QUANTIZE_RECURRENT_WEIGHTS)")
+                why += _QUANTIZED_HERE
             kept.setdefault(why, [0, 0])
             kept[why][0] += w.nbytes
             kept[why][1] += 1
@@ -549,6 +596,7 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
             axis, block = (1 - axis), 0
         qbits = 4 if bits == 4 and block else 8
         quant = forms.quantize_linear(w, forms.Levels(qbits, True), axis, block, search=qbits == 4)
+        done.add(w, quant, qbits, tied)
         q_name, s_name = names.take(name + "_quantized"), names.take(name + "_scale")
         split.remove_initializer(name)
         split.set_weight(q_name, quant.q)
@@ -565,10 +613,48 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
         del graph.node[:]
         graph.node.extend(nodes)
         _ensure_opset(split.skeleton, 21 if any(_attr(n, "block_size", 0) for n in new_nodes) else 13)
+    notes.extend(done.lines())
     for why in sorted(kept):
         nbytes, count = kept[why]
-        notes.append(f"{count} float weight(s) ({nbytes / 2**20:.2f} MiB) stay float: {why} "
-                     "(quantized at load only for MatMul/Gemm B, Gather data, Conv/ConvTranspose weights)")
+        notes.append(f"{count} float weight(s) ({nbytes / 2**20:.2f} MiB) stay float: {why}")
+
+
+_QUANTIZED_HERE = " (quantized at load only for MatMul/Gemm B, Gather data, Conv/ConvTranspose weights)"
+
+
+class _LoadQuantized:
+    """What _quantize_float_weights quantized, for the session's notes: how many weights, bytes
+    before -> after (levels, 4-bit ones packed two a byte, plus scales), weight SNR."""
+
+    def __init__(self):
+        self.count = self.before = self.after = self.tied = 0
+        self.schemes = set()
+        self.snrs = []
+
+    def add(self, w: np.ndarray, quant, bits: int, tied: bool) -> None:
+        self.count += 1
+        self.tied += tied
+        self.before += w.nbytes
+        self.after += (quant.q.size + 1) // 2 if bits == 4 else quant.q.nbytes
+        self.after += quant.scale.nbytes
+        self.schemes.add(f"int4 blocks of {quant.block_size}" if bits == 4 else
+                         "int8 per channel" if quant.axis is not None else "int8 per tensor")
+        snr = quant.snr_db()
+        if snr is not None:
+            self.snrs.append(snr)
+
+    def lines(self) -> list:
+        if not self.count:
+            return []
+        line = (f"{self.count} float weight(s) quantized at load ({', '.join(sorted(self.schemes))}): "
+                f"{self.before / 2**20:.2f} -> {self.after / 2**20:.2f} MiB")
+        if self.snrs:
+            line += f", weight SNR min {min(self.snrs):.1f} dB, median {float(np.median(self.snrs)):.1f} dB"
+        lines = [line]
+        if self.tied:
+            lines.append(f"{self.tied} of them tied between an embedding Gather and an output projection: int8 per row, "
+                         "an integer form for each reader")
+        return lines
 
 
 def _is_bfloat16(array: np.ndarray) -> bool:
@@ -820,10 +906,10 @@ def _kn_params(qw: QWeight, transposed: bool):
 
 
 def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_name: str,
-                    transposed: bool | None = None) -> bool:
+                    transposed: bool | None = None, accuracy_level: int = ACCURACY_LEVEL) -> bool:
     """`consumer` (a MatMul or Gemm reading the weight as B) as MatMulNBits; `transposed`: the
     stored weight is [N, K] (Gemm transB=1, or a MatMul reading it through a Transpose); None:
-    from the consumer's transB."""
+    from the consumer's transB. `accuracy_level`: MatMulNBits' attribute (see session_config)."""
     if transposed is None:
         transposed = role == "gemm" and bool(_attr(consumer, "transB", 0))
     bits = 4 if qw.bits == 4 or weight_name + "_quantized" in getattr(split, "int4_names", set()) else 8
@@ -879,7 +965,7 @@ def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_
     if role == "gemm" and len(consumer.input) > 2 and consumer.input[2]:
         mm_out = outputs[0] + "_matmul"
         nodes.append(helper.make_node("MatMulNBits", inputs, [mm_out], domain=MS_DOMAIN, name=base,
-                                      K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL))
+                                      K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level))
         bias = consumer.input[2]
         beta = _attr(consumer, "beta", 1.0)
         if beta != 1.0:
@@ -890,7 +976,7 @@ def _to_matmulnbits(split: SplitModel, qw: QWeight, consumer, role: str, weight_
         nodes.append(helper.make_node("Add", [mm_out, bias], outputs, name=base + "_bias"))
     else:
         nodes.append(helper.make_node("MatMulNBits", inputs, outputs, domain=MS_DOMAIN, name=base,
-                                      K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL))
+                                      K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level))
     _replace_node(graph, consumer, nodes)
     return True
 
@@ -944,7 +1030,7 @@ def _tied_projection(uses: list, all_uses: dict):
 
 
 def _to_tied_forms(split: SplitModel, qw: QWeight, weight_name: str, uses: list, all_uses: dict,
-                   dequantized: frozenset = frozenset()) -> bool:
+                   dequantized: frozenset = frozenset(), accuracy_level: int = ACCURACY_LEVEL) -> bool:
     """A tied table (see _tied_projection) quantized for both readers: the projection as
     MatMulNBits over the table's rows ([N = vocabulary, K = width], the layout it has), the
     embedding as a Gather of the integer rows dequantized as gathered. Returns whether the
@@ -959,7 +1045,7 @@ def _to_tied_forms(split: SplitModel, qw: QWeight, weight_name: str, uses: list,
     gather, consumer, role, between = found
     if consumer.input[0] in dequantized:  # (an activation the model quantizes itself: see prepare_quantized)
         return False
-    if not _to_matmulnbits(split, qw, consumer, role, weight_name, transposed=True):
+    if not _to_matmulnbits(split, qw, consumer, role, weight_name, transposed=True, accuracy_level=accuracy_level):
         return False
     for node in between:  # (their only reader is now MatMulNBits, which reads the levels)
         _replace_node(split.skeleton.graph, node, [])
