@@ -39,4 +39,13 @@ class LimitExceededError(SurgeonError):
 
 
 class FidelityError(SurgeonError):
-    """A compressed model does not meet the fidelity required of it (the CI gate failed)."""
+    """A compressed model does not meet the fidelity required of it (the CI gate failed).
+
+    `result`: the passes.FidelityResult measured (None where the raiser had none); `failed`: the
+    (Requirement, measured value) pairs that were not met, for a CI script to report without
+    parsing the message."""
+
+    def __init__(self, message: str, *, result=None, failed=()):
+        super().__init__(message)
+        self.result = result
+        self.failed = list(failed)

@@ -1252,7 +1252,9 @@ def parse_requirements(text: str | Iterable[str]) -> list[Requirement]:
 
 
 def enforce(result: FidelityResult, requirements: Iterable[Requirement]) -> None:
-    """FidelityError listing every requirement the result misses; nothing when all are met."""
-    failed = [req.describe(result) for req in requirements if not req.check(result)]
-    if failed:
-        raise FidelityError("fidelity gate failed: " + "; ".join(failed))
+    """FidelityError listing every requirement the result misses (its `result` and `failed`: the
+    (Requirement, measured value) pairs); nothing when all are met."""
+    missed = [req for req in requirements if not req.check(result)]
+    if missed:
+        raise FidelityError("fidelity gate failed: " + "; ".join(req.describe(result) for req in missed),
+                            result=result, failed=[(req, req.value(result)) for req in missed])
