@@ -861,6 +861,10 @@ def _axis_for_use(op: str, index: int, node: onnx.NodeProto, ndim: int) -> AxisC
     if op == "Conv" and index == 1:
         return AxisChoice(0, 1 if ndim > 1 else None, "Conv")
     if op == "ConvTranspose" and index == 1:
+        if ndim > 1 and int(attrs.get("group", 1)) > 1:
+            # [C_in, C_out/group, k..]: output channel g*(C_out/group)+j reads rows of group g only, so
+            # axis 1 mixes the groups (and is 1 long when depthwise: one scale); axis 0 stays in a group
+            return AxisChoice(0, None, "ConvTranspose(group>1)")
         return AxisChoice(1 if ndim > 1 else 0, 0, "ConvTranspose")
     if op == "MatMul" and ndim >= 2:
         if index == 1:
