@@ -73,7 +73,10 @@ def feed_list(feeds, model, why: str, *, check: bool = False) -> list[Feed]:
 
 def load_feeds(path, model=None) -> list[Feed]:
     """Feeds from an `.npz`: keys "i/NAME" (input NAME of feed i; shapes may differ between
-    feeds) or plain "NAME" (one feed). With `model`, the names are checked against its inputs."""
+    feeds) or plain "NAME" (one feed). With `model`, the names are checked against its inputs.
+    Returns a list of {input name: array}. Raises FileAccessError for a file that cannot be read,
+    InvalidArgumentError for a file that is not an .npz of arrays or whose names or dtypes do not
+    fit the model."""
     p = check_readable(path)
     _check_npz_magic(p)
     try:
@@ -238,7 +241,8 @@ def synthesize_feeds(model, n: int = 4, seed: int = 0, *, dim: int = DEFAULT_DIM
     inputs in [0, 100) (valid token ids; below the rows of a table the input indexes, see
     gather_index_bounds), except an RNN / LSTM / GRU's sequence_lens (in 1..seq_length, see
     sequence_length_bounds), names containing "mask" (ones) and "length" (the sequence size);
-    bool inputs random.
+    bool inputs random. Returns a list of {input name: array}; InvalidArgumentError for an input
+    no array can be made for (a sequence, map or optional input).
     """
     model = load_model(model)
     if n < 1:
@@ -483,7 +487,8 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
     16000) at which the model runs its first feed in onnxruntime, at each size first as
     synthesize_feeds lays them out, then with unnamed inner dimensions at 1 (inner_batch); the 64
     ones when none does (the caller's run then reports why), or as soon as the model fails with
-    the same message at two sizes in a row. A model without dynamic dimensions is run once."""
+    the same message at two sizes in a row. A model without dynamic dimensions is run once.
+    Returns a list of {input name: array}; raises what synthesize_feeds raises."""
     model = load_model(model)
     first = synthesize_feeds(model, n=n, seed=seed)
     if not any(not (d.HasField("dim_value") and d.dim_value >= 0)
@@ -686,7 +691,10 @@ def _comparable(runs):
 
 def run_outputs(model_or_path, feeds: Sequence[Feed], *, providers=None, sess_options=None,
                 progress: Callable[[int, int], None] | None = None) -> list[list[np.ndarray]]:
-    """Every output of the model for each feed: `outputs[feed][output]`."""
+    """Every output of the model for each feed: `outputs[feed][output]` (numeric arrays: maps,
+    sequences and strings as _as_array makes them comparable). Raises InvalidModelError when
+    onnxruntime cannot load or run the model, InvalidArgumentError for feeds whose names, dtypes
+    or fixed dimensions do not fit its inputs."""
     import onnxruntime as ort
 
     session = _session(model_or_path, providers, sess_options)
@@ -1057,6 +1065,11 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
     optimiser may fuse int8 DequantizeLinear+MatMul into MatMulNBits, which also quantizes the
     activations); "fold" folds the candidate's quantized weights to float first, which is what
     `fold_dequantize` and `InferenceSession(mode="fold")` give.
+
+    Returns a FidelityResult (metrics: cosine, cosine_min, top1 where output 0 has classes or
+    labels, maxabs, snr, snr_min, ctc when asked; notes). Raises InvalidArgumentError for an
+    unknown metric / run_as, feeds that do not fit, or an original whose outputs on them are all
+    NaN / infinite; InvalidModelError naming which model onnxruntime cannot load or run.
     """
     if metric is not None and metric not in METRICS:
         raise InvalidArgumentError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
