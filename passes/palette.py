@@ -1,7 +1,7 @@
 """Palettization: a weight becomes an n-bit index tensor plus a look-up table (k-means).
 
     p = palettize(model, bits=4)                  # one table of 16 values per tensor
-    p = palettize(model, bits=4, group_rows=8)    # one table per 8 rows (output channels)
+    p = palettize(model, bits=4, group_rows=8)    # one table per 8 rows along axis 0
     f = fold_palettes(p)                          # float weights back, bit-exact
 
 Graph form (standard ONNX, any opset >= 13; onnxruntime runs it):
@@ -10,8 +10,8 @@ Graph form (standard ONNX, any opset >= 13; onnxruntime runs it):
     Cast(W_palette_indices -> int32) -> W_palette_idx
     Gather(W_palette, W_palette_idx, axis=0) -> W          (consumers untouched)
 The table is learned by Lloyd's k-means on the values (seeded at quantiles and evenly over the
-range), per tensor or per group of `group_rows` rows along axis 0; groups * 2**bits must fit in
-the uint8 indices.
+range), per tensor or per group of `group_rows` rows along axis 0 (a Conv's output channels; the
+input rows K of a MatMul weight [K, N]); groups * 2**bits must fit in the uint8 indices.
 In the pack, indices entropy-code to about their entropy; a palette pays off against uniform
 levels when the value distribution is far from uniform at low bit widths.
 
@@ -19,6 +19,8 @@ fold_palettes materialises the pattern (the fold pass of passes.fold works node 
 constant inputs, so the Cast -> Gather chain is folded here in one step).
 """
 from __future__ import annotations
+
+import fnmatch
 
 import numpy as np
 import onnx
@@ -121,10 +123,14 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
               include=None, exclude=None, report: Report | None = None) -> onnx.ModelProto:
     """A new model whose float weights (>= 2-D, >= min_elements, not biases nor tensors read as
     exact values), initializers and Constant nodes of the main graph and of If/Loop/Scan bodies,
-    are palettized in their own graph (see the module docstring). include/exclude: fnmatch
-    patterns on weight names. Weights inside model-local functions stay float (a note).
-    Raises InvalidModelError for a model that is not valid ONNX (graph.refuse_invalid names the
-    problem), InvalidArgumentError for bad options."""
+    are palettized in their own graph (see the module docstring), bits 1..8 per index. Tensors a
+    quantized op reads (DequantizeLinear scales, MatMulNBits, QLinear*) stay as they are (a note).
+    include/exclude: patterns as quantize_weights takes them (an op type's name selects the
+    tensors that op reads, any other pattern matches names with fnmatch). group_rows: one table per
+    that many rows along axis 0. Weights inside model-local functions stay float (a note).
+    Returns the new model. Raises InvalidModelError for a model that is not valid ONNX
+    (graph.refuse_invalid names the problem), InvalidArgumentError for bad options (also when
+    groups x 2**bits do not fit the uint8 indices)."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
         raise InvalidArgumentError(f"palette bits must be an integer from 1 to 8, got {bits!r}")
     if group_rows is not None and (isinstance(group_rows, bool) or not isinstance(group_rows, (int, np.integer))
@@ -170,8 +176,16 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
         if listed:
             report.note(f"{listed} float weight(s) also listed as graph inputs (overridable by the caller) stay float")
     names = graph.NameAllocator(graph.all_names(out))
+    from .quantize import _op_types
+
+    ops = _op_types() if inc or exc else frozenset()  # (op names let patterns name op types)
+    quantized_inputs = 0
     for info in reversed(infos):
-        _palettize_graph(info, consumers, exact, names, bits, group_rows, min_elements, inc, exc, report)
+        quantized_inputs += _palettize_graph(info, consumers, exact, names, bits, group_rows, min_elements, inc, exc,
+                                             report, ops)
+    if quantized_inputs and report is not None:
+        report.note(f"{quantized_inputs} float tensor(s) read by quantized operators (DequantizeLinear scales, "
+                    "MatMulNBits, QLinear*: parameters, not weights) stay as they are")
     if out.ir_version < 4 and any(t.name not in {i.name for i in gi.graph.input}
                                   for gi in graph.iter_graphs(out) for t in gi.graph.initializer):
         # IR 3 wants every initializer listed as a graph input (its checker refuses the tables,
@@ -184,21 +198,29 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
 
 
 def _palettize_graph(info: graph.GraphInfo, consumers, exact, names, bits, group_rows, min_elements, inc, exc,
-                     report) -> None:
-    """Palettize the chosen initializers of one graph in place (its nodes go first)."""
-    import fnmatch
+                     report, ops=frozenset()) -> int:
+    """Palettize the chosen initializers of one graph in place (its nodes go first); returns how
+    many it kept because a quantized op reads them."""
+    from .quantize import _QUANTIZED_OPS
 
     g = info.graph
     graph_inputs = {i.name for i in g.input}
     new_nodes, keep_inits = [], []
+    quantized_inputs = 0
     for t in g.initializer:
         uses = consumers.get((info.key, t.name), [])
         n = int(np.prod(t.dims)) if t.dims else 1
         bias = uses and all(i == 2 and op in ("Conv", "Gemm", "ConvTranspose") for op, i in uses)
         chosen = (t.data_type in graph.FLOAT_TYPES and len(t.dims) >= 2 and n >= max(min_elements, 1) and uses
                   and not bias and t.name not in graph_inputs and (info.key, t.name) not in exact
-                  and (not inc or any(fnmatch.fnmatchcase(t.name, p) for p in inc))
-                  and not any(fnmatch.fnmatchcase(t.name, p) for p in exc))
+                  and (not inc or _named(t.name, uses, inc, ops))
+                  and not _named(t.name, uses, exc, ops))
+        # a quantized op's float inputs are its parameters (a blocked DequantizeLinear's [blocks, N]
+        # scales, MatMulNBits' scales): a palette of them moved every weight they scale (H7: a
+        # 4-bit palette of blocked scales took a model from 42.4 to 25.2 dB), as quantize keeps them
+        if chosen and any(op in _QUANTIZED_OPS for op, _ in uses):
+            quantized_inputs += 1
+            chosen = False
         if not chosen or _palette_nbytes(t, bits, group_rows) >= graph.tensor_nbytes(t):
             keep_inits.append(t)
             continue
@@ -227,12 +249,23 @@ def _palettize_graph(info: graph.GraphInfo, consumers, exact, names, bits, group
                                     w.nbytes, idx.nbytes + table_typed.nbytes, snr,
                                     info.location + (": " if info.location else "") + "initializer"))
     if not new_nodes:
-        return
+        return quantized_inputs
     del g.initializer[:]
     g.initializer.extend(keep_inits)
     old = list(g.node)
     del g.node[:]
     g.node.extend(new_nodes + old)
+    return quantized_inputs
+
+
+def _named(name: str, uses, patterns: list[str], ops) -> bool:
+    """Whether a pattern names the tensor (fnmatch on its name) or, being an op type's name
+    ("MatMul"), an op reading it: quantize_weights' include / exclude rule."""
+    from .quantize import _QUANTIZED_OPS
+
+    readers = {op for op, _ in uses}
+    return any(p in readers if (p in ops or p in _QUANTIZED_OPS) else fnmatch.fnmatchcase(name, p)
+               for p in patterns)
 
 
 def _dense_float_constant(node: onnx.NodeProto, min_elements: int) -> onnx.TensorProto | None:
@@ -285,12 +318,13 @@ def has_palettes(model: onnx.ModelProto) -> bool:
 def fold_palettes(model, *, report: Report | None = None) -> onnx.ModelProto:
     """Materialise every palette pattern (Cast of constant uint8 indices -> Gather on a constant
     table, both initializers of the Gather's graph) as a float initializer of that graph named
-    like the Gather's output; the values are exactly table[indices], what onnxruntime computes."""
+    like the Gather's output; the values are exactly table[indices], what onnxruntime computes.
+    Returns a new model (a copy also when there is nothing to fold, never the caller's object)."""
     src = load_model(model)
-    if not has_palettes(src):
-        return src
     out = onnx.ModelProto()
-    out.CopyFrom(src)
+    out.CopyFrom(src)  # also with nothing to fold: the result is the caller's to change (onnx's external-data save does)
+    if not has_palettes(src):
+        return out
     # a table or index tensor still read elsewhere (any graph, or as a graph output) stays
     read_anywhere = graph.read_counts(out)
     for info in reversed(graph.iter_graphs(out)):  # children first: rewriting a graph copies its subgraphs
