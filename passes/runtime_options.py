@@ -5,9 +5,15 @@ that on the caller's object would leave our buffers referenced from it (and brea
 so the caller's options are copied. onnxruntime offers no copy and no way to list config entries:
 the public attributes are copied, and the config entries among the keys onnxruntime documents
 (onnxruntime_session_options_config_keys.h) that are set. Custom-op libraries and
-`add_provider_for_devices` registrations cannot be read back and are not carried over.
+`add_provider_for_devices` registrations cannot be read back and are not carried over: the
+libraries a model needs are named to the copy (`custom_op_libraries`, registered on it), and a
+session that fails for an op of a domain onnxruntime does not build in is explained by
+`custom_op_hint`.
 """
 from __future__ import annotations
+
+import os
+import re
 
 import onnxruntime as ort
 
@@ -39,9 +45,38 @@ KNOWN_CONFIG_KEYS = (
 )
 
 
-def copy_session_options(source: ort.SessionOptions | None) -> ort.SessionOptions:
-    """A new SessionOptions carrying `source`'s settings; `source` is not touched."""
+# operator domains onnxruntime builds in; any other domain's ops come from a custom-op library
+BUILT_IN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.training", "ai.onnx.preview.training",
+                              "com.microsoft", "com.microsoft.nchwc", "com.microsoft.dml", "com.ms.internal.nhwc",
+                              "com.microsoft.mlfeaturizers", "org.pytorch.aten", "com.microsoft.extensions"})
+
+
+def custom_op_library_paths(libraries) -> tuple:
+    """`libraries` (None, a path, or a list of paths to shared libraries with onnxruntime's
+    RegisterCustomOps entry point, e.g. onnxruntime_extensions.get_library_path()) as a tuple of
+    str; InvalidArgumentError for anything else or a file that does not exist."""
+    from .errors import InvalidArgumentError
+
+    if libraries is None:
+        return ()
+    if isinstance(libraries, (str, os.PathLike)):
+        libraries = [libraries]
+    try:
+        paths = tuple(os.fspath(p) for p in libraries)
+    except TypeError:
+        raise InvalidArgumentError(f"custom_op_libraries must be a path or a list of paths to custom-op shared "
+                                   f"libraries, got {libraries!r}") from None
+    for path in paths:
+        if not os.path.isfile(path):
+            raise InvalidArgumentError(f"custom_op_libraries: {path} is not a file")
+    return paths
+
+
+def copy_session_options(source: ort.SessionOptions | None, custom_op_libraries=()) -> ort.SessionOptions:
+    """A new SessionOptions carrying `source`'s settings, with `custom_op_libraries` (paths, see
+    custom_op_library_paths) registered on it; `source` is not touched."""
     options = ort.SessionOptions()
+    register_custom_op_libraries(options, custom_op_libraries)
     if source is None:
         return options
     if not isinstance(source, ort.SessionOptions):
@@ -60,6 +95,18 @@ def copy_session_options(source: ort.SessionOptions | None) -> ort.SessionOption
     return options
 
 
+def register_custom_op_libraries(options: ort.SessionOptions, libraries) -> None:
+    """Register `libraries` (see custom_op_library_paths) on `options` (our own copy)."""
+    for path in custom_op_library_paths(libraries):
+        try:
+            options.register_custom_ops_library(path)
+        except Exception as exc:  # onnxruntime: a bare RuntimeError / Fail naming the library
+            from .errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"custom_op_libraries: onnxruntime cannot register {path}: "
+                                       f"{str(exc).splitlines()[0]}") from None
+
+
 class OptionsDraft:
     """The SessionOptions a load will create its session with, copied from the caller's only when
     the load adds something to them (`build`).
@@ -71,13 +118,15 @@ class OptionsDraft:
     onnxruntime's own class does (which copies them itself). Config entries added to the draft
     are kept in order and applied to the copy."""
 
-    def __init__(self, source: ort.SessionOptions | None, threads: int | None = None):
+    def __init__(self, source: ort.SessionOptions | None, threads: int | None = None, custom_op_libraries=()):
         if source is not None and not isinstance(source, ort.SessionOptions):
             from .errors import InvalidArgumentError
 
             raise InvalidArgumentError(f"sess_options must be an onnxruntime.SessionOptions, got {type(source).__name__}")
         self.source = source
         self.threads = threads
+        # (registered on the copy; the caller's own options are never given them: always a copy)
+        self.libraries = custom_op_library_paths(custom_op_libraries)
         self.entries: dict = {}
 
     def add_session_config_entry(self, key: str, value: str) -> None:
@@ -86,9 +135,10 @@ class OptionsDraft:
     def build(self, private: bool = False) -> ort.SessionOptions:
         """The options to create the session with: a copy carrying the added settings, or (nothing
         added and not `private`: the caller adds no initializer to them) the caller's own."""
-        if not (private or self.entries or self.threads):
+        if not (private or self.entries or self.threads or self.libraries):
             return self.source if self.source is not None else ort.SessionOptions()
         options = copy_session_options(self.source)
+        register_custom_op_libraries(options, self.libraries)
         if self.threads:
             options.intra_op_num_threads = self.threads
         for key, value in self.entries.items():
@@ -101,3 +151,22 @@ def config_entry(options: ort.SessionOptions, key: str) -> str | None:
         return options.get_session_config_entry(key)
     except Exception:  # onnxruntime raises a bare RuntimeError/Fail for a key that is not set
         return None
+
+
+# onnxruntime's message for a node whose op it does not know: "<domain>:<op>(<opset>) is not a
+# registered function/op"
+_UNKNOWN_OP = re.compile(r"([\w.\-]+):([\w.\-]+)\(-?\d+\) is not a registered function/op")
+
+
+def custom_op_hint(error: str, libraries=()) -> str:
+    """What to add to onnxruntime's message `error` when a session could not be created because a
+    node's op is unknown to it and its domain is not one onnxruntime builds in (a custom op): how
+    to give the library that implements it ("" for any other error). SessionOptions' own
+    registrations cannot be read back (see the module docstring), so a private copy needs them named."""
+    found = _UNKNOWN_OP.search(error)
+    if found is None or found.group(1) in BUILT_IN_DOMAINS:
+        return ""
+    given = f"; the libraries given ({', '.join(libraries)}) do not provide it" if libraries else ""
+    return (f" (custom op {found.group(2)} of domain {found.group(1)!r}{given}: pass custom_op_libraries=[path, ...] "
+            f"to passes.InferenceSession, e.g. onnxruntime_extensions.get_library_path(); a library registered on "
+            f"the caller's SessionOptions is not carried over to the private copy this load makes)")

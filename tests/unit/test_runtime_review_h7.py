@@ -205,3 +205,38 @@ def test_a_depthwise_conv_transpose_keeps_its_channels_apart(tmp_path, mode):
     assert not np.array_equal(got, reference)  # (quantized: small enough to be folded back to float at load)
     # per channel: ~46 dB (one scale for all 128 channels, as axis 1 gave: ~34 dB)
     assert _snr_db(reference, got) >= 42
+
+
+# ---------------------------------------------------------------------- F7 (the options part)
+
+def test_custom_op_libraries_are_registered_on_a_copy_never_on_the_callers(tmp_path):
+    from passes import runtime_options
+
+    caller = ort.SessionOptions()
+    caller.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    assert OptionsDraft(caller).build() is caller  # (nothing added: the caller's own, as before)
+    not_a_library = tmp_path / "not_a_library.so"
+    not_a_library.write_bytes(b"x")
+    draft = OptionsDraft(caller, custom_op_libraries=[not_a_library])
+    assert draft.libraries == (str(not_a_library),)
+    # a library to register is something the load adds: a copy, on which onnxruntime's refusal of
+    # the file is an InvalidArgumentError naming it
+    with pytest.raises(InvalidArgumentError, match="custom_op_libraries: onnxruntime cannot register .*not_a_library"):
+        draft.build()
+    with pytest.raises(InvalidArgumentError, match="is not a file"):
+        OptionsDraft(caller, custom_op_libraries=tmp_path / "missing.so")
+    with pytest.raises(InvalidArgumentError, match="a list of paths"):
+        runtime_options.custom_op_library_paths([3])
+    assert runtime_options.custom_op_library_paths(None) == ()
+
+
+def test_an_unknown_custom_op_is_explained_with_the_keyword():
+    from passes.runtime_options import custom_op_hint
+
+    error = ("[ONNXRuntimeError] : 1 : FAIL : Load model from /proc/self/fd/6 failed:Fatal error: "
+             "ai.onnx.contrib:StringUpper(-1) is not a registered function/op")
+    hint = custom_op_hint(error)
+    assert "custom op StringUpper of domain 'ai.onnx.contrib'" in hint and "custom_op_libraries=" in hint
+    assert "do not provide it" in custom_op_hint(error, ("/x/lib.so",))
+    assert custom_op_hint("Fatal error: com.microsoft:Foo(1) is not a registered function/op") == ""
+    assert custom_op_hint("some other failure") == ""
