@@ -77,8 +77,22 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+# whether this run has printed its JSON report: a failure after it (the gate, exit 3) adds none
+_json_printed = False
+
+
 def print_json(obj: dict) -> None:
+    global _json_printed
     print(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False))
+    _json_printed = True
+
+
+def _print_json_failure(command: str | None, message: str, code: int) -> None:
+    """--json and a failure before any report: one JSON object on stdout all the same, so that a CI
+    step parsing it (`--json > report.json`) reads why instead of an empty file (H7 F15)."""
+    if not _json_printed:
+        sys.stdout.flush()
+        print_json({"command": command, "error": message, "exit_code": code})
 
 
 def printable(text: str) -> str:
@@ -1065,27 +1079,50 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    import contextlib
+    import io
+
     from passes import SurgeonError
 
+    global _json_printed
+    _json_printed = False
+    words = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    said = io.StringIO()
     try:
-        args = parser.parse_args(argv)
+        with contextlib.redirect_stderr(said):  # argparse's message, also for the JSON below
+            args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2, --help/--version exit 0
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        sys.stderr.write(said.getvalue())
+        code = exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        if code and "--json" in words:
+            lines = [line for line in said.getvalue().splitlines() if line.strip()]
+            command = next((w for w in words if not w.startswith("-")), None)
+            last = lines[-1] if lines else "usage error"
+            _print_json_failure(command, last.split(": error: ", 1)[-1], code)
+        return code
+    sys.stderr.write(said.getvalue())
     restore = _sigterm_unwinds()
+    as_json = bool(getattr(args, "json", False))
     try:
         return args.func(args)
     except SurgeonError as exc:
         sys.stdout.flush()
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"{PROG}: error: {printable(message)}", file=sys.stderr)
+        if as_json:
+            _print_json_failure(args.command, message, _exit_code(exc))
         return _exit_code(exc)
     except KeyboardInterrupt:
         sys.stdout.flush()
         print(f"{PROG}: interrupted", file=sys.stderr)
+        if as_json:
+            _print_json_failure(args.command, "interrupted", EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except MemoryError:
         print(f"{PROG}: error: out of memory", file=sys.stderr)
+        if as_json:
+            _print_json_failure(args.command, "out of memory", EXIT_ERROR)
         return EXIT_ERROR
     except BrokenPipeError:  # `surgeon-compress info x | head`: the reader left, nothing to report
         try:
@@ -1099,6 +1136,8 @@ def _main(argv: Sequence[str] | None) -> int:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         print(f"{PROG}: internal error: {type(exc).__name__}: {first} (a bug; SURGEON_DEBUG=1 shows the traceback)",
               file=sys.stderr)
+        if as_json:
+            _print_json_failure(args.command, f"internal error: {type(exc).__name__}: {first}", EXIT_INTERNAL)
         return EXIT_INTERNAL
     finally:
         restore()
