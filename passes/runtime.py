@@ -730,8 +730,8 @@ class InferenceSession(ort.InferenceSession):
                 _wait_weights(split, self.source)
                 device_values = fold_on_device(split, s["providers"], s["provider_options"])
                 table = None  # (the folded nodes are gone)
-            from .runtime_fold import (constants_to_initializers, fold_facts, fold_into, fold_kernel_fast,
-                                       gather_dequantized_rows, little_to_share, plan_fold)
+            from .runtime_fold import (constants_to_initializers, dequantize_reads_constant, fold_facts, fold_into,
+                                       fold_kernel_fast, gather_dequantized_rows, little_to_share, plan_fold)
 
             converting = target is not None and target != own_dtype  # the converter must see float weights
             # float16 weights on a CPU are never shared (see below): onnxruntime folds them all
@@ -765,7 +765,12 @@ class InferenceSession(ort.InferenceSession):
                 ahead = fold16_here and onnxruntime_folds_all and split.pending is not None
                 if not ahead:
                     _wait_weights(split, self.source)
-                constants_to_initializers(split, table)
+                # Constant nodes become initializers so that the fold can read them; where the only
+                # foldable nodes are main-graph DequantizeLinear nodes and none reads a Constant,
+                # they stay nodes (onnxruntime makes them initializers as it loads the graph, as it
+                # does for the plain file): open_nsfw_fp16's 41 cost ~1 ms before onnxruntime starts
+                if not (fold16_here and onnxruntime_folds_all) or dequantize_reads_constant(table):
+                    constants_to_initializers(split, table)
                 if fold16_here:
                     if onnxruntime_folds_all:  # (the plain graphs the rewrite below was made for)
                         table = self._keep_tables_8bit(split, gather_dequantized_rows, table)

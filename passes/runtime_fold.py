@@ -607,6 +607,14 @@ def constants_to_initializers(split: SplitModel, table: NodeTable | None = None)
         table.remove(moved)
 
 
+def dequantize_reads_constant(table: NodeTable) -> bool:
+    """Whether a main-graph DequantizeLinear reads a Constant node's output (a scale or zero point
+    written as a Constant: constants_to_initializers must run before the fold can read it)."""
+    constants = {outputs[0] for op_type, _, _, outputs in table.rows if op_type == "Constant" and outputs}
+    return bool(constants) and any(op_type == "DequantizeLinear" and not constants.isdisjoint(inputs)
+                                   for op_type, _, inputs, _ in table.rows)
+
+
 def _constant_tensor(node):
     if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
         return None

@@ -409,6 +409,30 @@ def test_float16_fold_on_cpu_small_weights_and_constants_left_to_onnxruntime(tmp
     for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(m), feeds)):
         np.testing.assert_array_equal(got[0], want[0])
 
+def test_float16_fold_keeps_constant_nodes_no_dequantize_reads(tmp_path, float16_route):
+    """float16 on a CPU, every foldable node a DequantizeLinear: a Constant node none of them reads
+    (a Reshape's shape) is not moved into an initializer by the load (onnxruntime does that as it
+    loads the graph, as for the plain file); outputs identical to the folded model's."""
+    big = _w((256, 64), 33)
+    scale = (np.abs(big).max(axis=0) / 127).astype(np.float16)
+    levels = np.clip(np.round(big / scale.astype(np.float32)), -127, 127).astype(np.int8)
+    nodes = [helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(np.array([2, 128], np.int64))),
+             helper.make_node("DequantizeLinear", ["Wq", "Ws"], ["W"], axis=1),
+             helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Reshape", ["h", "shape"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4, 256])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 128])],
+               [numpy_helper.from_array(levels, "Wq"), numpy_helper.from_array(scale, "Ws")], opset=19)
+    path = tmp_path / "fp16.q8.onnx"
+    onnx.save(m, str(path))
+    passes.pack(str(path), str(tmp_path / "fp16.q8.onnxz"))
+    feeds = [{"x": np.random.default_rng(i).standard_normal((4, 256)).astype(np.float16)} for i in range(2)]
+    for source in (path, tmp_path / "fp16.q8.onnxz"):
+        session = passes.InferenceSession(source, mode="fold")
+        assert session.fold_route == float16_route and session.op_counts.get("Constant") == 1
+        for got, want in zip(run(session, feeds), run_plain(passes.fold_dequantize(m), feeds)):
+            np.testing.assert_array_equal(got[0], want[0])
+
+
 
 def test_onnxruntime_folds_all_only_plain_dequantize_graphs():
     """fold_facts' onnxruntime_folds_all: activations quantized (QuantizeLinear), a palette or a
