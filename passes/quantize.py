@@ -332,7 +332,9 @@ def _required_opset(dtype: int, bits: int, granularity: str) -> int:
         return 21  # block_size attribute, int4 / uint4
     if dtype == TensorProto.FLOAT16:
         return 19  # float16 scales (bfloat16 weights get float32 scales and a Cast)
-    return 13  # axis attribute (per channel)
+    if granularity == "tensor" and dtype == TensorProto.FLOAT:
+        return 10  # DequantizeLinear-10 takes a per-tensor scale: no conversion of an opset 10-12 model (H7 F16)
+    return 13  # axis attribute (per channel); bfloat16's Cast
 
 
 def _best_axis(w32: np.ndarray, levels: forms.Levels) -> int:

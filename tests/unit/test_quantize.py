@@ -734,3 +734,27 @@ def test_round_scales_rounds_the_scales_alone():
     for bad in (0, 25, True, 8.0):
         with pytest.raises(InvalidArgumentError):
             round_scales(m, bad)
+
+
+@pytest.mark.parametrize("opset", [10, 11, 12])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_per_tensor_weights_keep_an_opset_10_to_12_model_at_its_opset(opset, symmetric):
+    """DequantizeLinear-10 takes a per-tensor scale (and uint8 zero point): no raise to 13, which
+    converted the whole model for nothing (H7 F16). Per channel still raises to 13."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from passes.fidelity import output_snr_db, run_outputs
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
+    rep = Report()
+    q = quantize_weights(m, granularity="tensor", symmetric=symmetric, min_elements=0, report=rep)
+    assert q.opset_import[0].version == opset and not any("opset raised" in n for n in rep.notes)
+    onnx.checker.check_model(q, full_check=True)
+    feeds = [{"x": rng.standard_normal((2, 64)).astype(np.float32)}]
+    assert output_snr_db(run_outputs(m, feeds), run_outputs(q, feeds)) > 30
+    assert quantize_weights(m, min_elements=0).opset_import[0].version == 13  # per channel
