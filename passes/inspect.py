@@ -290,7 +290,13 @@ def _rows(tensors: dict, consumers: dict, blocks: dict) -> list[WeightRow]:
 
 
 def describe_model(model) -> ModelDescription:
-    """Every weight of `model` (ModelProto or path; external data is not read) with its scheme."""
+    """Every weight of `model` (ModelProto, .onnx or .onnxz path; a .onnx's external data is not
+    read) with its scheme. Returns a ModelDescription: `rows` (a WeightRow per tensor: name, dtype,
+    shape, bytes, scheme such as 'int8/channel(axis=0)/DequantizeLinear' or 'float', consumers,
+    location: initializer, Constant node, subgraph or function body), `by_dtype` and `by_scheme`
+    ({key: {"count", "bytes"}}), `opsets`, `ir_version`, `nodes`, `external_files`,
+    `attribute_floats` (float values held in node attributes), `total_bytes`. Raises what
+    passes.load_model raises (FileAccessError, InvalidModelError, CorruptFileError)."""
     if isinstance(model, (str, os.PathLike)) and not str(model).endswith(".onnxz"):
         model = load_model(model, load_external=False)
     else:

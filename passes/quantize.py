@@ -410,9 +410,15 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     levels are chosen (forms.quantize_linear; 8: bfloat16 values, which the pack stores in two
     bytes instead of four). None keeps full float32 scales.
 
+    Returns the new model. Its default-domain opset is raised where the chosen form needs a newer
+    DequantizeLinear (per channel 13, float16 scales 19, 4-bit or blocks 21; per tensor float32
+    works from 10), converting the model with onnx.version_converter, and its IR version to what
+    those need (10 for int4 / blocks); the report notes each raise.
+
     Raises InvalidModelError for a model that is not valid ONNX (graph.refuse_invalid names the
     problem: the output would not be either), InvalidArgumentError for bad options,
-    UnsupportedFormError for a form this model's opset cannot be raised to.
+    UnsupportedFormError for a form this model's opset cannot be raised to (no default-domain
+    opset, or a conversion that would change the model).
     """
     block = _check_args(bits, granularity, block_size, min_elements)
     if scale_mantissa_bits is not None and (not isinstance(scale_mantissa_bits, (int, np.integer))
