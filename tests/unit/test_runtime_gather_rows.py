@@ -116,3 +116,36 @@ def test_input_file_unchanged(tmp_path):
     before = path.read_bytes()
     passes.InferenceSession(path, mode="fold").run(None, _feeds([2, 7])[0])
     assert path.read_bytes() == before
+
+
+def test_two_tables_among_many_nodes_each_node_kept_once():
+    """Two tables (as MiniLM's word and position embeddings) among many other nodes: each table's
+    DequantizeLinear and Gather are replaced, every other node is kept once and in order (the
+    rewrite names nodes by object: those objects must live until the graph is rebuilt)."""
+    from passes.runtime_feed import serialise_with_weights, split_model
+    from passes.runtime_fold import gather_dequantized_rows
+
+    rng = np.random.default_rng(9)
+    inits, nodes = [], []
+    for t in ("A", "B"):
+        inits += [numpy_helper.from_array(rng.integers(-128, 128, (ROWS, WIDTH)).astype(np.int8), f"{t}q"),
+                  numpy_helper.from_array(np.array(0.01, np.float16), f"{t}s")]
+        nodes += [helper.make_node("DequantizeLinear", [f"{t}q", f"{t}s"], [f"{t}"]),
+                  helper.make_node("Gather", [t, "ids"], [f"{t}_rows"], axis=0)]
+    prev = "A_rows"
+    for i in range(60):  # (node objects made and dropped between and after the tables)
+        nodes.append(helper.make_node("Add", [prev, "B_rows"], [f"sum{i}"], name=f"add{i}"))
+        prev = f"sum{i}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT16, [2, 3, WIDTH])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    split = split_model(model)
+    assert sorted(gather_dequantized_rows(split)) == ["Aq", "Bq"]
+    names = [n.name for n in split.skeleton.graph.node if n.op_type == "Add"]
+    assert names == [f"add{i}" for i in range(60)]
+    assert [n.op_type for n in split.skeleton.graph.node[:4]] == ["Gather", "DequantizeLinear"] * 2
+    split.refresh_placeholders()
+    pieces = serialise_with_weights(split.skeleton, split.weights, list(split.weights))
+    session = ort.InferenceSession(b"".join(bytes(memoryview(p).cast("B")) for p in pieces), providers=CPU)
+    assert session.run(None, _feeds([2, 3])[0])[0].shape == (2, 3, WIDTH)  # (a valid graph; the values:
+    # the tests above, on graphs whose float16 arithmetic onnxruntime does alike folded or not)
