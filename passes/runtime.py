@@ -46,7 +46,7 @@ import onnxruntime as ort
 from .errors import CorruptFileError, InvalidArgumentError, InvalidModelError, SurgeonError
 from .runtime_feed import (EMBED_MAX_BYTES, GraphReads, NodeTable, SplitModel, graph_reads, node_table, operator_counts,
                            serialise_with_weights, shareable_names)
-from .runtime_options import OptionsDraft, copy_session_options
+from .runtime_options import OptionsDraft, copy_session_options, custom_op_hint, custom_op_library_paths
 
 log = logging.getLogger("passes.runtime")
 
@@ -102,19 +102,44 @@ def _provider_names(providers) -> list:
     return [p[0] if isinstance(p, (tuple, list)) else p for p in providers or []]
 
 
-def _check_providers(providers) -> list | None:
+def _check_providers(providers, provider_options=None) -> tuple:
+    """(providers, provider_options) with the providers this onnxruntime lacks left out, each with a
+    warning, as onnxruntime's own InferenceSession does (a [CUDA, CPU] list is the portable way to
+    say "the GPU where there is one"); InvalidArgumentError when none of them is available."""
     if providers is None:
-        return None
+        return None, provider_options
     if isinstance(providers, str):
         providers = [providers]
+    providers = list(providers)
+    if provider_options is not None and len(provider_options) != len(providers):
+        raise InvalidArgumentError(f"provider_options must be a list of one dict per provider "
+                                   f"({len(providers)}), got {len(provider_options)}")
     available = ort.get_available_providers()
-    for name in _provider_names(providers):
-        if name not in available:
-            hint = " (install surgeon-compress[gpu], i.e. onnxruntime-gpu)" if name in GPU_PROVIDERS else ""
-            raise InvalidArgumentError(
-                f"execution provider {name} is not available in this onnxruntime{hint}; available: {', '.join(available)}"
-            )
-    return list(providers)
+    missing = [name for name in _provider_names(providers) if name not in available]
+    if not missing:
+        return providers, provider_options
+    hint = " (install surgeon-compress[gpu], i.e. onnxruntime-gpu)" if set(missing) & set(GPU_PROVIDERS) else ""
+    if len(missing) == len(providers):
+        raise InvalidArgumentError(f"execution provider(s) {', '.join(missing)} not available in this onnxruntime{hint}; "
+                                   f"available: {', '.join(available)}")
+    import warnings
+
+    warnings.warn(f"execution provider(s) {', '.join(missing)} not available in this onnxruntime{hint}: left out "
+                  f"(available: {', '.join(available)})", RuntimeWarning, stacklevel=3)
+    keep = [i for i, name in enumerate(_provider_names(providers)) if name in available]
+    return [providers[i] for i in keep], None if provider_options is None else [provider_options[i] for i in keep]
+
+
+def _source_path(path) -> Path:
+    """InferenceSession's `path` as a Path: a str or os.PathLike naming an .onnx / .onnxz file."""
+    if isinstance(path, (str, os.PathLike)):
+        return Path(path)
+    what = type(path).__name__
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        what += " (a serialized model?)"
+    raise InvalidArgumentError(f"passes.InferenceSession takes the path of an .onnx or .onnxz file (str or os.PathLike), "
+                               f"got {what}; save a ModelProto first (passes.save_model) or give its bytes to "
+                               f"onnxruntime.InferenceSession")
 
 
 def _start_read(path, threads, max_bytes=None, shared_chunks=True):
@@ -466,8 +491,14 @@ def parse_pieces(options, pieces: list, read_config: bool, ready=None, stop=None
 class InferenceSession(ort.InferenceSession):
     """An onnxruntime.InferenceSession built from a compressed `.onnx` or a packed `.onnxz`.
 
-    `sess_options` and `providers` (and `provider_options`) are used as onnxruntime uses them; the
-    caller's SessionOptions is never modified (copied where the load adds to it). `threads` sets intra-op threads (and the
+    `path`: the file (str or os.PathLike; a ModelProto or bytes raise InvalidArgumentError: save the
+    model first). `sess_options` and `providers` (and `provider_options`) are used as onnxruntime uses
+    them (a listed provider this onnxruntime lacks is left out with a RuntimeWarning, as onnxruntime
+    does; InvalidArgumentError when none is available); the
+    caller's SessionOptions is never modified (copied where the load adds to it; a custom-op library
+    registered on it cannot be read back, so the copy lacks it: name such libraries in
+    `custom_op_libraries`, paths such as onnxruntime_extensions.get_library_path(), registered on the
+    copy). `threads` sets intra-op threads (and the
     threads decoding a packed file). Attributes: `mode` (the mode used, "auto" resolved),
     `mode_reason`, `dtype` (numpy dtype of the float weights), `weight_arrays` (name -> array
     the session keeps: the shared weights, onnxruntime's own buffers), `shared_names`,
@@ -490,21 +521,24 @@ class InferenceSession(ort.InferenceSession):
 
     def __init__(self, path, sess_options=None, providers=None, *, mode="fold", dtype=None, threads=None,
                  provider_options=None, keep_io_types=True, gpu_fold="host", prepack=None, progress=None,
-                 max_bytes=None):
+                 max_bytes=None, custom_op_libraries=None):
+        source = _source_path(path)
         mode = _normalise_mode(mode)
         target = _normalise_dtype(dtype)
-        providers = _check_providers(providers)
+        providers, provider_options = _check_providers(providers, provider_options)
+        libraries = custom_op_library_paths(custom_op_libraries)
         if threads is not None and (not isinstance(threads, int) or threads < 0):
             raise InvalidArgumentError(f"threads must be a non-negative integer, got {threads!r}")
         if gpu_fold not in ("host", "device"):
             raise InvalidArgumentError(f"gpu_fold must be 'host' or 'device', got {gpu_fold!r}")
-        self.source = Path(path)
+        self.source = source
         self.on_gpu = any(n in GPU_PROVIDERS for n in _provider_names(providers))
         if prepack not in (None, True, False):
             raise InvalidArgumentError(f"prepack must be None, True or False, got {prepack!r}")
         self._settings = dict(mode=mode, target=target, threads=threads, providers=providers,
                               provider_options=provider_options, keep_io_types=keep_io_types,
-                              gpu_fold=gpu_fold, prepack=prepack, progress=progress, max_bytes=max_bytes)
+                              gpu_fold=gpu_fold, prepack=prepack, progress=progress, max_bytes=max_bytes,
+                              custom_op_libraries=libraries)
         # the model bytes travel in an attribute (popped when onnxruntime has parsed them), not as
         # an argument: a frame holding them would keep them alive during optimisation
         options, disabled, self._pending_model = self._prepare(sess_options)
@@ -520,7 +554,8 @@ class InferenceSession(ort.InferenceSession):
             raise
         except Exception as exc:
             if not self.shared_names:
-                raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc).splitlines()[0]}") from None
+                raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc).splitlines()[0]}"
+                                        f"{custom_op_hint(str(exc), libraries)}") from None
             # most likely an optimiser wanted the bytes of a shared weight (onnxruntime cannot read
             # those): start again with every weight handed over as a copy
             log.info("passes.InferenceSession: retrying with copied weights (%s)", str(exc).splitlines()[0][:200])
@@ -529,7 +564,8 @@ class InferenceSession(ort.InferenceSession):
                 super().__init__(_MODEL_IN_ATTRIBUTE, options, providers=providers, provider_options=provider_options,
                                  disabled_optimizers=disabled or None, enable_fallback=0)
             except Exception as exc2:
-                raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc2).splitlines()[0]}") from None
+                raise InvalidModelError(f"{self.source}: onnxruntime cannot create a session: {str(exc2).splitlines()[0]}"
+                                        f"{custom_op_hint(str(exc2), libraries)}") from None
 
     def _prepare(self, sess_options, share=True):
         """Read, rewrite for the mode and dtype; returns (options, disabled optimisers, skeleton bytes).
@@ -568,7 +604,7 @@ class InferenceSession(ort.InferenceSession):
     def _session_options(self, sess_options):
         """A copy of the caller's SessionOptions with this session's own settings."""
         s = self._settings
-        options = copy_session_options(sess_options)
+        options = copy_session_options(sess_options, s["custom_op_libraries"])
         if s["threads"]:
             options.intra_op_num_threads = s["threads"]
         return options
@@ -585,7 +621,7 @@ class InferenceSession(ort.InferenceSession):
         runtime_verbatim.verbatim_kind): those the usual route would make for it."""
         s = self._settings
         if kind == "float" and (sess_options is None or isinstance(sess_options, ort.SessionOptions)) \
-                and not s["threads"] and s["prepack"] is not False:
+                and not s["threads"] and s["prepack"] is not False and not s["custom_op_libraries"]:
             # nothing of ours to add: onnxruntime gets the caller's options as they are, as it would
             # from its own class (it copies them; copying them here costs ~5 ms: copy_session_options)
             return sess_options if sess_options is not None else ort.SessionOptions()
@@ -720,7 +756,7 @@ class InferenceSession(ort.InferenceSession):
         # float weights left float and why); also logged (INFO, logger "passes.runtime")
         self.notes = []
         # (copied from the caller's only where this load adds to them: see OptionsDraft.build below)
-        options = OptionsDraft(sess_options, s["threads"])
+        options = OptionsDraft(sess_options, s["threads"], s["custom_op_libraries"])
         disabled = set()
         device_values = {}
         if mode == "fold":
