@@ -66,7 +66,7 @@ sys.path.insert(0, str(REPO))
 
 import passes  # noqa: E402
 from passes.onnxz.codecs import BFLOAT16, DOUBLE, FLOAT, FLOAT16, INT8, UINT8  # noqa: E402
-from passes._fileio import write_bytes_atomic  # noqa: E402
+from passes._fileio import flush_released, write_bytes_atomic  # noqa: E402
 from passes.onnxz.reader import PackedFile  # noqa: E402
 
 OUT = REPO / "bench" / "out"
@@ -148,7 +148,12 @@ def rounds(fns: dict, n: int, inner: int = 1) -> dict:
     """Samples of every function, the runs interleaved round by round (load on the machine hits
     both alike; the order alternates so neither always runs on a cache the other warmed): per
     function {"cpu": [...], "wall": [...]} in seconds per call, each sample the mean of `inner`
-    back-to-back calls (millisecond calls: less timer and scheduling noise per sample)."""
+    back-to-back calls (millisecond calls: less timer and scheduling noise per sample).
+    Outputs that replaced a file (every unpack here: force=True, ours and ZipNN's alike) leave
+    the old file to _fileio's closer thread; each sample waits for those closes before its CPU
+    time is read, so that a side's CPU holds the freeing of the files it replaced (ZipNN's old
+    file, written through the page cache, costs more to free than ours) and never lands in the
+    next side's sample; its wall time is read before that wait (the caller has its file then)."""
     out = {k: {"cpu": [], "wall": []} for k in fns}
     names = list(fns)
     for r in range(n):
@@ -158,6 +163,7 @@ def rounds(fns: dict, n: int, inner: int = 1) -> dict:
             for _ in range(inner):
                 fn()
             out[k]["wall"].append((time.perf_counter() - w0) / inner)
+            flush_released()
             out[k]["cpu"].append((time.process_time() - c0) / inner)
     return out
 
