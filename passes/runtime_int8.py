@@ -538,6 +538,7 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
     new_nodes = []
     kept = {}  # why -> [float bytes, count] of big float weights left float
     done = _LoadQuantized()
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output}
     for name in sorted(split.weights):
         w = split.weights[name]
         if w.dtype.kind != "f" or w.size < MIN_QUANTIZE_ELEMENTS:
@@ -554,7 +555,9 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
         if all(n.op_type in _QUANTIZED_OPS for n, _ in node_uses):
             continue  # a quantized weight's scale or zero point, not a weight of its own
         ops = {(n.op_type, i) for n, i in node_uses}
-        tied = w.ndim == 2 and _tied_projection(node_uses, uses) is not None
+        # (a projection whose input the model quantizes itself stays as it is: see prepare_quantized)
+        projection = _tied_projection(node_uses, uses) if w.ndim == 2 else None
+        tied = projection is not None and projection[1].input[0] not in dequantized
         if ops <= {("MatMul", 1)} and w.ndim == 2:
             axis, block = (0, BLOCK_4BIT) if bits == 4 else (1, 0)
         elif ops <= {("Gemm", 1)} and w.ndim == 2:

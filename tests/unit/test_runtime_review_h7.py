@@ -240,3 +240,20 @@ def test_an_unknown_custom_op_is_explained_with_the_keyword():
     assert "do not provide it" in custom_op_hint(error, ("/x/lib.so",))
     assert custom_op_hint("Fatal error: com.microsoft:Foo(1) is not a registered function/op") == ""
     assert custom_op_hint("some other failure") == ""
+
+
+def test_a_tied_table_whose_projection_input_is_quantized_by_the_model_stays_float(tmp_path):
+    # (the projection stays a MatMul for onnxruntime's QDQ kernels, see prepare_quantized: the
+    # table quantized at load would then be dequantized whole on every run)
+    table = (np.random.default_rng(8).standard_normal((3000, 128)) * 0.1).astype(np.float32)
+    m = _model([helper.make_node("Gather", ["E", "ids"], ["e"]),
+                helper.make_node("QuantizeLinear", ["e", "s", "z"], ["eq"]),
+                helper.make_node("DequantizeLinear", ["eq", "s", "z"], ["ed"]),
+                helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+                helper.make_node("MatMul", ["ed", "Et"], ["logits"])],
+               [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 3000])],
+               {"E": table, "s": np.array(0.01, np.float32), "z": np.array(0, np.int8)})
+    session = passes.InferenceSession(_save(tmp_path, m), mode="int8")
+    assert session.op_counts.get("DequantizeLinear") == 1  # the activation's own; none for the table
+    assert any("stay float" in n for n in session.notes), session.notes
