@@ -199,6 +199,7 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
                 if (n.domain, n.op_type) in FOLDERS and n.input and n.input[0] in unique}
     out = graph.copy_model(source, set(payloads))
     graph.standard_form(out, report, ir3=False)  # (fold writes float weights: IR 3's listed inputs may stay)
+    graph.refuse_invalid(out, payloads)  # an input the checker refuses would come out refused too
     weights, graphs = graph.find_weights(out)
     names = graph.NameAllocator(graph.all_names(out))
     opset = graph.default_opset(out)
