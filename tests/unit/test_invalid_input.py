@@ -169,3 +169,16 @@ def test_an_output_declaration_onnxruntime_ignores_is_completed_not_refused(kind
     assert declared.elem_type == TensorProto.FLOAT and [d.dim_value for d in declared.shape.dim] == [1, 32]
     if run != "auto":  # (the auto mode's own notes are its record's)
         assert any("output declaration(s) completed" in n and "'y'" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("damage", ["undefined input", "duplicate output", "short raw_data", "dangling output"])
+def test_the_fold_command_writes_no_invalid_model(damage, tmp_path, capsys):
+    """fold_dequantize returns a damaged input as it came (H1's to judge); the command does not write
+    it: one line naming the problem, exit 1, no output."""
+    build, words = DAMAGED[damage]
+    src, out = tmp_path / "bad.onnx", tmp_path / "out.onnx"
+    onnx.save(build(), str(src))
+    assert main(["fold", str(src), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("surgeon-compress: error: ") and err.count("\n") == 1
+    assert not out.exists()
