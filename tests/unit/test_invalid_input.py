@@ -173,8 +173,8 @@ def test_an_output_declaration_onnxruntime_ignores_is_completed_not_refused(kind
 
 @pytest.mark.parametrize("damage", ["undefined input", "duplicate output", "short raw_data", "dangling output"])
 def test_the_fold_command_writes_no_invalid_model(damage, tmp_path, capsys):
-    """fold_dequantize returns a damaged input as it came (H1's to judge); the command does not write
-    it: one line naming the problem, exit 1, no output."""
+    """fold_dequantize refuses a damaged input (bfad17d): the command writes nothing, one line naming
+    the problem, exit 1."""
     build, words = DAMAGED[damage]
     src, out = tmp_path / "bad.onnx", tmp_path / "out.onnx"
     onnx.save(build(), str(src))
