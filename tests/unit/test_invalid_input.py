@@ -78,6 +78,7 @@ PASSES = {
     "quantize nothing": lambda m: passes.quantize_weights(m, min_elements=10 ** 9),
     "quantize 4-bit blocks": lambda m: passes.quantize_weights(m, bits=4, granularity="block", block_size=32),
     "palette": lambda m: passes.palettize(m),
+    "fold": lambda m: passes.fold_dequantize(m),
     "auto": lambda m: passes.compress(m, target="snr>=20")[0],
 }
 
@@ -162,6 +163,7 @@ def test_an_output_declaration_onnxruntime_ignores_is_completed_not_refused(kind
             "quantize 4-bit blocks": lambda m: passes.quantize_weights(m, bits=4, granularity="block", block_size=32,
                                                                        report=report),
             "palette": lambda m: passes.palettize(m, report=report),
+            "fold": lambda m: passes.fold_dequantize(m, report=report),
             "auto": lambda m: passes.compress(m, target="snr>=20", report=report)[0]}[run]
     out = call(model)
     onnx.checker.check_model(out, full_check=True)
