@@ -302,6 +302,10 @@ def standard_form(model: onnx.ModelProto, report=None, *, rewritten: str | None 
     # Casts after their readers); the checker does not, and every pass leaves a model it takes
     if toposort(model) and report is not None:
         report.note("nodes sorted topologically (the input graph was not)")
+    added = import_used_custom_domains(model)
+    if added and report is not None:
+        report.note(f"opset import added for domain(s) {', '.join(repr(d) for d in added)} (version 1): nodes use "
+                    "them without one (onnxruntime assumes version 1; onnx.checker requires the import)")
     completed = complete_output_declarations(model)
     if completed and report is not None:
         shown = ", ".join(repr(n) for n in completed[:3]) + (f" and {len(completed) - 3} more" if len(completed) > 3 else "")
@@ -447,6 +451,31 @@ def drop_stale_training_info(model: onnx.ModelProto, rewritten: str, report=None
                     f"{'its' if len(dropped) == 1 else 'their'} bindings name {shown}, {rewritten} (no longer a "
                     "float initializer a training step can assign); exclude them to keep it")
     return len(dropped)
+
+
+# domains whose version a model must state (onnxruntime refuses or guesses otherwise): never added
+_STANDARD_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "ai.onnx.training", "ai.onnx.preview.training"}
+
+
+def import_used_custom_domains(model: onnx.ModelProto) -> list[str]:
+    """Add, in place, an opset import (version 1) for each non-standard domain that graph nodes use
+    and the model does not import (com.microsoft's contrib ops, a custom-op library's domain);
+    returns the domains added.
+
+    Why: onnxruntime runs such a model (contrib and custom ops are registered at version 1), so
+    exporters that forget the import go unnoticed; onnx.checker refuses it ("No opset import for
+    domain"), so refuse_invalid would refuse a model that runs, and a pass copying it would write
+    one the checker refuses. A standard domain missing its import is not guessed at."""
+    imported = {o.domain for o in model.opset_import}
+    used = []
+    for info in iter_graphs(model):
+        for node in info.graph.node:
+            d = node.domain
+            if d not in imported and d not in _STANDARD_DOMAINS and d not in used:
+                used.append(d)
+    for d in used:
+        model.opset_import.add(domain=d, version=1)
+    return used
 
 
 def complete_output_declarations(model: onnx.ModelProto) -> list[str]:

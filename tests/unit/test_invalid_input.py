@@ -184,3 +184,25 @@ def test_the_fold_command_writes_no_invalid_model(damage, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("surgeon-compress: error: ") and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_a_contrib_domain_used_without_its_import_is_imported_not_refused():
+    """A com.microsoft node in a model that imports only the default domain: onnxruntime runs it
+    (contrib ops are version 1), the checker refuses it ('No opset import for domain'). Refusing
+    it would refuse a model that runs: the pass adds the import, with a note. A missing import of
+    the default domain is still refused (DAMAGED's 'no opset import')."""
+    from passes.fidelity import run_outputs
+
+    m = _valid()
+    m.graph.node[0].output[0] = "mm"
+    m.graph.node.append(helper.make_node("Gelu", ["mm"], ["y"], domain="com.microsoft"))
+    feeds = [{"x": np.random.default_rng(0).standard_normal((1, 64)).astype(np.float32)}]
+    run_outputs(m, feeds)  # onnxruntime runs it as it is
+    for run in ("quantize", "palette", "fold"):
+        report = passes.Report()
+        out = {"quantize": passes.quantize_weights, "palette": passes.palettize,
+               "fold": passes.fold_dequantize}[run](m, report=report)
+        onnx.checker.check_model(out, full_check=True)
+        assert {o.domain: o.version for o in out.opset_import}["com.microsoft"] == 1
+        assert any("opset import added for domain(s) 'com.microsoft'" in n for n in report.notes), run
+    assert [o.domain for o in m.opset_import] == [""]  # the input untouched
