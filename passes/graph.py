@@ -349,6 +349,9 @@ def refuse_invalid(model: onnx.ModelProto, payloads: dict[str, TensorProto] | No
             _check_raw_length(original)
             stubs.add(t.name)
     view = payload_free_view(model, stubs)
+    # (a custom domain used without an import runs in onnxruntime: not judged, whether or not the
+    # caller went through standard_form, which adds it; the auto mode checks its input directly)
+    import_used_custom_domains(view)
     # two checks, so that the declarations onnxruntime reads as hints only do not refuse a model it
     # runs (and the passes always took): a graph output declared without a type or shape (common in
     # hand-built and exported models alike) and declared shapes that inference contradicts

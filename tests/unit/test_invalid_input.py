@@ -206,3 +206,5 @@ def test_a_contrib_domain_used_without_its_import_is_imported_not_refused():
         assert {o.domain: o.version for o in out.opset_import}["com.microsoft"] == 1
         assert any("opset import added for domain(s) 'com.microsoft'" in n for n in report.notes), run
     assert [o.domain for o in m.opset_import] == [""]  # the input untouched
+    auto, _ = passes.compress(m, target="snr>=20", feeds=feeds)  # (checks its input before any pass)
+    onnx.checker.check_model(auto, full_check=True)
