@@ -1,6 +1,7 @@
 """An output that replaces an existing file (force) releases the old file off the caller's path
 (_fileio._hold_replaced / _release_later): the new file is in place, durable and whole exactly as
-before, and the old file's last descriptor is closed by the closer thread soon after."""
+before, and the old file's last descriptor is closed by the closer thread soon after. Files under
+RELEASE_MIN_BYTES are freed by the rename as before."""
 import os
 
 import pytest
@@ -27,8 +28,11 @@ def _deleted_files_held(folder) -> list:
 @pytest.mark.parametrize("writer", ["atomic_output", "atomic_fd"])
 def test_replaced_file_is_released_after_the_rename(tmp_path, writer):
     dst = tmp_path / "out.bin"
-    dst.write_bytes(b"old" * 10000)
+    dst.write_bytes(b"old" * (_fileio.RELEASE_MIN_BYTES // 3 + 1))
     old_inode = os.stat(dst).st_ino
+    held = _fileio._hold_replaced(dst)
+    assert held >= 0  # a regular file of RELEASE_MIN_BYTES or more is held across the rename
+    os.close(held)
     if writer == "atomic_output":
         with _fileio.atomic_output(dst, force=True) as f:
             f.write(b"new" * 5000)
@@ -46,7 +50,10 @@ def test_replaced_file_is_released_after_the_rename(tmp_path, writer):
 def test_nothing_is_held_without_force_or_without_an_old_file(tmp_path):
     dst = tmp_path / "fresh.bin"
     with _fileio.atomic_output(dst) as f:
-        f.write(b"x")
+        f.write(b"x" * _fileio.RELEASE_MIN_BYTES)
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * (_fileio.RELEASE_MIN_BYTES - 1))
+    assert _fileio._hold_replaced(small) == -1  # freed by the rename: not worth the hand-over
     assert _fileio._hold_replaced(tmp_path / "missing.bin") == -1
     assert _fileio._hold_replaced(tmp_path / "missing.bin", False) == -1
     assert _fileio._hold_replaced(tmp_path) == -1  # a folder is not a file the rename frees
@@ -75,12 +82,13 @@ def test_a_link_destination_is_replaced_and_its_target_kept(tmp_path):
 @posix_only
 def test_a_failed_write_leaves_the_old_file_and_holds_nothing(tmp_path):
     dst = tmp_path / "out.bin"
-    dst.write_bytes(b"old")
+    old = b"old" * (_fileio.RELEASE_MIN_BYTES // 3 + 1)
+    dst.write_bytes(old)
     with pytest.raises(RuntimeError):
         with _fileio.atomic_output(dst, force=True) as f:
             f.write(b"partial")
             raise RuntimeError("interrupted")
-    assert dst.read_bytes() == b"old"
+    assert dst.read_bytes() == old
     assert _fileio.flush_released()
     assert _deleted_files_held(tmp_path) == []
 
@@ -89,7 +97,7 @@ def test_a_failed_write_leaves_the_old_file_and_holds_nothing(tmp_path):
 def test_switched_off_the_rename_frees_the_file_itself(tmp_path, monkeypatch):
     monkeypatch.setattr(_fileio, "_RELEASE_REPLACED", False)
     dst = tmp_path / "out.bin"
-    dst.write_bytes(b"old")
+    dst.write_bytes(b"old" * (_fileio.RELEASE_MIN_BYTES // 3 + 1))
     assert _fileio._hold_replaced(dst) == -1
     _fileio.write_bytes_atomic(dst, b"new", force=True)
     assert dst.read_bytes() == b"new"
