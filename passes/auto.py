@@ -1015,7 +1015,23 @@ def compress(model, *, target: str = "top1>=0.99", feeds=None, metric_args: dict
     if out is model:  # (nothing quantized: the caller's own object) -- the result is the caller's to change,
         out = onnx.ModelProto()  # e.g. onnx's external-data save moves its tensors out in place
         out.CopyFrom(model)
+    # what every pass leaves (the quantized builds have had it; a float result had only the sort)
+    graph.standard_form(out, _NoteSink(record["notes"], report))
     return out, record
+
+
+class _NoteSink:
+    """standard_form's notes into the record (and the caller's report, if any)."""
+
+    def __init__(self, notes: list, report):
+        self.notes, self.report = notes, report
+
+    def note(self, text: str) -> None:
+        if any(text in n for n in self.notes):  # (said already, by the search's own quantize_weights call)
+            return
+        self.notes.append(text)
+        if self.report is not None:
+            self.report.note(text)
 
 
 class _Search:

@@ -1237,3 +1237,18 @@ def test_a_result_with_nothing_quantized_is_a_copy_not_the_callers_model():
     assert out is not m and out.SerializeToString() == before
     out.graph.initializer[0].raw_data = b""
     assert m.SerializeToString() == before
+
+
+def test_a_float_result_passes_the_full_check_like_every_pass_output():
+    """A result with nothing quantized gets what every pass leaves (graph.standard_form): an output
+    declared without a type, which onnxruntime ignores and the checker refuses, is completed."""
+    from onnx import TensorProto, helper
+
+    w = helper.make_tensor("W", TensorProto.FLOAT, [4, 4], np.ones(16, np.float32))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])], [onnx.ValueInfoProto(name="y")], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    out, record = passes.compress(m, target="cosine>=0.99")
+    onnx.checker.check_model(out, full_check=True)
+    assert sum("declaration(s) completed" in n for n in record["notes"]) == 1
+    assert not m.graph.output[0].type.HasField("tensor_type")  # the input as it was
