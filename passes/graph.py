@@ -342,9 +342,13 @@ def refuse_invalid(model: onnx.ModelProto, payloads: dict[str, TensorProto] | No
         if imp.domain in ("", "ai.onnx") and imp.version > newest:
             raise InvalidModelError(f"the model imports opset {imp.version} of the default domain; the newest "
                                     f"there is (onnx {onnx.__version__}) is {newest}")
+    defined = set(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
     stubs = set()
     for t in model.graph.initializer:
         original = payloads.get(t.name, t)
+        if t.data_type not in defined:  # (the checker says "Invalid tensor data type 29." without the name)
+            raise InvalidModelError(f"the model is not valid ONNX: initializer {t.name!r} has data type "
+                                    f"{t.data_type}, which ONNX does not define")
         if t.name in payloads or t.ByteSize() > _CHECK_STUB_BYTES:  # (ByteSize: no copy of the payload)
             _check_raw_length(original)
             stubs.add(t.name)
