@@ -1516,15 +1516,7 @@ def _typed_inputs_view(skeleton: onnx.ModelProto, stubs: set[str], stash: list[b
     """
     from onnx.external_data_helper import _get_all_tensors
 
-    view = copy_model(skeleton)
-    g = view.graph
-    inputs = {v.name for v in g.input}
-    typed = [t for t in g.initializer if t.name in stubs]
-    for i in reversed([i for i, t in enumerate(g.initializer) if t.name in stubs]):
-        del g.initializer[i]
-    for t in typed:
-        if t.name not in inputs:
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    view = payload_free_view(skeleton, stubs)
     for t in _get_all_tensors(view):
         if t.data_location == TensorProto.EXTERNAL:
             loc = {e.key: e.value for e in t.external_data}.get("location", "")
