@@ -9,6 +9,14 @@ the node's graph). Its output becomes:
   - a Constant node at the node's place, when any input came from a Constant node.
 Constants that only fed folded nodes are removed afterwards.
 
+Model-local function bodies (ModelProto.functions, and subgraphs of their nodes) fold the same
+way, each body as a scope of its own: a function has no initializers, so its constants are
+Constant nodes of the body and each folded weight becomes a Constant node there (the same value
+at every call: a call reaches a body only through its inputs and attributes). A body node with an
+attribute the call gives (ref_attr_name), and a Constant whose value the call gives, differ from
+call to call: left as they are. (Palettes and Cast -> Mul levels are only ever written in graphs:
+their folds look at graphs alone.)
+
 Folders of one node are registered per op type (`register_folder`); the two-node forms
 (palettes, Cast -> Mul levels) are folded first by their own modules.
 
@@ -166,9 +174,10 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
       weights in that type behind a Cast back to the type the graph expects. A weight the narrower
       type cannot hold (values beyond its range, or too small: see NARROWING_MIN_SNR_DB) keeps its
       own type, with a note.
-    report: a passes.Report to fill: one row per folded weight, and notes on what else changed
-      (nodes sorted, sparse initializers made dense, weights kept).
-    progress: called as progress(done, total) while the nodes fold.
+    report: a passes.Report to fill: one row per folded weight (its location says where: a graph,
+      a subgraph, or "function <domain>:<name>" for a function body), and notes on what else
+      changed (nodes sorted, sparse initializers made dense, weights kept).
+    progress: called as progress(done, total) while the nodes fold (graphs, then function bodies).
 
     With nothing to fold the model comes back as a copy, sorted or made dense only where the
     checker needs it (the report says so).
@@ -201,169 +210,274 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     graph.standard_form(out, report, ir3=False)  # (fold writes float weights: IR 3's listed inputs may stay)
     graph.refuse_invalid(out, payloads)  # an input the checker refuses would come out refused too
     weights, graphs = graph.find_weights(out)
-    names = graph.NameAllocator(graph.all_names(out))
-    opset = graph.default_opset(out)
-
-    foldable = []  # (graph key, node)
-    for info in graphs:
-        for node in info.graph.node:
-            if (node.domain, node.op_type) in FOLDERS:
-                foldable.append((info.key, node))
-    total = len(foldable)
-
-    # constants visible by scope: resolve through the weight uses computed by find_weights
-    const_of_use: dict[tuple[int, str], _Const] = {}
-    for w in weights:
-        for u in w.uses:
-            const_of_use[(id(u.node), u.index)] = _Const(w.tensor, w.graph_key, w.node)
-
-    casts_after = _sole_float_casts(graphs)
-    overflowed: list[str] = []  # weights kept in their own type: out of the requested dtype's range
-    underflowed: list[str] = []  # ... or too small for it to hold them (see NARROWING_MIN_SNR_DB)
-    replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
-    added_inits: dict[int, list[str]] = {}  # graph key -> folded initializers appended
-    consumed: list[_Const] = []
-    decoded: dict[int, np.ndarray] = {}
-    for done, (key, node) in enumerate(foldable, 1):
-        consts = [const_of_use.get((id(node), i)) if name else None for i, name in enumerate(node.input)]
-        if not node.input or any(c is None for c, name in zip(consts, node.input) if name):
-            if progress:
-                progress(done, total)
-            continue
-        arrays, types = [], []
-        for c in consts:
-            if c is None:
-                arrays.append(None)
-                types.append(0)
-                continue
-            value = decoded.get(id(c.tensor))
-            if value is None:
-                held = c.graph_key == 0 and c.node is None and c.tensor.name in payloads
-                value = graph.tensor_to_array(payloads[c.tensor.name] if held else c.tensor)
-                if value.nbytes <= _CACHE_BELOW:  # scales, zero points: shared, small
-                    decoded[id(c.tensor)] = value
-            arrays.append(value)
-            types.append(c.tensor.data_type)
-        if node.op_type == "DequantizeLinear":
-            _check_opset(node, opset, arrays)
-        result = FOLDERS[(node.domain, node.op_type)](node, arrays, types)
-        if result is None:
-            if progress:
-                progress(done, total)
-            continue
-        value, elem_type = result
-        if not node.output or not node.output[0]:  # a damaged node: nothing to name the weight
-            raise InvalidModelError(f"{node.op_type} node {node.name!r} has no output")
-        out_name = node.output[0]
-        cast = casts_after.get(out_name) if node.op_type == "DequantizeLinear" else None
-        if cast is not None:
-            # DequantizeLinear -> Cast (quantize_weights' layout for bfloat16 weights): the weight
-            # is the Cast's output; numpy/ml_dtypes round to nearest even, as onnxruntime's Cast
-            to = next(a.i for a in cast.attribute if a.name == "to")
-            value, elem_type, out_name = value.astype(graph.NUMPY_TYPES[to]), to, cast.output[0]
-            replaced[id(cast)] = []
-        store_type = _DTYPES[dtype] if dtype else elem_type
-        if store_type != elem_type:
-            with np.errstate(over="ignore"):
-                stored = value.astype(graph.NUMPY_TYPES[store_type])
-            if np.any(np.isinf(stored) & np.isfinite(value)):
-                # values beyond the requested type's range (float16 tops at 65504) would become
-                # inf: this weight stays in its own type
-                overflowed.append(out_name)
-                store_type = elem_type
-            elif _narrowing_snr_db(value, stored) < NARROWING_MIN_SNR_DB.get(store_type, -math.inf):
-                underflowed.append(out_name)
-                store_type = elem_type
-        if store_type != elem_type:
-            stored_name = names.take(f"{out_name}_{graph.type_name(store_type)}")
-        else:
-            stored, stored_name = value, out_name
-        from_constant_node = any(c is not None and c.node is not None for c in consts)
-        new_nodes = []
-        if from_constant_node:
-            tensor = graph.array_to_tensor(stored, stored_name, store_type)
-            new_nodes.append(helper.make_node("Constant", [], [stored_name], name=names.take(stored_name + "_Constant"),
-                                              value=tensor))
-        else:
-            # written straight into the graph now: one copy of the payload, and the array is
-            # freed at once (holding every folded array until the end doubled peak memory)
-            graph.fill_tensor(graphs[key].graph.initializer.add(), stored, stored_name, store_type)
-            added_inits.setdefault(key, []).append(stored_name)
-        if store_type != elem_type:
-            new_nodes.append(helper.make_node("Cast", [stored_name], [out_name], name=names.take(out_name + "_Cast"),
-                                              to=elem_type))
-        replaced[id(node)] = new_nodes
-        consumed.extend(c for c in consts if c is not None)
-        if report is not None:
-            before = sum(graph.tensor_nbytes(c.tensor) for c in consts if c is not None)
-            report.add(TensorChange(out_name, tuple(value.shape), graph.type_name(consts[0].tensor.data_type),
-                                    "folded" if store_type == elem_type else f"folded to {graph.type_name(store_type)}",
-                                    before, stored.nbytes, None,
-                                    _location(graphs[key], from_constant_node)))
-        if progress:
-            progress(done, total)
-
-    if not replaced:
-        _put_back(out, payloads)
-        return out
-    if overflowed and report is not None:
-        report.note(f"{len(overflowed)} weight(s) kept in their own type, values beyond {dtype}'s range: "
-                    + ", ".join(overflowed[:5]) + (" ..." if len(overflowed) > 5 else ""))
-    if underflowed and report is not None:
-        report.note(f"{len(underflowed)} weight(s) kept in their own type, values too small for {dtype} to hold "
-                    f"(below {NARROWING_MIN_SNR_DB[_DTYPES[dtype]]:g} dB in it): "
-                    + ", ".join(underflowed[:5]) + (" ..." if len(underflowed) > 5 else ""))
-    if dtype is not None and report is not None and any(len(v) > 1 or (v and v[-1].op_type == "Cast") for v in replaced.values()):
-        report.note(f"folded weights stored as {dtype}; Cast nodes restore the types the graph expects")
-
-    # which constants are still read after folding (anywhere, any scope: conservative)
-    still_read: set[str] = set()
-    for info in graphs:
-        for node in info.graph.node:
-            if id(node) in replaced:
-                continue
-            still_read.update(node.input)
-        still_read.update(v.name for v in info.graph.output)
-    for nodes in replaced.values():
-        for n in nodes:
-            still_read.update(n.input)
-    dead_inits: dict[int, set[str]] = {}
-    dead_nodes: set[int] = set()
-    for c in consumed:
-        if c.tensor.name and c.node is None and c.tensor.name not in still_read:
-            dead_inits.setdefault(c.graph_key, set()).add(c.tensor.name)
-        if c.node is not None and c.node.output[0] not in still_read:
-            dead_nodes.add(id(c.node))
-
-    for info in reversed(graphs):  # children first: rewriting a parent copies its subgraphs
-        k = info.key
-        g = info.graph
-        touched = any(id(n) in replaced or id(n) in dead_nodes for n in g.node)
-        if k in dead_inits or k in added_inits:
-            dead = dead_inits.get(k, set())
-            # in place: deleting entries copies no payload of the kept tensors; only the graph's
-            # own initializers, not the folded ones appended after them
-            own = len(g.initializer) - len(added_inits.get(k, []))
-            for i in reversed([i for i, t in enumerate(g.initializer) if i < own and t.name in dead]):
-                del g.initializer[i]
-            if dead:
-                for i in reversed([i for i, v in enumerate(g.value_info) if v.name in dead]):
-                    del g.value_info[i]
-        if touched:
-            nodes = []
-            for node in g.node:
-                if id(node) in dead_nodes:
-                    continue
-                if id(node) in replaced:
-                    nodes.extend(replaced[id(node)])
-                    continue
-                c = onnx.NodeProto()
-                c.CopyFrom(node)
-                nodes.append(c)
-            del g.node[:]
-            g.node.extend(nodes)
+    bodies = _function_bodies(out)
+    total = sum(_count_foldable(g) for g in graphs) + sum(_count_foldable(g) for _, _, g in bodies)
+    ticks = _Ticks(progress, total)
+    folding = _Folding(dtype, report, ticks)
+    folding.fold_graphs(graphs, weights, graph.NameAllocator(graph.all_names(out)), graph.default_opset(out), payloads)
+    _fold_bodies(bodies, folding, graph.default_opset(out))
     _put_back(out, payloads)
+    folding.notes()
     return out
+
+
+def fold_function_bodies(model: onnx.ModelProto, *, report: Report | None = None) -> int:
+    """Fold, in place, the constant DequantizeLinear nodes (every registered form) of `model`'s
+    model-local function bodies, subgraphs of their nodes included, exactly as fold_dequantize
+    does; returns how many folded. For a caller that holds a model it may change (the runtime's
+    fold at load); fold_dequantize does this on its copy. Raises InvalidModelError for a damaged
+    weight node (naming it)."""
+    folding = _Folding(None, report, lambda: None)
+    return _fold_bodies(_function_bodies(model), folding, graph.default_opset(model))
+
+
+def _fold_bodies(bodies: list, folding: "_Folding", model_opset: int) -> int:
+    """Fold each of _function_bodies' bodies as a graph of its own (a function is a scope of its
+    own; its constants are Constant nodes of the body, a function having no initializers) and put
+    the folded nodes back into its function. Returns how many nodes folded."""
+    before = folding.folded
+    for fn, opset, body in bodies:
+        body_weights, body_graphs = graph.find_weights(body)
+        where = _function_location(fn)
+        for info in body_graphs:
+            info.location = f"{where}: {info.location}" if info.location else where
+        # (the opset checks of a body that imports no default-domain opset: the model's)
+        if folding.fold_graphs(body_graphs, body_weights, graph.NameAllocator(graph.all_names(body)),
+                               opset or model_opset, {}):
+            _put_body_back(fn, body.graph)
+    return folding.folded - before
+
+
+def _count_foldable(info_or_model) -> int:
+    infos = graph.iter_graphs(info_or_model) if isinstance(info_or_model, onnx.ModelProto) else [info_or_model]
+    return sum((node.domain, node.op_type) in FOLDERS for info in infos for node in info.graph.node)
+
+
+class _Ticks:
+    """progress(done, total) over the foldable nodes of the graphs and then the function bodies."""
+
+    def __init__(self, progress, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, self.total)
+
+
+def _function_location(fn: onnx.FunctionProto) -> str:
+    return f"function {fn.domain}:{fn.name}" + (f" ({fn.overload})" if fn.overload else "")
+
+
+def _function_bodies(model: onnx.ModelProto) -> list:
+    """(function, its default-domain opset (0 when it imports none), its body as the graph of a
+    model of its own) for each model-local function with a node to fold (in it or in a subgraph
+    of one of its nodes). The body graph's inputs and outputs are the function's, untyped: what
+    find_weights needs to scope names and to see which values the function returns."""
+    bodies = []
+    for fn in model.functions:
+        wrapper = onnx.ModelProto()
+        body = wrapper.graph
+        body.name = fn.name
+        body.node.extend(fn.node)
+        if not _count_foldable(wrapper):
+            continue
+        body.input.extend(onnx.ValueInfoProto(name=name) for name in fn.input)
+        body.output.extend(onnx.ValueInfoProto(name=name) for name in fn.output)
+        opset = next((int(o.version) for o in fn.opset_import if o.domain in ("", "ai.onnx")), 0)
+        bodies.append((fn, opset, wrapper))
+    return bodies
+
+
+def _put_body_back(fn: onnx.FunctionProto, body: onnx.GraphProto) -> None:
+    """The folded body's nodes into `fn`, and its value_info without the names no longer produced."""
+    del fn.node[:]
+    fn.node.extend(body.node)
+    produced = {name for node in fn.node for name in node.output}
+    for i in reversed([i for i, v in enumerate(fn.value_info) if v.name not in produced]):
+        del fn.value_info[i]
+
+
+class _Folding:
+    """The node-by-node fold of a list of graphs (a model's, or a function body's), with what the
+    report's notes need gathered across all of them."""
+
+    def __init__(self, dtype: str | None, report: Report | None, tick):
+        self.dtype, self.report, self.tick = dtype, report, tick
+        self.overflowed: list[str] = []  # weights kept in their own type: out of the requested dtype's range
+        self.underflowed: list[str] = []  # ... or too small for it to hold them (see NARROWING_MIN_SNR_DB)
+        self.cast_back = False  # a folded weight stored in the requested dtype behind a Cast
+        self.folded = 0  # nodes folded
+
+    def notes(self) -> None:
+        report, dtype = self.report, self.dtype
+        if report is None:
+            return
+        if self.overflowed:
+            report.note(f"{len(self.overflowed)} weight(s) kept in their own type, values beyond {dtype}'s range: "
+                        + ", ".join(self.overflowed[:5]) + (" ..." if len(self.overflowed) > 5 else ""))
+        if self.underflowed:
+            report.note(f"{len(self.underflowed)} weight(s) kept in their own type, values too small for {dtype} to "
+                        f"hold (below {NARROWING_MIN_SNR_DB[_DTYPES[dtype]]:g} dB in it): "
+                        + ", ".join(self.underflowed[:5]) + (" ..." if len(self.underflowed) > 5 else ""))
+        if self.cast_back:
+            report.note(f"folded weights stored as {dtype}; Cast nodes restore the types the graph expects")
+
+    def fold_graphs(self, graphs: list, weights: list, names: graph.NameAllocator, opset: int,
+                    payloads: dict) -> bool:
+        """Fold every foldable node of `graphs` (find_weights' walk of one model or body, `weights`
+        its constants) in place; `payloads`: main-graph initializers copied without their payload.
+        Returns whether anything folded."""
+        dtype, report = self.dtype, self.report
+        foldable = []  # (graph key, node)
+        for info in graphs:
+            for node in info.graph.node:
+                if (node.domain, node.op_type) in FOLDERS:
+                    foldable.append((info.key, node))
+
+        # constants visible by scope: resolve through the weight uses computed by find_weights
+        const_of_use: dict[tuple[int, str], _Const] = {}
+        for w in weights:
+            for u in w.uses:
+                const_of_use[(id(u.node), u.index)] = _Const(w.tensor, w.graph_key, w.node)
+
+        casts_after = _sole_float_casts(graphs)
+        replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes in its place
+        added_inits: dict[int, list[str]] = {}  # graph key -> folded initializers appended
+        consumed: list[_Const] = []
+        decoded: dict[int, np.ndarray] = {}
+        for key, node in foldable:
+            consts = [const_of_use.get((id(node), i)) if name else None for i, name in enumerate(node.input)]
+            # (a function body's node whose attribute the call gives, ref_attr_name, differs from call
+            # to call: left as it is)
+            if (not node.input or any(c is None for c, name in zip(consts, node.input) if name)
+                    or any(a.ref_attr_name for a in node.attribute)):
+                self.tick()
+                continue
+            arrays, types = [], []
+            for c in consts:
+                if c is None:
+                    arrays.append(None)
+                    types.append(0)
+                    continue
+                value = decoded.get(id(c.tensor))
+                if value is None:
+                    held = c.graph_key == 0 and c.node is None and c.tensor.name in payloads
+                    value = graph.tensor_to_array(payloads[c.tensor.name] if held else c.tensor)
+                    if value.nbytes <= _CACHE_BELOW:  # scales, zero points: shared, small
+                        decoded[id(c.tensor)] = value
+                arrays.append(value)
+                types.append(c.tensor.data_type)
+            if node.op_type == "DequantizeLinear":
+                _check_opset(node, opset, arrays)
+            result = FOLDERS[(node.domain, node.op_type)](node, arrays, types)
+            if result is None:
+                self.tick()
+                continue
+            value, elem_type = result
+            if not node.output or not node.output[0]:  # a damaged node: nothing to name the weight
+                raise InvalidModelError(f"{node.op_type} node {node.name!r} has no output")
+            out_name = node.output[0]
+            cast = casts_after.get(out_name) if node.op_type == "DequantizeLinear" else None
+            if cast is not None:
+                # DequantizeLinear -> Cast (quantize_weights' layout for bfloat16 weights): the weight
+                # is the Cast's output; numpy/ml_dtypes round to nearest even, as onnxruntime's Cast
+                to = next(a.i for a in cast.attribute if a.name == "to")
+                value, elem_type, out_name = value.astype(graph.NUMPY_TYPES[to]), to, cast.output[0]
+                replaced[id(cast)] = []
+            store_type = _DTYPES[dtype] if dtype else elem_type
+            if store_type != elem_type:
+                with np.errstate(over="ignore"):
+                    stored = value.astype(graph.NUMPY_TYPES[store_type])
+                if np.any(np.isinf(stored) & np.isfinite(value)):
+                    # values beyond the requested type's range (float16 tops at 65504) would become
+                    # inf: this weight stays in its own type
+                    self.overflowed.append(out_name)
+                    store_type = elem_type
+                elif _narrowing_snr_db(value, stored) < NARROWING_MIN_SNR_DB.get(store_type, -math.inf):
+                    self.underflowed.append(out_name)
+                    store_type = elem_type
+            if store_type != elem_type:
+                stored_name = names.take(f"{out_name}_{graph.type_name(store_type)}")
+            else:
+                stored, stored_name = value, out_name
+            from_constant_node = any(c is not None and c.node is not None for c in consts)
+            new_nodes = []
+            if from_constant_node:
+                tensor = graph.array_to_tensor(stored, stored_name, store_type)
+                new_nodes.append(helper.make_node("Constant", [], [stored_name], name=names.take(stored_name + "_Constant"),
+                                                  value=tensor))
+            else:
+                # written straight into the graph now: one copy of the payload, and the array is
+                # freed at once (holding every folded array until the end doubled peak memory)
+                graph.fill_tensor(graphs[key].graph.initializer.add(), stored, stored_name, store_type)
+                added_inits.setdefault(key, []).append(stored_name)
+            if store_type != elem_type:
+                new_nodes.append(helper.make_node("Cast", [stored_name], [out_name], name=names.take(out_name + "_Cast"),
+                                                  to=elem_type))
+            replaced[id(node)] = new_nodes
+            self.folded += 1
+            consumed.extend(c for c in consts if c is not None)
+            if report is not None:
+                before = sum(graph.tensor_nbytes(c.tensor) for c in consts if c is not None)
+                report.add(TensorChange(out_name, tuple(value.shape), graph.type_name(consts[0].tensor.data_type),
+                                        "folded" if store_type == elem_type else f"folded to {graph.type_name(store_type)}",
+                                        before, stored.nbytes, None,
+                                        _location(graphs[key], from_constant_node)))
+            self.tick()
+
+        if not replaced:
+            return False
+        if dtype is not None and any(len(v) > 1 or (v and v[-1].op_type == "Cast") for v in replaced.values()):
+            self.cast_back = True
+
+        # which constants are still read after folding (anywhere, any scope: conservative)
+        still_read: set[str] = set()
+        for info in graphs:
+            for node in info.graph.node:
+                if id(node) in replaced:
+                    continue
+                still_read.update(node.input)
+            still_read.update(v.name for v in info.graph.output)
+        for nodes in replaced.values():
+            for n in nodes:
+                still_read.update(n.input)
+        dead_inits: dict[int, set[str]] = {}
+        dead_nodes: set[int] = set()
+        for c in consumed:
+            if c.tensor.name and c.node is None and c.tensor.name not in still_read:
+                dead_inits.setdefault(c.graph_key, set()).add(c.tensor.name)
+            if c.node is not None and c.node.output[0] not in still_read:
+                dead_nodes.add(id(c.node))
+
+        for info in reversed(graphs):  # children first: rewriting a parent copies its subgraphs
+            k = info.key
+            g = info.graph
+            touched = any(id(n) in replaced or id(n) in dead_nodes for n in g.node)
+            if k in dead_inits or k in added_inits:
+                dead = dead_inits.get(k, set())
+                # in place: deleting entries copies no payload of the kept tensors; only the graph's
+                # own initializers, not the folded ones appended after them
+                own = len(g.initializer) - len(added_inits.get(k, []))
+                for i in reversed([i for i, t in enumerate(g.initializer) if i < own and t.name in dead]):
+                    del g.initializer[i]
+                if dead:
+                    for i in reversed([i for i, v in enumerate(g.value_info) if v.name in dead]):
+                        del g.value_info[i]
+            if touched:
+                nodes = []
+                for node in g.node:
+                    if id(node) in dead_nodes:
+                        continue
+                    if id(node) in replaced:
+                        nodes.extend(replaced[id(node)])
+                        continue
+                    c = onnx.NodeProto()
+                    c.CopyFrom(node)
+                    nodes.append(c)
+                del g.node[:]
+                g.node.extend(nodes)
+        return True
 
 
 def _sole_float_casts(graphs: list[graph.GraphInfo]) -> dict[str, onnx.NodeProto]:

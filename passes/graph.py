@@ -751,6 +751,8 @@ class Weight:
 
 def _constant_tensor(node: onnx.NodeProto) -> tuple[TensorProto, str] | None:
     for attr in node.attribute:
+        if attr.ref_attr_name:  # (a function body's Constant whose value the call gives: nothing stored)
+            return None
         if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
             return attr.t, "value"
         if attr.name == "value_float":
