@@ -37,8 +37,16 @@ Left as they are, with the reason in the report: biases, 1-D and small tensors, 
 listed as graph inputs from IR 4 on (overridable; an IR 3 model lists every initializer as an
 input because it must: those entries are removed and the IR raised to 4), float tensors read as
 exact values (Cast to an integer type, Equal/Less/..., Floor/Round/...: indices and masks), and
-(a note counts them) sparse Constants, and (each a row of the report, and a note naming them)
-weights in Constant nodes of model-local function bodies (see _report_function_weights).
+(a note counts them) sparse Constants.
+
+Weights in Constant nodes of model-local function bodies (ModelProto.functions) are quantized
+inside the body: W becomes Constant levels and scale [and zero point] + DequantizeLinear -> W
+there, by the same rules (axis from the body's own consumers). Left float, each a row of the
+report with why and a note counting them: all of them when include= is given (its patterns name
+the graphs' weights; a body's local names could match one by chance), and those of a body whose
+default-domain opset is too old for the form (raising one function's opset would convert its
+other nodes too; the model, functions with it, is raised for them as for graph weights, and left
+as it is where that raise fails). See _quantize_function_weights.
 
 Rounding: to nearest by default; rounding="rdo" chooses, per row (channel / block), the step
 factor that minimises squared error + lambda * (bits the pack's order-0 coder spends on the
@@ -449,7 +457,8 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     out = _standard_copy(source, payloads, report)
     weights, _ = graph.find_weights(out)
     chosen = [w for w in weights if _keep_reason(w, include_p, exclude_p, ops, min_elements) is None]
-    out = _with_opset_for(out, chosen, bits, granularity, payloads, report)
+    out = _with_opset_for(out, chosen, bits, granularity, payloads, report,
+                          _function_candidates(out, include_p, exclude_p, ops, min_elements))
     if report is not None:
         _note_weights_left_float(out, min_elements, report)
     if chosen:
@@ -538,8 +547,11 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
             progress(i + 1, total)
 
     _splice(graphs, new_inits, new_first_nodes, const_nodes)
-    if report is not None:
-        _report_function_weights(out, include_p, exclude_p, ops, min_elements, report)
+    if _quantize_function_weights(out, _FunctionForm(bits, granularity, block, levels, rounding_opts,
+                                                     scale_mantissa_bits, storage),
+                                  include_p, exclude_p, ops, min_elements, report):
+        out.ir_version = max(out.ir_version, 10 if (bits <= 4 or granularity == "block") else 0,
+                             helper.find_min_ir_version_for(list(out.opset_import), True))
     graph.drop_stale_training_info(out, "quantized", report)
     return out
 
@@ -568,39 +580,118 @@ def _function_weights(fn: onnx.FunctionProto, where: str) -> list[graph.Weight]:
             for node, t in _function_constants(fn) if t.data_type in graph.FLOAT_TYPES]
 
 
-# why a function body's weights stay float, in the report
-FUNCTION_WEIGHTS_KEPT = ("fold_dequantize and InferenceSession's fold and int8 modes fold DequantizeLinear in "
-                         "graphs, not in function bodies")
+def _function_location(fn: onnx.FunctionProto) -> str:
+    return f"function {fn.domain}:{fn.name}" + (f" ({fn.overload})" if fn.overload else "")
 
 
-def _report_function_weights(out: onnx.ModelProto, include_p, exclude_p, ops, min_elements, report: Report) -> None:
-    """A row per float weight of a model-local function body that would be quantized in a graph
-    ("kept: ...", with where it is), and one note naming them.
+def _function_opset(fn: onnx.FunctionProto) -> int:
+    """The default-domain opset a function body imports (0: none)."""
+    return next((int(o.version) for o in fn.opset_import if o.domain in ("", "ai.onnx")), 0)
 
-    Why they stay float: quantizing them would be sound for the model itself (a Constant's stored
-    value is the same at every call: a call's attributes reach a body only through ref_attr_name,
-    and the body's DequantizeLinear would read only the body's own Constants; a body importing an
-    opset too old for the form would keep its weight). But the other passes and the runtime fold
-    DequantizeLinear only in graphs: fold_dequantize would leave these quantized, and
-    InferenceSession(mode="fold") would run them unfolded under its own session options, so its
-    outputs would no longer be fold_dequantize's bit for bit (tried, on a Dense function called
-    twice: 44 dB apart instead of identical). Until those read function bodies, the weights stay
-    float and the report says which (bench/unseen_edges.py fn_nested: 50 kB of its 55 kB; with them
-    quantized it would be 54658 -> 16250 bytes at int8 instead of 51770)."""
-    rows = []
+
+def _function_candidates(out: onnx.ModelProto, include_p, exclude_p, ops, min_elements) -> list[graph.Weight]:
+    """The function-body weights _quantize_function_weights would quantize, opsets aside."""
+    if include_p:
+        return []
+    return [w for fn in out.functions for w in _function_weights(fn, "")
+            if _keep_reason(w, [], exclude_p, ops, min_elements) is None]
+
+
+@dataclass
+class _FunctionForm:
+    """quantize_weights' options, as the function bodies' weights need them."""
+    bits: int
+    granularity: str
+    block: int
+    levels: forms.Levels
+    rounding: _rounding.Rounding
+    scale_mantissa_bits: int | None
+    storage: int
+
+
+def _quantize_function_weights(out: onnx.ModelProto, form: _FunctionForm, include_p, exclude_p, ops,
+                               min_elements: int, report: Report | None) -> int:
+    """Quantize, in place, the float weights in Constant nodes of `out`'s model-local function
+    bodies: each becomes Constant levels, scale [and zero point] + DequantizeLinear in the body,
+    under the weight's own name (the body's other nodes untouched). Returns how many.
+
+    Sound whatever the calls: a stored Constant has the same value at every call (a call's
+    attributes reach a body only through ref_attr_name, which such a Constant does not have:
+    those are no weights), and the DequantizeLinear reads only the body's own new Constants.
+    Left float, each a report row "kept: ...", and one note counting them:
+    - every body weight when include patterns are given (they name the graphs' weights: the auto
+      mode names those it measured, and a body's local names could match one by chance);
+    - a weight whose form needs a newer DequantizeLinear than the body imports (per channel 13,
+      float16 scales 19, 4-bit or blocks 21): raising one function's opset would convert its
+      other nodes as well (the model, its functions with it, was raised for them before when it
+      could be: _with_opset_for).
+    The axis follows the body's own consumers, as in a graph. Constants inside subgraphs of body
+    nodes stay as they are (a rare layout; fold_dequantize folds them all the same)."""
+    done = 0
+    kept: dict[str, int] = {}  # reason -> weights left float that a graph would have quantized
     for fn in out.functions:
-        where = f"function {fn.domain}:{fn.name}" + (f" ({fn.overload})" if fn.overload else "")
+        where = _function_location(fn)
+        opset = _function_opset(fn)
+        # a function is a scope of its own: new names need only be unique in its body
+        names = graph.NameAllocator(set(fn.input) | set(fn.output) | {n for node in fn.node for n in
+                                                                       (*node.input, *node.output, node.name) if n})
+        replaced: dict[str, list[onnx.NodeProto]] = {}
         for w in _function_weights(fn, where):
-            reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
+            t = w.tensor
+            reason = _keep_reason(w, [], exclude_p, ops, min_elements)
+            if reason is not None:  # (what a graph keeps too: a row only from the report's own rules)
+                continue
+            need = _required_opset(t.data_type, form.bits, form.granularity)
+            if include_p:
+                reason = "not included (include patterns name the graphs' weights, not function bodies')"
+            elif opset < need:
+                reason = (f"its function imports opset {opset or 'none'} of the default domain; this form's "
+                          f"DequantizeLinear needs {need}")
+            result = None
             if reason is None:
-                nbytes = graph.tensor_nbytes(w.tensor)
-                report.add(TensorChange(w.name, w.shape, graph.type_name(w.tensor.data_type),
-                                        "kept: in a model-local function body", nbytes, nbytes, None, w.location))
-                rows.append(f"{w.name} ({fn.domain}:{fn.name}{' ' + fn.overload if fn.overload else ''})")
-    if rows:
-        shown = ", ".join(rows[:4]) + (f" and {len(rows) - 4} more" if len(rows) > 4 else "")
-        report.note(f"{len(rows)} float weight(s) inside model-local functions stay float (not quantized): {shown}; "
-                    f"{FUNCTION_WEIGHTS_KEPT}")
+                result = _Job(t, graph.choose_axis(w, lambda name, _key: _body_uses(fn, name)), form.granularity,
+                              form.block, form.levels, form.rounding, None, form.scale_mantissa_bits).run()
+                if result is None:
+                    reason = "non-finite values"
+            nbytes = graph.tensor_nbytes(t)
+            if reason is not None:
+                kept[reason] = kept.get(reason, 0) + 1
+                if report is not None:
+                    report.add(TensorChange(w.name, w.shape, graph.type_name(t.data_type), f"kept: {reason}",
+                                            nbytes, nbytes, None, w.location))
+                continue
+            axis, blk, qz = result
+            parts, dq_nodes = _dequantize_nodes(w, qz, axis, blk, form.storage, names)
+            consts = [helper.make_node("Constant", [], [n], name=names.take(n + "_Constant"),
+                                       value=graph.array_to_tensor(a, n, e)) for a, n, e in parts]
+            replaced[w.name] = consts + dq_nodes
+            done += 1
+            if report is not None:
+                report.add(_rounding.QuantizedChange(
+                    w.name, w.shape, graph.type_name(t.data_type),
+                    _scheme(form.levels, form.bits, axis, blk) + ("/rdo" if qz.rounding == "rdo" else ""), nbytes,
+                    sum(graph.array_nbytes(a, e) for a, _, e in parts), qz.snr_db(), w.location,
+                    rounding=qz.rounding, packed_bits_per_weight=qz.bits_per_weight, rd_lambda=qz.rd_lambda,
+                    step_scale=qz.step_scale))
+        if replaced:
+            body = []
+            for node in fn.node:
+                if node.op_type == "Constant" and node.output and node.output[0] in replaced:
+                    body.extend(replaced[node.output[0]])
+                else:
+                    c = onnx.NodeProto()
+                    c.CopyFrom(node)
+                    body.append(c)
+            del fn.node[:]
+            fn.node.extend(body)
+    if kept and report is not None:
+        why = "; ".join(f"{n} {reason}" for reason, n in sorted(kept.items()))
+        report.note(f"{sum(kept.values())} float weight(s) inside model-local functions stay float ({why})")
+    return done
+
+
+def _body_uses(fn: onnx.FunctionProto, name: str) -> list[graph.Use]:
+    return [graph.Use(node, i, -1) for node in fn.node for i, n in enumerate(node.input) if n == name]
 
 
 def _standard_copy(source: onnx.ModelProto, payloads: dict, report: Report | None) -> onnx.ModelProto:
@@ -616,10 +707,22 @@ def _standard_copy(source: onnx.ModelProto, payloads: dict, report: Report | Non
 
 
 def _with_opset_for(out: onnx.ModelProto, chosen: list, bits: int, granularity: str, payloads: dict,
-                    report: Report | None) -> onnx.ModelProto:
+                    report: Report | None, in_functions: list = ()) -> onnx.ModelProto:
     """`out`, converted to the lowest opset whose DequantizeLinear writes the chosen weights' form
-    (per-channel: 13, bfloat16 or blocks: 21, ...) when it imports an older one."""
+    (per-channel: 13, bfloat16 or blocks: 21, ...) when it imports an older one. `in_functions`:
+    the function-body weights to quantize; a raise only they ask for that fails leaves the model
+    as it is (those weights then stay float, with the reason: _quantize_function_weights)."""
     need = max((_required_opset(w.tensor.data_type, bits, granularity) for w in chosen), default=0)
+    for_functions = max((_required_opset(w.tensor.data_type, bits, granularity) for w in in_functions), default=0)
+    if for_functions > max(need, graph.default_opset(out)) and graph.default_opset(out):
+        try:
+            raised, how = graph.raise_opset(out, for_functions, payloads)
+        except UnsupportedFormError:
+            pass
+        else:
+            if report is not None:
+                report.note(how)
+            return raised
     if not chosen or graph.default_opset(out) >= need:
         return out
     if graph.default_opset(out) == 0:
@@ -634,7 +737,7 @@ def _note_weights_left_float(out: onnx.ModelProto, min_elements: int, report: Re
     """Notes on float weights the rewrite does not reach (with why), float values held in node
     attributes, and weights another tool already quantized."""
     for what, count in _unreached_weights(out, min_elements).items():
-        if count and what != "inside model-local functions":  # (_report_function_weights names those)
+        if count and what != "inside model-local functions":  # (_quantize_function_weights says those)
             report.note(f"{count} float weight(s) {what} stay float (not quantized)")
     for note in (attribute_weights_note(out, min_elements), _prequantized_note(out, min_elements)):
         if note:
