@@ -164,7 +164,7 @@ def test_compress_to_a_target(made, name):
 def test_a_function_attribute_reference_survives_the_opset_raise(made):
     """Scale(x; alpha) reads alpha through Constant(value_float=@alpha). The 4-bit block form raises
     the opset, and the converter wrote the reference as a plain value_float 0: every output was 0
-    (0.0 dB). Each call's value is kept; constants inside the bodies stay float, with a note."""
+    (0.0 dB). Each call's value is kept; the weights inside the bodies are quantized there."""
     src, feeds = made["fn_nested"]
     rep = passes.Report()
     q4 = passes.quantize_weights(str(src), bits=4, granularity="block", block_size=32, min_elements=0, report=rep)
@@ -173,26 +173,36 @@ def test_a_function_attribute_reference_survives_the_opset_raise(made):
     assert [a.ref_attr_name for n in scale.node for a in n.attribute if a.ref_attr_name] == ["alpha"]
     assert {(f.name, f.overload) for f in q4.functions} == {(f.name, f.overload) for f in onnx.load(str(src)).functions}
     assert _snr(_run(src, feeds), _run(q4, feeds)) >= 15
-    assert any("inside model-local functions stay float" in n for n in rep.notes)
+    assert sorted(t.location for t in rep.tensors if t.scheme == "int4/block(axis=0,size=32)/sym") == [
+        "function local:Dense: Constant node", "function local:Proj (v1): Constant node",
+        "function local:Proj (v2): Constant node", "initializer"]
 
 
-def test_the_report_names_each_function_weight_left_float(made):
-    """fn_nested keeps 50 kB of its 55 kB in function bodies, which stay float (quantize's
-    _report_function_weights says why): a row for each, where it is, and a note naming them; the
-    1-D scale and the Constant whose value the call gives (ref_attr_name) are no weights."""
-    src, _ = made["fn_nested"]
+def test_the_report_names_each_function_weight_quantized_in_its_body(made):
+    """fn_nested holds 50 kB of its 55 kB in function bodies: each weight is quantized in its body
+    (a row for each, where it is); the 1-D scale and the Constant whose value the call gives
+    (ref_attr_name) are no weights. With include patterns (they name graph weights) the bodies
+    stay float, a row and a note saying why."""
+    src, feeds = made["fn_nested"]
     rep = passes.Report()
     q8 = passes.quantize_weights(str(src), report=rep)
-    kept = sorted((t.name, t.location) for t in rep.tensors if t.scheme == "kept: in a model-local function body")
-    assert kept == [("P", "function local:Proj (v1): Constant node"), ("P", "function local:Proj (v2): Constant node"),
-                    ("W", "function local:Dense: Constant node")]
-    note = next(n for n in rep.notes if "inside model-local functions" in n)
-    assert note.startswith("3 float weight(s) inside model-local functions stay float (not quantized): ")
-    assert "W (local:Dense)" in note and "P (local:Proj v1)" in note and "fold" in note
-    assert [f.SerializeToString() for f in q8.functions] == [f.SerializeToString() for f in onnx.load(str(src)).functions]
+    rows = sorted((t.name, t.location, t.scheme) for t in rep.tensors if t.location.startswith("function"))
+    assert rows == [("P", "function local:Proj (v1): Constant node", "int8/channel(axis=1)/sym"),
+                    ("P", "function local:Proj (v2): Constant node", "int8/channel(axis=1)/sym"),
+                    ("W", "function local:Dense: Constant node", "int8/channel(axis=1)/sym")]
+    assert not any("inside model-local functions" in n for n in rep.notes)
+    originals = {(f.name, f.overload): f for f in onnx.load(str(src)).functions}
+    for f in q8.functions:
+        dq = [n.output[0] for n in f.node if n.op_type == "DequantizeLinear"]
+        assert dq == {"Dense": ["W"], "Proj": ["P"]}.get(f.name, []), f.name
+        if not dq:  # (Block, Scale: no weight; Scale's alpha from the call)
+            assert f.SerializeToString() == originals[(f.name, f.overload)].SerializeToString()
+    assert worst_output_snr(_run(src, feeds), _run(q8, feeds)) >= 27
     named = passes.Report()
-    passes.quantize_weights(str(src), include=["Wout"], report=named)
-    assert not any("inside model-local functions" in n for n in named.notes)  # not included: not a candidate
+    kept = passes.quantize_weights(str(src), include=["Wout"], report=named)
+    assert [f.SerializeToString() for f in kept.functions] == [f.SerializeToString() for f in originals.values()]
+    assert any(n.startswith("3 float weight(s) inside model-local functions stay float (3 not included")
+               for n in named.notes)
 
 
 def test_info_counts_the_weights_inside_functions(made):

@@ -659,15 +659,17 @@ def test_blocks_avoid_a_one_long_dot_product_axis():
 
 def test_functions_survive_the_opset_raise():
     """Model-local functions come through a 4-bit pass (opset 21) converted with the model;
-    the weight inside a function body stays float."""
+    the weight inside a function body is quantized there (int4 Constant levels + DequantizeLinear)."""
     m, feeds = local_function()
     rep = passes.Report()
     q = passes.quantize_weights(m, bits=4, granularity="block", block_size=32, report=rep)
-    assert any(n.startswith("1 float weight(s) inside model-local functions stay float (not quantized): ")
-               for n in rep.notes)
+    assert not any("inside model-local functions" in n for n in rep.notes)
     assert [f.name for f in q.functions] == ["Dense"]
     assert {o.domain: o.version for o in q.functions[0].opset_import}[""] == 21
-    assert any(n.op_type == "Constant" and n.attribute[0].t.data_type == TensorProto.FLOAT for n in q.functions[0].node)
+    body = q.functions[0].node
+    assert [n.op_type for n in body] == ["Constant", "Constant", "DequantizeLinear", "MatMul"]
+    assert body[0].attribute[0].t.data_type == TensorProto.INT4 and body[2].output[0] == "Wf"
+    assert _snr(_run(m, feeds), _run(q, feeds)) >= 12
 
 
 def test_sparse_constant_survives_the_opset_raise():
