@@ -34,7 +34,10 @@ nodes it has a CPU kernel for: a float16 Mul(Cast(levels), scale) stayed in the 
 every inference (all-MiniLM-L6-v2 in float16: 2.4x the float16 model's run time, and one warning
 per weight at each load). Every node of the float32 chain has a CPU kernel, so the chain folds at
 load; the values are the same bit for bit (the float32 product is exact, rounded once to float16).
-Files written with a float16 Mul are still read (folded, turned back into DequantizeLinear).
+Files written with a float16 Mul (before 1de3b35) are still read: fold_cast_mul folds them to plain
+float16 weights (LevelPattern.float16_arithmetic; onnxruntime computes their float16 Sub and Mul in
+float32 through Casts it inserts, so its result is the same single rounding, bit for bit) and
+as_dequantize turns them back into DequantizeLinear.
 
 Blocked form (as_blocked_cast_mul; the auto mode's blocked levels): one scale per block of B
 consecutive weights along an axis a whose length is a multiple of B, and per index of the
@@ -294,8 +297,31 @@ class LevelPattern(NamedTuple):
             return int(_attr(self.narrow, "to", 0))
         return TensorProto.FLOAT if self.widen else self.scale.data_type
 
+    @property
+    def float16_arithmetic(self) -> bool:
+        """The old float16 form: the Sub and Mul themselves in float16 (files written before the
+        float32 arithmetic). onnxruntime's CPU provider has no float16 Mul kernel, so its constant
+        folding cannot fold the pattern: it would run at every inference unless folded first."""
+        return not self.widen and self.scale.data_type == TensorProto.FLOAT16
+
     def nodes(self) -> list:
         return [n for n in (self.cast, self.sub, *self.widen, self.mul, self.narrow) if n is not None]
+
+
+def pattern_value(p: LevelPattern, read) -> np.ndarray:
+    """The weight a level pattern computes (before a blocked form's Reshape), bit for bit what
+    onnxruntime computes for it: float(levels - zero point) * scale in float32, rounded once to
+    the weight's type. levels - zero point is an integer of at most 9 bits (exact in float32);
+    times a float16 scale (11 significant bits) the product is exact in float32, so a float16
+    weight rounds once, in the Cast back (new form) or in the float16 Mul that onnxruntime runs
+    in float32 behind Casts it inserts (old form); times a float32 scale numpy's float32 product
+    rounds as onnxruntime's float32 Mul does. read(tensor) gives an initializer's array (the
+    TensorProto's values, or the runtime's weight of that name)."""
+    q = read(p.levels).astype(np.float32)
+    if p.zero_point is not None:
+        q = q - read(p.zero_point).astype(np.float32)
+    with np.errstate(over="ignore"):  # (beyond float16's range: inf, as onnxruntime gives)
+        return (q * read(p.scale).astype(np.float32)).astype(graph.NUMPY_TYPES[p.weight_type])
 
 
 def level_patterns(g: onnx.GraphProto) -> list[LevelPattern]:
@@ -380,11 +406,7 @@ def _fold_graph(g: onnx.GraphProto, read_anywhere: dict[str, int], report) -> No
     drop_nodes, drop_reads, added = set(), {}, []
     for p in found:
         q_t, zp_t, s_t = p.levels, p.zero_point, p.scale
-        q = graph.tensor_to_array(q_t).astype(np.float32)
-        if zp_t is not None:
-            q = q - graph.tensor_to_array(zp_t).astype(np.float32)  # small integers: exact
-        with np.errstate(over="ignore"):
-            value = (q * graph.tensor_to_array(s_t).astype(np.float32)).astype(graph.NUMPY_TYPES[p.weight_type])
+        value = pattern_value(p, graph.tensor_to_array)
         out_name, reshape, shape_t = p.output, None, None
         if p.output in reshaped:
             reshape, shape_t = reshaped[p.output]
