@@ -290,10 +290,11 @@ def _function_bodies(model: onnx.ModelProto) -> list:
 
 
 def _put_body_back(fn: onnx.FunctionProto, body: onnx.GraphProto) -> None:
-    """The folded body's nodes into `fn`, and its value_info without the names no longer produced."""
+    """The folded body's nodes into `fn`, and its value_info without the names no longer defined
+    (the constants folded away)."""
     del fn.node[:]
     fn.node.extend(body.node)
-    produced = {name for node in fn.node for name in node.output}
+    produced = set(fn.input) | {name for node in fn.node for name in node.output}
     for i in reversed([i for i, v in enumerate(fn.value_info) if v.name not in produced]):
         del fn.value_info[i]
 

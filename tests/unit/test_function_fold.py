@@ -321,3 +321,13 @@ def test_fold_function_bodies_folds_in_place_and_counts():
     assert model.functions[0].SerializeToString() == want
     assert [t.location for t in report.tensors] == ["function local:Dense: Constant node"]
     assert fold_function_bodies(model) == 0
+
+
+def test_the_body_s_value_info_keeps_what_is_still_defined():
+    """value_info of a body (onnx >= 1.16): entries of the folded-away constants go, those of the
+    function's inputs and of the values still computed stay."""
+    fn = dense_function(TP.INT8, TP.FLOAT, "axis1", False, 21, seed=14)
+    fn.value_info.extend([vi("inp", TP.FLOAT, [2, K]), vi("q", TP.INT8, [K, N]), vi("w", TP.FLOAT, [K, N]),
+                          vi("out", TP.FLOAT, [2, N])])
+    folded = assert_folds_exactly(called_twice(fn))
+    assert [v.name for v in folded.functions[0].value_info] == ["inp", "w", "out"]
