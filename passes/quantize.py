@@ -171,25 +171,19 @@ def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
 
 
 def _unreached_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, int]:
-    """Float tensors of >= min_elements that find_weights does not list, by where they are:
-    Constant nodes inside model-local function bodies, and sparse Constants."""
-    def big_constant(node, attr_name):
+    """Float tensors of >= min_elements that the rewrite does not reach, by where they are: sparse
+    Constants, and float64 weights. (Function bodies' weights: _quantize_function_weights.)"""
+    def big_sparse_constant(node):
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
             return False
-        for a in node.attribute:
-            if a.name == attr_name == "value":
-                return a.t.data_type in graph.FLOAT_TYPES and int(np.prod(a.t.dims)) >= max(min_elements, 2)
-            if a.name == attr_name == "sparse_value":
-                return (a.sparse_tensor.values.data_type in graph.FLOAT_TYPES
-                        and int(np.prod(a.sparse_tensor.dims)) >= max(min_elements, 2))
-        return False
+        return any(a.name == "sparse_value" and a.sparse_tensor.values.data_type in graph.FLOAT_TYPES
+                   and int(np.prod(a.sparse_tensor.dims)) >= max(min_elements, 2) for a in node.attribute)
 
-    in_functions = sum(big_constant(n, "value") for fn in model.functions for n in fn.node)
-    sparse = sum(big_constant(n, "sparse_value") for gi in graph.iter_graphs(model) for n in gi.graph.node)
+    sparse = sum(big_sparse_constant(n) for gi in graph.iter_graphs(model) for n in gi.graph.node)
     weights, _ = graph.find_weights(model)
     doubles = sum(w.tensor.data_type == TensorProto.DOUBLE and len(w.shape) >= 2
                   and int(np.prod(w.shape, dtype=np.int64)) >= max(min_elements, 2) for w in weights)
-    return {"inside model-local functions": in_functions, "in sparse Constant nodes": sparse,
+    return {"in sparse Constant nodes": sparse,
             "of float64 (DequantizeLinear has no float64 output)": doubles}
 
 
@@ -739,7 +733,7 @@ def _note_weights_left_float(out: onnx.ModelProto, min_elements: int, report: Re
     """Notes on float weights the rewrite does not reach (with why), float values held in node
     attributes, and weights another tool already quantized."""
     for what, count in _unreached_weights(out, min_elements).items():
-        if count and what != "inside model-local functions":  # (_quantize_function_weights says those)
+        if count:
             report.note(f"{count} float weight(s) {what} stay float (not quantized)")
     for note in (attribute_weights_note(out, min_elements), _prequantized_note(out, min_elements)):
         if note:
