@@ -68,6 +68,7 @@ OUT = REPO / "bench" / "out"
 
 import passes  # noqa: E402
 from passes import graph  # noqa: E402
+from passes.fidelity import _is_labels  # noqa: E402  (the label vectors eval leaves out of snr)
 
 sys.path.insert(0, str(REPO / "bench"))
 import unseen_shapes  # noqa: E402  the decoder / QDQ / MatMulNBits / legacy-opset models built here
@@ -529,10 +530,16 @@ def paths_for(name: str, src: Path, work: Path, feeds, ref, feeds_npz: Path, do_
     def evaluate():
         r = cli("eval", src, q8, "--feeds", feeds_npz)
         cand = run(q8, feeds)
-        noise = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for o, p in zip(ref, cand) for a, b in zip(o, p))
-        sig = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for o in ref for a in o)
+        # label vectors (a classifier's predicted class beside its probabilities) are names, not
+        # magnitudes: eval leaves them out where another output exists, and so does this check
+        labels = {j for j, a in enumerate(ref[0]) if _is_labels(a)} if ref else set()
+        if ref and len(labels) == len(ref[0]):
+            labels = set()
+        pairs = [(a, b) for o, p in zip(ref, cand) for j, (a, b) in enumerate(zip(o, p)) if j not in labels]
+        noise = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in pairs)
+        sig = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a, _ in pairs)
         mine = 10 * np.log10(sig / noise) if noise else np.inf
-        theirs = float(r["fidelity"]["metrics"]["snr"])  # pooled over every output, as computed here
+        theirs = float(r["fidelity"]["metrics"]["snr"])  # pooled over the outputs, as computed here
         if abs(theirs - mine) > 0.05 and not (np.isinf(theirs) and np.isinf(mine)):
             raise AssertionError(f"eval says {theirs:.1f} dB, the bench measures {mine:.1f} dB")
         return f"{theirs:.1f}dB"
