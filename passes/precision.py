@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 import threading
 
 from .errors import UnsupportedFormError
-from .graph import node_subgraphs
+from .graph import default_opset, node_subgraphs
 from .runtime_feed import NodeTable, SplitModel, is_placeholder, node_table
 
 # Reductions and normalisations whose float16 results drift (sums over many terms, exp, variance):
@@ -36,13 +36,19 @@ from .runtime_feed import NodeTable, SplitModel, is_placeholder, node_table
 SENSITIVE_OPS = ["ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "Pow", "Exp", "Log",
                  "Softmax", "LogSoftmax", "CumSum", "Erf"]
 
-_FLOATS = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16)}
+# (float64 counts too: a float64 model computes in float64, and neither converter takes it)
+_FLOATS = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16),
+           TensorProto.DOUBLE: np.dtype(np.float64)}
+
+# DequantizeLinear / QuantizeLinear take float16 scales from opset 19 on: below it they are kept
+# float32 by the float16 converter (blocked; a Cast to float16 after them)
+FLOAT16_SCALE_OPSET = 19
 
 
 def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> np.dtype:
-    """The float type holding most weight bytes (DequantizeLinear scales count for their weight).
-    `table`: the graph's runtime_feed.NodeTable, when the caller has one."""
-    counts = {np.dtype(np.float32): 0, np.dtype(np.float16): 0}
+    """The float type holding most weight bytes (DequantizeLinear scales count for their weight):
+    float32, float16 or float64. `table`: the graph's runtime_feed.NodeTable, when the caller has one."""
+    counts = {dtype: 0 for dtype in _FLOATS.values()}
     for name, array in split.weights.items():
         if array.dtype in counts:
             counts[array.dtype] += array.nbytes
@@ -57,15 +63,30 @@ def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> n
             counts[dtype] += (quantized.size if quantized is not None else 1) * dtype.itemsize
         elif not is_placeholder(t):
             counts[dtype] += math.prod(t.dims) * dtype.itemsize  # (np.prod per tensor: 10x slower)
+    # (ties go to float32, then float16: the order of the checks)
+    if counts[np.dtype(np.float64)] > max(counts[np.dtype(np.float32)], counts[np.dtype(np.float16)]):
+        return np.dtype(np.float64)
     if counts[np.dtype(np.float16)] > counts[np.dtype(np.float32)]:
         return np.dtype(np.float16)
     return np.dtype(np.float32)
 
 
-def convert_split(split: SplitModel, target, *, keep_io_types: bool = True, op_block_list=None) -> None:
-    """Convert the split model's float computation to `target` (float16 or float32), in place."""
+def convert_split(split: SplitModel, target, *, keep_io_types: bool = True, op_block_list=None,
+                  notes: list | None = None) -> None:
+    """Convert the split model's float computation to `target` (float16 or float32), in place.
+    `notes` (a list, when given) receives a line per thing done beyond the conversion itself.
+    InvalidArgumentError for a model that computes in float64: onnxruntime's float16 converter
+    and ours (float16 -> float32) convert between float32 and float16 only, and a float64 model
+    left as it is would run in float64 while the session said otherwise."""
     target = np.dtype(target)
+    if _mostly_float64(split):
+        from .errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"dtype={target.name}: the model computes in float64 (most of its float weights are "
+                                   f"float64), which cannot be converted (float32 <-> float16 only); load it without "
+                                   f"dtype= to run it in float64")
     if target == np.float16:
+        _fold_float16_subgraph_dequantize(split, notes)
         _to_float16(split, keep_io_types, op_block_list)
     elif target == np.float32:
         _to_float32(split, keep_io_types)
@@ -77,6 +98,11 @@ def _to_float16(split: SplitModel, keep_io_types: bool, op_block_list) -> None:
     from onnxruntime.transformers import float16 as ort_float16
 
     blocked = list(ort_float16.DEFAULT_OP_BLOCK_LIST) + SENSITIVE_OPS if op_block_list is None else list(op_block_list)
+    if op_block_list is None and default_opset(split.skeleton) < FLOAT16_SCALE_OPSET:
+        # a float16 scale is invalid there (onnxruntime refuses the session): these nodes stay
+        # float32, their scales too, and the converter casts their outputs to float16 (the
+        # DequantizeLinear nodes left in int8 mode: Conv weights, weights read through a Transpose)
+        blocked += ["DequantizeLinear", "QuantizeLinear"]
     before = {t.name: t.data_type for t in split.skeleton.graph.initializer if is_placeholder(t)}
     # The converter reads an initializer's values only to learn its shape (for the value_info of a
     # blocked node's input); a placeholder has no values there, so shapes come from dims instead.
@@ -92,6 +118,37 @@ def _to_float16(split: SplitModel, keep_io_types: bool, op_block_list) -> None:
     for t in converted.graph.initializer:
         if t.name in before and before[t.name] == TensorProto.FLOAT and t.data_type == TensorProto.FLOAT16:
             split.weights[t.name] = to_float16_clamped(split.weights[t.name])
+
+
+def _mostly_float64(split: SplitModel) -> bool:
+    """Whether float64 tensors hold most of the fed weights' bytes (integer levels counted for the
+    float type they stand for: not float64, which DequantizeLinear has no output of). One pass over
+    the weights: dominant_float_dtype's walk of the graph is not needed for this."""
+    double = other = 0
+    for array in split.weights.values():
+        if array.dtype == np.float64:
+            double += array.nbytes
+        else:
+            other += array.nbytes
+    for t in split.skeleton.graph.initializer:  # (small ones inline in the skeleton)
+        if is_placeholder(t):
+            continue
+        nbytes = math.prod(t.dims)
+        if t.data_type == TensorProto.DOUBLE:
+            double += 8 * nbytes
+        else:
+            other += nbytes
+    return double > other
+
+
+def _fold_float16_subgraph_dequantize(split: SplitModel, notes: list | None) -> int:
+    """Constant DequantizeLinear nodes inside If/Loop/Scan bodies folded to float before the model
+    is converted to float16 (see runtime_int8.fold_float16_subgraph_dequantize: onnxruntime's
+    fusion of a float16 one gives zeros there, and below opset 19 its scale could not be float16;
+    the converter misplaces the Cast of a blocked node in a body). Returns how many."""
+    from .runtime_int8 import fold_float16_subgraph_dequantize
+
+    return fold_float16_subgraph_dequantize(split, notes, reason="dtype=float16")
 
 
 # what onnxruntime's converter (convert_np_to_float16) maps values to: nonzero magnitudes below

@@ -144,10 +144,12 @@ def session_config(options) -> int:
     return level
 
 
-def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None = None) -> set:
+def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None = None, target=None) -> set:
     """Rewrite `split` for mode int8/int4; returns onnxruntime optimisers to disable. `notes`
     (a list, when given) receives one line per thing the session should say: weights quantized
-    by the offline pass here, and float weights that stay float, with why."""
+    by the offline pass here, and float weights that stay float, with why. `target`: the float
+    type the model will be converted to after this (precision.convert_split), None: none (or not
+    known: then a float16 DequantizeLinear in a body is folded, see fold_float16_subgraph_dequantize)."""
     from .runtime_fold import fold_into
 
     from .graph import unlist_ir3_initializers
@@ -159,6 +161,11 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     if split.skeleton.ir_version < 4 and unlist_ir3_initializers(split.skeleton):
         notes.append("IR version raised from 3 to 4: initializers are no longer listed as graph inputs "
                      "(a weight quantized here would otherwise be a required input)")
+    unlisted = unlist_dequantize_inputs(split.skeleton)
+    if unlisted:
+        notes.append(f"{len(unlisted)} quantized weight tensor(s) (DequantizeLinear levels / scales / zero points) "
+                     f"were also listed as graph inputs: unlisted (constants of this session; rewritten here they "
+                     f"would otherwise be required inputs)")
     _dequantize_cast_levels(split, notes)  # Cast+Mul levels (auto mode's form) as DequantizeLinear again
     _quantize_with_pass(split, notes)     # subgraph and bfloat16 weights (may replace split.skeleton)
     _quantize_float_weights(split, bits, notes)  # (may replace split.skeleton: an opset conversion)
@@ -209,9 +216,102 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     fold_into(split, only=lambda n: n.output[0] in early or (
         split.array(n.input[0]) is not None and split.array(n.input[0]).nbytes <= INLINE_MAX_BYTES * 4))
     fuse_conv_bias_adds(split)
+    # a body computing in float16 (a float16 model not converted to float32): its DequantizeLinear
+    # nodes are folded (a conversion to float16 folds them in precision.convert_split)
+    if target is None or np.dtype(target) == np.float16:
+        if TensorProto.FLOAT16 in _subgraph_dequantize_scale_types(split.skeleton):
+            fold_float16_subgraph_dequantize(split, notes, reason="float16 model")
     _ensure_ms_opset(split.skeleton)
     split.refresh_placeholders()
     return set()
+
+
+def _subgraph_dequantize_scale_types(skeleton) -> set:
+    """The element types of the scales of the DequantizeLinear nodes inside If/Loop/Scan bodies
+    (where a scale is a tensor of the body: initializer or Constant node; 0 for any other)."""
+    from .runtime_feed import subgraphs
+
+    found = set()
+    stack = [g for node in skeleton.graph.node for g in subgraphs(node)]
+    while stack:
+        g = stack.pop()
+        types = {t.name: t.data_type for t in g.initializer}
+        for node in g.node:
+            if node.op_type == "Constant":
+                for a in node.attribute:
+                    if a.name == "value" and node.output:
+                        types[node.output[0]] = a.t.data_type
+            elif node.op_type == "DequantizeLinear" and len(node.input) > 1:
+                found.add(types.get(node.input[1], 0))
+            stack.extend(subgraphs(node))
+    return found
+
+
+def fold_float16_subgraph_dequantize(split: SplitModel, notes: list | None, reason: str) -> int:
+    """Fold the constant DequantizeLinear nodes (and the other forms passes.fold folds) inside
+    If/Loop/Scan bodies to float, as mode="fold" does; returns how many. For a body that computes in
+    float16 (`reason`: why it does, for the note).
+
+    Why: onnxruntime 1.32 at its EXTENDED level fuses a float16 DequantizeLinear + MatMul inside
+    a body into MatMulNBits, and that body then yields zeros (float32, or optimisations off:
+    right; reproduced with onnxruntime alone, H7's session-20 F1); and below opset 19 a float16
+    scale is not valid at all, while the float16 converter misplaces the Cast it puts after a
+    blocked node in a body. Such weights are float in memory (the body's own tensors: small in
+    the models seen, e.g. silero-vad). A DequantizeLinear reading a tensor from outside its body
+    (or any input that is not a constant of its body) is not folded; the note counts it."""
+    from .fold import FOLDERS
+    from .runtime_fold import fold_subgraphs
+
+    if not _subgraph_dequantize_nodes(split.skeleton):
+        return 0
+    count = fold_subgraphs(split.skeleton.graph, FOLDERS)
+    left = len(_subgraph_dequantize_nodes(split.skeleton))
+    if notes is not None and count:
+        notes.append(f"{count} quantized weight(s) inside If/Loop/Scan bodies folded to float ({reason}): "
+                     f"onnxruntime fuses a float16 DequantizeLinear+MatMul in a body into a MatMulNBits that yields "
+                     f"zeros (onnxruntime 1.32), and a float16 scale needs opset 19")
+    if notes is not None and left:
+        notes.append(f"{left} DequantizeLinear node(s) inside If/Loop/Scan bodies read inputs that are not constants "
+                     f"of their body and stay (not folded): in float16 onnxruntime may compute them wrongly; check the outputs")
+    return count
+
+
+def _subgraph_dequantize_nodes(skeleton) -> list:
+    from .runtime_feed import subgraphs
+
+    found = []
+    stack = [g for node in skeleton.graph.node for g in subgraphs(node)]
+    while stack:
+        g = stack.pop()
+        for node in g.node:
+            if node.op_type == "DequantizeLinear":
+                found.append(node)
+            stack.extend(subgraphs(node))
+    return found
+
+
+def unlist_dequantize_inputs(model) -> list:
+    """Remove from the main graph's inputs the initializers that main-graph DequantizeLinear nodes
+    read (levels, scale, zero point) and that are listed there too (IR >= 4 exports with
+    keep_initializers_as_inputs=True, then quantized); returns their names.
+
+    Why: a listed initializer is one the caller may override; the load rewrites or folds these
+    nodes, after which the initializer is gone and the listing alone remains: onnxruntime then
+    asks every run for it ("Required inputs ([W_quantized, ...]) are missing"). Integer levels
+    and their scales are not values a caller feeds. (Float weights listed so stay float and
+    listed: see _float_kept_why.)"""
+    graph = model.graph
+    inits = {t.name for t in graph.initializer}
+    listed = {v.name for v in graph.input}
+    if not listed & inits:
+        return []
+    read = {i for node in graph.node if node.op_type == "DequantizeLinear" for i in node.input if i}
+    names = listed & inits & read
+    if not names:
+        return []
+    for i in reversed([i for i, v in enumerate(graph.input) if v.name in names]):
+        del graph.input[i]
+    return sorted(names)
 
 
 # nodes that move or keep values without arithmetic, between a Conv and the per-channel
@@ -517,7 +617,10 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
     from .quantize import _QUANTIZED_OPS  # (their float inputs are scales: never quantized, nor counted)
 
     notes = notes if notes is not None else []
-    big = [name for name, w in split.weights.items() if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS]
+    # (float64 weights and those listed as graph inputs stay float: see _float_kept_why)
+    listed = {v.name for v in split.skeleton.graph.input}
+    big = [name for name, w in split.weights.items()
+           if w.dtype in _LOAD_QUANTIZED_FLOATS and w.size >= MIN_QUANTIZE_ELEMENTS and name not in listed]
     # DequantizeLinear takes float16/bfloat16 scales (the weight's own dtype) from opset 19 only
     narrow = any(split.weights[name].dtype != np.float32 for name in big)
     # 4-bit blocks need opset 21 (block_size, int4): converted like the others (the opset number
@@ -526,6 +629,8 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
         notes.append("int4: the model's opset cannot be raised to 21 (blocked 4-bit DequantizeLinear): "
                      "its float weights are quantized to int8 per channel instead")
         bits = 8
+    # (raised even with nothing to quantize: an old-opset model then runs where onnxruntime has no
+    # kernel for its own opset, e.g. Gemm-6; tests/unit/test_onnx_backend_models.py)
     if not _opset_at_least(split, 19 if narrow else 13):
         if big:
             notes.append(f"{len(big)} float weight(s) stay float: the model's opset cannot be raised to "
@@ -545,6 +650,12 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
             continue
         node_uses = uses.get(name, [])
         if not node_uses:
+            continue
+        why = _float_kept_why(name, w, listed)
+        if why:
+            kept.setdefault(why, [0, 0])
+            kept[why][0] += w.nbytes
+            kept[why][1] += 1
             continue
         if any(n is None for n, _ in node_uses):
             why = ("read inside a subgraph or as a graph output" if node_uses else "unused") + _QUANTIZED_HERE
@@ -623,6 +734,27 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
 
 
 _QUANTIZED_HERE = " (quantized at load only for MatMul/Gemm B, Gather data, Conv/ConvTranspose weights)"
+
+# the float weights quantized at load (bfloat16 ones go through _quantize_with_pass)
+_LOAD_QUANTIZED_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float16)})
+GRAPH_INPUT_WHY = "also a graph input (overridable by the caller)"
+FLOAT64_WHY = "float64 (MatMulNBits and DequantizeLinear compute no float64)"
+
+
+def _float_kept_why(name: str, w: np.ndarray, listed: set) -> str | None:
+    """Why the big float weight `name` stays float whatever reads it, or None.
+
+    - listed as a graph input too (IR >= 4; torch's keep_initializers_as_inputs=True): the caller
+      may feed it, so it is the model's input as much as a constant; replaced by a
+      DequantizeLinear output it would become a required input (no initializer behind the
+      listing), as passes.compress keeps such weights float too;
+    - float64: MatMulNBits takes no double and DequantizeLinear has no float64 output (what
+      passes.compress says too)."""
+    if name in listed:
+        return GRAPH_INPUT_WHY
+    if w.dtype == np.float64:
+        return FLOAT64_WHY
+    return None
 
 
 class _LoadQuantized:
@@ -704,20 +836,24 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     from . import quantize
     from .errors import SurgeonError
     from .report import Report
-    from .runtime_feed import is_placeholder, placeholder, split_model
+    from .runtime_feed import is_placeholder, np_dtype_to_onnx, placeholder, split_model
 
     bf16 = sorted(n for n, w in split.weights.items() if _is_bfloat16(w) and w.size >= MIN_QUANTIZE_ELEMENTS)
     in_subgraphs = _subgraph_float_weights(split.skeleton)
     # main-graph float weights read inside a subgraph (outer-scope names): the pass puts their
     # DequantizeLinear in the main graph, the subgraph reads its output
     outputs = {o.name for o in split.skeleton.graph.output}
+    # (weights listed as graph inputs too stay float, float64 ones likewise: see _float_kept_why;
+    # _quantize_float_weights says so)
+    listed = {v.name for v in split.skeleton.graph.input}
+    bf16 = [n for n in bf16 if n not in listed]
     uses = main_graph_uses(split.skeleton.graph) if split.weights else {}
     outer = sorted(n for n, w in split.weights.items()
-                   if w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
-                   and any(node is None for node, _ in uses.get(n, [])))
+                   if w.dtype in _LOAD_QUANTIZED_FLOATS and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
+                   and n not in listed and any(node is None for node, _ in uses.get(n, [])))
     recurrent = sorted(n for n, w in split.weights.items()
-                       if QUANTIZE_RECURRENT_WEIGHTS and w.dtype.kind == "f" and w.size >= MIN_QUANTIZE_ELEMENTS
-                       and n not in outputs
+                       if QUANTIZE_RECURRENT_WEIGHTS and w.dtype in _LOAD_QUANTIZED_FLOATS
+                       and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs and n not in listed
                        and uses.get(n) and all(node is not None and node.domain in ("", "ai.onnx")
                                                and (node.op_type, i) in RECURRENT_WEIGHT_INPUTS
                                                for node, i in uses[n]))
@@ -738,18 +874,29 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     # the skeleton is edited in place for the call (the pass never modifies its input; a copy
     # would hold every subgraph weight once more) and restored after it
     wanted = set(bf16) | set(outer) | set(recurrent)
-    edited = []
-    for t in split.skeleton.graph.initializer:
-        if not is_placeholder(t) or t.name not in split.weights:
-            continue
-        if t.name in wanted:  # the pass reads its values: inline for the call
+    graph = split.skeleton.graph
+    stubbed = [i for i, t in enumerate(graph.initializer)
+               if t.name not in wanted and t.name in split.weights and is_placeholder(t)]
+    # The other fed weights are the main-graph quantizer's (or already integers): for the call they
+    # are typed graph inputs of their real type and dims (what graph.payload_free_view makes), so the
+    # pass neither reads nor quantizes them, in O(1) each, and its validity check (onnx.checker,
+    # strict shape inference) sees a valid model. (Typed uint8 placeholders were used before: the
+    # checker refused their external-data location and a MatMul reading uint8, so no subgraph weight
+    # of a model with any other fed weight was ever quantized: H3, session 20.)
+    stub_names = [graph.initializer[i].name for i in stubbed]
+    for i in reversed(stubbed):
+        del graph.initializer[i]
+    listed = {v.name for v in graph.input}
+    inputs_before = len(graph.input)
+    graph.input.extend(helper.make_tensor_value_info(n, np_dtype_to_onnx(split.weights[n].dtype),
+                                                     list(split.weights[n].shape))
+                       for n in stub_names if n not in listed)
+    added = {v.name for v in graph.input[inputs_before:]}
+    inlined = []
+    for t in graph.initializer:
+        if t.name in wanted and t.name in split.weights and is_placeholder(t):  # the pass reads its values
             t.CopyFrom(onnx.numpy_helper.from_array(split.weights[t.name], t.name))
-        else:
-            # the other fed weights are the main-graph quantizer's (or already integers): typed
-            # uint8 for the call, so the pass keeps them ("not float") without reading them, in
-            # O(1) each (an exclude pattern per name would cost O(weights^2) fnmatch calls)
-            t.data_type = TensorProto.UINT8
-        edited.append(t)
+            inlined.append(t)
     report = Report()
     try:
         out = quantize.quantize_weights(split.skeleton, bits=8, granularity="channel",
@@ -758,11 +905,14 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
         notes.append(f"float weights ({what}) stay float: quantize_weights refused them ({exc})")
         return
     finally:
-        for t in edited:  # the placeholders again, with their real types
+        for t in inlined:  # the placeholders again
             t.CopyFrom(placeholder(t.name, split.weights[t.name]))
-    for t in out.graph.initializer:  # the stand-ins in the result, likewise
-        if is_placeholder(t) and t.name in split.weights:
-            t.CopyFrom(placeholder(t.name, split.weights[t.name]))
+        del graph.input[inputs_before:]
+        graph.initializer.extend(placeholder(n, split.weights[n]) for n in stub_names)
+    if added:  # (the stand-in inputs are the pass's graph inputs: the placeholders again)
+        for i in reversed([i for i, v in enumerate(out.graph.input) if v.name in added]):
+            del out.graph.input[i]
+    out.graph.initializer.extend(placeholder(n, split.weights[n]) for n in stub_names)
     _shorten_bfloat16_casts(out.graph)
     fresh = split_model(out, take_ownership=True)  # the new big main-graph levels are fed again
     for name in wanted:
