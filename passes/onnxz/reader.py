@@ -148,6 +148,20 @@ class _Xxh3_128:
 READ_RUN = 256 << 10  # _ans.c's READ_RUN: bytes of back-to-back chunks ans_decode_batch reads in one pread
 SPAN_READ = 1 << 20  # the scratch handed to ans_decode_batch: codecs.Scratch holds at least this much
 BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several threads share the work
+# Fresh outputs a PackedFile allocates itself (tensors_bytes, restore_file and read_range without
+# `out`) of at least SMALL_PAGES_FROM bytes come as numpy arrays (numpy asks huge pages for those)
+# while they add up to at most FRESH_HUGE_BYTES, then as private mappings that refuse huge pages.
+# Why: on this project's hosts (virtual machines whose kernel hands free blocks of 128 KiB and
+# more back to the hypervisor: /sys/module/page_reporting, page_reporting_order 5) a huge page
+# comes from such a block and is backed again page by page, while 4 KiB pages come first from the
+# small free fragments still backed. Fresh memory written once, load 7: 1 GiB at 275-352 MB/s of
+# CPU in huge pages, 789-1747 MB/s in 4 KiB pages (one process alternating); fresh processes:
+# 48 MiB 5-8 ms against 28-35 ms, 256 MiB 44 / 65 / 807 ms against 117-160, 1 GiB 2.4-2.8 s
+# against 0.5-0.7 s. So a small model keeps its huge pages and gigabytes of tensors do not
+# (bench/load.py's ~3 GB model, 2880 MiB of float32 `ans` chunks: the decode itself ~0.8 s of CPU,
+# 73% of the fold load's samples the kernel zeroing fresh huge pages)
+SMALL_PAGES_FROM = 4 << 20
+FRESH_HUGE_BYTES = 256 << 20
 WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
 # small enough that hashing and writing find it still in cache (measured: 8 -> 4 MiB saves ~8% of unpack CPU)
 _BYTES_LIKE = (bytes, bytearray, memoryview)
@@ -374,6 +388,7 @@ class PackedFile:
         # hash and write the window before
         self._pool = ThreadPoolExecutor(max_workers=self.threads) if self.threads > 1 else None
         self._lock = threading.Lock()
+        self._huge_left = FRESH_HUGE_BYTES  # bytes of fresh outputs still given huge pages (_fresh)
         self._hash_pool: Optional[ThreadPoolExecutor] = None
         self._skeletons: Dict[int, np.ndarray] = {}
         self.closed = False
@@ -605,10 +620,19 @@ class PackedFile:
     def _entry(self, entry):
         return self._by_key[entry] if isinstance(entry, str) else entry
 
-    @staticmethod
-    def _out(out, length: int, what: str) -> np.ndarray:
-        if out is None:
+    def _fresh(self, length: int) -> np.ndarray:
+        """A fresh uint8 array of `length` bytes for an output the caller did not give: huge pages
+        within the file's budget, 4 KiB pages past it (see FRESH_HUGE_BYTES)."""
+        if length < SMALL_PAGES_FROM:
             return np.empty(length, np.uint8)
+        with self._lock:
+            huge = length <= self._huge_left
+            self._huge_left = self._huge_left - length if huge else 0
+        return np.empty(length, np.uint8) if huge else _small_pages(length)
+
+    def _out(self, out, length: int, what: str) -> np.ndarray:
+        if out is None:
+            return self._fresh(length)
         if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 1 or out.size != length \
                 or not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgumentError(f"out for {what} must be a writable contiguous uint8 array of {length} bytes")
@@ -625,7 +649,7 @@ class PackedFile:
             raise InvalidArgumentError("tensors_bytes: one out per entry, or none")
         result, jobs = [], []
         for e, out in zip(entries, outs):
-            out = np.empty(e.length, np.uint8) if out is None else self._out(out, e.length, f"tensor {e.key!r}")
+            out = self._out(out, e.length, f"tensor {e.key!r}")
             result.append(out)
             if e.stream is not None:
                 jobs.extend(self._stream_jobs(e.stream, out))
@@ -935,9 +959,27 @@ class PackedFile:
         if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
                 and offset + length <= fe.size):
             raise InvalidArgumentError(f"range {offset}+{length} lies outside {fe.name!r} ({fe.size} bytes)")
-        out = np.empty(length, np.uint8)
+        out = self._fresh(length)
         self._read_range_into(fi, offset, out)
         return out
+
+
+def _small_pages(length: int) -> np.ndarray:
+    """`length` bytes of private anonymous memory that refuses huge pages (MADV_NOHUGEPAGE), pages
+    untouched until written, returned to the system with the array (see FRESH_HUGE_BYTES); an
+    np.empty where such a mapping cannot be made."""
+    import mmap
+
+    try:
+        area = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, OSError, ValueError):
+        return np.empty(length, np.uint8)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            area.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(area, np.uint8)
 
 
 # ---------------------------------------------------------------------- tensors
