@@ -832,7 +832,11 @@ class _Job:
         arr = graph.tensor_to_array(self.tensor)
         if not np.isfinite(arr).all():
             return None
-        if self.granularity == "tensor" or arr.ndim == 0:
+        # a vector (one axis holds every value: a weight named by include= that the rules would keep
+        # as 1-D) has no channels: per channel it would take one scale per value and outgrow the
+        # float tensor (H7 s20 F7: 65536 -> 81920 bytes); it is quantized per tensor
+        vector = self.granularity == "channel" and arr.size > 0 and max(arr.shape) == arr.size
+        if self.granularity == "tensor" or arr.ndim == 0 or vector:
             axis, blk = None, 0
         elif self.granularity == "channel":
             axis = self.choice.channel
