@@ -56,8 +56,11 @@ _INDEXED_KEY = re.compile(r"^(\d+)/(.+)$")
 
 def feed_list(feeds, model, why: str, *, check: bool = False) -> list[Feed]:
     """The feeds a pass was given, as a list: an `.npz` path is loaded (names checked against
-    `model`'s inputs), an iterable of feed dicts listed (checked too when `check`). None or no
-    feed raises InvalidArgumentError "feeds: at least one feed is needed{why}"."""
+    `model`'s inputs), an iterable of feed dicts listed (checked too when `check`); with a
+    ModelProto, each array cast to its input's type where that keeps its values (conform_feeds:
+    numpy's float64, a tokenizer's int32 ids). None or no feed raises InvalidArgumentError
+    "feeds: at least one feed is needed{why}"; a feed that cannot be cast, InvalidArgumentError
+    naming it."""
     if isinstance(feeds, (str, bytes)) or hasattr(feeds, "__fspath__"):
         feeds = load_feeds(feeds, model)
     else:
@@ -68,6 +71,7 @@ def feed_list(feeds, model, why: str, *, check: bool = False) -> list[Feed]:
         raise InvalidArgumentError(f"feeds: at least one feed is needed{why}")
     if isinstance(model, onnx.ModelProto):
         check_feedable(model)
+        feeds = conform_feeds(model, feeds)
     return feeds
 
 
@@ -619,18 +623,8 @@ def _conform(feed: Feed, session, index: int) -> Feed:
         if spec is not None and spec.type in _UNFEEDABLE_BY_ORT_NAME:
             raise _unfeedable(name, _UNFEEDABLE_BY_ORT_NAME[spec.type])
         want = _ORT_TYPES.get(spec.type) if spec is not None else None
-        if want is not None and value.dtype != want:
-            want = np.dtype(want)
-            same_kind = value.dtype.kind == want.kind or (value.dtype.kind in "iu" and want.kind in "iu")
-            fits = True
-            if same_kind and want.kind in "iu" and value.size:
-                info = np.iinfo(want)
-                fits = bool(value.min() >= info.min and value.max() <= info.max)
-            if not (same_kind and fits):
-                raise InvalidArgumentError(
-                    f"feed {index} input {name!r} is {value.dtype} but the model expects {want}"
-                )
-            value = value.astype(want)
+        if want is not None:
+            value = _cast_feed(value, np.dtype(want), name, index)
         if spec is not None and spec.shape is not None and len(spec.shape) != value.ndim:
             raise InvalidArgumentError(
                 f"feed {index} input {name!r} has {value.ndim} dimension(s) {list(value.shape)} "
@@ -639,6 +633,47 @@ def _conform(feed: Feed, session, index: int) -> Feed:
         if spec is not None and spec.shape is not None:
             _check_fixed_dims(name, value.shape, spec.shape, index)
         out[name] = value
+    return out
+
+
+def _cast_feed(value: np.ndarray, want: np.dtype, name: str, index: int) -> np.ndarray:
+    """`value` as the input's dtype `want` where that keeps its values (float64 -> float32, int32
+    token ids -> int64: what numpy and tokenizers give); InvalidArgumentError otherwise (a float
+    for an integer input, an integer out of the input type's range)."""
+    if value.dtype == want:
+        return value
+    same_kind = value.dtype.kind == want.kind or (value.dtype.kind in "iu" and want.kind in "iu")
+    fits = True
+    if same_kind and want.kind in "iu" and value.size:
+        info = np.iinfo(want)
+        fits = bool(value.min() >= info.min and value.max() <= info.max)
+    if not (same_kind and fits):
+        raise InvalidArgumentError(f"feed {index} input {name!r} is {value.dtype} but the model expects {want}")
+    return value.astype(want)
+
+
+def conform_feeds(model: onnx.ModelProto, feeds: Sequence[Feed]) -> list[Feed]:
+    """The feeds with each array cast to its graph input's element type, as evaluate casts them
+    for its sessions (_conform), without a session: passes that run the model themselves (the auto
+    mode's trials, error feedback, bias correction) get what onnxruntime takes. Inputs of other
+    types (sequences, optionals, types numpy lacks) are left to the session's own check."""
+    wanted = {}
+    for vi in model.graph.input:
+        elem = vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else 0
+        try:
+            wanted[vi.name] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)) if elem else None
+        except (KeyError, TypeError, ValueError):
+            wanted[vi.name] = None
+    out = []
+    for index, feed in enumerate(feeds):
+        cast = {}
+        for name, value in feed.items():
+            want = wanted.get(name)
+            if want is not None and want.kind in "fiub" and isinstance(value, np.ndarray) and value.dtype != want:
+                cast[name] = _cast_feed(value, want, name, index)
+        # (a feed already of the model's types is passed on as the same object: callers such as the
+        # auto mode's cross-validation tell feeds apart by identity)
+        out.append({**feed, **cast} if cast else feed)
     return out
 
 
