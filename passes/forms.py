@@ -289,6 +289,55 @@ def _search(part: _Rows, search: bool):
     return part.candidate(_CLIP_GRID[best_k])
 
 
+# columns of each row looked at first by _exact_grid: a trained row fails on them, so the whole
+# row is read only for the rows that may lie on a grid
+_GRID_PROBE = 8
+
+
+def _exact_grid(part: _Rows, s: np.ndarray, z):
+    """The scale (and zero point) of each row whose values all lie exactly on a grid of equal
+    steps that the levels reach: such a row is stored without error, where the clip search's
+    max-abs scale would round it (integers in [-126, 126] at int8: step 126/127, ~49 dB). The
+    steps tried: 1 (integer-valued rows: counts, indices, integer models stored as float) and the
+    smallest non-zero magnitude among the row's first _GRID_PROBE values (a ternary or binary
+    net's alpha). Only rows whose first values lie on the step are read whole, so a trained row
+    costs a look at those few values. (A dequantized model's rows lie on a grid too, but finding
+    its step takes a pass over every row: its levels come back where a row reaches the top
+    level, through the search's max-abs candidate.)"""
+    rows, lv = part.rows, part.levels
+    if not rows.size or rows.shape[1] == 0:
+        return s, z
+    probe = rows[:, :_GRID_PROBE]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        mag = np.abs(probe)
+        probe_smallest = np.min(np.where(mag > 0, mag, np.inf), axis=1)
+        ratio = probe / probe_smallest[:, None]
+        if not (np.all(np.rint(ratio) == ratio, axis=1) | np.all(np.rint(probe) == probe, axis=1)).any():
+            return s, z  # (every row of a trained weight leaves here)
+        s, z = s.copy(), None if z is None else z.copy()
+        for step in (probe_smallest, np.ones_like(probe_smallest)):
+            # as the model stores the scale: a step its dtype (or scale mantissa) cannot hold
+            # exactly is no grid of the stored scale
+            finite = np.isfinite(step) & np.isfinite(part.span)
+            safe = np.where(finite, step, 1)
+            usable = finite & (_stored(safe, part.dtype, 1, part.mantissa_bits) == safe)
+            usable &= np.all(np.rint(probe / safe[:, None]) * safe[:, None] == probe, axis=1)
+            idx = np.flatnonzero(usable)
+            if not idx.size:
+                continue
+            q = np.rint(rows[idx] / safe[idx, None])
+            exact = np.all(q * safe[idx, None] == rows[idx], axis=1)
+            qlo, qhi = np.min(q, axis=1), np.max(q, axis=1)
+            if lv.symmetric:
+                fits = exact & (np.maximum(-qlo, qhi) <= lv.qmax)
+            else:
+                zero = lv.qmin - np.minimum(qlo, 0)  # (0 stays a level, as the search's zero points keep it)
+                fits = exact & (zero <= lv.qmax) & (qhi + zero <= lv.qmax)  # (the zero point is a level too)
+                z[idx[fits]] = zero[fits]
+            s[idx[fits]] = safe[idx[fits]]  # (a row on both grids takes step 1: as exact)
+    return s, z
+
+
 def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size: int = 0,
                     search: bool = True, rounding: _rd.Rounding | None = None,
                     importance: np.ndarray | None = None, scale_mantissa_bits: int | None = None) -> Quantized:
@@ -342,6 +391,7 @@ def quantize_linear(w: np.ndarray, levels: Levels, axis: int | None, block_size:
                      None if imp_rows is None else imp_rows[start:start + step], scale_mantissa_bits)
         with np.errstate(over="ignore", invalid="ignore"):  # extreme weights: inf errors just lose
             s, z = _search(part, search)
+            s, z = _exact_grid(part, s, z)
             scales[start:start + step] = s
             if z is not None:
                 zps[start:start + step] = z
