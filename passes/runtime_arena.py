@@ -11,12 +11,21 @@ part got huge pages), of a 16 MiB chunk mapped as below 0.80 ms (8 faults), wher
 
 Memory: a chunk is freed when the last tensor cut from it is; CHUNK_BYTES bounds what one
 surviving tensor can hold back. Tensors of OWN_BYTES and more get an np.empty of their own, as
-before (numpy asks huge pages for those)."""
+before (numpy asks huge pages for those).
+
+Huge pages only for the first huge_bytes an arena hands out (passes/_pages.huge_page_budget: 256
+MiB on a virtual machine whose balloon reports free pages to the hypervisor, where fresh huge
+pages cost several times 4 KiB ones; no limit elsewhere); 4 KiB pages after that. bench/load.py's
+generated ~3 GB pack, fold load on such a host: 10.9-12.0 s of CPU to a ready session with every
+weight in huge pages, 9.5 of it the kernel zeroing them, against 4.1-5.3 s past the budget (the
+plain .onnx: 4.3-6.7 s)."""
 from __future__ import annotations
 
 import mmap
 
 import numpy as np
+
+from ._pages import huge_page_budget
 
 # size of the shared arrays small tensors are cut from: a multiple of 2 MiB, which the kernel
 # maps at a 2 MiB boundary, so that every page of it can be a huge page
@@ -30,20 +39,33 @@ ALIGN = 64
 class Arena:
     """Hands out fresh uint8 arrays (`take`), cut from shared chunks where small."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, own_bytes: int = OWN_BYTES):
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, own_bytes: int = OWN_BYTES, huge_bytes: float | None = None):
         self.chunk_bytes = chunk_bytes
         self.own_bytes = own_bytes
         self._chunk = None
         self._used = 0
+        # fresh memory still to be asked as huge pages (None: this host's budget, see the docstring)
+        self._huge_left = huge_page_budget() if huge_bytes is None else huge_bytes
+
+    def _huge(self, nbytes: int) -> bool:
+        """Whether `nbytes` more of fresh memory come as huge pages (within the arena's budget)."""
+        if nbytes > self._huge_left:
+            self._huge_left = 0
+            return False
+        self._huge_left -= nbytes
+        return True
 
     def take(self, nbytes: int) -> np.ndarray:
         """A fresh, writable, C-contiguous uint8 array of `nbytes` (contents undefined)."""
         nbytes = int(nbytes)
         if nbytes >= self.own_bytes or nbytes <= 0:
-            return np.empty(max(nbytes, 0), np.uint8)
+            nbytes = max(nbytes, 0)
+            if nbytes == 0 or self._huge(nbytes):
+                return np.empty(nbytes, np.uint8)
+            return anonymous_array(nbytes, huge_pages=False)
         start = -(-self._used // ALIGN) * ALIGN
         if self._chunk is None or start + nbytes > self._chunk.nbytes:
-            self._chunk = _fresh_chunk(self.chunk_bytes)
+            self._chunk = _fresh_chunk(self.chunk_bytes, self._huge(self.chunk_bytes))
             start = 0
         self._used = start + nbytes
         return self._chunk[start:start + nbytes]
@@ -55,14 +77,15 @@ class Arena:
         return self.take(count * dtype.itemsize).view(dtype).reshape(shape)
 
 
-def _fresh_chunk(nbytes: int) -> np.ndarray:
-    """A uint8 array of `nbytes` in a private anonymous mapping of its own, huge pages asked for.
+def _fresh_chunk(nbytes: int, huge_pages: bool = True) -> np.ndarray:
+    """A uint8 array of `nbytes` in a private anonymous mapping of its own, huge pages asked for
+    (unless `huge_pages` is False: past the arena's budget).
 
     Not np.empty: glibc serves a malloc of this size from its heap once a larger block has been
     freed (its mmap threshold rises up to 32 MiB), and memory freed inside the heap stays with the
     process (open_nsfw q8.onnxz: 10.8 MB more resident after the session); a mapping of its own
     goes back to the system when the last tensor cut from it does."""
-    return anonymous_array(nbytes, huge_pages=True)
+    return anonymous_array(nbytes, huge_pages=huge_pages)
 
 
 def anonymous_array(nbytes: int, huge_pages: bool) -> np.ndarray:

@@ -67,6 +67,44 @@ def test_memory_owners_find_views_of_a_registered_array():
     assert owners.find(a) is None
 
 
+def _vm_flags(array):
+    """The VmFlags of the mapping holding `array`'s first byte (/proc/self/smaps), or None."""
+    address = data_address(array)
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps")
+def test_past_its_huge_page_budget_an_arena_hands_out_memory_without_huge_pages():
+    """The first `huge_bytes` of fresh memory come as huge pages (numpy's own arrays, chunks advised
+    MADV_HUGEPAGE); after them, mappings that refuse huge pages (MADV_NOHUGEPAGE: VmFlags nh)."""
+    arena = Arena(chunk_bytes=1 << 20, own_bytes=256 << 10, huge_bytes=(1 << 20) + (512 << 10))
+    within = arena.take(1 << 20)  # own array, inside the budget: np.empty as before
+    assert within.base is None
+    chunked = arena.take(1000)  # a 1 MiB chunk does not fit the 512 KiB left: no huge pages
+    past = arena.take(300 << 10)  # own array past the budget
+    flags = [_vm_flags(chunked), _vm_flags(past)]
+    if None in flags:
+        pytest.skip("no /proc/self/smaps")
+    assert all("nh" in f and "hg" not in f for f in flags)
+    for i, p in enumerate((within, chunked, past)):  # writable, zero cost until written
+        p[:] = i + 1
+        assert (p == i + 1).all() and p.flags.c_contiguous and p.dtype == np.uint8
+    unlimited = Arena(chunk_bytes=1 << 20, own_bytes=256 << 10)  # the default budget: huge pages
+    assert "hg" in (_vm_flags(unlimited.take(1000)) or {"hg"})
+
+
 @pytest.mark.parametrize("build", [dense_model, conv_model])
 def test_decode_aside_ranks_and_waits_for_views_of_its_outputs(tmp_path, build):
     """BackgroundDecode's outputs are cut from an Arena: the weights (reshaped, retyped views of
