@@ -771,6 +771,13 @@ class InferenceSession(ort.InferenceSession):
                 from .fold import fold_function_bodies
 
                 fold_function_bodies(split.skeleton)
+            from .runtime_int8 import unlist_dequantize_inputs
+
+            # (a quantized IR >= 4 export listing its initializers as inputs: folded, they would be required)
+            unlisted = unlist_dequantize_inputs(split.skeleton)
+            if unlisted:
+                self.notes.append(f"{len(unlisted)} quantized weight tensor(s) (DequantizeLinear levels / scales / zero "
+                                  f"points) were also listed as graph inputs: unlisted (constants of this session)")
             if self.on_gpu and s["gpu_fold"] == "device" and (target is None or target == own_dtype):
                 from .runtime_gpu import fold_on_device
 
@@ -835,7 +842,8 @@ class InferenceSession(ort.InferenceSession):
 
             _wait_weights(split, self.source)
             table = None  # (the quantized rewrite adds and replaces nodes)
-            disabled |= prepare_quantized(split, bits=4 if mode == "int4" else 8, options=options, notes=self.notes)
+            disabled |= prepare_quantized(split, bits=4 if mode == "int4" else 8, options=options, notes=self.notes,
+                                          target=target if target is not None and target != own_dtype else None)
             for line in self.notes:
                 log.info("passes.InferenceSession(%s): mode=%s: %s", self.source.name, mode, line)
         self.dtype = np.dtype(target or own_dtype)
@@ -844,7 +852,7 @@ class InferenceSession(ort.InferenceSession):
 
             _wait_weights(split, self.source)
             table = None  # (the conversion adds Cast nodes)
-            convert_split(split, target, keep_io_types=s["keep_io_types"])
+            convert_split(split, target, keep_io_types=s["keep_io_types"], notes=self.notes)
         reads = graph_reads(split.skeleton.graph, split.weights, table=table)
         split.refresh_placeholders(reads.used)
         self.weight_arrays = split.weights
