@@ -318,7 +318,10 @@ def _exact_grid(part: _Rows, s: np.ndarray, z):
         for step in (probe_smallest, np.ones_like(probe_smallest)):
             # as the model stores the scale: a step its dtype (or scale mantissa) cannot hold
             # exactly is no grid of the stored scale
-            finite = np.isfinite(step) & np.isfinite(part.span)
+            # (an all-zero row keeps the search's tiniest scale: onnxruntime's MatMulNBits, which
+            # quantizes the activations, leaves an error in proportion to the scale even of zero
+            # levels: 1.2e-4 at scale 1 on values' zero weight, ~1e-34 at the tiniest)
+            finite = np.isfinite(step) & np.isfinite(part.span) & (part.span > 0)
             safe = np.where(finite, step, 1)
             usable = finite & (_stored(safe, part.dtype, 1, part.mantissa_bits) == safe)
             usable &= np.all(np.rint(probe / safe[:, None]) * safe[:, None] == probe, axis=1)
