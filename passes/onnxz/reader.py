@@ -33,6 +33,7 @@ import onnx
 import xxhash
 
 from .._cpus import worker_count
+from .._pages import huge_page_budget
 from .._fileio import atomic_fd, check_readable, check_writable, load_external_data, named_path, parse_model_bytes, same_file
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError, SurgeonError
 from . import codecs
@@ -150,7 +151,9 @@ SPAN_READ = 1 << 20  # the scratch handed to ans_decode_batch: codecs.Scratch ho
 BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several threads share the work
 # Fresh outputs a PackedFile allocates itself (tensors_bytes, restore_file and read_range without
 # `out`) of at least SMALL_PAGES_FROM bytes come as numpy arrays (numpy asks huge pages for those)
-# while they add up to at most FRESH_HUGE_BYTES, then as private mappings that refuse huge pages.
+# while they add up to at most the file's budget, then as private mappings that refuse huge pages.
+# The budget: FRESH_HUGE_BYTES, or where None this host's (passes/_pages.huge_page_budget, as the
+# runtime's decode arena: 256 MiB where a virtio balloon reports free pages, no limit elsewhere).
 # Why: on this project's hosts (virtual machines whose kernel hands free blocks of 128 KiB and
 # more back to the hypervisor: /sys/module/page_reporting, page_reporting_order 5) a huge page
 # comes from such a block and is backed again page by page, while 4 KiB pages come first from the
@@ -161,7 +164,7 @@ BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several thread
 # (bench/load.py's ~3 GB model, 2880 MiB of float32 `ans` chunks: the decode itself ~0.8 s of CPU,
 # 73% of the fold load's samples the kernel zeroing fresh huge pages)
 SMALL_PAGES_FROM = 4 << 20
-FRESH_HUGE_BYTES = 256 << 20
+FRESH_HUGE_BYTES = None
 WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
 # small enough that hashing and writing find it still in cache (measured: 8 -> 4 MiB saves ~8% of unpack CPU)
 _BYTES_LIKE = (bytes, bytearray, memoryview)
@@ -388,7 +391,8 @@ class PackedFile:
         # hash and write the window before
         self._pool = ThreadPoolExecutor(max_workers=self.threads) if self.threads > 1 else None
         self._lock = threading.Lock()
-        self._huge_left = FRESH_HUGE_BYTES  # bytes of fresh outputs still given huge pages (_fresh)
+        # bytes of fresh outputs still given huge pages (_fresh)
+        self._huge_left = huge_page_budget() if FRESH_HUGE_BYTES is None else FRESH_HUGE_BYTES
         self._hash_pool: Optional[ThreadPoolExecutor] = None
         self._skeletons: Dict[int, np.ndarray] = {}
         self.closed = False

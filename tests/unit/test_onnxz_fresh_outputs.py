@@ -1,6 +1,7 @@
 """Outputs the pack reader allocates itself (tensors_bytes, get_tensors, restore_file and
 read_range without `out`): numpy arrays (huge pages, numpy's own choice) while they add up to
-FRESH_HUGE_BYTES, then private mappings that refuse huge pages (reader._small_pages) — with the
+its budget (FRESH_HUGE_BYTES, or this host's: passes/_pages.huge_page_budget), then private
+mappings that refuse huge pages (reader._small_pages) — with the
 same bytes as the numpy decoder, and as arrays like any other (writable, contiguous, freed with
 their last view)."""
 from __future__ import annotations
@@ -109,3 +110,18 @@ def test_the_budget_is_per_file_and_small_outputs_never_use_it(packed, monkeypat
             assert first.base is None and pf._huge_left == 0
             second = pf.tensor_bytes("w1")
             assert second.base is not None and second.tobytes() == weights["w1"].tobytes()
+
+
+def test_without_its_own_budget_the_reader_takes_the_hosts(packed, monkeypatch):
+    """FRESH_HUGE_BYTES None (the default): the budget of passes/_pages.huge_page_budget, the
+    runtime arena's: a limit on a host whose balloon reports free pages, none (inf) elsewhere."""
+    path, weights = packed
+    assert reader.FRESH_HUGE_BYTES is None
+    monkeypatch.setattr(reader, "huge_page_budget", lambda: 4 * MiB)
+    with PackedFile(path, threads=1) as pf:
+        outs = [pf.tensor_bytes(k) for k in ("w0", "w1")]
+        assert outs[0].base is None and outs[1].base is not None
+        assert [o.tobytes() for o in outs] == [weights["w0"].tobytes(), weights["w1"].tobytes()]
+    monkeypatch.setattr(reader, "huge_page_budget", lambda: float("inf"))
+    with PackedFile(path, threads=1) as pf:
+        assert all(pf.tensor_bytes(k).base is None for k in ("w0", "w1", "w2"))
