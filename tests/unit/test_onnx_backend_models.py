@@ -413,4 +413,7 @@ def test_eval_measures_an_old_opset_original_raised(i, workdir):
     assert any("it was measured at opset 13" in n for n in fidelity["notes"]), fidelity["notes"]
     direct = snr_db(c.run(c.path), c.run(q))
     reported = float(fidelity["metrics"]["snr_min"])  # worst output, as snr_db measures
-    assert reported == direct or abs(reported - direct) < 0.1, (reported, direct)
+    # (weights on a grid the levels reach are stored exactly since fb0df3f: both then read as
+    # exact, inf from one runtime and ~150 dB of evaluation-order rounding from the other)
+    exact = min(reported, direct) > 120
+    assert reported == direct or abs(reported - direct) < 0.1 or exact, (reported, direct)
