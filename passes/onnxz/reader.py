@@ -162,7 +162,9 @@ BATCH_BYTES = 1 << 20  # raw bytes per batch of small chunks when several thread
 # 48 MiB 5-8 ms against 28-35 ms, 256 MiB 44 / 65 / 807 ms against 117-160, 1 GiB 2.4-2.8 s
 # against 0.5-0.7 s. So a small model keeps its huge pages and gigabytes of tensors do not
 # (bench/load.py's ~3 GB model, 2880 MiB of float32 `ans` chunks: the decode itself ~0.8 s of CPU,
-# 73% of the fold load's samples the kernel zeroing fresh huge pages)
+# 73% of the fold load's samples the kernel zeroing fresh huge pages). The price: arrays in 4 KiB
+# pages are read with more TLB misses; that model's session runs, its weights so, took +11-15% CPU
+# per run (min of 24, 1 thread, load 3), for a load 3-4x cheaper
 SMALL_PAGES_FROM = 4 << 20
 FRESH_HUGE_BYTES = None
 WINDOW_BYTES = 4 << 20  # restored bytes per window: decoded, then hashed and written while the next decodes;
