@@ -20,6 +20,7 @@ values 80 ms (32 -> 16) and 52 ms (16 -> 32) against 11 and 13 ms in onnxruntime
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import onnx
@@ -52,15 +53,35 @@ def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> n
     for name, array in split.weights.items():
         if array.dtype in counts:
             counts[array.dtype] += array.nbytes
-    scale_names = {inputs[1]: inputs[0] for op_type, _, inputs, _ in node_table(split.skeleton.graph, table).rows
+    table = node_table(split.skeleton.graph, table)
+    scale_names = {inputs[1]: inputs[0] for op_type, _, inputs, _ in table.rows
                    if op_type == "DequantizeLinear" and len(inputs) > 1}
-    for t in split.skeleton.graph.initializer:
+    # small tensors held by Constant nodes (a model whose weights are all Constant nodes, e.g.
+    # rapidocr's: its big levels are fed weights, its scales stay Constant nodes), read only
+    # where the table has Constant rows
+    nodes = split.skeleton.graph.node
+    constants = {}
+    for i, (op_type, domain, _, outputs) in enumerate(table.rows):
+        if op_type == "Constant" and domain in ("", "ai.onnx") and outputs:
+            for a in nodes[i].attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    constants[outputs[0]] = a.t
+    dims = {t.name: t.dims for t in split.skeleton.graph.initializer}
+
+    def weight_size(name: str) -> int:
+        array = split.weights.get(name)
+        if array is not None:
+            return array.size
+        held = constants.get(name)
+        shape = held.dims if held is not None else dims.get(name)
+        return math.prod(shape) if shape is not None else 1
+
+    for name, t in [(t.name, t) for t in split.skeleton.graph.initializer] + list(constants.items()):
         dtype = _FLOATS.get(t.data_type)
         if dtype is None:
             continue
-        if t.name in scale_names:
-            quantized = split.weights.get(scale_names[t.name])
-            counts[dtype] += (quantized.size if quantized is not None else 1) * dtype.itemsize
+        if name in scale_names:
+            counts[dtype] += weight_size(scale_names[name]) * dtype.itemsize
         elif not is_placeholder(t):
             counts[dtype] += math.prod(t.dims) * dtype.itemsize  # (np.prod per tensor: 10x slower)
     # (ties go to float32, then float16: the order of the checks)
@@ -103,6 +124,7 @@ def _to_float16(split: SplitModel, keep_io_types: bool, op_block_list) -> None:
         # float32, their scales too, and the converter casts their outputs to float16 (the
         # DequantizeLinear nodes left in int8 mode: Conv weights, weights read through a Transpose)
         blocked += ["DequantizeLinear", "QuantizeLinear"]
+    _rename_converter_names(split.skeleton)
     before = {t.name: t.data_type for t in split.skeleton.graph.initializer if is_placeholder(t)}
     # The converter reads an initializer's values only to learn its shape (for the value_info of a
     # blocked node's input); a placeholder has no values there, so shapes come from dims instead.
@@ -118,6 +140,53 @@ def _to_float16(split: SplitModel, keep_io_types: bool, op_block_list) -> None:
     for t in converted.graph.initializer:
         if t.name in before and before[t.name] == TensorProto.FLOAT and t.data_type == TensorProto.FLOAT16:
             split.weights[t.name] = to_float16_clamped(split.weights[t.name])
+
+
+# the names onnxruntime's converter gives the Casts it puts at the graph's inputs / outputs (node
+# "graph_input_cast0", its output "graph_input_cast_0", ...): taken already in a model the
+# converter made (its keep_io_types Casts), they would be given twice
+_CONVERTER_NAME = re.compile(r"graph_(input|output)_cast_?\d+")
+
+
+def _rename_converter_names(model) -> int:
+    """Rename the nodes and (inner) values of `model` whose names the float16 converter is about to
+    give its own Casts (see _CONVERTER_NAME), in every graph; returns how many names changed.
+    Without this a model converted by onnxruntime's converter before (rapidocr's float16 models)
+    came out with two nodes named graph_input_cast0, which onnxruntime refuses."""
+    from .graph import NameAllocator, all_names
+
+    main = model.graph
+    interface = {v.name for v in main.input} | {v.name for v in main.output}
+    taken = [n for n in set(_all_node_and_value_names(main)) if _CONVERTER_NAME.fullmatch(n) and n not in interface]
+    if not taken:
+        return 0
+    names = NameAllocator(all_names(model))
+    renamed = {n: names.take(n + "_renamed") for n in sorted(taken)}
+    for g in _graphs(main):
+        for node in g.node:
+            if node.name in renamed:
+                node.name = renamed[node.name]
+            for i, name in enumerate(node.input):
+                if name in renamed:
+                    node.input[i] = renamed[name]
+            for i, name in enumerate(node.output):
+                if name in renamed:
+                    node.output[i] = renamed[name]
+        for field in (g.initializer, g.value_info) if g is main else (g.initializer, g.value_info, g.input, g.output):
+            for item in field:
+                if item.name in renamed:
+                    item.name = renamed[item.name]
+    return len(renamed)
+
+
+def _all_node_and_value_names(graph):
+    for g in _graphs(graph):
+        for node in g.node:
+            yield node.name
+            yield from node.output
+        for field in (g.initializer, g.value_info, g.input):
+            for item in field:
+                yield item.name
 
 
 def _mostly_float64(split: SplitModel) -> bool:

@@ -140,9 +140,7 @@ def test_body_weights_computed_in_float16_are_right(tmp_path, form, kind, model_
     assert snr >= _MIN_SNR[form, mode], (snr, sess.notes)
     assert _cosine(ref, got) >= 0.99 if form != "q4" else 0.9
     folded = [line for line in sess.notes if "inside If/Loop/Scan bodies folded to float" in line]
-    # (the loop's weight is read from the main graph: not in the body; the note of a conversion's
-    # fold (float32 model, dtype="float16") waits for runtime.py to hand its notes to convert_split)
-    if form != "float" and kind != "loop" and model_dtype == np.float16:
+    if form != "float" and kind != "loop":  # (the loop's weight is read from the main graph: not in the body)
         assert folded, sess.notes
 
 
@@ -306,7 +304,7 @@ def test_weights_listed_as_inputs_stay_float(tmp_path, mode, dtype):
 
 
 @pytest.mark.parametrize("dtype", [None, "float16"])
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["fold", "int8", "int4"])
 def test_quantized_tensors_listed_as_inputs_are_unlisted(tmp_path, mode, dtype):
     """A compressed model whose levels and scales are listed as graph inputs (IR >= 4): unlisted
     at load, with a note (rewritten or folded, they would be required inputs)."""
@@ -323,3 +321,73 @@ def test_quantized_tensors_listed_as_inputs_are_unlisted(tmp_path, mode, dtype):
     assert [i.name for i in sess.get_inputs()] == ["x"]
     assert any("listed as graph inputs: unlisted" in line for line in sess.notes), sess.notes
     assert _snr_db(_reference(model, feeds), sess.run(None, feeds)[0]) >= 30.0
+
+
+# ---------------------------------------------------------------------- models made by onnxruntime's float16 converter
+
+def constant_weight_model() -> onnx.ModelProto:
+    """x [4, D] -> MatMul(W1) -> Relu -> MatMul(W2): float32, its weights Constant nodes (as in
+    rapidocr's models), then converted to float16 by onnxruntime's converter (keep_io_types: its
+    Casts are named graph_input_cast0 / graph_output_cast0, their values graph_input_cast_0 ...)."""
+    from onnxruntime.transformers import float16 as ort_float16
+
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("Constant", [], ["W1"], value=numpy_helper.from_array(_weight(rng, (D, 2 * D)), "W1")),
+             helper.make_node("Constant", [], ["W2"], value=numpy_helper.from_array(_weight(rng, (2 * D, D)), "W2")),
+             helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "W2"], ["y"])]
+    graph = helper.make_graph(nodes, "constants", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, D])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, D])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    converted = ort_float16.convert_float_to_float16(model, keep_io_types=True)
+    assert "graph_input_cast0" in {n.name for n in converted.graph.node}
+    # (the converter appends its input Casts after the nodes that read them: sorted as a saved file is)
+    order = sorted(converted.graph.node, key=lambda n: (0 if n.name.startswith("graph_input_cast") else
+                                                       2 if n.name.startswith("graph_output_cast") else 1))
+    order = [onnx.NodeProto.FromString(n.SerializeToString()) for n in order]
+    del converted.graph.node[:]
+    converted.graph.node.extend(order)
+    onnx.checker.check_model(converted, full_check=True)
+    return converted
+
+
+@pytest.mark.parametrize("dtype", [None, "float16", "float32"])
+@pytest.mark.parametrize("mode", ["fold", "int8"])
+def test_converted_float16_model_with_constant_weights(tmp_path, mode, dtype):
+    """The lead's B1 / B2 (README example on rapidocr_cls_fp16): a quantized float16 model whose
+    scales are Constant nodes is a float16 model (dtype said float32: the scales were counted only
+    as initializers), and converting a model onnxruntime's converter made does not give two nodes
+    one name (graph_input_cast0: onnxruntime refused the session)."""
+    model = constant_weight_model()
+    quantized = passes.quantize_weights(model, bits=8, min_elements=16)
+    assert any(n.op_type == "DequantizeLinear" for n in quantized.graph.node)
+    path = _save(quantized, tmp_path, "constants_q8.onnx")
+    feeds = _x(np.float32)
+    ref = _reference(model, feeds)
+    sess = passes.InferenceSession(path, mode=mode, dtype=dtype)
+    assert sess.dtype == np.dtype(dtype or np.float16)
+    got = sess.run(None, feeds)[0]
+    assert _snr_db(ref, got) >= 30.0
+    assert _cosine(ref, got) >= 0.999
+
+
+@pytest.mark.parametrize("mode", ["fold", "int8"])
+def test_float32_model_holding_converter_names_converts(tmp_path, mode):
+    """B2 on a float32 model whose nodes / values already carry the converter's Cast names: they
+    are renamed before the conversion to float16, outputs as the float model's."""
+    rng = np.random.default_rng(12)
+    nodes = [helper.make_node("Relu", ["x"], ["graph_input_cast_0"], name="graph_input_cast0"),
+             helper.make_node("MatMul", ["graph_input_cast_0", "W"], ["graph_output_cast_0"], name="graph_output_cast0"),
+             helper.make_node("Tanh", ["graph_output_cast_0"], ["y"])]
+    graph = helper.make_graph(nodes, "names", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, D])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, D])],
+                              [numpy_helper.from_array(_weight(rng, (D, D)), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    path = _save(passes.quantize_weights(model, bits=8, min_elements=16), tmp_path, "names_q8.onnx")
+    feeds = _x(np.float32)
+    sess = passes.InferenceSession(path, mode=mode, dtype="float16")
+    got = sess.run(None, feeds)[0]
+    assert _snr_db(_reference(model, feeds), got) >= 30.0
