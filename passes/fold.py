@@ -139,23 +139,49 @@ class _Const:
     node: onnx.NodeProto | None  # the Constant node holding it, else an initializer
 
 
+_BLOCK = 1 << 20  # elements per step of the whole-weight checks below (4 MiB of float32)
+
+
+def _blocks(*arrays: np.ndarray):
+    """Matching flat slices of equally sized arrays, _BLOCK elements at a time: the checks of a
+    weight of gigabytes then make temporaries of a few MiB, not several of its own size."""
+    flat = [a.reshape(-1) for a in arrays]
+    for start in range(0, flat[0].size, _BLOCK):
+        yield [f[start:start + _BLOCK] for f in flat]
+
+
+def _overflows(value: np.ndarray, stored: np.ndarray) -> bool:
+    """Whether the narrower copy `stored` has an inf where the weight `value` is finite."""
+    return any(np.any(np.isinf(s) & np.isfinite(v)) for v, s in _blocks(value, stored))
+
+
 def _narrowing_snr_db(value: np.ndarray, stored: np.ndarray) -> float:
     """SNR of a weight's copy in a narrower float type against the weight (inf when exact or all zero)."""
-    # float32 sums are precise enough for a threshold in dB, and spare a float64 copy of each weight
-    # (only values float16 holds without overflow get here, so their squares stay finite); the
-    # squares of ~1e-40 values are 0 in float32, so both sides are scaled first by the power of two
-    # that brings the peak to [0.5, 1) (exact: the ratio is unchanged)
-    exact = value.ravel().astype(np.float32, copy=False)
-    peak = float(np.max(np.abs(exact), initial=0.0))
+    # float32 products are precise enough for a threshold in dB, and spare a float64 copy of each
+    # weight (only values float16 holds without overflow get here, so their squares stay finite);
+    # the squares of ~1e-40 values are 0 in float32, so both sides are scaled first by the power of
+    # two that brings the peak to [0.5, 1) (exact: the ratio is unchanged). Block by block, the
+    # blocks' sums added in float64.
+    peak = 0.0
+    for (v,) in _blocks(value):
+        peak = max(peak, float(np.max(np.abs(v), initial=0.0)))
     if peak == 0.0:
         return math.inf
     shift = -math.frexp(peak)[1]
-    exact = np.ldexp(exact, shift)
-    error = np.ldexp(stored.ravel().astype(np.float32), shift) - exact
-    noise = float(np.dot(error, error))
+    signal = noise = 0.0
+    for v, s in _blocks(value, stored):
+        exact = np.ldexp(v.astype(np.float32, copy=False), shift)
+        error = np.ldexp(s.astype(np.float32), shift) - exact
+        signal += float(np.dot(exact, exact))
+        noise += float(np.dot(error, error))
     if noise == 0.0:
         return math.inf
-    return 10.0 * math.log10(float(np.dot(exact, exact)) / noise)
+    return 10.0 * math.log10(signal / noise)
+
+
+def _little_endian_bytes(arr: np.ndarray, elem_type: int) -> bytes:
+    """A float weight's raw_data (ONNX stores little-endian)."""
+    return np.ascontiguousarray(arr, dtype=graph.NUMPY_TYPES[elem_type].newbyteorder("<")).tobytes()
 
 
 def _location(info: graph.GraphInfo, constant_node: bool) -> str:
@@ -372,10 +398,12 @@ class _Folding:
             if node.op_type == "DequantizeLinear":
                 _check_opset(node, opset, arrays)
             result = FOLDERS[(node.domain, node.op_type)](node, arrays, types)
+            arrays = None  # (the level tensor's copy out of its proto: not needed past the fold)
             if result is None:
                 self.tick()
                 continue
             value, elem_type = result
+            result = None
             if not node.output or not node.output[0]:  # a damaged node: nothing to name the weight
                 raise InvalidModelError(f"{node.op_type} node {node.name!r} has no output")
             out_name = node.output[0]
@@ -390,7 +418,7 @@ class _Folding:
             if store_type != elem_type:
                 with np.errstate(over="ignore"):
                     stored = value.astype(graph.NUMPY_TYPES[store_type])
-                if np.any(np.isinf(stored) & np.isfinite(value)):
+                if _overflows(value, stored):
                     # values beyond the requested type's range (float16 tops at 65504) would become
                     # inf: this weight stays in its own type
                     self.overflowed.append(out_name)
@@ -403,15 +431,25 @@ class _Folding:
             else:
                 stored, stored_name = value, out_name
             from_constant_node = any(c is not None and c.node is not None for c in consts)
+            shape, stored_nbytes = tuple(value.shape), stored.nbytes
             new_nodes = []
             if from_constant_node:
                 tensor = graph.array_to_tensor(stored, stored_name, store_type)
                 new_nodes.append(helper.make_node("Constant", [], [stored_name], name=names.take(stored_name + "_Constant"),
                                                   value=tensor))
             else:
-                # written straight into the graph now: one copy of the payload, and the array is
-                # freed at once (holding every folded array until the end doubled peak memory)
-                graph.fill_tensor(graphs[key].graph.initializer.add(), stored, stored_name, store_type)
+                # written straight into the graph now, and the arrays freed before protobuf copies
+                # the payload in (it cannot take a buffer without copying it): at most two copies
+                # of one weight live at once, where the array, its bytes and the proto's made three
+                # (holding every folded array until the end doubled peak memory before that)
+                value = None
+                payload = _little_endian_bytes(stored, store_type)
+                stored = None
+                tensor = graphs[key].graph.initializer.add()
+                tensor.name, tensor.data_type = stored_name, store_type
+                tensor.dims.extend(shape)
+                tensor.raw_data = payload
+                payload = None
                 added_inits.setdefault(key, []).append(stored_name)
             if store_type != elem_type:
                 new_nodes.append(helper.make_node("Cast", [stored_name], [out_name], name=names.take(out_name + "_Cast"),
@@ -421,9 +459,9 @@ class _Folding:
             consumed.extend(c for c in consts if c is not None)
             if report is not None:
                 before = sum(graph.tensor_nbytes(c.tensor) for c in consts if c is not None)
-                report.add(TensorChange(out_name, tuple(value.shape), graph.type_name(consts[0].tensor.data_type),
+                report.add(TensorChange(out_name, shape, graph.type_name(consts[0].tensor.data_type),
                                         "folded" if store_type == elem_type else f"folded to {graph.type_name(store_type)}",
-                                        before, stored.nbytes, None,
+                                        before, stored_nbytes, None,
                                         _location(graphs[key], from_constant_node)))
             self.tick()
 
