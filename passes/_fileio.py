@@ -556,6 +556,10 @@ def save_model(model: onnx.ModelProto, path: PathLike, force: bool = False, exte
     if external_data is None:
         external_data = weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
     if not external_data:
+        spliced = _big_initializers(model)
+        if spliced:
+            _save_spliced(model, p, force, spliced)
+            return
         try:
             data = model.SerializeToString()
         except ValueError as exc:  # protobuf size limit
@@ -563,6 +567,90 @@ def save_model(model: onnx.ModelProto, path: PathLike, force: bool = False, exte
         write_bytes_atomic(p, data, force)
         return
     _save_with_external_data(model, p, force)
+
+
+# Main-graph initializers with at least this many raw_data bytes are written by _save_spliced.
+SPLICE_MIN_BYTES = 16 << 20
+_TENSOR_RAW_DATA_KEY = 9 << 3 | 2  # TensorProto.raw_data (field 9, length-delimited)
+
+
+def _big_initializers(model: onnx.ModelProto) -> dict[int, int]:
+    """{index in model.graph.initializer: raw_data length} of the payloads of SPLICE_MIN_BYTES or
+    more (each read once out of its proto to learn its length: protobuf gives no other way)."""
+    big = {}
+    if not model.HasField("graph"):
+        return big
+    for i, t in enumerate(model.graph.initializer):
+        if t.HasField("raw_data"):
+            n = len(t.raw_data)
+            if n >= SPLICE_MIN_BYTES:
+                big[i] = n
+    return big
+
+
+def _save_spliced(model: onnx.ModelProto, p: Path, force: bool, big: dict[int, int]) -> None:
+    """Write the bytes model.SerializeToString() would give without building them in one piece.
+
+    SerializeToString of a model of N payload bytes makes N more (twice that for a moment: protobuf
+    encodes, then Python gets a copy), on top of the model itself. Here the model is serialised
+    without its big initializers' raw_data (graph.copy_model's copy, payloads left out), and the
+    file is that serialisation with each payload put back where the encoder puts it: TensorProto
+    fields come in field-number order, raw_data (9) after name (8), before double_data (10); the
+    graph's and each tensor's length prefixes grow by what is put back. Payloads are read out of
+    `model` one at a time."""
+    from .graph import copy_model
+    from .onnxz.protowire import _fields, write_varint
+
+    names = {model.graph.initializer[i].name for i in big}
+    # (a name shared with a small initializer leaves that one's payload out of the copy too:
+    # such a model is written whole, the plain way)
+    skeleton = copy_model(model, names)
+    if any(skeleton.graph.initializer[i].HasField("raw_data") != (i not in big)
+           for i in range(len(skeleton.graph.initializer))):
+        write_bytes_atomic(p, model.SerializeToString(), force)
+        return
+    buf = skeleton.SerializeToString()
+    view = memoryview(buf)
+    with atomic_output(p, force) as f:
+        pos = 0
+        for number, _, vstart, vend in _fields(buf, 0, len(buf)):
+            if number != 7:  # ModelProto.graph
+                f.write(view[pos:vend])
+                pos = vend
+                continue
+            pieces, grown, index, gpos = [], 0, 0, vstart  # the graph's fields, payloads to put back
+            for gnumber, _, tstart, tend in _fields(buf, vstart, vend):
+                if gnumber == 5:  # GraphProto.initializer
+                    if index in big:
+                        n = big[index]
+                        cut = tend  # where raw_data goes: before the first field numbered above 9
+                        fpos = tstart
+                        for tnumber, _, _, fend in _fields(buf, tstart, tend):
+                            if tnumber > 9:
+                                cut = fpos
+                                break
+                            fpos = fend
+                        inner = write_varint(_TENSOR_RAW_DATA_KEY) + write_varint(n)
+                        length = tend - tstart + len(inner) + n
+                        head = write_varint(5 << 3 | 2) + write_varint(length)
+                        pieces += [head, view[tstart:cut], inner, index, view[cut:tend]]
+                        grown += len(head) + length - (tend - gpos)
+                    else:
+                        pieces.append(view[gpos:tend])
+                    index += 1
+                else:
+                    pieces.append(view[gpos:tend])
+                gpos = tend
+            f.write(view[pos:vstart - len(write_varint(vend - vstart))])  # the graph's key
+            f.write(write_varint(vend - vstart + grown))
+            for piece in pieces:
+                if isinstance(piece, int):
+                    payload = model.graph.initializer[piece].raw_data
+                    f.write(payload)
+                    del payload
+                else:
+                    f.write(piece)
+            pos = vend
 
 
 def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool) -> None:
