@@ -76,3 +76,45 @@ def test_fold_of_a_big_table_writes_what_serialize_to_string_gives(tmp_path):
         assert len(data) > (16 << 20 if dtype is None else 8 << 20)
         w = numpy_helper.to_array(onnx.load(str(out)).graph.initializer[0])
         assert w.shape == (rows, cols)
+
+
+def test_model_files_walks_the_wire_without_loading_the_model(tmp_path, monkeypatch):
+    # size_on_disk (every command's "file a -> b" line) parsed the whole output with onnx.load_model:
+    # 1 GB more for fold's 512 MB file, the command's peak; the wire walk reads only locations
+    model = _model([10, 5000, 3000])
+    single, split = tmp_path / "single.onnx", tmp_path / "split.onnx"
+    passes.save_model(model, single)
+    passes.save_model(model, split, external_data=True)
+
+    def refused(*a, **k):
+        raise AssertionError("model_files loaded the model")
+
+    monkeypatch.setattr(onnx, "load_model", refused)
+    monkeypatch.setattr(onnx, "load", refused)
+    assert _fileio.model_files(single) == [single]
+    files = _fileio.model_files(split)
+    assert files[0] == split and len(files) == 2 and files[1].name.endswith(".data") and files[1].is_file()
+    assert _fileio.size_on_disk(split) == split.stat().st_size + files[1].stat().st_size
+    empty, junk = tmp_path / "empty.onnx", tmp_path / "junk.onnx"
+    empty.write_bytes(b"")
+    junk.write_bytes(b"\xff" * 64)
+    assert _fileio.model_files(empty) == [empty] and _fileio.model_files(junk) == [junk]
+
+
+def test_model_files_finds_external_data_of_subgraph_constants(tmp_path):
+    # a Constant node inside an If branch with its data outside the model file
+    data = tmp_path / "c.bin"
+    data.write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    t = TensorProto(name="c", data_type=TensorProto.FLOAT, dims=[4])
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "c.bin"), ("offset", "0"), ("length", "16")):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    branch = helper.make_graph([helper.make_node("Constant", [], ["y"], value=t)], "b", [],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    g = helper.make_graph([helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)], "g",
+                          [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    path = tmp_path / "m.onnx"
+    path.write_bytes(helper.make_model(g).SerializeToString())
+    assert _fileio.model_files(path) == [path, data]
