@@ -284,6 +284,19 @@ def unlist_ir3_initializers(model: onnx.ModelProto) -> bool:
     return removed
 
 
+def unlist_initializers(model: onnx.ModelProto, names) -> list[str]:
+    """The main graph's inputs that only list one of the initializers `names` leave the graph's
+    inputs (in place): from IR 4 such a listing makes the weight overridable by a feed, and a weight
+    replaced by a DequantizeLinear output can be no input. Returns the names unlisted, in input order."""
+    wanted = set(names) & {t.name for t in model.graph.initializer}
+    gone = [v.name for v in model.graph.input if v.name in wanted]
+    if gone:
+        keep = [v for v in model.graph.input if v.name not in wanted]
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+    return gone
+
+
 def standard_form(model: onnx.ModelProto, report=None, *, rewritten: str | None = None, ir3: bool = True) -> None:
     """Put a pass's own copy of a model in the form its rewrite and onnx.checker need, in place, with
     a note on `report` for each change: sparse initializers stored dense, (ir3) IR 3 initializers no

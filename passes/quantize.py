@@ -35,7 +35,8 @@ channel) along the longest other non-channel axis holding a block, else one scal
 
 Left as they are, with the reason in the report: biases, 1-D and small tensors, initializers
 listed as graph inputs from IR 4 on (overridable; an IR 3 model lists every initializer as an
-input because it must: those entries are removed and the IR raised to 4), float tensors read as
+input because it must: those entries are removed and the IR raised to 4; a main-graph one that
+include= names by name is unlisted too, with a note, and quantized), float tensors read as
 exact values (Cast to an integer type, Equal/Less/..., Floor/Round/...: indices and masks), and
 (a note counts them) sparse Constants.
 
@@ -303,14 +304,15 @@ def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | 
     quantized_ops = sorted(consumers & _QUANTIZED_OPS)
     if quantized_ops:
         return f"input of {quantized_ops[0]}"
-    if w.graph_input:
+    included = _match(w, include, ops) if include else None
+    # a listed main-graph initializer that include= names by name is unlisted (_unlist_included)
+    if w.graph_input and not (included == "name" and w.graph_key == 0 and w.node is None):
         return "also a graph input (overridable)"
     exact = _exact_use(w)
     if exact:
         return f"read as exact values ({exact})"
     if not w.uses and not w.graph_output:
         return "unused"
-    included = _match(w, include, ops) if include else None
     if include and not included:
         return "not included"
     shape = w.shape
@@ -449,6 +451,8 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                 if w.graph_key == 0 and w.node is None and w.name in unique
                 and _keep_reason(w, include_p, exclude_p, ops, min_elements) is None}
     out = _standard_copy(source, payloads, report)
+    if include_p:
+        _unlist_included(out, include_p, exclude_p, ops, min_elements, report)
     weights, _ = graph.find_weights(out)
     chosen = [w for w in weights if _keep_reason(w, include_p, exclude_p, ops, min_elements) is None]
     out = _with_opset_for(out, chosen, bits, granularity, payloads, report,
@@ -752,7 +756,26 @@ def _note_graph_input_weights(weights: list, reasons: list, min_elements: int, r
         names = ", ".join(w.name for w in listed[:4]) + (f" and {len(listed) - 4} more" if len(listed) > 4 else "")
         report.note(f"{len(listed)} float weight(s) ({nbytes / 1024:.1f} kB) also listed as graph inputs (overridable "
                     f"by the caller) stay float: {names}; a model whose caller never feeds them can list them no "
-                    "more (they are then constants, and quantized)")
+                    "more (they are then constants, and quantized): include= / --include naming them does that")
+
+
+def _unlist_included(out: onnx.ModelProto, include_p, exclude_p, ops, min_elements: int,
+                     report: Report | None) -> list[str]:
+    """Main-graph initializers also listed as graph inputs (IR >= 4) that include= names by name
+    leave the graph's inputs, in place, so that they can be quantized (H7 s20 F4): the user asked
+    for them, and a weight given by a DequantizeLinear can be no input. The model's interface
+    changes (a caller can no longer feed another value), which the note says. Only those named:
+    an op-type pattern ("MatMul") or no include= leaves every listing as it is. Returns the names."""
+    weights, _ = graph.find_weights(out)
+    named = [w.name for w in weights if w.graph_input and w.graph_key == 0 and w.node is None
+             and _keep_reason(w, include_p, exclude_p, ops, min_elements) is None]
+    gone = graph.unlist_initializers(out, named)
+    if gone and report is not None:
+        shown = ", ".join(gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+        report.note(f"{len(gone)} weight(s) named by include were also listed as graph inputs: unlisted ({shown}), "
+                    "so they are constants of the compressed model, quantized, and can no longer be overridden by "
+                    "a feed")
+    return gone
 
 
 def _dequantize_nodes(w: graph.Weight, qz, axis, blk, storage: int, names: graph.NameAllocator):
