@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import IO, Callable, Iterator, Union
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
@@ -552,13 +553,25 @@ def weight_bytes(model: onnx.ModelProto) -> int:
 def save_model(model: onnx.ModelProto, path: PathLike, force: bool = False, external_data: bool | None = None) -> None:
     """Write `model` atomically; tensors go to `<name>.data` beside it when the model is too big
     for one protobuf (or when `external_data` is True)."""
+    save_model_detached(model, {}, path, force, external_data)
+
+
+def save_model_detached(model: onnx.ModelProto, detached: dict, path: PathLike, force: bool = False,
+                        external_data: bool | None = None) -> None:
+    """save_model of the model `model` would be with each main-graph initializer named in
+    `detached` holding that array's bytes (little-endian, C order) as its raw_data; those
+    initializers have no raw_data in `model`. The file is the one save_model would write for the
+    whole model: a caller that made the payloads (fold) writes them without protobuf's copy of
+    each (Python protobuf cannot take a buffer without copying it)."""
     p = check_writable(path, force)
+    payloads = _detached_payloads(model, detached)
     if external_data is None:
-        external_data = weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        external_data = weight_bytes(model) + sum(len(v) for v in payloads.values()) > EXTERNAL_DATA_THRESHOLD
     if not external_data:
         spliced = _big_initializers(model)
+        spliced.update((i, len(v)) for i, v in payloads.items())
         if spliced:
-            _save_spliced(model, p, force, spliced)
+            _save_spliced(model, p, force, spliced, payloads)
             return
         try:
             data = model.SerializeToString()
@@ -566,7 +579,21 @@ def save_model(model: onnx.ModelProto, path: PathLike, force: bool = False, exte
             raise InvalidModelError(f"cannot serialise model: {exc}") from None
         write_bytes_atomic(p, data, force)
         return
-    _save_with_external_data(model, p, force)
+    _save_with_external_data(model, p, force, payloads)
+
+
+def _detached_payloads(model: onnx.ModelProto, detached: dict) -> dict:
+    """{index in model.graph.initializer: a flat uint8 view of its payload} for `detached`."""
+    if not detached:
+        return {}
+    out = {}
+    for i, t in enumerate(model.graph.initializer):
+        if t.name in detached and not t.HasField("raw_data") and t.data_location != onnx.TensorProto.EXTERNAL:
+            arr = detached[t.name]
+            if not arr.flags.c_contiguous or arr.dtype.byteorder == ">":
+                raise ValueError(f"detached payload {t.name!r} is not a C-ordered little-endian array")
+            out[i] = arr.reshape(-1).view(np.uint8)
+    return out
 
 
 # Main-graph initializers with at least this many raw_data bytes are written by _save_spliced.
@@ -588,7 +615,7 @@ def _big_initializers(model: onnx.ModelProto) -> dict[int, int]:
     return big
 
 
-def _save_spliced(model: onnx.ModelProto, p: Path, force: bool, big: dict[int, int]) -> None:
+def _save_spliced(model: onnx.ModelProto, p: Path, force: bool, big: dict[int, int], detached: dict) -> None:
     """Write the bytes model.SerializeToString() would give without building them in one piece.
 
     SerializeToString of a model of N payload bytes makes N more (twice that for a moment: protobuf
@@ -597,16 +624,21 @@ def _save_spliced(model: onnx.ModelProto, p: Path, force: bool, big: dict[int, i
     file is that serialisation with each payload put back where the encoder puts it: TensorProto
     fields come in field-number order, raw_data (9) after name (8), before double_data (10); the
     graph's and each tensor's length prefixes grow by what is put back. Payloads are read out of
-    `model` one at a time."""
+    `model` one at a time (`detached`'s: from their arrays)."""
     from .graph import copy_model
     from .onnxz.protowire import _fields, write_varint
 
-    names = {model.graph.initializer[i].name for i in big}
+    names = {model.graph.initializer[i].name for i in big if i not in detached}
     # (a name shared with a small initializer leaves that one's payload out of the copy too:
     # such a model is written whole, the plain way)
     skeleton = copy_model(model, names)
     if any(skeleton.graph.initializer[i].HasField("raw_data") != (i not in big)
            for i in range(len(skeleton.graph.initializer))):
+        if detached:  # (a name shared with a detached payload: its tensor is written whole)
+            skeleton = copy_model(model)
+            for i, payload in detached.items():
+                skeleton.graph.initializer[i].raw_data = payload.tobytes()
+            model, detached = skeleton, {}
         write_bytes_atomic(p, model.SerializeToString(), force)
         return
     buf = skeleton.SerializeToString()
@@ -645,6 +677,9 @@ def _save_spliced(model: onnx.ModelProto, p: Path, force: bool, big: dict[int, i
             f.write(write_varint(vend - vstart + grown))
             for piece in pieces:
                 if isinstance(piece, int):
+                    if piece in detached:
+                        f.write(detached[piece])
+                        continue
                     payload = model.graph.initializer[piece].raw_data
                     f.write(payload)
                     del payload
@@ -653,7 +688,7 @@ def _save_spliced(model: onnx.ModelProto, p: Path, force: bool, big: dict[int, i
             pos = vend
 
 
-def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool) -> None:
+def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool, detached: dict | None = None) -> None:
     """Model file plus one data file.
 
     The data file is named after a digest of its content (`<model name>.<digest>.data`) and is
@@ -677,13 +712,17 @@ def _save_with_external_data(model: onnx.ModelProto, p: Path, force: bool) -> No
         release()
         with os.fdopen(fd, "wb") as f:
             offset = 0
-            for src, t in zip(_get_all_tensors(model), _get_all_tensors(out)):
-                if not src.HasField("raw_data"):
+            # (_get_all_tensors yields the main graph's initializers first, in order)
+            for index, (src, t) in enumerate(zip(_get_all_tensors(model), _get_all_tensors(out))):
+                if detached and index in detached:
+                    payload = detached[index]
+                elif not src.HasField("raw_data"):
                     continue
-                payload = src.raw_data
+                else:
+                    payload = src.raw_data
                 if len(payload) < 1024:
                     if not t.HasField("raw_data"):
-                        t.raw_data = payload  # left behind by copy_model, stays inline
+                        t.raw_data = bytes(payload)  # left behind by copy_model, stays inline
                     continue
                 pad = (-offset) % 4096  # 4 KiB alignment lets readers memory-map tensors
                 if pad:

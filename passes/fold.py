@@ -179,9 +179,9 @@ def _narrowing_snr_db(value: np.ndarray, stored: np.ndarray) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def _little_endian_bytes(arr: np.ndarray, elem_type: int) -> bytes:
-    """A float weight's raw_data (ONNX stores little-endian)."""
-    return np.ascontiguousarray(arr, dtype=graph.NUMPY_TYPES[elem_type].newbyteorder("<")).tobytes()
+def _little_endian(arr: np.ndarray, elem_type: int) -> np.ndarray:
+    """A float weight as its raw_data lays it out (C order, little-endian): `arr` itself when it is."""
+    return np.ascontiguousarray(arr, dtype=graph.NUMPY_TYPES[elem_type].newbyteorder("<"))
 
 
 def _location(info: graph.GraphInfo, constant_node: bool) -> str:
@@ -210,6 +210,29 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     Raises InvalidArgumentError (bad dtype), InvalidModelError (a model that cannot be read or a
     weight node that is damaged), CorruptFileError (a damaged .onnxz).
     """
+    return _fold_dequantize(model, dtype, report, progress, None)
+
+
+def fold_file(model, output, *, dtype: str | None = None, force: bool = False, report: Report | None = None,
+              progress=None) -> onnx.ModelProto:
+    """save_model(fold_dequantize(model, ...), output, force): the same file, with at most about
+    one copy of each big folded weight in memory (fold_dequantize's model holds its payloads in
+    protobuf, which copies each one in; the weights of 16 MiB or more are written here from their
+    arrays instead). Returns the model written with those initializers' raw_data left out (their
+    bytes are in the file only): for looking at its graph, not for saving or running.
+    Raises what fold_dequantize and save_model raise."""
+    from ._fileio import SPLICE_MIN_BYTES, check_writable, save_model_detached
+
+    check_writable(output, force)
+    detached: dict[str, np.ndarray] = {}
+    out = _fold_dequantize(model, dtype, report, progress, (detached, SPLICE_MIN_BYTES))
+    save_model_detached(out, detached, output, force)
+    return out
+
+
+def _fold_dequantize(model, dtype, report, progress, detach) -> onnx.ModelProto:
+    """fold_dequantize; `detach`: None, or ({}, min bytes) to fill with the main-graph folded
+    weights of min bytes or more, by name, left without raw_data in the model (fold_file)."""
     if dtype is not None and dtype not in _DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {', '.join(_DTYPES)} or None, got {dtype!r}")
     source = load_model(model)
@@ -240,7 +263,9 @@ def fold_dequantize(model, *, dtype: str | None = None, report: Report | None = 
     total = sum(_count_foldable(g) for g in graphs) + sum(_count_foldable(g) for _, _, g in bodies)
     ticks = _Ticks(progress, total)
     folding = _Folding(dtype, report, ticks)
+    folding.detach = detach
     folding.fold_graphs(graphs, weights, graph.NameAllocator(graph.all_names(out)), graph.default_opset(out), payloads)
+    folding.detach = None  # (function bodies' weights are Constant nodes: never detached)
     _fold_bodies(bodies, folding, graph.default_opset(out))
     _put_back(out, payloads)
     folding.notes()
@@ -335,6 +360,7 @@ class _Folding:
         self.underflowed: list[str] = []  # ... or too small for it to hold them (see NARROWING_MIN_SNR_DB)
         self.cast_back = False  # a folded weight stored in the requested dtype behind a Cast
         self.folded = 0  # nodes folded
+        self.detach = None  # fold_file's (payloads by name, min bytes): main-graph weights kept out of protobuf
 
     def notes(self) -> None:
         report, dtype = self.report, self.dtype
@@ -443,13 +469,18 @@ class _Folding:
                 # of one weight live at once, where the array, its bytes and the proto's made three
                 # (holding every folded array until the end doubled peak memory before that)
                 value = None
-                payload = _little_endian_bytes(stored, store_type)
-                stored = None
                 tensor = graphs[key].graph.initializer.add()
                 tensor.name, tensor.data_type = stored_name, store_type
                 tensor.dims.extend(shape)
-                tensor.raw_data = payload
-                payload = None
+                if self.detach is not None and key == 0 and stored_nbytes >= self.detach[1]:
+                    # fold_file writes it from the array: the only copy
+                    self.detach[0][stored_name] = _little_endian(stored, store_type)
+                else:
+                    payload = _little_endian(stored, store_type).tobytes()
+                    stored = None
+                    tensor.raw_data = payload
+                    payload = None
+                stored = None
                 added_inits.setdefault(key, []).append(stored_name)
             if store_type != elem_type:
                 new_nodes.append(helper.make_node("Cast", [stored_name], [out_name], name=names.take(out_name + "_Cast"),

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import passes
+from passes.fold import fold_file
 from passes import _fileio
 
 
@@ -118,3 +119,56 @@ def test_model_files_finds_external_data_of_subgraph_constants(tmp_path):
     path = tmp_path / "m.onnx"
     path.write_bytes(helper.make_model(g).SerializeToString())
     assert _fileio.model_files(path) == [path, data]
+
+
+def _quantized_tables(tmp_path, shapes):
+    rng = np.random.default_rng(2)
+    nodes, inits, outs, feeds = [], [], [], []
+    for i, (rows, cols) in enumerate(shapes):
+        inits.append(numpy_helper.from_array(rng.standard_normal((rows, cols)).astype(np.float32), f"t{i}"))
+        nodes.append(helper.make_node("Gather", [f"t{i}", f"ids{i}"], [f"y{i}"]))
+        feeds.append(helper.make_tensor_value_info(f"ids{i}", TensorProto.INT64, [3]))
+        outs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [3, cols]))
+    src = tmp_path / "src.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", feeds, outs, inits),
+                                opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    q = tmp_path / "q.onnx"
+    passes.save_model(passes.quantize_weights(str(src)), q)
+    return q
+
+
+@pytest.mark.parametrize("dtype", [None, "float16", "bfloat16"])
+def test_fold_file_writes_what_fold_then_save_writes(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(_fileio, "SPLICE_MIN_BYTES", 20_000)  # two of the three tables kept out of protobuf
+    q = _quantized_tables(tmp_path, [(300, 64), (10, 16), (200, 128)])
+    want, got = tmp_path / "want.onnx", tmp_path / "got.onnx"
+    r1, r2 = passes.Report(), passes.Report()
+    passes.save_model(passes.fold_dequantize(str(q), dtype=dtype, report=r1), want)
+    written = fold_file(str(q), got, dtype=dtype, report=r2)
+    assert got.read_bytes() == want.read_bytes()
+    assert r1.to_dict() == r2.to_dict()
+    assert sum(not t.HasField("raw_data") for t in written.graph.initializer) == 2  # the big ones' bytes: file only
+
+
+def test_fold_file_with_external_data_writes_what_fold_then_save_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(_fileio, "SPLICE_MIN_BYTES", 20_000)
+    monkeypatch.setattr(_fileio, "EXTERNAL_DATA_THRESHOLD", 50_000)
+    q = _quantized_tables(tmp_path, [(300, 64), (10, 16), (200, 128)])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    want, got = tmp_path / "a" / "m.onnx", tmp_path / "b" / "m.onnx"
+    passes.save_model(passes.fold_dequantize(str(q)), want)
+    fold_file(str(q), got)
+    assert got.read_bytes() == want.read_bytes()  # (the data file's name is its digest: equal content)
+    assert sorted(f.name for f in (tmp_path / "a").iterdir()) == sorted(f.name for f in (tmp_path / "b").iterdir())
+    for f in (tmp_path / "a").iterdir():
+        assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes()
+
+
+def test_fold_file_refuses_an_existing_output_before_folding(tmp_path):
+    q = _quantized_tables(tmp_path, [(10, 16)])
+    out = tmp_path / "out.onnx"
+    out.write_bytes(b"keep")
+    with pytest.raises(passes.FileAccessError):
+        fold_file(str(q), out)
+    assert out.read_bytes() == b"keep"
