@@ -150,18 +150,19 @@ def _blocks(*arrays: np.ndarray):
         yield [f[start:start + _BLOCK] for f in flat]
 
 
-def _overflows(value: np.ndarray, stored: np.ndarray) -> bool:
-    """Whether the narrower copy `stored` has an inf where the weight `value` is finite."""
-    return any(np.any(np.isinf(s) & np.isfinite(v)) for v, s in _blocks(value, stored))
+def _overflows(value: np.ndarray, narrow: np.dtype) -> bool:
+    """Whether `value` in the narrower float type `narrow` has an inf where it is finite."""
+    with np.errstate(over="ignore"):
+        return any(np.any(np.isinf(v.astype(narrow)) & np.isfinite(v)) for (v,) in _blocks(value))
 
 
-def _narrowing_snr_db(value: np.ndarray, stored: np.ndarray) -> float:
+def _narrowing_snr_db(value: np.ndarray, narrow: np.dtype) -> float:
     """SNR of a weight's copy in a narrower float type against the weight (inf when exact or all zero)."""
     # float32 products are precise enough for a threshold in dB, and spare a float64 copy of each
     # weight (only values float16 holds without overflow get here, so their squares stay finite);
     # the squares of ~1e-40 values are 0 in float32, so both sides are scaled first by the power of
-    # two that brings the peak to [0.5, 1) (exact: the ratio is unchanged). Block by block, the
-    # blocks' sums added in float64.
+    # two that brings the peak to [0.5, 1) (exact: the ratio is unchanged). Block by block (the
+    # narrow copy too), the blocks' sums added in float64.
     peak = 0.0
     for (v,) in _blocks(value):
         peak = max(peak, float(np.max(np.abs(v), initial=0.0)))
@@ -169,14 +170,31 @@ def _narrowing_snr_db(value: np.ndarray, stored: np.ndarray) -> float:
         return math.inf
     shift = -math.frexp(peak)[1]
     signal = noise = 0.0
-    for v, s in _blocks(value, stored):
+    for (v,) in _blocks(value):
         exact = np.ldexp(v.astype(np.float32, copy=False), shift)
-        error = np.ldexp(s.astype(np.float32), shift) - exact
+        error = np.ldexp(v.astype(narrow).astype(np.float32), shift) - exact
         signal += float(np.dot(exact, exact))
         noise += float(np.dot(error, error))
     if noise == 0.0:
         return math.inf
     return 10.0 * math.log10(signal / noise)
+
+
+def _narrowed(value: np.ndarray, narrow: np.dtype) -> np.ndarray:
+    """`value` as the narrower float type `narrow`, written over the front of value's own buffer
+    when value owns it (the fold's fresh result): a float32 weight and its float16 copy were both
+    whole in memory (1.5x the weight); now the copy takes no memory of its own. `value` must not be
+    used afterwards. Block i's narrow values land on bytes that blocks before i held (all read by
+    then); block 0's are computed whole before they are written."""
+    if not (value.flags.owndata and value.flags.c_contiguous and value.flags.writeable
+            and value.base is None and np.dtype(narrow).itemsize < value.itemsize):
+        return value.astype(narrow)
+    flat = value.reshape(-1)
+    out = flat.view(np.uint8)[: flat.size * np.dtype(narrow).itemsize].view(narrow)
+    for start in range(0, flat.size, _BLOCK):
+        block = flat[start:start + _BLOCK].astype(narrow)
+        out[start:start + block.size] = block
+    return out.reshape(value.shape)
 
 
 def _little_endian(arr: np.ndarray, elem_type: int) -> np.ndarray:
@@ -442,16 +460,17 @@ class _Folding:
                 replaced[id(cast)] = []
             store_type = _DTYPES[dtype] if dtype else elem_type
             if store_type != elem_type:
-                with np.errstate(over="ignore"):
-                    stored = value.astype(graph.NUMPY_TYPES[store_type])
-                if _overflows(value, stored):
+                narrow = graph.NUMPY_TYPES[store_type]
+                if _overflows(value, narrow):
                     # values beyond the requested type's range (float16 tops at 65504) would become
                     # inf: this weight stays in its own type
                     self.overflowed.append(out_name)
                     store_type = elem_type
-                elif _narrowing_snr_db(value, stored) < NARROWING_MIN_SNR_DB.get(store_type, -math.inf):
+                elif _narrowing_snr_db(value, narrow) < NARROWING_MIN_SNR_DB.get(store_type, -math.inf):
                     self.underflowed.append(out_name)
                     store_type = elem_type
+                else:
+                    stored = _narrowed(value, narrow)
             if store_type != elem_type:
                 stored_name = names.take(f"{out_name}_{graph.type_name(store_type)}")
             else:

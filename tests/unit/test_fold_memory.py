@@ -172,3 +172,38 @@ def test_fold_file_refuses_an_existing_output_before_folding(tmp_path):
     with pytest.raises(passes.FileAccessError):
         fold_file(str(q), out)
     assert out.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("narrow", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 999, 1000, 1001, 4321])
+def test_narrowed_in_place_equals_astype(monkeypatch, narrow, n):
+    from passes import fold
+    from passes.graph import NUMPY_TYPES
+
+    monkeypatch.setattr(fold, "_BLOCK", 1000)
+    dt = NUMPY_TYPES[getattr(TensorProto, narrow.upper())]
+    value = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32) * 50
+    want = value.astype(dt)
+    got = fold._narrowed(value.copy(), dt)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    view = value[:, :2]  # not its own buffer: a copy, the input left as it is
+    kept = view.copy()
+    assert fold._narrowed(view, dt).tobytes() == kept.astype(dt).tobytes()
+    assert np.array_equal(view, kept)
+
+
+def test_fold_in_blocks_writes_the_same_files(tmp_path, monkeypatch):
+    # the blocked checks and the in-place narrowing over many blocks: the same bytes and report as one block
+    from passes import fold
+
+    q = _quantized_tables(tmp_path, [(300, 64), (10, 16), (200, 128)])
+    outs = {}
+    for block in (1 << 20, 777):
+        monkeypatch.setattr(fold, "_BLOCK", block)
+        for dtype in ("float16", "bfloat16"):
+            r = passes.Report()
+            path = tmp_path / f"{block}_{dtype}.onnx"
+            fold_file(str(q), path, dtype=dtype, report=r)
+            outs.setdefault(dtype, []).append((path.read_bytes(), r.to_dict()))
+    for dtype, (a, b) in outs.items():
+        assert a == b, dtype
