@@ -603,12 +603,21 @@ _TENSOR_RAW_DATA_KEY = 9 << 3 | 2  # TensorProto.raw_data (field 9, length-delim
 
 def _big_initializers(model: onnx.ModelProto) -> dict[int, int]:
     """{index in model.graph.initializer: raw_data length} of the payloads of SPLICE_MIN_BYTES or
-    more (each read once out of its proto to learn its length: protobuf gives no other way)."""
+    more. Those the dims say are that big are read once out of their proto to learn their length
+    (protobuf gives no other way); tensors of other types (int4, strings) too."""
+    from .graph import NUMPY_TYPES
+
     big = {}
     if not model.HasField("graph"):
         return big
     for i, t in enumerate(model.graph.initializer):
         if t.HasField("raw_data"):
+            dtype = NUMPY_TYPES.get(t.data_type)
+            if dtype is not None and all(d >= 0 for d in t.dims):
+                # what its dims say decides first, without the copy: a tensor whose raw_data
+                # disagrees with them is left to the plain way (the same bytes either way)
+                if int(np.prod(t.dims, dtype=np.int64)) * dtype.itemsize < SPLICE_MIN_BYTES:
+                    continue
             n = len(t.raw_data)
             if n >= SPLICE_MIN_BYTES:
                 big[i] = n

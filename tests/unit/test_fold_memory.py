@@ -207,3 +207,21 @@ def test_fold_in_blocks_writes_the_same_files(tmp_path, monkeypatch):
             outs.setdefault(dtype, []).append((path.read_bytes(), r.to_dict()))
     for dtype, (a, b) in outs.items():
         assert a == b, dtype
+
+
+def test_save_of_a_tensor_whose_raw_data_disagrees_with_its_dims(tmp_path, monkeypatch):
+    # dims say 2 floats, raw_data holds 40,000 bytes (a damaged model save_model is still asked to write):
+    # written the plain way, and a big int4 tensor (no numpy type: its length read) spliced
+    monkeypatch.setattr(_fileio, "SPLICE_MIN_BYTES", 4096)
+    model = _model([10, 3000], extras=False)
+    model.graph.initializer[0].raw_data = b"\1" * 40_000
+    model.graph.initializer[0].ClearField("dims")
+    model.graph.initializer[0].dims.extend([2])
+    t4 = model.graph.initializer.add()
+    t4.name, t4.data_type = "w4", TensorProto.INT4
+    t4.dims.extend([20_000])
+    t4.raw_data = b"\x21" * 10_000
+    assert set(_fileio._big_initializers(model)) == {1, 2}
+    path = tmp_path / "m.onnx"
+    passes.save_model(model, path)
+    assert path.read_bytes() == model.SerializeToString()
