@@ -541,13 +541,19 @@ def cmd_fold(args) -> int:
     _check_output(args.output, args.force)
     model = passes.load_model(args.input)
     report = passes.Report()
+    pack = _wants_pack(args.output, False)
     with _progress("fold") as bar:
-        folded = passes.fold_dequantize(model, dtype=args.dtype, report=report, progress=bar)
+        if pack:
+            folded = passes.fold_dequantize(model, dtype=args.dtype, report=report, progress=bar)
+        else:  # the same file as save_model(fold_dequantize(...)), big weights never copied into protobuf
+            from passes.fold import fold_file
+
+            folded = fold_file(model, args.output, dtype=args.dtype, force=args.force, report=report, progress=bar)
+    del model  # (the input's payloads: not needed for the rest)
     note = _left_quantized_note(folded)
     if note:
         report.note(note)
-    pack = _wants_pack(args.output, False)
-    stats = _write_model(folded, args.output, args.force, pack)
+    stats = _write_model(folded, args.output, args.force, pack) if pack else None
     in_bytes, out_bytes = file_size(args.input), file_size(args.output)
     if args.json:
         print_json({"command": "fold", "input": args.input, "output": args.output, "dtype": args.dtype,
