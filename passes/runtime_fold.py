@@ -270,8 +270,18 @@ def fold_facts(split: SplitModel, table: NodeTable | None = None) -> tuple[bool,
     if casts and muls:
         # float16 Cast+Mul levels (_fold_float16_levels); level_patterns walks the graph (0.5 ms on
         # MiniLM, 1.9 on open_nsfw): only where a Mul reads a float16 initializer, as their Mul does
-        half = {t.name for t in split.skeleton.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16}
-        if half and any(name in half for _, _, inputs, _ in muls for name in inputs) and float16_level_patterns(split):
+        # (and only where a Cast reads integer levels, as theirs does: open_nsfw_fp16's Mul nodes read
+        # float16 initializers too, and level_patterns cost it ~2 ms per load for nothing)
+        from .cast_levels import LEVEL_TYPES
+
+        half, levels = set(), set()
+        for t in split.skeleton.graph.initializer:
+            if t.data_type == onnx.TensorProto.FLOAT16:
+                half.add(t.name)
+            elif t.data_type in LEVEL_TYPES:
+                levels.add(t.name)
+        if (levels and any(inputs and inputs[0] in levels for _, _, inputs, _ in casts)
+                and any(name in half for _, _, inputs, _ in muls for name in inputs) and float16_level_patterns(split)):
             foldable, folds_all = True, False
     return foldable, folds_all
 
