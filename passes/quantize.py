@@ -674,14 +674,7 @@ def _quantize_function_weights(out: onnx.ModelProto, form: _FunctionForm, includ
                     rounding=qz.rounding, packed_bits_per_weight=qz.bits_per_weight, rd_lambda=qz.rd_lambda,
                     step_scale=qz.step_scale))
         if replaced:
-            body = []
-            for node in fn.node:
-                if node.op_type == "Constant" and node.output and node.output[0] in replaced:
-                    body.extend(replaced[node.output[0]])
-                else:
-                    c = onnx.NodeProto()
-                    c.CopyFrom(node)
-                    body.append(c)
+            body = _constants_replaced(fn.node, replaced)
             del fn.node[:]
             fn.node.extend(body)
     if kept and report is not None:
@@ -806,6 +799,20 @@ def _dequantize_nodes(w: graph.Weight, qz, axis, blk, storage: int, names: graph
     return parts, [dq, *tail]
 
 
+def _constants_replaced(nodes, replaced: dict) -> list:
+    """Copies of `nodes` with each Constant node whose output is a key of `replaced` swapped for
+    that key's nodes (its levels, scale and DequantizeLinear), in place of the Constant."""
+    out = []
+    for node in nodes:
+        if node.op_type == "Constant" and node.output and node.output[0] in replaced:
+            out.extend(replaced[node.output[0]])
+        else:
+            c = onnx.NodeProto()
+            c.CopyFrom(node)
+            out.append(c)
+    return out
+
+
 def _splice(graphs: list, new_inits: dict, new_first_nodes: dict, const_nodes: dict) -> None:
     """Put the quantized tensors and their nodes into each graph (subgraphs of If/Loop/Scan too):
     replaced initializers out and their stored tensors in, the DequantizeLinear nodes first, each
@@ -825,15 +832,7 @@ def _splice(graphs: list, new_inits: dict, new_first_nodes: dict, const_nodes: d
                 while parts:  # each array is released once it is in the graph
                     arr, name, elem_type = parts.pop(0)
                     graph.fill_tensor(g.initializer.add(), arr, name, elem_type)
-        nodes = list(new_first_nodes.get(k, []))
-        cmap = const_nodes.get(k, {})
-        for node in g.node:
-            if node.op_type == "Constant" and node.output and node.output[0] in cmap:
-                nodes.extend(cmap[node.output[0]])
-            else:
-                c = onnx.NodeProto()
-                c.CopyFrom(node)
-                nodes.append(c)
+        nodes = list(new_first_nodes.get(k, [])) + _constants_replaced(g.node, const_nodes.get(k, {}))
         del g.node[:]
         g.node.extend(nodes)
 
