@@ -156,6 +156,26 @@ BUILDERS = {"conv": conv_model, "dense": dense_model, "gather": gather_model,
             "transpose": transpose_model, "subgraph": subgraph_model}
 
 
+def listed_weights_model(ir_version: int = 6) -> onnx.ModelProto:
+    """x[2, 64] -> MatMul W1[64, 256] + b1 -> Relu -> MatMul W2[256, 10] (opset 11), every
+    initializer also a graph input (torch's keep_initializers_as_inputs=True)."""
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(size=(64, 256)).astype(np.float32), "W1"),
+             numpy_helper.from_array(rng.normal(size=(256,)).astype(np.float32), "b1"),
+             numpy_helper.from_array(rng.normal(size=(256, 10)).astype(np.float32), "W2")]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["hr"]), helper.make_node("MatMul", ["hr", "W2"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])] + [
+        helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.dims)) for t in inits]
+    g = helper.make_graph(nodes, "listed", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 10])],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
+    m.ir_version = ir_version
+    return m
+
+
 def feeds(model, seed=0, n=2):
     """n input dicts for `model` (float32 normal values, int64 ids in range, both If branches)."""
     rng = _rng(seed)

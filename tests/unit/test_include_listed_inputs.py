@@ -6,28 +6,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as TP
-from onnx import helper, numpy_helper
 
 import passes
+from modelgen import listed_weights_model
 from tools.surgeon_compress import main
-
-
-def _listed_weights_model() -> onnx.ModelProto:
-    """x[2, 64] -> MatMul W1[64, 256] + b1 -> Relu -> MatMul W2[256, 10] (IR 6, opset 11), every
-    initializer also a graph input."""
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.normal(size=(64, 256)).astype(np.float32), "W1"),
-             numpy_helper.from_array(rng.normal(size=(256,)).astype(np.float32), "b1"),
-             numpy_helper.from_array(rng.normal(size=(256, 10)).astype(np.float32), "W2")]
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
-             helper.make_node("Relu", ["hb"], ["hr"]), helper.make_node("MatMul", ["hr", "W2"], ["y"])]
-    inputs = [helper.make_tensor_value_info("x", TP.FLOAT, [2, 64])] + [
-        helper.make_tensor_value_info(t.name, TP.FLOAT, list(t.dims)) for t in inits]
-    g = helper.make_graph(nodes, "listed", inputs, [helper.make_tensor_value_info("y", TP.FLOAT, [2, 10])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
-    m.ir_version = 6
-    return m
 
 
 def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
@@ -44,7 +26,7 @@ def _snr_db(ref, got) -> float:
 
 
 def test_a_named_listed_weight_is_unlisted_and_quantized():
-    m = _listed_weights_model()
+    m = listed_weights_model()
     report = passes.Report()
     q = passes.quantize_weights(m, include=["W1"], report=report)
     onnx.checker.check_model(q, full_check=True)
@@ -67,7 +49,7 @@ def test_a_named_listed_weight_is_unlisted_and_quantized():
 
 @pytest.mark.parametrize("include", [None, ["MatMul"], ["W9"]])
 def test_listings_stay_unless_a_weight_is_named(include):
-    m = _listed_weights_model()
+    m = listed_weights_model()
     report = passes.Report()
     q = passes.quantize_weights(m, include=include, report=report)
     assert [v.name for v in q.graph.input] == ["x", "W1", "b1", "W2"]
@@ -76,14 +58,14 @@ def test_listings_stay_unless_a_weight_is_named(include):
 
 
 def test_exclude_wins_over_include():
-    q = passes.quantize_weights(_listed_weights_model(), include=["W*"], exclude=["W2"])
+    q = passes.quantize_weights(listed_weights_model(), include=["W*"], exclude=["W2"])
     assert [v.name for v in q.graph.input] == ["x", "b1", "W2"]
     assert [n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear"] == ["W1"]
 
 
 def test_pattern_names_several_and_the_command_says_so(tmp_path, capsys):
     src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
-    onnx.save(_listed_weights_model(), str(src))
+    onnx.save(listed_weights_model(), str(src))
     assert main(["compress", str(src), "-o", str(out), "--include", "W*"]) == 0
     text = capsys.readouterr().out
     assert "2 weight(s) named by include were also listed as graph inputs: unlisted (W1, W2)" in text
@@ -91,4 +73,4 @@ def test_pattern_names_several_and_the_command_says_so(tmp_path, capsys):
     assert [v.name for v in q.graph.input] == ["x", "b1"]
     assert sorted(n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear") == ["W1", "W2"]
     assert out.stat().st_size < src.stat().st_size / 2
-    assert _snr_db(_run(_listed_weights_model(), X), _run(q, X)) > 35.0
+    assert _snr_db(_run(listed_weights_model(), X), _run(q, X)) > 35.0
