@@ -3,7 +3,10 @@
     model, record = passes.compress("model.onnx", target="top1>=0.99", feeds="calib.npz")
 
 0. Weights in Constant nodes and in If/Loop subgraphs become main-graph initializers (subgraphs
-   see outer names), so every weight can be allocated on its own. BatchNormalization nodes after a Conv are
+   see outer names), so every weight can be allocated on its own. Model-local functions whose bodies
+   hold float weights in Constant nodes (torch's dynamo export puts layers in functions) are inlined at
+   their calls, each body tensor one initializer all the calls read (named domain:function/name;
+   _inline_function_weights), and the result keeps them inlined; functions without weights stay. BatchNormalization nodes after a Conv are
    folded into its weight and bias (AFFINE_FOLD_OPS: their float parameters cost bytes). A graph output made by
    Softmax/Sigmoid is measured on its input (the logits, centred), where saturation hides nothing.
 1. Every candidate form (n-bit per-channel uniform levels, n in `bits`; or kept float) is made
@@ -67,6 +70,8 @@ import time
 
 import numpy as np
 import onnx
+import onnx.defs
+import onnx.inliner
 import onnx.numpy_helper
 
 from . import affine_fold, cast_levels, graph
@@ -380,6 +385,199 @@ def _has_nested_constants(g, defined) -> bool:
         if _has_nested_constants(sub, defined):
             return True
     return False
+
+
+def _function_key(domain: str, name: str) -> tuple[str, str]:
+    return (domain, name)
+
+
+def _body_float_constants(fn: onnx.FunctionProto) -> list[onnx.NodeProto]:
+    """The Constant nodes at the top of a function body that store a float tensor (weights and biases;
+    not a call's attribute) and are no formal output of the function."""
+    outputs = set(fn.output)
+    return [n for n in fn.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1
+            and n.attribute[0].name == "value" and not n.attribute[0].ref_attr_name
+            and n.attribute[0].t.data_type in (1, 10, 11, 16) and len(n.output) == 1 and n.output[0] not in outputs]
+
+
+def _body_weight_nodes(fn: onnx.FunctionProto) -> list[onnx.NodeProto]:
+    """Those of them that hold a weight the search allocates (as _float_constant: 2-D or more)."""
+    return [n for n in _body_float_constants(fn) if _float_constant(n)]
+
+
+def _nested_graphs(nodes):
+    """Every graph held by the nodes' attributes, and those below them."""
+    for n in nodes:
+        for a in n.attribute:
+            subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+            for sg in subs:
+                yield sg
+                yield from _nested_graphs(sg.node)
+
+
+def _called_functions(nodes, local: set) -> set:
+    """The (domain, name) of the model-local functions the nodes call, in their subgraphs too."""
+    called = {(n.domain, n.op_type) for n in nodes if (n.domain, n.op_type) in local}
+    for sg in _nested_graphs(nodes):
+        called |= {(n.domain, n.op_type) for n in sg.node if (n.domain, n.op_type) in local}
+    return called
+
+
+def _rename_inputs(nodes, renames: dict) -> None:
+    """Node inputs (in subgraphs too: they see the outer names) renamed in place."""
+    for n in nodes:
+        if any(i in renames for i in n.input):
+            n.input[:] = [renames.get(i, i) for i in n.input]
+    for sg in _nested_graphs(nodes):
+        for n in sg.node:
+            if any(i in renames for i in n.input):
+                n.input[:] = [renames.get(i, i) for i in n.input]
+
+
+def _all_names(model: onnx.ModelProto) -> set:
+    names = set()
+    graphs = [info.graph for info in graph.iter_graphs(model)]
+    for fn in model.functions:
+        names |= set(fn.input) | set(fn.output)
+        graphs.extend(_nested_graphs(fn.node))
+        names |= {x for n in fn.node for x in (*n.input, *n.output) if x}
+    for g in graphs:
+        names |= {v.name for v in (*g.input, *g.output, *g.value_info)} | {t.name for t in g.initializer}
+        names |= {x for n in g.node for x in (*n.input, *n.output) if x}
+    return names
+
+
+def _same_schemas(fn: onnx.FunctionProto, fn_version: int, model_version: int, local: set) -> bool:
+    """Whether every default-domain op of the body (its subgraphs too) has the same definition at the
+    function's opset version and at the model's: inlined, its nodes then mean what they meant (MatMul
+    is MatMul-13 at opsets 13 and 17; ReduceSum-13 took axes as an input where ReduceSum-11 had an
+    attribute)."""
+    nodes = list(fn.node) + [n for sg in _nested_graphs(fn.node) for n in sg.node]
+    for n in nodes:
+        if n.domain not in ("", "ai.onnx") or (n.domain, n.op_type) in local:
+            continue
+        try:
+            a = onnx.defs.get_schema(n.op_type, fn_version, "").since_version
+            b = onnx.defs.get_schema(n.op_type, model_version, "").since_version
+        except onnx.defs.SchemaError:
+            return False
+        if a != b:
+            return False
+    return True
+
+
+def function_weight_name(fn: onnx.FunctionProto, weight: str) -> str:
+    """How the auto mode names a weight of a model-local function body: domain:function[(overload)]/name
+    (one name for all the function's calls)."""
+    return f"{fn.domain}:{fn.name}" + (f"({fn.overload})" if fn.overload else "") + f"/{weight}"
+
+
+def _inline_function_weights(model: onnx.ModelProto, notes: list) -> onnx.ModelProto:
+    """`model` with the model-local functions whose bodies hold float weights in Constant nodes inlined
+    at every call (and the functions that call them, so that no weight stays in a body), each such weight
+    one main-graph initializer that every call reads (named function_weight_name: a function called from
+    several places keeps one copy of its weights). Why: the search allocates, measures and overrides
+    main-graph initializers; inside a body a weight could be neither fed to the trial session nor named to
+    quantize_weights (its include patterns name graph weights), and it stayed float (torch's dynamo export
+    puts layers in functions). Functions without such weights stay functions. `model` itself where no
+    function holds one, or where a function to inline imports another opset version than the model (the
+    inliner converts nothing) or the inlined model fails the checker: then the bodies' weights stay float,
+    and a note says why."""
+    if not model.functions:
+        return model
+    local = {_function_key(f.domain, f.name) for f in model.functions}
+    holding = {_function_key(f.domain, f.name) for f in model.functions if _body_weight_nodes(f)}
+    if not holding:
+        return model
+    inline = set(holding)  # ... and every function calling one (a body keeps the calls it makes)
+    while True:
+        more = {_function_key(f.domain, f.name) for f in model.functions
+                if _called_functions(f.node, inline) and _function_key(f.domain, f.name) not in inline}
+        if not more:
+            break
+        inline |= more
+    fns = [f for f in model.functions if _function_key(f.domain, f.name) in inline]
+    n_weights = sum(len(_body_weight_nodes(f)) for f in fns)
+    model_opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
+    for f in fns:
+        for o in f.opset_import:
+            d = o.domain or "ai.onnx"
+            if d in model_opsets and model_opsets[d] != o.version and not (
+                    d == "ai.onnx" and _same_schemas(f, o.version, model_opsets[d], local)):
+                notes.append(f"{n_weights} float weight(s) in model-local function bodies stay float (not searched): "
+                             f"function {f.domain}:{f.name} imports opset {o.version} of {d!r}, the model "
+                             f"{model_opsets[d]} (ops defined otherwise at the model's version: inlined, its nodes would run so)")
+                return model
+    names = _all_names(model)
+    uid = "__fnw"
+    while any(uid in n for n in names):
+        uid += "_"
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    allocator = graph.NameAllocator(names)
+    markers = {}  # marker -> (shared name, the weight's tensor)
+    for f in m.functions:
+        if _function_key(f.domain, f.name) not in inline:
+            continue
+        for o in f.opset_import:  # (the same ops at both versions, checked above: the inliner asks for one)
+            if (o.domain or "ai.onnx") == "ai.onnx" and "ai.onnx" in model_opsets:
+                o.version = model_opsets["ai.onnx"]
+        renames = {}
+        for n in _body_float_constants(f):  # (biases too: one copy for all calls, as in the body)
+            marker = f"{uid}{len(markers)}_"
+            markers[marker] = (allocator.take(function_weight_name(f, n.output[0])), n.attribute[0].t)
+            renames[n.output[0]] = marker
+            n.output[0] = marker
+        _rename_inputs(f.node, renames)
+    try:
+        inlined = onnx.inliner.inline_selected_functions(m, sorted(inline))
+    except Exception as exc:  # noqa: BLE001 - the inliner's refusals (another function's opset versions, a
+        # model past protobuf's 2 GiB) come as several C++-bound types
+        notes.append(f"{n_weights} float weight(s) in model-local function bodies stay float (not searched): "
+                     f"onnx's inliner refused the model ({exc})")
+        return model
+
+    def shared_of(name):
+        for marker, (shared, _t) in markers.items():
+            if name == marker or name.startswith(marker):
+                return shared
+        return None
+
+    renames, used = {}, set()
+    for info in graph.iter_graphs(inlined):
+        g = info.graph
+        keep = []
+        for n in g.node:
+            shared = shared_of(n.output[0]) if n.op_type == "Constant" and len(n.output) == 1 else None
+            if shared is None:
+                keep.append(n)
+            else:
+                renames[n.output[0]] = shared
+                used.add(shared)
+        if len(keep) != len(g.node):
+            del g.node[:]
+            g.node.extend(keep)
+    _rename_inputs(inlined.graph.node, renames)
+    for info in graph.iter_graphs(inlined):  # (shape hints of the per-call names)
+        stale = [v for v in info.graph.value_info if v.name in renames]
+        for v in stale:
+            info.graph.value_info.remove(v)
+    for shared, t in markers.values():
+        if shared in used:
+            init = _copy_tensor(t)
+            init.name = shared
+            inlined.graph.initializer.append(init)
+    try:
+        graph.refuse_invalid(inlined)
+    except InvalidModelError as exc:
+        notes.append(f"{n_weights} float weight(s) in model-local function bodies stay float (not searched): the "
+                     f"model with their functions inlined failed the checker ({exc})")
+        return model
+    shown = ", ".join(sorted(f"{d}:{n}" for d, n in inline))
+    notes.append(f"{len(inline)} model-local function(s) inlined ({shown}) so that the {n_weights} float weight(s) "
+                 "of their bodies are searched one by one; each float tensor of a body stays one tensor for all its "
+                 "calls (named domain:function/name)")
+    return inlined
 
 
 _SATURATING = ("Softmax", "LogSoftmax", "Sigmoid")
@@ -1158,8 +1356,9 @@ class _Search:
         # to how close the decisions came: the (pre-softmax) outputs must also stay close
         agreement = any(r.metric in ("top1", "ctc") and r.threshold >= 0.98 for r in self.reqs)
         self.floor = TOP1_SNR_DB if agreement else None
-        src = _constants_to_initializers(self.src)
-        self.unfolded = src  # what a plan keeping every weight float returns (the fold only served the search)
+        # what a plan keeping every weight float returns (the fold and the inlining only served the search)
+        self.unfolded = _constants_to_initializers(self.src)
+        src = _constants_to_initializers(_inline_function_weights(self.src, self.notes))
         if AFFINE_FOLD_OPS:
             src = _fold_affine(src, self.feeds, self.notes, run_outputs)
         self.probe, self.n_out, self.proxy_plan = probe_outputs(src)
