@@ -571,7 +571,8 @@ class _Folding:
 
 def _sole_float_casts(graphs: list[graph.GraphInfo]) -> dict[str, onnx.NodeProto]:
     """Cast nodes to a float type whose input nothing else reads (no other node in any graph,
-    no graph output), by input name: the second half of a DequantizeLinear -> Cast pair."""
+    no graph output), by input name: the second half of a DequantizeLinear -> Cast pair (the form
+    quantize_weights gives bfloat16 and float64 weights: DequantizeLinear has no float64 output)."""
     reads: dict[str, int] = {}
     for info in graphs:
         for node in info.graph.node:
@@ -585,7 +586,7 @@ def _sole_float_casts(graphs: list[graph.GraphInfo]) -> dict[str, onnx.NodeProto
             if (node.op_type == "Cast" and node.domain in ("", "ai.onnx") and len(node.input) == 1
                     and reads.get(node.input[0]) == 1 and node.output and node.output[0]):
                 to = next((a.i for a in node.attribute if a.name == "to"), None)
-                if to in graph.FLOAT_TYPES:
+                if to in graph.FLOAT_TYPES or to == TensorProto.DOUBLE:
                     out[node.input[0]] = node
     return out
 

@@ -67,6 +67,13 @@ def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> n
                 if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     constants[outputs[0]] = a.t
     dims = {t.name: t.dims for t in split.skeleton.graph.initializer}
+    # a DequantizeLinear (float32 scale) whose output a Cast to double reads: quantize_weights' form
+    # of a float64 weight (DequantizeLinear has no float64 output); its scale counts as float64
+    cast_to = {inputs[0]: next((a.i for a in nodes[i].attribute if a.name == "to"), None)
+               for i, (op_type, _, inputs, _) in enumerate(table.rows) if op_type == "Cast" and inputs}
+    to_double = {inputs[1] for op_type, _, inputs, outputs in table.rows
+                 if op_type == "DequantizeLinear" and len(inputs) > 1 and outputs
+                 and cast_to.get(outputs[0]) == onnx.TensorProto.DOUBLE}
 
     def weight_size(name: str) -> int:
         array = split.weights.get(name)
@@ -81,6 +88,8 @@ def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> n
         if dtype is None:
             continue
         if name in scale_names:
+            if name in to_double:
+                dtype = np.dtype(np.float64)
             counts[dtype] += weight_size(scale_names[name]) * dtype.itemsize
         elif not is_placeholder(t):
             counts[dtype] += math.prod(t.dims) * dtype.itemsize  # (np.prod per tensor: 10x slower)

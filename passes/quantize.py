@@ -27,9 +27,10 @@ Forms: bits 5..8 are stored in int8 (uint8 when asymmetric) containers, bits 2..
 (opset 21); symmetric levels are -(2**(b-1)-1)..2**(b-1)-1 without a zero point, asymmetric
 0..2**b-1 with a zero point. granularity="block" defaults to block_size 128 (32 at <= 4 bits).
 Scales are stored in the weight's own float type (float16 needs opset 19, blocks and int4 opset
-21; the opset is raised with onnx.version_converter and the result checked), except bfloat16:
-onnxruntime has no bfloat16 DequantizeLinear on the CPU, so its scales are float32 (exact) and
-DequantizeLinear(...) -> W_dequantized -> Cast(bfloat16) -> W (fold folds the pair).
+21; the opset is raised with onnx.version_converter and the result checked), except bfloat16
+and float64: onnxruntime has no bfloat16 DequantizeLinear on the CPU and DequantizeLinear has no
+float64 output at all, so their scales are float32 (exact for bfloat16; float32 -> float64 is exact)
+and DequantizeLinear(...) -> W_dequantized -> Cast(bfloat16 / double) -> W (fold folds the pair).
 Blocks run along the dot-product axis; when it is shorter than a block (a Conv with one input
 channel) along the longest other non-channel axis holding a block, else one scale per channel.
 
@@ -171,21 +172,25 @@ def _matches(w: graph.Weight, patterns: list[str], ops: set[str]) -> bool:
     return _match(w, patterns, ops) is not None
 
 
+# the float element types the pass quantizes: graph.FLOAT_TYPES and float64 (its DequantizeLinear
+# computes in float32 and a Cast gives the float64 weight, as for bfloat16: _dequantize_nodes)
+_QUANTIZABLE_TYPES = {**graph.FLOAT_TYPES, TensorProto.DOUBLE: np.dtype(np.float64)}
+# weights given back by DequantizeLinear (float32 scales) -> Cast to their own type
+_CAST_AFTER_TYPES = frozenset({TensorProto.BFLOAT16, TensorProto.DOUBLE})
+
+
 def _unreached_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, int]:
     """Float tensors of >= min_elements that the rewrite does not reach, by where they are: sparse
-    Constants, and float64 weights. (Function bodies' weights: _quantize_function_weights.)"""
+    Constants. (Function bodies' weights: _quantize_function_weights; float64 ones are quantized
+    like the others, _dequantize_nodes.)"""
     def big_sparse_constant(node):
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
             return False
-        return any(a.name == "sparse_value" and a.sparse_tensor.values.data_type in graph.FLOAT_TYPES
+        return any(a.name == "sparse_value" and a.sparse_tensor.values.data_type in _QUANTIZABLE_TYPES
                    and int(np.prod(a.sparse_tensor.dims)) >= max(min_elements, 2) for a in node.attribute)
 
     sparse = sum(big_sparse_constant(n) for gi in graph.iter_graphs(model) for n in gi.graph.node)
-    weights, _ = graph.find_weights(model)
-    doubles = sum(w.tensor.data_type == TensorProto.DOUBLE and len(w.shape) >= 2
-                  and int(np.prod(w.shape, dtype=np.int64)) >= max(min_elements, 2) for w in weights)
-    return {"in sparse Constant nodes": sparse,
-            "of float64 (DequantizeLinear has no float64 output)": doubles}
+    return {"in sparse Constant nodes": sparse}
 
 
 def attribute_weights(model: onnx.ModelProto, min_elements: int) -> dict[str, tuple[int, int]]:
@@ -296,7 +301,7 @@ def _exact_use(w: graph.Weight) -> str | None:
 def _keep_reason(w: graph.Weight, include, exclude, ops, min_elements) -> str | None:
     """Why `w` stays as it is, or None when it is to be quantized."""
     t = w.tensor
-    if t.data_type not in graph.FLOAT_TYPES:
+    if t.data_type not in _QUANTIZABLE_TYPES:
         return "not float"
     if exclude and _matches(w, exclude, ops):
         return "excluded"
@@ -335,10 +340,10 @@ def _required_opset(dtype: int, bits: int, granularity: str) -> int:
     if granularity == "block" or bits <= 4:
         return 21  # block_size attribute, int4 / uint4
     if dtype == TensorProto.FLOAT16:
-        return 19  # float16 scales (bfloat16 weights get float32 scales and a Cast)
-    if granularity == "tensor" and dtype == TensorProto.FLOAT:
+        return 19  # float16 scales (bfloat16 and float64 weights get float32 scales and a Cast)
+    if granularity == "tensor" and dtype in (TensorProto.FLOAT, TensorProto.DOUBLE):
         return 10  # DequantizeLinear-10 takes a per-tensor scale: no conversion of an opset 10-12 model (H7 F16)
-    return 13  # axis attribute (per channel); bfloat16's Cast
+    return 13  # axis attribute (per channel); bfloat16's Cast (Cast to double: any opset)
 
 
 def _best_axis(w32: np.ndarray, levels: forms.Levels) -> int:
@@ -506,7 +511,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
             if progress:
                 progress(i + 1, total)
             continue
-        dtype = graph.FLOAT_TYPES[w.tensor.data_type]
+        dtype = _QUANTIZABLE_TYPES[w.tensor.data_type]
         nbytes = int(np.prod(w.shape, dtype=np.int64)) * dtype.itemsize
         done = next(results) if reason is None else None
         if reason is None and done is None:
@@ -577,7 +582,7 @@ def _function_weights(fn: onnx.FunctionProto, where: str) -> list[graph.Weight]:
     outputs = set(fn.output)
     return [graph.Weight(node.output[0], t, -1, f"{where}: Constant node", node=node,
                          uses=readers.get(node.output[0], []), graph_output=node.output[0] in outputs)
-            for node, t in _function_constants(fn) if t.data_type in graph.FLOAT_TYPES]
+            for node, t in _function_constants(fn) if t.data_type in _QUANTIZABLE_TYPES]
 
 
 def _function_location(fn: onnx.FunctionProto) -> str:
@@ -774,7 +779,7 @@ def _unlist_included(out: onnx.ModelProto, include_p, exclude_p, ops, min_elemen
 def _dequantize_nodes(w: graph.Weight, qz, axis, blk, storage: int, names: graph.NameAllocator):
     """The stored tensors [(array, name, element type)] of one quantized weight (levels, scale and,
     when asymmetric, zero point) and the nodes that give the weight back under its own name: its
-    DequantizeLinear, and for bfloat16 a Cast after it."""
+    DequantizeLinear, and for bfloat16 and float64 a Cast after it."""
     q_name = names.take(w.name + "_quantized")
     s_name = names.take(w.name + "_scale")
     z_name = names.take(w.name + "_zero_point") if qz.zero_point is not None else None
@@ -787,13 +792,14 @@ def _dequantize_nodes(w: graph.Weight, qz, axis, blk, storage: int, names: graph
     if blk:
         attrs["block_size"] = int(blk)
     dq_out, tail = w.name, []
-    if w.tensor.data_type == TensorProto.BFLOAT16:
-        # onnxruntime (1.2x) has no bfloat16 DequantizeLinear on the CPU: the scale is stored as
-        # float32 (exact, bfloat16 values are float32 values) and a Cast gives the bfloat16 weight
+    if w.tensor.data_type in _CAST_AFTER_TYPES:
+        # onnxruntime (1.2x) has no bfloat16 DequantizeLinear on the CPU, and DequantizeLinear has
+        # no float64 output: the scale is stored as float32 (exact: forms chose it in float32) and a
+        # Cast gives the weight its own type (float32 -> float64 exact, -> bfloat16 nearest even)
         parts[1] = (qz.scale.astype(np.float32), s_name, TensorProto.FLOAT)
         dq_out = names.take(w.name + "_dequantized")
         tail = [helper.make_node("Cast", [dq_out], [w.name], name=names.take(w.name + "_Cast"),
-                                 to=TensorProto.BFLOAT16)]
+                                 to=w.tensor.data_type)]
     dq = helper.make_node("DequantizeLinear", [p[1] for p in parts], [dq_out],
                           name=names.take(w.name + "_DequantizeLinear"), **attrs)
     return parts, [dq, *tail]

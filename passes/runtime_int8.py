@@ -617,7 +617,7 @@ def _quantize_float_weights(split: SplitModel, bits: int, notes: list | None = N
     from .quantize import _QUANTIZED_OPS  # (their float inputs are scales: never quantized, nor counted)
 
     notes = notes if notes is not None else []
-    # (float64 weights and those listed as graph inputs stay float: see _float_kept_why)
+    # (main-graph float64 weights and those listed as graph inputs stay float: see _float_kept_why)
     listed = {v.name for v in split.skeleton.graph.input}
     big = [name for name, w in split.weights.items()
            if w.dtype in _LOAD_QUANTIZED_FLOATS and w.size >= MIN_QUANTIZE_ELEMENTS and name not in listed]
@@ -738,7 +738,10 @@ _QUANTIZED_HERE = " (quantized at load only for MatMul/Gemm B, Gather data, Conv
 # the float weights quantized at load (bfloat16 ones go through _quantize_with_pass)
 _LOAD_QUANTIZED_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float16)})
 GRAPH_INPUT_WHY = "also a graph input (overridable by the caller)"
-FLOAT64_WHY = "float64 (MatMulNBits and DequantizeLinear compute no float64)"
+FLOAT64_WHY = "float64 (MatMulNBits and the integer kernels compute no float64)"
+# the float weights quantize_weights quantizes at load (subgraph weights, main-graph weights read in
+# subgraphs): any float type, float64 too (DequantizeLinear with a float32 scale -> Cast(DOUBLE))
+_PASS_QUANTIZED_FLOATS = _LOAD_QUANTIZED_FLOATS | {np.dtype(np.float64)}
 
 
 def _float_kept_why(name: str, w: np.ndarray, listed: set) -> str | None:
@@ -748,8 +751,11 @@ def _float_kept_why(name: str, w: np.ndarray, listed: set) -> str | None:
       may feed it, so it is the model's input as much as a constant; replaced by a
       DequantizeLinear output it would become a required input (no initializer behind the
       listing), as passes.compress keeps such weights float too;
-    - float64: MatMulNBits takes no double and DequantizeLinear has no float64 output (what
-      passes.compress says too)."""
+    - float64 (main graph): the rules here exist for onnxruntime's integer kernels (MatMulNBits,
+      Gather of integer rows) and none takes double; DequantizeLinear -> Cast(DOUBLE), the form
+      passes.compress writes, would dequantize on every run for no memory the session keeps.
+      (Weights in subgraphs, or read there, are quantize_weights' at load, float64 ones too: every
+      float weight there is dequantized per run anyway. _quantize_with_pass.)"""
     if name in listed:
         return GRAPH_INPUT_WHY
     if w.dtype == np.float64:
@@ -802,8 +808,10 @@ def _subgraph_float_weights(skeleton) -> int:
     from .graph import FLOAT_TYPES
     from .runtime_feed import subgraphs
 
+    # (float64 too: the pass quantizes it, so a body holding only float64 weights calls the pass)
     def big_float(t) -> bool:
-        return t.data_type in FLOAT_TYPES and int(np.prod(t.dims, dtype=np.int64)) >= MIN_QUANTIZE_ELEMENTS
+        return ((t.data_type in FLOAT_TYPES or t.data_type == TensorProto.DOUBLE)
+                and int(np.prod(t.dims, dtype=np.int64)) >= MIN_QUANTIZE_ELEMENTS)
 
     count = 0
     stack = [g for node in skeleton.graph.node for g in subgraphs(node)]
@@ -822,7 +830,7 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     (passes.quantize_weights: per output channel int8, its clip search, the SNR it reports):
     - float weights inside subgraphs (If/Loop/Scan bodies; silero-vad holds every weight as a
       Constant node in an If's branches): they get DequantizeLinear nodes in their branch, which
-      onnxruntime runs there (int8 in memory, dequantized per run);
+      onnxruntime runs there (int8 in memory, dequantized per run; float64 ones then a Cast(DOUBLE));
     - main-graph float weights read inside a subgraph (outer-scope names; their DequantizeLinear
       goes in the main graph);
     - bfloat16 weights (read through a Cast to float: onnxruntime has no bfloat16 Conv/MatMul on a
@@ -843,13 +851,13 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     # main-graph float weights read inside a subgraph (outer-scope names): the pass puts their
     # DequantizeLinear in the main graph, the subgraph reads its output
     outputs = {o.name for o in split.skeleton.graph.output}
-    # (weights listed as graph inputs too stay float, float64 ones likewise: see _float_kept_why;
-    # _quantize_float_weights says so)
+    # (weights listed as graph inputs too stay float, and main-graph float64 ones read in the main
+    # graph only: see _float_kept_why; _quantize_float_weights says so)
     listed = {v.name for v in split.skeleton.graph.input}
     bf16 = [n for n in bf16 if n not in listed]
     uses = main_graph_uses(split.skeleton.graph) if split.weights else {}
     outer = sorted(n for n, w in split.weights.items()
-                   if w.dtype in _LOAD_QUANTIZED_FLOATS and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
+                   if w.dtype in _PASS_QUANTIZED_FLOATS and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
                    and n not in listed and any(node is None for node, _ in uses.get(n, [])))
     recurrent = sorted(n for n, w in split.weights.items()
                        if QUANTIZE_RECURRENT_WEIGHTS and w.dtype in _LOAD_QUANTIZED_FLOATS

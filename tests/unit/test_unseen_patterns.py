@@ -738,12 +738,17 @@ def test_synthesised_feeds_grow_until_the_model_runs():
     assert result.synthesized and result.metrics["snr"] >= INT8_MIN_SNR
 
 
-def test_float64_weights_stay_with_a_note():
+def test_float64_weights_are_quantized():
+    """float64 weights take bfloat16's form (H7 s20 F9): DequantizeLinear (float32 scale) -> Cast(DOUBLE)."""
     m, feeds = PATTERNS["float64"]()
     rep = passes.Report()
     q = passes.quantize_weights(m, report=rep)
-    assert "2 float weight(s) of float64 (DequantizeLinear has no float64 output) stay float (not quantized)" in rep.notes
-    assert not any(n.op_type == "DequantizeLinear" for n in q.graph.node)
+    assert not any("float64" in n for n in rep.notes)
+    dequantized = {n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear"}
+    casts = [n for n in q.graph.node if n.op_type == "Cast" and n.input[0] in dequantized]
+    assert sorted(n.output[0] for n in casts) == ["W", "W2"] and all(n.attribute[0].i == TensorProto.DOUBLE
+                                                                    for n in casts)
+    assert passes.evaluate(m, q, feeds=feeds).metrics["snr"] >= INT8_MIN_SNR
 
 
 def _classifier_with_zipmap():
