@@ -70,11 +70,22 @@ class EncodedChunk:
 class EncodedStream:
     codec: str
     params: Dict = field(default_factory=dict)
+    # a list of EncodedChunk, or a container a `chunks` factory made (encode_tensor): one that
+    # takes each chunk as it is made (appends) and says its own `stored` size
     chunks: List[EncodedChunk] = field(default_factory=list)
 
     @property
     def stored(self) -> int:
+        own = getattr(self.chunks, "stored", None)
+        if own is not None:
+            return own
         return sum(len(p) for c in self.chunks for p in c.planes)
+
+
+def _new_chunks(chunks) -> list:
+    """The chunk container of a stream about to be encoded: a list, or what the factory
+    `chunks` makes (the writer's: each chunk written out as it comes, not held)."""
+    return [] if chunks is None else chunks()
 
 
 # ---------------------------------------------------------------- transforms
@@ -772,15 +783,15 @@ def _ans_planes(part: np.ndarray, width: int, sign: bool, pairs: bool = False, p
 
 
 def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, split: int = 0,
-                   memo: Optional["_Memo"] = None, keep: bool = False) -> EncodedStream:
+                   memo: Optional["_Memo"] = None, keep: bool = False, chunks=None) -> EncodedStream:
     """One codec over all chunks of data. `split`: the fpairs split, or for `ans` ANS_INT (no sign
     move), ANS_FLOAT (sign move) or ANS_PAIRS (sign move, exponents as pairs of 4-bit ranks).
     `memo`: planes and histograms the codec choice already computed for this data; keep=True:
     `ans` leaves its planes and histograms there for the specs tried after it (the zstd floors
-    and trial encodes split and count the same planes)."""
+    and trial encodes split and count the same planes). `chunks`: see encode_tensor."""
     step = max(width, chunk_bytes // width * width)
     if codec == "ans":
-        stream = EncodedStream(codec, {"width": width, "sign": split != ANS_INT})
+        stream = EncodedStream(codec, {"width": width, "sign": split != ANS_INT}, _new_chunks(chunks))
         if split == ANS_PAIRS:
             stream.params["pairs"] = True
         memo = memo or _Memo()
@@ -795,10 +806,10 @@ def _encode_planes(data: np.ndarray, codec: str, width: int, chunk_bytes: int, s
                       if p.size >= RAW_SURE_MIN or k + ("hist",) in memo.d else None for k, p in items]
             stream.chunks.append(EncodedChunk(part.size, _ans_planes(part, width, split != ANS_INT, split == ANS_PAIRS,
                                                                      planes, counts)))
-        if len(stream.chunks) == 1 and split != ANS_PAIRS:  # encode_tensor's shared-table try reuses them
+        if chunks is None and len(stream.chunks) == 1 and split != ANS_PAIRS:  # encode_tensor's shared-table try reuses them
             memo.d[(id(data), "ans planes", width, split != ANS_INT)] = stream.chunks[0].planes
         return stream
-    stream = EncodedStream(codec, {"width": width} if codec not in ("bytes", "bpairs") else {})
+    stream = EncodedStream(codec, {"width": width} if codec not in ("bytes", "bpairs") else {}, _new_chunks(chunks))
     if split:
         stream.params["split"] = split
     memo = memo or _Memo()
@@ -854,8 +865,8 @@ def _plane_kind(plane: np.ndarray, block_counts: Optional[np.ndarray] = None) ->
     return "fast" if -(p * np.log2(p)).sum() > 7.97 else "entropy"
 
 
-def _encode_lz(data: np.ndarray, chunk_bytes: int) -> EncodedStream:
-    stream = EncodedStream("bytes")
+def _encode_lz(data: np.ndarray, chunk_bytes: int, chunks=None) -> EncodedStream:
+    stream = EncodedStream("bytes", {}, _new_chunks(chunks))
     for start in range(0, data.size, chunk_bytes):
         part = data[start:start + chunk_bytes]
         stream.chunks.append(EncodedChunk(part.size, [compress_plane(part, "lz", True)]))
@@ -1057,7 +1068,7 @@ def _hopeless(data: np.ndarray, spec, chunk_bytes: int, to_beat: float, memo: Op
             and _zstd_floor(data, *spec, chunk_bytes, huffman=True, memo=memo) is not None)
 
 
-def _choose(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = None):
+def _choose(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = None, chunks=None):
     """The smallest encoding among `specs` (see _rank; the first of equals). `ans` specs are
     encoded (fast, and their size is what the zstd specs must beat); a zstd spec is trial-encoded
     only when its floor (_zstd_floor) leaves it a chance: on float planes it almost never does,
@@ -1068,13 +1079,13 @@ def _choose(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = N
         c, w, sp = spec
         if best is not None and c != "ans" and _hopeless(data, spec, chunk_bytes, _rank(best), memo):
             continue
-        enc = _encode_planes(data, c, w, chunk_bytes, sp, memo, keep=len(specs) > 1)
+        enc = _encode_planes(data, c, w, chunk_bytes, sp, memo, keep=len(specs) > 1, chunks=chunks)
         if best is None or _rank(enc) < _rank(best):
             best, won = enc, spec
     return best, won
 
 
-def _best(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = None) -> EncodedStream:
+def _best(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = None, chunks=None) -> EncodedStream:
     """The smallest encoding among `specs` ((codec, width, split) tuples; see _rank). A large
     payload is encoded in full only with the spec that wins on a sample of it (pack time / 2.5)."""
     if not _write_ans:
@@ -1094,9 +1105,9 @@ def _best(data: np.ndarray, specs, chunk_bytes: int, memo: Optional[_Memo] = Non
             # sample, the sample need not be encoded at all
             estimate = _ans_estimate(sample, ans_specs[0][1], ans_specs[0][2] != ANS_INT, piece, memo) * ANS_PREFERENCE
             if all(_hopeless(sample, sp, piece, estimate, memo) for sp in specs if sp[0] != "ans"):
-                return _encode_planes(data, *ans_specs[0][:2], chunk_bytes, ans_specs[0][2])
+                return _encode_planes(data, *ans_specs[0][:2], chunk_bytes, ans_specs[0][2], chunks=chunks)
         specs = [_choose(sample, specs, piece, memo)[1]]
-    return _choose(data, specs, chunk_bytes, memo)[0]
+    return _choose(data, specs, chunk_bytes, memo, chunks)[0]
 
 
 def _ans_estimate(data: np.ndarray, width: int, sign: bool, chunk_bytes: int, memo: Optional[_Memo] = None) -> float:
@@ -1377,7 +1388,7 @@ def transpose_cols(shape, length: int):
     return w, cols
 
 
-def _encode_transposed(data: np.ndarray, width: int, cols: int, chunk_bytes: int) -> Optional[EncodedStream]:
+def _encode_transposed(data: np.ndarray, width: int, cols: int, chunk_bytes: int, chunks=None) -> Optional[EncodedStream]:
     """The payload's r x cols matrix stored column by column, LZ-coded (FORMAT.md 3, `transpose`):
     structured tables (an STFT basis: w(n) cos(2 pi k n / N), row k) repeat down their columns far
     more than along their rows. Chunks of whole rows."""
@@ -1386,7 +1397,7 @@ def _encode_transposed(data: np.ndarray, width: int, cols: int, chunk_bytes: int
     if not step:
         return None
     t = _UINT[width]
-    stream = EncodedStream("transpose", {"width": width, "cols": cols})
+    stream = EncodedStream("transpose", {"width": width, "cols": cols}, _new_chunks(chunks))
     for start in range(0, data.size, step):
         part = data[start:start + step]
         cm = np.ascontiguousarray(part.view(t).reshape(-1, cols).T).view(np.uint8).ravel()
@@ -1396,10 +1407,17 @@ def _encode_transposed(data: np.ndarray, width: int, cols: int, chunk_bytes: int
 
 def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int = CHUNK_BYTES,
                   try_lz: Optional[bool] = None, effort: str = "default",
-                  shared: Optional[SharedTables] = None, shape=None) -> EncodedStream:
+                  shared: Optional[SharedTables] = None, shape=None, chunks=None) -> EncodedStream:
     """The smallest encoding found for one payload (uint8 array). effort="max" also tries the
     fpairs "split" layout (~0.1% smaller float32, ~30% slower float32 decode). `shape`: the
-    tensor's dims, for the `transpose` try where LZ is tried."""
+    tensor's dims, for the `transpose` try where LZ is tried.
+    `chunks`: None (each candidate encoding's chunks kept in a list), or a factory called once
+    per candidate encoded in full, whose container takes each EncodedChunk as it is made
+    (`append`) and gives back records with `raw_length` (mutable), plus `stored` and `len()`:
+    the writer's, which writes a large payload's chunks to the output as they come instead of
+    holding the whole encoding (~1x the payload) in memory. The returned stream's `chunks` is
+    the winner's container; the other containers it made are the losers. Same choices, same
+    bytes either way."""
     codec, width = base_codec(dtype, field, data.size)
     value_type = FLOAT if field == "float_data" else DOUBLE if field == "double_data" else dtype
     narrowed = _narrowed(data, value_type) if codec == "fplanes" else None
@@ -1407,10 +1425,13 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
         to, ndata = narrowed
         w = _SIZE[to]
         inner_chunk = chunk_bytes * w // _SIZE[value_type]
-        inner = _best(ndata, _float_specs(w, to, ndata.size, effort), inner_chunk)
+        inner = _best(ndata, _float_specs(w, to, ndata.size, effort), inner_chunk, chunks=chunks)
+        narrowed, ndata = (to, None), None  # the narrow copy freed before the LZ tries on `data`
+        for c in inner.chunks:  # raw lengths in the outer type's bytes (the inner encoding is not used apart)
+            c.raw_length = c.raw_length * _SIZE[value_type] // w
         best = EncodedStream(
             "narrow", {"from": value_type, "to": to, "inner": {"codec": inner.codec, "params": inner.params}},
-            [EncodedChunk(c.raw_length * _SIZE[value_type] // w, c.planes) for c in inner.chunks])
+            inner.chunks)
     else:
         if codec == "fplanes":
             specs = _float_specs(width, value_type, data.size, effort)
@@ -1423,7 +1444,7 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
         if codec != "bytes" and data.size <= 1 << 16:  # small: one frame may beat several planes
             specs.append(("bytes", 1, 0))
         memo = _Memo()  # also lends _lz_promising the level-1 probe of the raw bytes, where taken
-        best = _best(data, specs, chunk_bytes, memo)
+        best = _best(data, specs, chunk_bytes, memo, chunks)
         plan = shared.for_planes(data, dtype, field) if shared and _write_ans else None
         if plan is not None:
             candidate = _encode_shared(data, *plan, chunk_bytes, memo.d.get((id(data), "ans planes", plan[0], plan[1])))
@@ -1434,7 +1455,7 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
                                                       memo if narrowed is None else None, chunk_bytes)
     lz = None
     if try_lz:
-        lz = _encode_lz(data, chunk_bytes)
+        lz = _encode_lz(data, chunk_bytes, chunks)
         if lz.stored < best.stored:
             best = lz
     # The same LZ on the columns (FORMAT.md 3, `transpose`): against the LZ coding, kept where
@@ -1460,7 +1481,7 @@ def encode_tensor(data: np.ndarray, dtype: int, field: str, *, chunk_bytes: int 
             columns = np.ascontiguousarray(data.view(t).reshape(-1, cols).T).view(np.uint8).ravel()
             if len(_compressor("probe1").compress(columns)) >= bar:  # level 1 must already beat the bar
                 continue
-        tr = _encode_transposed(data, w, cols, chunk_bytes)
+        tr = _encode_transposed(data, w, cols, chunk_bytes, chunks)
         if tr is not None and tr.stored < bar:
             best, bar = tr, tr.stored
     return best

@@ -30,6 +30,10 @@ MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhea
 SKELETON_CHUNK = 4 << 20
 SKELETON_LEVEL = 17
 LOOKAHEAD_BYTES = 256 << 20  # raw bytes encoded ahead of the one being written (bounds memory)
+# payloads from this size are encoded on the writing thread with their chunks written to the
+# output as they come (_Spill), not held whole: a 2.25 GB table held its encoding (~1x: a raw
+# plane is a view of its chunk's split planes) beside its source
+STREAM_MIN_BYTES = 64 << 20
 
 
 @dataclass
@@ -306,6 +310,70 @@ def _in_order(pool: ThreadPoolExecutor, fn, jobs):
                     pass
 
 
+class _Written:
+    """One chunk written to the output: where, its raw length, its planes' lengths, their XXH3-64."""
+
+    __slots__ = ("pos", "raw_length", "lengths", "digest")
+
+    def __init__(self, pos: int, raw_length: int, lengths: List[int], digest: int):
+        self.pos, self.raw_length, self.lengths, self.digest = pos, raw_length, lengths, digest
+
+
+class _Region:
+    """The chunks of a large payload's first candidate encoding (codecs.encode_tensor's `chunks`
+    container), written to the output as they are appended: only their records stay."""
+
+    def __init__(self, f, start: int):
+        self.f, self.start, self.top = f, start, start
+        self.records: List[_Written] = []
+
+    def append(self, chunk) -> None:
+        lengths = [len(p) for p in chunk.planes]
+        self.records.append(_Written(self.top, chunk.raw_length, lengths, _chunk_digest(chunk.planes)))
+        self.f.seek(self.top)  # (a winner held in memory is written from `start` again, over the first)
+        for p in chunk.planes:
+            self.f.write(p)
+        self.top += sum(lengths)
+
+    @property
+    def stored(self) -> int:
+        return self.top - self.start
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+class _Spill:
+    """The `chunks` factory for one large payload written at `start` of the output: its first
+    candidate encoding (the codec chosen on samples; for most payloads the only one encoded in
+    full) goes straight to the file; later candidates (the LZ tries, on payloads a probe found
+    repetitive) are held in lists as before and, when one wins, written over it. finish() cuts
+    the file after the winner and gives its chunk records."""
+
+    def __init__(self, f, start: int):
+        self.f, self.start = f, start
+        self.first: Optional[_Region] = None
+
+    def __call__(self):
+        if self.first is None:
+            self.first = _Region(self.f, self.start)
+            return self.first
+        return []
+
+    def finish(self, winner) -> List[_Written]:
+        if winner is not self.first:
+            region = _Region(self.f, self.start)
+            for chunk in winner:
+                region.append(chunk)
+            winner = region
+        self.f.seek(winner.top)
+        self.f.truncate()
+        return winner.records
+
+
 def _payload(sources, ref_file, all_refs, i) -> np.ndarray:
     r = all_refs[i]
     return np.frombuffer(sources[ref_file[i]].data, dtype=np.uint8, count=r.length, offset=r.offset)
@@ -371,22 +439,29 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
     done = 0
     shared = codecs.SharedTables()
 
+    def encode_payload(i, **extra):
+        r = all_refs[i]
+        data = _payload(sources, ref_file, all_refs, i)
+        # effort and shared passed only when needed: test tools patch encode_tensor without them
+        if effort != "default":
+            extra["effort"] = effort
+        if shared:
+            extra["shared"] = shared
+        if codecs.transpose_cols(r.shape, r.length) is not None:
+            extra["shape"] = r.shape
+        return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
+
     def encode(job):
         """(stream, XXH3-64 of each chunk's stored planes): the digests on the pool too, not on
-        the thread that writes (at 2 threads that thread was the bottleneck of large packs)."""
-        kind, i, _ = job
+        the thread that writes (at 2 threads that thread was the bottleneck of large packs).
+        None for a large payload: the writing thread encodes it at its turn (_Spill)."""
+        kind, i, raw = job
         if kind == "skeleton":
             enc = _encode_skeleton(_skeleton(sources[i].data, plans[i]))
+        elif raw >= STREAM_MIN_BYTES:
+            return None
         else:
-            r = all_refs[i]
-            data = _payload(sources, ref_file, all_refs, i)
-            # effort and shared passed only when needed: test tools patch encode_tensor without them
-            extra = {"effort": effort} if effort != "default" else {}
-            if shared:
-                extra["shared"] = shared
-            if codecs.transpose_cols(r.shape, r.length) is not None:
-                extra["shape"] = r.shape
-            enc = codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
+            enc = encode_payload(i)
         return enc, [_chunk_digest(c.planes) for c in enc.chunks]
 
     tensor_streams: Dict[int, dict] = {}
@@ -403,13 +478,22 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
                 for kind, i, _ in jobs if kind == "tensor" and all_refs[i].length <= codecs.SHARED_MAX_BYTES)
         f.write(b"\0" * HEADER_SIZE)
         pos = HEADER_SIZE
-        for job, (enc, digests) in _in_order(pool, encode, jobs):
+        for job, result in _in_order(pool, encode, jobs):
             chunks = []
-            for c, digest in zip(enc.chunks, digests):
-                chunks.append([pos, c.raw_length, [len(p) for p in c.planes], digest])
-                for p in c.planes:
-                    f.write(p)
-                    pos += len(p)
+            if result is None:  # a large payload, encoded here with its chunks written as they come
+                spill = _Spill(f, pos)
+                enc = encode_payload(job[1], chunks=spill)
+                for rec in spill.finish(enc.chunks):
+                    chunks.append([rec.pos, rec.raw_length, rec.lengths, rec.digest])
+                pos = f.tell()
+                digests = None
+            else:
+                enc, digests = result
+                for c, digest in zip(enc.chunks, digests):
+                    chunks.append([pos, c.raw_length, [len(p) for p in c.planes], digest])
+                    for p in c.planes:
+                        f.write(p)
+                        pos += len(p)
             entry = {"codec": enc.codec, "params": enc.params, "chunks": chunks}
             kind, i, raw = job
             if kind == "skeleton":
@@ -420,7 +504,7 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
                 b["tensors"] += 1
                 b["raw_bytes"] += raw
                 b["stored_bytes"] += enc.stored
-            del enc, digests  # the stored planes are written: free them before the next result
+            del enc, digests, result  # the stored planes are written: free them before the next result
             done += raw
             if progress is not None:
                 progress(done, total)
