@@ -32,8 +32,10 @@ SKELETON_LEVEL = 17
 LOOKAHEAD_BYTES = 256 << 20  # raw bytes encoded ahead of the one being written (bounds memory)
 # payloads from this size are encoded on the writing thread with their chunks written to the
 # output as they come (_Spill), not held whole: a 2.25 GB table held its encoding (~1x: a raw
-# plane is a view of its chunk's split planes) beside its source
-STREAM_MIN_BYTES = 64 << 20
+# plane is a view of its chunk's split planes) beside its source. Smaller ones stay on the pool,
+# encoded in parallel within the look-ahead (a payload this large was encoded alone anyway:
+# it does not fit in the look-ahead beside another)
+STREAM_MIN_BYTES = LOOKAHEAD_BYTES
 
 
 @dataclass
@@ -78,11 +80,67 @@ class PackStats:
         return d
 
 
-@dataclass
+DIGEST_BLOCK = 8 << 20  # bytes per read when an external data file is hashed
+
+
 class _Source:
-    name: str
-    data: bytes  # the file's bytes
-    refs: List[TensorRef] = field(default_factory=list)
+    """One file of the model: the model file's bytes (read whole: its wire format is walked), or
+    an external data file read where needed (os.pread: a payload per job, the gaps between them,
+    blocks for the digests), so that a model's weights are not all in memory at once."""
+
+    def __init__(self, name: str, data: Optional[bytes] = None, path: Optional[Path] = None):
+        self.name, self.data, self.path = name, data, path
+        self.refs: List[TensorRef] = []
+        self.fd = -1
+        if data is not None:
+            self.size = len(data)
+            return
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+            self.stat = os.fstat(self.fd)
+        except OSError as exc:
+            self.close()
+            raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}") from None
+        self.size = self.stat.st_size
+
+    def read(self, offset: int, length: int) -> np.ndarray:
+        """The bytes [offset, offset + length) as uint8 (a view of the model file's bytes; for a
+        data file, fresh memory that asks no huge pages: bytearray, not numpy's 4 MiB+ arrays)."""
+        if self.data is not None:
+            return np.frombuffer(self.data, dtype=np.uint8, count=length, offset=offset)
+        buf = bytearray(length)
+        self.read_into(offset, memoryview(buf))
+        return np.frombuffer(buf, dtype=np.uint8)
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """A data file's bytes from `offset` into all of `view`."""
+        length = len(view)
+        done = 0
+        while done < length:
+            try:
+                n = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+            if n <= 0:
+                raise FileAccessError(f"{self.path} changed while it was packed (shorter than {offset + length} bytes)")
+            done += n
+
+    def check_unchanged(self) -> None:
+        """Refuse a data file written to while it was packed: its parts were read at different
+        times (the digests in one pass, the payloads job by job)."""
+        if self.data is not None:
+            return
+        try:
+            now = os.fstat(self.fd)
+        except OSError as exc:
+            raise FileAccessError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        if (now.st_size, now.st_mtime_ns, now.st_ctime_ns) != (self.stat.st_size, self.stat.st_mtime_ns, self.stat.st_ctime_ns):
+            raise FileAccessError(f"{self.path} changed while it was packed; pack it again")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _read(path: Path) -> bytes:
@@ -119,6 +177,17 @@ def _load_sources(model_or_path):
         _check_model(data, refs, label)  # refuse what is not an ONNX model
     model = _Source(name, data)
     externals: Dict[str, _Source] = {}
+    try:
+        _locate_external(base, refs, model, externals)
+    except BaseException:
+        for src in externals.values():
+            src.close()
+        raise
+    return model, list(externals.values()), label
+
+
+def _locate_external(base, refs, model: _Source, externals: Dict[str, _Source]) -> None:
+    """Each ref to its source: the model file, or the external data file it names (opened)."""
     for ref in refs:
         if ref.field != "external":
             model.refs.append(ref)
@@ -136,13 +205,12 @@ def _load_sources(model_or_path):
         if src is None:
             if not target.is_file():
                 raise InvalidModelError(f"external data file {location!r} of tensor {ref.name!r} is missing")
-            src = externals[name] = _Source(name, _read(target))
+            src = externals[name] = _Source(name, path=target)
         if ref.length < 0:
-            ref.length = len(src.data) - ref.offset
-        if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > len(src.data):
+            ref.length = src.size - ref.offset
+        if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > src.size:
             raise InvalidModelError(f"tensor {ref.name!r} declares external bytes outside {location!r}")
         src.refs.append(ref)
-    return model, list(externals.values()), label
 
 
 STRIP_MIN = 4096  # raw_data payloads at least this long are left out of the validation parse
@@ -230,13 +298,13 @@ def _plan_cuts(src: _Source, min_cut: int):
     return cuts
 
 
-def _skeleton(data: bytes, cuts: List[TensorRef]) -> bytes:
+def _skeleton(src: _Source, cuts: List[TensorRef]) -> bytes:
+    """The file's bytes outside its cut payloads, joined."""
     parts, pos = [], 0
-    mv = memoryview(data)
     for r in cuts:
-        parts.append(mv[pos:r.offset])
+        parts.append(src.read(pos, r.offset - pos))
         pos = r.offset + r.length
-    parts.append(mv[pos:])
+    parts.append(src.read(pos, src.size - pos))
     return b"".join(parts)
 
 
@@ -264,10 +332,20 @@ def _encode_skeleton(data: bytes) -> codecs.EncodedStream:
     return stream
 
 
-def _digests(data) -> tuple:
+def _digests(src: _Source) -> tuple:
     """(sha256, xxh3_128) hex of a source file: the sha256 is its identity (sha256sum of the
-    original), the XXH3-128 the fast digest restores check (FORMAT.md 4)."""
-    return hashlib.sha256(data).hexdigest(), xxhash.xxh3_128(data).hexdigest()
+    original), the XXH3-128 the fast digest restores check (FORMAT.md 4). A data file is read in
+    blocks."""
+    if src.data is not None:
+        return hashlib.sha256(src.data).hexdigest(), xxhash.xxh3_128(src.data).hexdigest()
+    sha, xxh = hashlib.sha256(), xxhash.xxh3_128()
+    buf = memoryview(bytearray(min(DIGEST_BLOCK, src.size)))
+    for start in range(0, src.size, DIGEST_BLOCK):
+        block = buf[:min(DIGEST_BLOCK, src.size - start)]
+        src.read_into(start, block)
+        sha.update(block)
+        xxh.update(block)
+    return sha.hexdigest(), xxh.hexdigest()
 
 
 def _chunk_digest(planes) -> int:
@@ -376,7 +454,7 @@ class _Spill:
 
 def _payload(sources, ref_file, all_refs, i) -> np.ndarray:
     r = all_refs[i]
-    return np.frombuffer(sources[ref_file[i]].data, dtype=np.uint8, count=r.length, offset=r.offset)
+    return sources[ref_file[i]].read(r.offset, r.length)
 
 
 def _used_tables(tensor_streams: Dict[int, dict], shared) -> List[str]:
@@ -418,147 +496,155 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         raise InvalidArgumentError(f"effort must be one of {codecs.EFFORTS}, got {effort!r}")
     model, externals, label = _load_sources(model_or_path)
     sources = [model] + externals
-    threads = worker_count(threads)  # the rule unpack follows too (0 is refused by both)
+    try:
+        threads = worker_count(threads)  # the rule unpack follows too (0 is refused by both)
 
-    # one job per cut tensor and per skeleton, encoded on the pool (zstd and the C shuffles release
-    # the GIL) and written in this fixed order: the bytes do not depend on the thread count
-    all_refs: List[TensorRef] = []
-    ref_file: List[int] = []
-    for fi, src in enumerate(sources):
-        all_refs.extend(src.refs)
-        ref_file.extend([fi] * len(src.refs))
-    keys = _keys(all_refs)
-    ref_index = {id(r): i for i, r in enumerate(all_refs)}
-    plans = [_plan_cuts(src, MIN_CUT if fi == 0 else 1) for fi, src in enumerate(sources)]
-    jobs = []  # (kind, index, raw bytes) in the order chunks are written
-    for fi, cuts in enumerate(plans):
-        for r in cuts:
-            jobs.append(("tensor", ref_index[id(r)], r.length))
-        jobs.append(("skeleton", fi, len(sources[fi].data) - sum(r.length for r in cuts)))
-    total = sum(len(s.data) for s in sources)
-    done = 0
-    shared = codecs.SharedTables()
+        # one job per cut tensor and per skeleton, encoded on the pool (zstd and the C shuffles release
+        # the GIL) and written in this fixed order: the bytes do not depend on the thread count
+        all_refs: List[TensorRef] = []
+        ref_file: List[int] = []
+        for fi, src in enumerate(sources):
+            all_refs.extend(src.refs)
+            ref_file.extend([fi] * len(src.refs))
+        keys = _keys(all_refs)
+        ref_index = {id(r): i for i, r in enumerate(all_refs)}
+        plans = [_plan_cuts(src, MIN_CUT if fi == 0 else 1) for fi, src in enumerate(sources)]
+        jobs = []  # (kind, index, raw bytes) in the order chunks are written
+        for fi, cuts in enumerate(plans):
+            for r in cuts:
+                jobs.append(("tensor", ref_index[id(r)], r.length))
+            jobs.append(("skeleton", fi, sources[fi].size - sum(r.length for r in cuts)))
+        total = sum(s.size for s in sources)
+        done = 0
+        shared = codecs.SharedTables()
 
-    def encode_payload(i, **extra):
-        r = all_refs[i]
-        data = _payload(sources, ref_file, all_refs, i)
-        # effort and shared passed only when needed: test tools patch encode_tensor without them
-        if effort != "default":
-            extra["effort"] = effort
-        if shared:
-            extra["shared"] = shared
-        if codecs.transpose_cols(r.shape, r.length) is not None:
-            extra["shape"] = r.shape
-        return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
+        def encode_payload(i, **extra):
+            r = all_refs[i]
+            data = _payload(sources, ref_file, all_refs, i)
+            # effort and shared passed only when needed: test tools patch encode_tensor without them
+            if effort != "default":
+                extra["effort"] = effort
+            if shared:
+                extra["shared"] = shared
+            if codecs.transpose_cols(r.shape, r.length) is not None:
+                extra["shape"] = r.shape
+            return codecs.encode_tensor(data, r.dtype, r.field, chunk_bytes=chunk_bytes, **extra)
 
-    def encode(job):
-        """(stream, XXH3-64 of each chunk's stored planes): the digests on the pool too, not on
-        the thread that writes (at 2 threads that thread was the bottleneck of large packs).
-        None for a large payload: the writing thread encodes it at its turn (_Spill)."""
-        kind, i, raw = job
-        if kind == "skeleton":
-            enc = _encode_skeleton(_skeleton(sources[i].data, plans[i]))
-        elif raw >= STREAM_MIN_BYTES:
-            return None
-        else:
-            enc = encode_payload(i)
-        return enc, [_chunk_digest(c.planes) for c in enc.chunks]
-
-    tensor_streams: Dict[int, dict] = {}
-    skeletons: Dict[int, dict] = {}
-    by_codec: Dict[str, Dict[str, int]] = {}
-    with atomic_output(dst, force) as f, ThreadPoolExecutor(max_workers=threads) as pool:
-        # the sources' sha256 (sequential, ~1.5 GB/s; XXH3-128 ~15 GB/s) runs beside the encoding
-        # (and beside the shared tables), not after it
-        shas = [pool.submit(_digests, src.data) for src in sources]
-        # the tables the small payloads share (1.2), from all of them before any is encoded
-        if codecs._write_ans:
-            shared = codecs.SharedTables.build(
-                (_payload(sources, ref_file, all_refs, i), all_refs[i].dtype, all_refs[i].field)
-                for kind, i, _ in jobs if kind == "tensor" and all_refs[i].length <= codecs.SHARED_MAX_BYTES)
-        f.write(b"\0" * HEADER_SIZE)
-        pos = HEADER_SIZE
-        for job, result in _in_order(pool, encode, jobs):
-            chunks = []
-            if result is None:  # a large payload, encoded here with its chunks written as they come
-                spill = _Spill(f, pos)
-                enc = encode_payload(job[1], chunks=spill)
-                for rec in spill.finish(enc.chunks):
-                    chunks.append([rec.pos, rec.raw_length, rec.lengths, rec.digest])
-                pos = f.tell()
-                digests = None
-            else:
-                enc, digests = result
-                for c, digest in zip(enc.chunks, digests):
-                    chunks.append([pos, c.raw_length, [len(p) for p in c.planes], digest])
-                    for p in c.planes:
-                        f.write(p)
-                        pos += len(p)
-            entry = {"codec": enc.codec, "params": enc.params, "chunks": chunks}
+        def encode(job):
+            """(stream, XXH3-64 of each chunk's stored planes): the digests on the pool too, not on
+            the thread that writes (at 2 threads that thread was the bottleneck of large packs).
+            None for a large payload: the writing thread encodes it at its turn (_Spill)."""
             kind, i, raw = job
             if kind == "skeleton":
-                skeletons[i] = entry
+                enc = _encode_skeleton(_skeleton(sources[i], plans[i]))
+            elif raw >= STREAM_MIN_BYTES:
+                return None
             else:
-                tensor_streams[i] = entry
-                b = by_codec.setdefault(enc.codec, {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0})
-                b["tensors"] += 1
-                b["raw_bytes"] += raw
-                b["stored_bytes"] += enc.stored
-            del enc, digests, result  # the stored planes are written: free them before the next result
-            done += raw
-            if progress is not None:
-                progress(done, total)
-        files = []
-        for fi, src in enumerate(sources):
-            files.append({
-                "name": src.name,
-                "size": len(src.data),
-                "sha256": shas[fi].result()[0],
-                "xxh3_128": shas[fi].result()[1],
-                "skeleton": skeletons[fi],
-                "cuts": [[r.offset, r.length, ref_index[id(r)]] for r in plans[fi]],
-            })
-        tensors = []
-        for i, r in enumerate(all_refs):
-            tensors.append({
-                "key": keys[i], "name": r.name, "dtype": r.dtype, "shape": r.shape, "field": r.field,
-                "file": ref_file[i], "offset": r.offset, "length": r.length,
-                "stream": tensor_streams.get(i),
-            })
-        tables = _used_tables(tensor_streams, shared)
-        # 1.2: every file carries `xxh3_128` (and `ans_tables` where a shared table is used); a 1.1
-        # reader still reads those without `ans_shared` (it checks only the major version)
-        # 1.3: the codec `transpose`, or a catalog (header flag); else a file a 1.2 reader reads
-        version = VERSION if any(s["codec"] == "transpose" for s in tensor_streams.values()) else (1, 2)
-        flags = 0
-        catalog = None
-        if len(tensor_streams) < len(tensors) and not os.environ.get("ONNXZ_NO_CATALOG"):
-            # 1.3 (FORMAT.md 4.1): the entries of the tensors left in the skeleton go to the
-            # catalog, which an unpack never parses (the index of a small model is mostly such
-            # entries: parsing and freeing them was ~0.3-0.4 ms of a 2-3 ms unpack)
-            version, flags = VERSION, FLAG_CATALOG
-            at = {}
-            for i in range(len(tensors)):
-                if i in tensor_streams:
-                    at[i] = len(at)
-            items = [at[i] if i in at else {k: v for k, v in t.items() if k != "stream"} for i, t in enumerate(tensors)]
-            tensors = [t for i, t in enumerate(tensors) if i in at]
-            for fe in files:
-                fe["cuts"] = [[off, ln, at[ti]] for off, ln, ti in fe["cuts"]]
-            cat_text, cat_frame = encode_catalog(items)
-            f.write(cat_frame)
-            catalog = [pos, len(cat_frame), len(cat_text), _chunk_digest([cat_frame])]
-            pos += len(cat_frame)
-        index = {"format": list(version), "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
-        if catalog is not None:
-            index["catalog"] = catalog
-        if tables:
-            index["ans_tables"] = tables
-        text, frame = encode_index(index)
-        f.write(frame)
-        file_length = pos + len(frame)
-        f.seek(0)
-        f.write(pack_header(pos, len(frame), len(text), file_length, zlib.crc32(frame), version, flags))
-        f.seek(file_length)
-    return PackStats(label, str(dst), total, file_length, len(sources), len(all_refs), len(tensor_streams),
-                     time.perf_counter() - t0, by_codec, len(frame) + (catalog[1] if catalog else 0))
+                enc = encode_payload(i)
+            return enc, [_chunk_digest(c.planes) for c in enc.chunks]
+
+        tensor_streams: Dict[int, dict] = {}
+        skeletons: Dict[int, dict] = {}
+        by_codec: Dict[str, Dict[str, int]] = {}
+        with atomic_output(dst, force) as f, ThreadPoolExecutor(max_workers=threads) as pool:
+            # the sources' sha256 (sequential, ~1.5 GB/s; XXH3-128 ~15 GB/s) runs beside the encoding
+            # (and beside the shared tables), not after it
+            shas = [pool.submit(_digests, src) for src in sources]
+            # the tables the small payloads share (1.2), from all of them before any is encoded
+            if codecs._write_ans:
+                shared = codecs.SharedTables.build(
+                    (_payload(sources, ref_file, all_refs, i), all_refs[i].dtype, all_refs[i].field)
+                    for kind, i, _ in jobs if kind == "tensor" and all_refs[i].length <= codecs.SHARED_MAX_BYTES)
+            f.write(b"\0" * HEADER_SIZE)
+            pos = HEADER_SIZE
+            for job, result in _in_order(pool, encode, jobs):
+                chunks = []
+                if result is None:  # a large payload, encoded here with its chunks written as they come
+                    spill = _Spill(f, pos)
+                    enc = encode_payload(job[1], chunks=spill)
+                    for rec in spill.finish(enc.chunks):
+                        chunks.append([rec.pos, rec.raw_length, rec.lengths, rec.digest])
+                    pos = f.tell()
+                    digests = None
+                else:
+                    enc, digests = result
+                    for c, digest in zip(enc.chunks, digests):
+                        chunks.append([pos, c.raw_length, [len(p) for p in c.planes], digest])
+                        for p in c.planes:
+                            f.write(p)
+                            pos += len(p)
+                entry = {"codec": enc.codec, "params": enc.params, "chunks": chunks}
+                kind, i, raw = job
+                if kind == "skeleton":
+                    skeletons[i] = entry
+                else:
+                    tensor_streams[i] = entry
+                    b = by_codec.setdefault(enc.codec, {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0})
+                    b["tensors"] += 1
+                    b["raw_bytes"] += raw
+                    b["stored_bytes"] += enc.stored
+                del enc, digests, result  # the stored planes are written: free them before the next result
+                done += raw
+                if progress is not None:
+                    progress(done, total)
+            for done_sha in shas:
+                done_sha.result()
+            for src in sources:  # (before the index: a refusal leaves no output)
+                src.check_unchanged()
+            files = []
+            for fi, src in enumerate(sources):
+                files.append({
+                    "name": src.name,
+                    "size": src.size,
+                    "sha256": shas[fi].result()[0],
+                    "xxh3_128": shas[fi].result()[1],
+                    "skeleton": skeletons[fi],
+                    "cuts": [[r.offset, r.length, ref_index[id(r)]] for r in plans[fi]],
+                })
+            tensors = []
+            for i, r in enumerate(all_refs):
+                tensors.append({
+                    "key": keys[i], "name": r.name, "dtype": r.dtype, "shape": r.shape, "field": r.field,
+                    "file": ref_file[i], "offset": r.offset, "length": r.length,
+                    "stream": tensor_streams.get(i),
+                })
+            tables = _used_tables(tensor_streams, shared)
+            # 1.2: every file carries `xxh3_128` (and `ans_tables` where a shared table is used); a 1.1
+            # reader still reads those without `ans_shared` (it checks only the major version)
+            # 1.3: the codec `transpose`, or a catalog (header flag); else a file a 1.2 reader reads
+            version = VERSION if any(s["codec"] == "transpose" for s in tensor_streams.values()) else (1, 2)
+            flags = 0
+            catalog = None
+            if len(tensor_streams) < len(tensors) and not os.environ.get("ONNXZ_NO_CATALOG"):
+                # 1.3 (FORMAT.md 4.1): the entries of the tensors left in the skeleton go to the
+                # catalog, which an unpack never parses (the index of a small model is mostly such
+                # entries: parsing and freeing them was ~0.3-0.4 ms of a 2-3 ms unpack)
+                version, flags = VERSION, FLAG_CATALOG
+                at = {}
+                for i in range(len(tensors)):
+                    if i in tensor_streams:
+                        at[i] = len(at)
+                items = [at[i] if i in at else {k: v for k, v in t.items() if k != "stream"} for i, t in enumerate(tensors)]
+                tensors = [t for i, t in enumerate(tensors) if i in at]
+                for fe in files:
+                    fe["cuts"] = [[off, ln, at[ti]] for off, ln, ti in fe["cuts"]]
+                cat_text, cat_frame = encode_catalog(items)
+                f.write(cat_frame)
+                catalog = [pos, len(cat_frame), len(cat_text), _chunk_digest([cat_frame])]
+                pos += len(cat_frame)
+            index = {"format": list(version), "writer": f"surgeon-compress {__version__}", "files": files, "tensors": tensors}
+            if catalog is not None:
+                index["catalog"] = catalog
+            if tables:
+                index["ans_tables"] = tables
+            text, frame = encode_index(index)
+            f.write(frame)
+            file_length = pos + len(frame)
+            f.seek(0)
+            f.write(pack_header(pos, len(frame), len(text), file_length, zlib.crc32(frame), version, flags))
+            f.seek(file_length)
+        return PackStats(label, str(dst), total, file_length, len(sources), len(all_refs), len(tensor_streams),
+                         time.perf_counter() - t0, by_codec, len(frame) + (catalog[1] if catalog else 0))
+    finally:
+        for src in sources:
+            src.close()

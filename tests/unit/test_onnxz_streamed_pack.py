@@ -5,6 +5,7 @@ encoding of a large payload is no longer in memory beside its source."""
 from __future__ import annotations
 
 import hashlib
+import os
 import tracemalloc
 
 import numpy as np
@@ -108,5 +109,48 @@ def test_a_large_payloads_encoding_is_not_held_beside_its_source(tmp_path, monke
             tracemalloc.stop()
     assert _sha(tmp_path / "held.onnxz") == _sha(tmp_path / "streamed.onnxz")
     size = payload.nbytes
-    assert peaks["held"] > 1.7 * size  # the source and its encoding
-    assert peaks["streamed"] < 1.25 * size  # the source and a few chunks
+    assert peaks["held"] > 1.7 * size  # the payload and its encoding
+    # the payload, the digests' read block and a few chunks
+    assert peaks["streamed"] < size + writer.DIGEST_BLOCK + (6 << 20)
+
+
+def test_an_external_data_file_is_read_payload_by_payload(tmp_path, monkeypatch):
+    """Its payloads are read as their jobs come (within the look-ahead), not the file whole."""
+    rng = np.random.default_rng(2)
+    arrays = {f"w{i}": (rng.standard_normal((1000, 1000)) * 0.05).astype(np.float32) for i in range(12)}
+    src = _model(str(tmp_path / "m.onnx"), arrays, True)
+    data_bytes = (tmp_path / "w.data").stat().st_size
+    monkeypatch.setattr(writer, "LOOKAHEAD_BYTES", 4 << 20)
+    tracemalloc.start()
+    try:
+        passes.onnxz.pack(src, tmp_path / "p.onnxz", threads=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.6 * data_bytes
+    (tmp_path / "u").mkdir()
+    passes.onnxz.unpack(tmp_path / "p.onnxz", tmp_path / "u" / "m.onnx")
+    assert _sha(tmp_path / "u" / "w.data") == _sha(tmp_path / "w.data")
+
+
+@pytest.mark.parametrize("how", ["appended", "truncated"])
+def test_a_data_file_changed_while_packed_is_refused(tmp_path, monkeypatch, how):
+    src = _model(str(tmp_path / "m.onnx"), _arrays(), True)
+    data = tmp_path / "w.data"
+    real = codecs.encode_tensor
+    changed = []
+
+    def encode_tensor(*args, **kwargs):
+        if not changed:
+            changed.append(True)
+            if how == "appended":
+                with open(data, "ab") as f:
+                    f.write(b"\0" * 16)
+            else:
+                os.truncate(data, 1000)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(codecs, "encode_tensor", encode_tensor)
+    with pytest.raises(passes.errors.FileAccessError, match="changed while it was packed"):
+        passes.onnxz.pack(src, tmp_path / "p.onnxz", threads=1)
+    assert not (tmp_path / "p.onnxz").exists()
