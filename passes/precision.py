@@ -47,19 +47,22 @@ FLOAT16_SCALE_OPSET = 19
 
 
 def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> np.dtype:
-    """The float type holding most weight bytes (DequantizeLinear scales count for their weight):
+    """The float type holding most weight bytes (DequantizeLinear scales count for their weight; a
+    weight read only through Casts to one float type counts as that type, the one it computes in):
     float32, float16 or float64. `table`: the graph's runtime_feed.NodeTable, when the caller has one."""
     counts = {dtype: 0 for dtype in _FLOATS.values()}
+    table = node_table(split.skeleton.graph, table)
+    nodes = split.skeleton.graph.node
+    read_as = _read_only_as(table, nodes)
     for name, array in split.weights.items():
         if array.dtype in counts:
-            counts[array.dtype] += array.nbytes
-    table = node_table(split.skeleton.graph, table)
+            dtype = _FLOATS.get(read_as.get(name), array.dtype)
+            counts[dtype] += array.size * dtype.itemsize
     scale_names = {inputs[1]: inputs[0] for op_type, _, inputs, _ in table.rows
                    if op_type == "DequantizeLinear" and len(inputs) > 1}
     # small tensors held by Constant nodes (a model whose weights are all Constant nodes, e.g.
     # rapidocr's: its big levels are fed weights, its scales stay Constant nodes), read only
     # where the table has Constant rows
-    nodes = split.skeleton.graph.node
     constants = {}
     for i, (op_type, domain, _, outputs) in enumerate(table.rows):
         if op_type == "Constant" and domain in ("", "ai.onnx") and outputs:
@@ -67,13 +70,13 @@ def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> n
                 if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     constants[outputs[0]] = a.t
     dims = {t.name: t.dims for t in split.skeleton.graph.initializer}
-    # a DequantizeLinear (float32 scale) whose output a Cast to double reads: quantize_weights' form
-    # of a float64 weight (DequantizeLinear has no float64 output); its scale counts as float64
-    cast_to = {inputs[0]: next((a.i for a in nodes[i].attribute if a.name == "to"), None)
-               for i, (op_type, _, inputs, _) in enumerate(table.rows) if op_type == "Cast" and inputs}
-    to_double = {inputs[1] for op_type, _, inputs, outputs in table.rows
-                 if op_type == "DequantizeLinear" and len(inputs) > 1 and outputs
-                 and cast_to.get(outputs[0]) == onnx.TensorProto.DOUBLE}
+    # a tensor read only through Casts to one float type computes in that type: float16 storage
+    # read as float32 (what onnxruntime's float16 converter writes around its blocked ops, and
+    # some exporters for every weight), and quantize_weights' form of a float64 weight
+    # (DequantizeLinear, float32 scale, -> Cast(DOUBLE)): a scale counts in the type its
+    # DequantizeLinear's output is read as
+    scale_read_as = {inputs[1]: read_as[outputs[0]] for op_type, _, inputs, outputs in table.rows
+                     if op_type == "DequantizeLinear" and len(inputs) > 1 and outputs and outputs[0] in read_as}
 
     def weight_size(name: str) -> int:
         array = split.weights.get(name)
@@ -88,10 +91,10 @@ def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> n
         if dtype is None:
             continue
         if name in scale_names:
-            if name in to_double:
-                dtype = np.dtype(np.float64)
+            dtype = _FLOATS.get(scale_read_as.get(name), dtype)
             counts[dtype] += weight_size(scale_names[name]) * dtype.itemsize
         elif not is_placeholder(t):
+            dtype = _FLOATS.get(read_as.get(name), dtype)
             counts[dtype] += math.prod(t.dims) * dtype.itemsize  # (np.prod per tensor: 10x slower)
     # (ties go to float32, then float16: the order of the checks)
     if counts[np.dtype(np.float64)] > max(counts[np.dtype(np.float32)], counts[np.dtype(np.float16)]):
@@ -99,6 +102,25 @@ def dominant_float_dtype(split: SplitModel, table: NodeTable | None = None) -> n
     if counts[np.dtype(np.float16)] > counts[np.dtype(np.float32)]:
         return np.dtype(np.float16)
     return np.dtype(np.float32)
+
+
+def _read_only_as(table: NodeTable, nodes) -> dict:
+    """name -> the element type every main-graph reader of `name` casts it to, for the names that
+    only Cast nodes (all to one type) read. One pass over the rows, a second only when the graph has
+    Casts (most float models have few or none)."""
+    cast_to = {}
+    for i, (op_type, domain, inputs, _) in enumerate(table.rows):
+        if op_type == "Cast" and domain in ("", "ai.onnx") and inputs:
+            to = next((a.i for a in nodes[i].attribute if a.name == "to"), None)
+            cast_to[inputs[0]] = to if cast_to.get(inputs[0], to) == to else None
+    if not cast_to:
+        return {}
+    for op_type, domain, inputs, _ in table.rows:
+        if op_type != "Cast" or domain not in ("", "ai.onnx"):
+            for name in inputs:
+                if name in cast_to:
+                    cast_to[name] = None
+    return {name: to for name, to in cast_to.items() if to is not None}
 
 
 def convert_split(split: SplitModel, target, *, keep_io_types: bool = True, op_block_list=None,

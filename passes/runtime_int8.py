@@ -168,6 +168,7 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
                      f"would otherwise be required inputs)")
     _dequantize_cast_levels(split, notes)  # Cast+Mul levels (auto mode's form) as DequantizeLinear again
     _quantize_with_pass(split, notes)     # subgraph and bfloat16 weights (may replace split.skeleton)
+    _float32_dequantize_before_casts(split)  # float16 levels read through a Cast to float: float32 compute
     _quantize_float_weights(split, bits, notes)  # (may replace split.skeleton: an opset conversion)
     graph = split.skeleton.graph
     uses = main_graph_uses(graph)
@@ -836,7 +837,8 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     - bfloat16 weights (read through a Cast to float: onnxruntime has no bfloat16 Conv/MatMul on a
       CPU): DequantizeLinear with float32 scales; DequantizeLinear -> Cast(bfloat16) -> Cast(float)
       is then shortened to the DequantizeLinear, so the main-graph rules below (MatMulNBits,
-      Gather rows, Conv) apply to it as to any quantized weight;
+      Gather rows, Conv) apply to it as to any quantized weight; likewise float16 weights read only
+      through a Cast to float (float16 storage, float32 compute: _float32_dequantize_before_casts);
     - when QUANTIZE_RECURRENT_WEIGHTS (off: it costs memory, see there), main-graph float weights
       read only as W or R of LSTM / GRU / RNN nodes: DequantizeLinear feeds the node's input (int8
       in memory, dequantized per run; the pass picks the gate axis).
@@ -856,6 +858,12 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     listed = {v.name for v in split.skeleton.graph.input}
     bf16 = [n for n in bf16 if n not in listed]
     uses = main_graph_uses(split.skeleton.graph) if split.weights else {}
+    # float16 weights read only through a Cast to float (float16 storage, float32 compute): like
+    # bfloat16 ones, the pass quantizes them (DequantizeLinear with a float16 scale, before the
+    # Cast) and _float32_dequantize_before_casts makes that one float32 DequantizeLinear
+    cast_f16 = sorted(n for n, w in split.weights.items()
+                      if w.dtype == np.float16 and w.size >= MIN_QUANTIZE_ELEMENTS and n not in listed
+                      and n not in outputs and _read_only_as_float(uses.get(n, [])))
     outer = sorted(n for n, w in split.weights.items()
                    if w.dtype in _PASS_QUANTIZED_FLOATS and w.size >= MIN_QUANTIZE_ELEMENTS and n not in outputs
                    and n not in listed and any(node is None for node, _ in uses.get(n, [])))
@@ -865,15 +873,16 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
                        and uses.get(n) and all(node is not None and node.domain in ("", "ai.onnx")
                                                and (node.op_type, i) in RECURRENT_WEIGHT_INPUTS
                                                for node, i in uses[n]))
-    if not bf16 and not in_subgraphs and not outer and not recurrent:
+    if not bf16 and not cast_f16 and not in_subgraphs and not outer and not recurrent:
         return
     what = ", ".join(filter(None, [f"{in_subgraphs} in subgraphs" if in_subgraphs else "",
                                    f"{len(outer)} read in subgraphs" if outer else "",
                                    f"{len(bf16)} bfloat16" if bf16 else "",
+                                   f"{len(cast_f16)} float16 read as float" if cast_f16 else "",
                                    f"{len(recurrent)} LSTM/GRU/RNN W/R" if recurrent else ""]))
     # float16 scales (a float16 weight in a subgraph) need opset 19; raised here on the real
     # skeleton (the pass would do it on its copy, where the fed weights are stand-ins)
-    narrow = _subgraph_has_type(split.skeleton, TensorProto.FLOAT16) or any(
+    narrow = bool(cast_f16) or _subgraph_has_type(split.skeleton, TensorProto.FLOAT16) or any(
         split.weights[n].dtype == np.float16 for n in outer)
     need = 19 if narrow else 13
     if not _opset_at_least(split, need):
@@ -881,7 +890,7 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
         return
     # the skeleton is edited in place for the call (the pass never modifies its input; a copy
     # would hold every subgraph weight once more) and restored after it
-    wanted = set(bf16) | set(outer) | set(recurrent)
+    wanted = set(bf16) | set(cast_f16) | set(outer) | set(recurrent)
     graph = split.skeleton.graph
     stubbed = [i for i, t in enumerate(graph.initializer)
                if t.name not in wanted and t.name in split.weights and is_placeholder(t)]
@@ -944,6 +953,13 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     notes.extend(f"quantize_weights: {n}" for n in report.notes)
 
 
+def _read_only_as_float(uses: list) -> bool:
+    """Whether every reader in `uses` (main_graph_uses' list of a name) is a Cast to float32 in the
+    main graph."""
+    return bool(uses) and all(node is not None and node.op_type == "Cast" and node.domain in ("", "ai.onnx")
+                              and _attr(node, "to", 0) == TensorProto.FLOAT for node, _ in uses)
+
+
 def _subgraph_has_type(skeleton, data_type: int) -> bool:
     from .runtime_feed import subgraphs
 
@@ -995,6 +1011,84 @@ def _shorten_bfloat16_casts(graph) -> int:
         del graph.node[:]
         graph.node.extend(keep)
     return count
+
+
+def _float32_dequantize_before_casts(split: SplitModel) -> int:
+    """DequantizeLinear (float16 scale) -> Cast(to=FLOAT) becomes one DequantizeLinear with the
+    scale stored as float32 (exact: float16 values are float32 values), in the main graph and in
+    If/Loop/Scan bodies, where the float16 value has no other reader and the scale no other reader.
+
+    Why: a float16-stored weight read through a Cast to float ("float16 storage, float32 compute":
+    onnxruntime's float16 converter writes it around its blocked ops, some exporters for every
+    weight) then computes in float32, as the model does: the main-graph rules see a DequantizeLinear
+    feeding its MatMul / Gemm / Gather / Conv (MatMulNBits, integer rows), and a body's weight is not
+    taken for a float16 body's (fold_float16_subgraph_dequantize's guard looks at scale types). The
+    weight is not rounded to float16 on the way: an error no larger. Returns how many."""
+    from .runtime_feed import subgraphs
+
+    count = 0
+    main = split.skeleton.graph
+    stack = [main]
+    while stack:
+        g = stack.pop()
+        uses = main_graph_uses(g)  # (any graph: reads inside its nodes' bodies count as (None, -1))
+        body_inits = {t.name: t for t in g.initializer} if g is not main else {}
+        constants = {n.output[0]: n for n in g.node
+                     if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
+        removed = set()
+        for dq in g.node:
+            if dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx") or len(dq.input) < 2:
+                continue
+            readers = uses.get(dq.output[0], [])
+            if len(readers) != 1 or readers[0][0] is None:
+                continue
+            cast = readers[0][0]
+            if cast.op_type != "Cast" or cast.domain not in ("", "ai.onnx") or _attr(cast, "to", 0) != TensorProto.FLOAT:
+                continue
+            scale_name = dq.input[1]
+            if len(uses.get(scale_name, [])) != 1:
+                continue
+            if not _scale_to_float32(split, g is main, scale_name, body_inits, constants):
+                continue
+            dq.output[0] = cast.output[0]
+            removed.add(id(cast))
+            count += 1
+        if removed:
+            keep = [n for n in g.node if id(n) not in removed]
+            del g.node[:]
+            g.node.extend(keep)
+        # (after the rebuild: extend copies the nodes, and their bodies with them)
+        for node in g.node:
+            stack.extend(subgraphs(node))
+    return count
+
+
+def _scale_to_float32(split: SplitModel, in_main: bool, name: str, body_inits: dict, constants: dict) -> bool:
+    """Store the float16 scale `name` as float32 where it is held (a main-graph initializer, a body
+    initializer or a Constant node of the same graph); False (nothing changed) when it is not float16
+    or held elsewhere (an outer scope's tensor, a graph input)."""
+    from onnx import numpy_helper
+
+    if in_main:
+        value = split.array(name)
+        if value is None or value.dtype != np.float16:
+            return False
+        split.set_weight(name, value.astype(np.float32))
+        return True
+    if name in body_inits:
+        t = body_inits[name]
+        if t.data_type != TensorProto.FLOAT16:
+            return False
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), name))
+        return True
+    node = constants.get(name)
+    if node is None:
+        return False
+    for a in node.attribute:
+        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT16:
+            a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
+            return True
+    return False
 
 
 def _mark_int4(split: SplitModel, name: str) -> None:
