@@ -31,6 +31,7 @@ import re
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -493,13 +494,19 @@ def runnable_feeds(model, n: int = 4, seed: int = 0, *, providers=None) -> list[
     ones when none does (the caller's run then reports why), or as soon as the model fails with
     the same message at two sizes in a row. A model without dynamic dimensions is run once.
     Returns a list of {input name: array}; raises what synthesize_feeds raises."""
-    model = load_model(model)
+    structure = model_structure(model)
+    return _runnable_feeds(structure, model if runs_from_file(model) else structure, n, seed, providers)
+
+
+def _runnable_feeds(model: onnx.ModelProto, source, n: int, seed: int, providers) -> list[Feed]:
+    """runnable_feeds of `model` (its structure: model_structure), whose session is made from `source`
+    (the same model, or the path it was read from)."""
     first = synthesize_feeds(model, n=n, seed=seed)
     if not any(not (d.HasField("dim_value") and d.dim_value >= 0)
                for vi in model_inputs(model) for d in vi.type.tensor_type.shape.dim):
         return first
     try:
-        session = _session(model, providers, None)
+        session = _session(source, providers, None)
     except Exception:  # noqa: BLE001 - the caller's own run says what is wrong with the model
         return first
     inner_unnamed = any(0 < axis < len(vi.type.tensor_type.shape.dim) - 1
@@ -541,8 +548,12 @@ _ORT_TYPES = {
 PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 # A ModelProto smaller than this goes to onnxruntime as bytes; a larger one cannot be serialised
-# as one protobuf and goes through a temporary file with external data.
+# as one protobuf and goes through a temporary file with external data ...
 INLINE_MODEL_LIMIT = 2**31 - 1
+# ... and so does one of this many bytes or more: as bytes, the serialised copy and onnxruntime's parse of it
+# sat beside the model (the compress command's check of a 581 MB int8 table: run's peak 4.02 -> 3.46 GB
+# through the file, whose external data onnxruntime memory-maps; CPU 7.7 vs 7.9 s)
+FILE_SESSION_BYTES = 256 << 20
 
 
 def resolve_providers(providers) -> list[str]:
@@ -565,13 +576,59 @@ def resolve_providers(providers) -> list[str]:
     return list(providers)
 
 
-def _fits_one_protobuf(model: onnx.ModelProto) -> bool:
-    """Whether `model` serialises as one protobuf: protobuf's ByteSize itself raises EncodeError
-    ('Failed to serialize proto') past 2 GiB, so it cannot be compared with the limit there."""
+def model_structure(source) -> onnx.ModelProto:
+    """What evaluate and runnable_feeds read of a model besides its run (inputs, outputs, shapes): a
+    ModelProto as it is; a plain ONNX file without its external data, which onnxruntime then reads from
+    the file itself (memory-mapped: only the pages a run touches are resident); a packed file decoded.
+    Why: the command's --require check loaded a model's external data into protobuf and handed
+    onnxruntime a serialised copy of it (a 563 MB table: the check's peak 2.4 GB; H7 F13)."""
+    if not runs_from_file(source):
+        return load_model(source)
+    model = load_model(source, load_external=False)
+    _check_external_locations(model, Path(source).parent)
+    return model
+
+
+def _check_external_locations(model: onnx.ModelProto, base_dir: Path) -> None:
+    """InvalidModelError where an external data location leaves the model's folder, is absolute, is no
+    regular file or a range passes its end: what load_model refuses before reading, said the same way
+    whatever the onnxruntime version (the data itself is onnxruntime's to read)."""
+    from ._fileio import _safe_external_path, external_tensors
+
+    for tensor in external_tensors(model):
+        info = {e.key: e.value for e in tensor.external_data}
+        target = _safe_external_path(base_dir, info.get("location", ""))
+        if not target.is_file():
+            raise InvalidModelError(f"external data file {info.get('location')!r} of tensor {tensor.name!r} is "
+                                    "missing or not a regular file")
+        try:
+            offset = int(info.get("offset", 0) or 0)
+            length = int(info["length"]) if info.get("length") else 0
+        except ValueError:
+            raise InvalidModelError(f"tensor {tensor.name!r} has a malformed external data offset or length") from None
+        size = target.stat().st_size
+        if offset < 0 or length < 0 or offset + length > size:
+            raise InvalidModelError(f"tensor {tensor.name!r} declares external data bytes {offset}..{offset + length} "
+                                    f"but {info.get('location')!r} holds {size} bytes")
+
+
+def runs_from_file(source) -> bool:
+    """Whether evaluate and run_outputs let onnxruntime read `source` from its file (a plain ONNX path;
+    not a ModelProto or a pack)."""
+    if isinstance(source, onnx.ModelProto):
+        return False
+    p = check_readable(source)
+    return not (looks_packed(p) or p.suffix == ".onnxz")
+
+
+def _goes_as_bytes(model: onnx.ModelProto) -> bool:
+    """Whether onnxruntime gets `model` serialised (below FILE_SESSION_BYTES and INLINE_MODEL_LIMIT; protobuf's
+    ByteSize itself raises EncodeError ('Failed to serialize proto') past 2 GiB, so it cannot be compared with
+    the limit there)."""
     from google.protobuf.message import EncodeError
 
     try:
-        return model.ByteSize() < INLINE_MODEL_LIMIT
+        return model.ByteSize() < min(INLINE_MODEL_LIMIT, FILE_SESSION_BYTES)
     except EncodeError:
         return False
 
@@ -590,9 +647,9 @@ def _session(model_or_path, providers=None, sess_options=None):
         model_or_path = graph.numpy_readable_outputs(model_or_path)
     try:
         if isinstance(model_or_path, onnx.ModelProto):
-            if _fits_one_protobuf(model_or_path):
+            if _goes_as_bytes(model_or_path):
                 return ort.InferenceSession(model_or_path.SerializeToString(), sess_options, providers=providers)
-            # too big for one protobuf: onnxruntime must read it from a file with external data
+            # big (too big for one protobuf past 2 GiB): onnxruntime reads it from a file with external data
             from ._fileio import save_model
 
             with tempfile.TemporaryDirectory(prefix="surgeon-eval-") as tmp:
@@ -1110,7 +1167,8 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
         raise InvalidArgumentError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
     if run_as not in RUN_AS:
         raise InvalidArgumentError(f"unknown run_as {run_as!r}: choose one of {', '.join(RUN_AS)}")
-    original_model = load_model(original)
+    original_model = model_structure(original)
+    run_original = original if runs_from_file(original) else original_model
     synthesized = feeds is None
     notes = []
     if run_as == "fold":
@@ -1119,7 +1177,7 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
         candidate = fold_dequantize(candidate)
         notes.append("candidate measured with its weights folded to float (as fold / InferenceSession(mode='fold') run it)")
     if feeds is None:
-        feeds = runnable_feeds(original_model, n=n_synthesized, seed=seed, providers=providers)
+        feeds = _runnable_feeds(original_model, run_original, n_synthesized, seed, providers)
         notes.append(f"inputs synthesised from the model's input specs ({n_synthesized} random feeds, seed {seed}); pass feeds for real data")
     elif isinstance(feeds, (str, os.PathLike)):
         feeds = load_feeds(feeds, original_model)
@@ -1130,7 +1188,7 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
     step = (lambda done, _n: progress(done, total)) if progress else None
     step2 = (lambda done, _n: progress(len(feeds) + done, total)) if progress else None
     try:
-        ref = run_outputs(original if not isinstance(original, onnx.ModelProto) else original_model, feeds,
+        ref = run_outputs(run_original, feeds,
                           providers=providers, progress=step)
     except InvalidModelError as exc:
         if synthesized:

@@ -304,6 +304,15 @@ def _evaluate(original, candidate, args, feeds=None) -> Any:
         )
 
 
+def _oldest_runnable_opset() -> int:
+    """legacy_opset.OLDEST_RUNNABLE_OPSET: _measurable may raise a model of an older opset (all of it)."""
+    if __package__:
+        from .legacy_opset import OLDEST_RUNNABLE_OPSET
+    else:
+        from legacy_opset import OLDEST_RUNNABLE_OPSET
+    return OLDEST_RUNNABLE_OPSET
+
+
 def _measurable(model, feeds, what: str) -> tuple[Any, list[str]]:
     """`model`, or where onnxruntime has no kernels for its old opset, the model raised to an opset
     it runs, checked against onnx's reference evaluator of `model` (tools/legacy_opset.py), with the
@@ -417,7 +426,7 @@ def _search(model, feeds, args, report):
 
 def cmd_compress(args) -> int:
     import passes
-    from passes._fileio import check_readable
+    from passes._fileio import check_readable, looks_packed
 
     check_readable(args.input)
     _check_distinct(args.input, args.output, feeds=args.feeds)
@@ -447,7 +456,13 @@ def cmd_compress(args) -> int:
     passed = True
     if args.require or args.feeds or args.metric:
         candidate, candidate_notes = _measurable(compressed, feeds, "the candidate") if raised else (compressed, [])
-        result = _evaluate(measured, candidate, args, feeds)
+        original = measured
+        if measured is model and not looks_packed(args.input):
+            # the check runs the original from its file (onnxruntime memory-maps external data) and the
+            # loaded copy goes: it and onnxruntime's copy of it were the peak (H7 F13)
+            original = args.input
+        model = measured = None
+        result = _evaluate(original, candidate, args, feeds)
         result.notes[:0] = notes + candidate_notes
         checks, passed = _gate_checks(result, args.require or [])
 
@@ -697,14 +712,21 @@ def cmd_eval(args) -> int:
     check_readable(args.candidate)
     _check_restored_size(args.original, args.max_bytes)
     _check_restored_size(args.candidate, args.max_bytes)
-    original = passes.load_model(args.original)
+    from passes.fidelity import model_structure, runs_from_file
+    from passes.graph import default_opset
+
+    # a plain file is read without its external data: onnxruntime reads the original from the file (H7 F13)
+    original = model_structure(args.original)
     feeds = passes.load_feeds(args.feeds, original) if args.feeds else None
+    if 0 < default_opset(original) < _oldest_runnable_opset():
+        original = passes.load_model(args.original)
     original, notes = _measurable(original, feeds, "the original")
     candidate = args.candidate
     if notes:  # the original is an old-opset model: the candidate may be one too
         candidate, candidate_notes = _measurable(passes.load_model(args.candidate), feeds, "the candidate")
         notes += candidate_notes
-    result = _evaluate(original, candidate, args, feeds)
+    result = _evaluate(args.original if not notes and runs_from_file(args.original) else original, candidate, args,
+                       feeds)
     result.notes[:0] = notes + _random_notes(original)
     checks, passed = _gate_checks(result, args.require or [])
     if args.json:

@@ -215,6 +215,9 @@ def test_run_outputs_of_a_model_too_big_for_one_protobuf(model, weight, monkeypa
     x = np.ones((1, 8), np.float32)
     out = F.run_outputs(model, [{"x": x}])
     np.testing.assert_allclose(out[0][0], x @ weight, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    monkeypatch.setattr(F, "FILE_SESSION_BYTES", 0)  # (a big model: the same way, the same outputs)
+    assert np.array_equal(F.run_outputs(model, [{"x": x}])[0][0], out[0][0])
 
 
 def test_provider_names():
@@ -524,8 +527,13 @@ def test_a_model_past_one_protobuf_goes_through_external_data():
         def ByteSize(self):
             return 1000
 
-    assert F._fits_one_protobuf(Huge()) is False
-    assert F._fits_one_protobuf(Small()) is True
+    class Big:
+        def ByteSize(self):
+            return F.FILE_SESSION_BYTES
+
+    assert F._goes_as_bytes(Huge()) is False
+    assert F._goes_as_bytes(Small()) is True
+    assert F._goes_as_bytes(Big()) is False  # (from FILE_SESSION_BYTES on: through a file too)
 
 
 # ------------------------------------------------------------------------------ nothing to measure
