@@ -138,12 +138,72 @@ def convert_split(split: SplitModel, target, *, keep_io_types: bool = True, op_b
                                    f"float64), which cannot be converted (float32 <-> float16 only); load it without "
                                    f"dtype= to run it in float64")
     if target == np.float16:
+        _refuse_what_the_float16_converter_breaks(split.skeleton, keep_io_types, notes)
         _fold_float16_subgraph_dequantize(split, notes)
         _to_float16(split, keep_io_types, op_block_list)
     elif target == np.float32:
         _to_float32(split, keep_io_types)
     else:
         raise UnsupportedFormError(f"cannot convert a model to {target}")
+
+
+# ops that make or read optional values: onnxruntime's float16 converter converts the tensors
+# around them but not the optional types (not even with the ops in its block list: it then puts
+# the Cast of a blocked node in a body where its reader cannot see it)
+_OPTIONAL_OPS = frozenset({"Optional", "OptionalGetElement"})
+
+
+def _float_container(type_proto) -> str | None:
+    """"optional(tensor(float))", "sequence(tensor(float))", ... for an optional / sequence / map
+    type that holds float32 tensors somewhere inside; None for a tensor or anything else."""
+    def inner(t):
+        kind = t.WhichOneof("value")
+        if kind == "tensor_type":
+            return "tensor(float)" if t.tensor_type.elem_type == TensorProto.FLOAT else None
+        if kind in ("sequence_type", "optional_type"):
+            held = inner(getattr(t, kind).elem_type)
+            return f"{kind[:-len('_type')]}({held})" if held else None
+        if kind == "map_type":
+            held = inner(t.map_type.value_type)
+            return f"map({held})" if held else None
+        return None
+
+    return inner(type_proto) if type_proto.WhichOneof("value") != "tensor_type" else None
+
+
+def _refuse_what_the_float16_converter_breaks(model, keep_io_types: bool, notes: list | None) -> None:
+    """UnsupportedFormError before a float16 conversion onnxruntime's converter gets wrong, naming
+    what and saying to load the model without dtype= (H7 s20 F12; before, onnxruntime refused the
+    converted model and the error blamed the model itself):
+    - optional values holding float (a graph input or output, or made / read by Optional /
+      OptionalGetElement anywhere): the converter makes the tensors read from them float16 and
+      leaves the optional types float32, which onnxruntime refuses;
+    - with keep_io_types, a sequence input holding float: the converter makes it a float16 sequence
+      (only tensor inputs keep their type), and the caller's float32 sequences fail at every run.
+    A sequence output holding float comes out as float16 tensors: said in `notes`."""
+    graph = model.graph
+    interface = [("input", v) for v in graph.input] + [("output", v) for v in graph.output]
+    kinds = [(side, v.name, _float_container(v.type)) for side, v in interface]
+    optional = [f"{side} '{name}' ({kind})" for side, name, kind in kinds if kind and "optional" in kind]
+    if not optional:
+        op = next((n.op_type for g in _graphs(graph) for n in g.node
+                   if n.op_type in _OPTIONAL_OPS and n.domain in ("", "ai.onnx")), None)
+        optional = [f"an {op} node"] if op else []
+    if optional:
+        raise UnsupportedFormError(
+            f"dtype=float16: onnxruntime's float16 converter cannot convert this model: it has optional values "
+            f"({optional[0]}), whose tensors it converts but not their optional types (onnxruntime then refuses "
+            f"the model); load it without dtype= (dtype=None) to run it as it is")
+    sequences_in = [f"'{name}' ({kind})" for side, name, kind in kinds if kind and side == "input"]
+    if keep_io_types and sequences_in:
+        raise UnsupportedFormError(
+            f"dtype=float16: onnxruntime's float16 converter cannot keep the input {sequences_in[0]} float32 "
+            f"(keep_io_types keeps tensor inputs only): it would take float16 sequences; load it without dtype= "
+            f"(dtype=None), or with keep_io_types=False to feed float16")
+    sequences_out = [f"'{name}'" for side, name, kind in kinds if kind and side == "output"]
+    if keep_io_types and sequences_out and notes is not None:
+        notes.append(f"dtype=float16: the sequence output(s) {', '.join(sequences_out)} hold float16 tensors "
+                     f"(onnxruntime's converter keeps only tensor outputs float32)")
 
 
 def _to_float16(split: SplitModel, keep_io_types: bool, op_block_list) -> None:
