@@ -448,26 +448,22 @@ def external_tensors(model: onnx.ModelProto):
 _REREAD_ALLOWANCE = 64 << 20  # bytes that may be read twice through overlapping external ranges
 
 
-def load_external_data(model: onnx.ModelProto, base_dir: PathLike) -> None:
-    """Read external tensor data into `model`, refusing paths outside `base_dir` and out-of-file ranges."""
-    base = Path(base_dir)
-    # Ranges are checked against their file, but many tensors naming the same range would still
-    # multiply memory (a 1 GB file read a thousand times): the bytes read may exceed what the
-    # distinct files hold by a small allowance only (a few shared small tensors load as before).
-    file_sizes: dict = {}
-    total = 0
-    for tensor in external_tensors(model):
-        info = {e.key: e.value for e in tensor.external_data}
-        target = _safe_external_path(base, info.get("location", ""))
+class ExternalRanges:
+    """The checks of every reader of external tensor data (an .onnx's files, a pack's restored
+    ones): each tensor's offset / length parsed (InvalidModelError on junk, not ValueError), its
+    range inside its file, and the bytes read in all bounded by what the distinct files hold plus
+    a small allowance: many tensors naming the same range would otherwise multiply memory (a 1 GB
+    file read a thousand times; a 4 MB pack of 100 tensors naming one 4 MiB range)."""
+
+    def __init__(self):
+        self.file_sizes: dict = {}
+        self.total = 0
+
+    def check(self, tensor, info: dict, file_key, size: int) -> tuple:
+        """(offset, length) of `tensor`'s range in the file `file_key` of `size` bytes."""
         try:
-            st = target.stat()
-            if not stat.S_ISREG(st.st_mode):  # a folder or a FIFO would fail or block in open()
-                raise InvalidModelError(f"external data path {info.get('location')!r} of tensor {tensor.name!r} is not a regular file")
-            size = st.st_size
             offset = int(info.get("offset", 0) or 0)
             length = int(info["length"]) if info.get("length") else size - offset
-        except FileNotFoundError:
-            raise InvalidModelError(f"external data file {info.get('location')!r} of tensor {tensor.name!r} is missing") from None
         except ValueError:
             raise InvalidModelError(f"tensor {tensor.name!r} has a malformed external data offset or length") from None
         if offset < 0 or length < 0 or offset + length > size:
@@ -475,13 +471,31 @@ def load_external_data(model: onnx.ModelProto, base_dir: PathLike) -> None:
                 f"tensor {tensor.name!r} declares external data bytes {offset}..{offset + length} "
                 f"but {info.get('location')!r} holds {size} bytes"
             )
-        file_sizes[target] = size
-        total += length
-        if total > sum(file_sizes.values()) + _REREAD_ALLOWANCE:
+        self.file_sizes[file_key] = size
+        self.total += length
+        held = sum(self.file_sizes.values())
+        if self.total > held + _REREAD_ALLOWANCE:
             raise InvalidModelError(
-                f"external data ranges overlap: tensors read {total} bytes from files holding "
-                f"{sum(file_sizes.values())} (tensor {tensor.name!r})"
+                f"external data ranges overlap: tensors read {self.total} bytes from files holding "
+                f"{held} (tensor {tensor.name!r})"
             )
+        return offset, length
+
+
+def load_external_data(model: onnx.ModelProto, base_dir: PathLike) -> None:
+    """Read external tensor data into `model`, refusing paths outside `base_dir` and out-of-file ranges."""
+    base = Path(base_dir)
+    ranges = ExternalRanges()
+    for tensor in external_tensors(model):
+        info = {e.key: e.value for e in tensor.external_data}
+        target = _safe_external_path(base, info.get("location", ""))
+        try:
+            st = target.stat()
+        except FileNotFoundError:
+            raise InvalidModelError(f"external data file {info.get('location')!r} of tensor {tensor.name!r} is missing") from None
+        if not stat.S_ISREG(st.st_mode):  # a folder or a FIFO would fail or block in open()
+            raise InvalidModelError(f"external data path {info.get('location')!r} of tensor {tensor.name!r} is not a regular file")
+        offset, length = ranges.check(tensor, info, target, st.st_size)
         with open(target, "rb") as f:
             f.seek(offset)
             tensor.raw_data = f.read(length)

@@ -1461,8 +1461,12 @@ def load(path, *, threads=None, max_bytes=None, digest: str = "fast") -> onnx.Mo
         del data
         if len(pf.index.files) > 1:
             restored = {pf.index.files[fi].name: pf.restore_file(fi, digest=mode) for fi in range(1, len(pf.index.files))}
-            from .._fileio import external_tensors
+            from .._fileio import ExternalRanges, external_tensors
 
+            # the .onnx path's checks (_fileio.load_external_data): a range outside its file, a
+            # malformed offset or length, and many tensors naming one range (each given its own
+            # copy: a 4 MB pack of 100 tensors naming one 4 MiB range took 476 MB) are refused
+            ranges = ExternalRanges()
             for t in external_tensors(model):
                 info = {e.key: e.value for e in t.external_data}
                 # the index names each file by its normal name (FORMAT.md 4): "./w3.bin" is "w3.bin"
@@ -1472,8 +1476,7 @@ def load(path, *, threads=None, max_bytes=None, digest: str = "fast") -> onnx.Mo
                     blob = None
                 if blob is None:
                     raise InvalidModelError(f"tensor {t.name!r} references external data {info.get('location')!r} not in the packed file")
-                off = int(info.get("offset", 0) or 0)
-                ln = int(info["length"]) if info.get("length") else blob.size - off
+                off, ln = ranges.check(t, info, id(blob), blob.size)
                 t.raw_data = blob[off:off + ln].tobytes()
                 del t.external_data[:]
                 t.data_location = onnx.TensorProto.DEFAULT
