@@ -229,7 +229,9 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
 
 def _subgraph_dequantize_scale_types(skeleton) -> set:
     """The element types of the scales of the DequantizeLinear nodes inside If/Loop/Scan bodies
-    (where a scale is a tensor of the body: initializer or Constant node; 0 for any other)."""
+    (where a scale is a tensor of the body: initializer or Constant node; 0 for any other), except
+    those whose output only a Cast to float32 reads: they compute in float32 whatever their scale
+    (what _float32_dequantize_before_casts leaves of that form, e.g. a scale two nodes share)."""
     from .runtime_feed import subgraphs
 
     found = set()
@@ -237,14 +239,21 @@ def _subgraph_dequantize_scale_types(skeleton) -> set:
     while stack:
         g = stack.pop()
         types = {t.name: t.data_type for t in g.initializer}
+        dequantize = []
         for node in g.node:
             if node.op_type == "Constant":
                 for a in node.attribute:
                     if a.name == "value" and node.output:
                         types[node.output[0]] = a.t.data_type
             elif node.op_type == "DequantizeLinear" and len(node.input) > 1:
-                found.add(types.get(node.input[1], 0))
+                dequantize.append(node)
             stack.extend(subgraphs(node))
+        uses = main_graph_uses(g) if dequantize else {}
+        for node in dequantize:
+            readers = uses.get(node.output[0], [])
+            if not (readers and all(r is not None and r.op_type == "Cast" and _attr(r, "to", 0) == TensorProto.FLOAT
+                                    for r, _ in readers)):
+                found.add(types.get(node.input[1], 0))
     return found
 
 

@@ -116,3 +116,44 @@ def test_float16_storage_with_float16_conversion(tmp_path, mode):
     # (the body then computes in float16: its weight folded, as for any float16 body)
     assert any("folded to float (dtype=float16)" in n for n in sess.notes), sess.notes
     assert _snr_db(_reference(model), got) >= MIN_OUTPUT_SNR_DB
+
+
+def shared_scale_body_model() -> onnx.ModelProto:
+    """A Loop body with two int8 weights sharing one float16 scale (a Constant node), each
+    DequantizeLinear -> Cast(FLOAT) -> MatMul: the body computes in float32, but the shared scale
+    cannot be stored as float32 for one of them alone (_float32_dequantize_before_casts leaves it)."""
+    rng = np.random.default_rng(5)
+    const = lambda name, array: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name + "_value"))
+    body_nodes = [const("q1", rng.integers(-127, 128, (D, D), dtype=np.int8)),
+                  const("q2", rng.integers(-127, 128, (D, D), dtype=np.int8)),
+                  const("s", np.array(0.0008, np.float16))]
+    h = "h"
+    for i in (1, 2):
+        body_nodes += [helper.make_node("DequantizeLinear", [f"q{i}", "s"], [f"w{i}"]),
+                       helper.make_node("Cast", [f"w{i}"], [f"w{i}_float"], to=TensorProto.FLOAT),
+                       helper.make_node("MatMul", [h, f"w{i}_float"], [f"m{i}"])]
+        h = f"m{i}"
+    body_nodes += [helper.make_node("Tanh", [h], ["h_next"]), helper.make_node("Identity", ["cond"], ["cond_next"])]
+    body = helper.make_graph(body_nodes, "body", [_vi("i", [], TensorProto.INT64), _vi("cond", [], TensorProto.BOOL),
+                                                  _vi("h", None)],
+                             [_vi("cond_next", [], TensorProto.BOOL), _vi("h_next", None)])
+    graph = helper.make_graph([helper.make_node("Loop", ["trip", "", "x"], ["y"], body=body)], "shared_scale",
+                              [_vi("x", ["b", D])], [_vi("y", ["b", D])],
+                              [numpy_helper.from_array(np.array(2, np.int64), "trip")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_body_read_as_float_is_not_folded_as_a_float16_body(tmp_path, mode):
+    """F14 second half: the guard that folds a float16 body's DequantizeLinear nodes (onnxruntime's
+    float16 fusion there yields zeros) looks at the type the body computes in: these read through a
+    Cast to float stay DequantizeLinear (int8 in memory)."""
+    model = shared_scale_body_model()
+    path = str(tmp_path / "shared_scale.onnx")
+    onnx.save(model, path)
+    sess = passes.InferenceSession(path, mode=mode)
+    assert not any("folded to float" in n for n in sess.notes), sess.notes
+    assert _snr_db(_reference(model), sess.run(None, _feeds())[0]) >= 60.0  # the same weights, float32 compute
