@@ -590,26 +590,20 @@ def model_structure(source) -> onnx.ModelProto:
 
 
 def _check_external_locations(model: onnx.ModelProto, base_dir: Path) -> None:
-    """InvalidModelError where an external data location leaves the model's folder, is absolute, is no
-    regular file or a range passes its end: what load_model refuses before reading, said the same way
-    whatever the onnxruntime version (the data itself is onnxruntime's to read)."""
-    from ._fileio import _safe_external_path, external_tensors
+    """InvalidModelError where load_model would refuse the external data before reading it (a location
+    leaving the model's folder or absolute, a missing or irregular file, a range past its end or ranges
+    read over and over: _fileio.ExternalRanges), said the same way whatever the onnxruntime version
+    (the data itself is onnxruntime's to read)."""
+    from ._fileio import ExternalRanges, _safe_external_path, external_tensors
 
+    ranges = ExternalRanges()
     for tensor in external_tensors(model):
         info = {e.key: e.value for e in tensor.external_data}
         target = _safe_external_path(base_dir, info.get("location", ""))
         if not target.is_file():
             raise InvalidModelError(f"external data file {info.get('location')!r} of tensor {tensor.name!r} is "
                                     "missing or not a regular file")
-        try:
-            offset = int(info.get("offset", 0) or 0)
-            length = int(info["length"]) if info.get("length") else 0
-        except ValueError:
-            raise InvalidModelError(f"tensor {tensor.name!r} has a malformed external data offset or length") from None
-        size = target.stat().st_size
-        if offset < 0 or length < 0 or offset + length > size:
-            raise InvalidModelError(f"tensor {tensor.name!r} declares external data bytes {offset}..{offset + length} "
-                                    f"but {info.get('location')!r} holds {size} bytes")
+        ranges.check(tensor, info, target, target.stat().st_size)
 
 
 def runs_from_file(source) -> bool:

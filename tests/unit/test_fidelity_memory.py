@@ -142,3 +142,27 @@ def test_a_path_whose_external_data_load_model_refuses_is_refused_alike(tmp_path
     (sub / "m.onnx").write_bytes(m.SerializeToString())
     with pytest.raises(passes.errors.InvalidModelError, match=message):
         F.evaluate(str(sub / "m.onnx"), str(sub / "m.onnx"), feeds=[{"x": np.ones((1, 4), np.float32)}])
+
+
+def test_many_tensors_naming_one_range_are_refused_as_load_model_refuses_them(tmp_path):
+    """ExternalRanges' bound (the bytes named by all tensors at most the files' bytes + 64 MiB): 100 tensors
+    naming one 1 MiB range are refused by the path's structure check as by load_model."""
+    n = 1 << 18  # float32 values: 1 MiB
+    with open(tmp_path / "w.bin", "wb") as f:
+        f.truncate(4 * n)  # (sparse)
+    inits = []
+    for i in range(100):
+        t = onnx.TensorProto(name=f"W{i}", data_type=TensorProto.FLOAT, dims=[n], data_location=TensorProto.EXTERNAL)
+        for k, v in (("location", "w.bin"), ("offset", "0"), ("length", str(4 * n))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        inits.append(t)
+    g = helper.make_graph([helper.make_node("Sum", ["x"] + [t.name for t in inits], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])], inits)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    with pytest.raises(passes.errors.InvalidModelError, match="overlap"):
+        passes.load_model(path)
+    with pytest.raises(passes.errors.InvalidModelError, match="overlap"):
+        F.model_structure(str(path))
