@@ -1082,7 +1082,18 @@ def _one_step_axes(model: onnx.ModelProto, infos: dict, qmodel: onnx.ModelProto)
 
     names = set(gather_tables(model, infos))
     names |= {n for n, (node, _) in gq.consumers(model, list(infos)).items() if node.op_type in ONE_STEP_OPS}
+    names |= _shared_matmul_weights(model, infos)
     return sens.channel_axes(qmodel, sorted(names))
+
+
+def _shared_matmul_weights(model: onnx.ModelProto, infos: dict) -> set:
+    """Main-graph weights read by several nodes, all of them MatMul as its second input (a model-local
+    function's weight once its calls are inlined: _inline_function_weights): their output columns weigh
+    alike at every reader, as a single reader's do."""
+    weights, _ = graph.find_weights(model)
+    return {w.name for w in weights if w.name in infos and w.graph_key == 0 and len(w.uses) > 1
+            and all(u.node.op_type == "MatMul" and u.node.domain in ("", "ai.onnx") and u.index == 1
+                    for u in w.uses)}
 
 
 def _tighten(plan: dict, infos: dict, passes_check, tries: int, frozen=(), kept=None) -> dict:

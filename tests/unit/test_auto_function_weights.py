@@ -178,3 +178,17 @@ def test_the_command_with_a_target_quantizes_function_weights(tmp_path, capsys):
     assert rc == 0, err
     assert "local:Dense/w" in stdout
     assert dst.stat().st_size < src.stat().st_size * 0.5
+
+
+def test_a_shared_matmul_weight_gets_one_step_forms():
+    """Dense's weight, read by the two inlined MatMuls only, gets the one-step forms single-reader MatMul weights
+    get (its output columns weigh alike at both); a weight another op reads too (Identity -> an output) does not."""
+    model = nested_model()
+    probe = auto._inline_function_weights(model, [])
+    infos = {"local:Dense/w": None, "local:Dense/bias": None}
+    assert auto._shared_matmul_weights(probe, infos) == {"local:Dense/w"}
+    both = auto._inline_function_weights(model_calling_twice(float_dense(seed=4)), [])
+    assert auto._shared_matmul_weights(both, {"local:Dense/w": None}) == set()
+    out, record = passes.compress(model, target="cosine>=0.999", feeds=feeds_of(model))
+    assert "one-step" in {r["name"]: r["form"] for r in record["tensors"]}["local:Dense/w"]
+    assert record["met_on_feeds"]
