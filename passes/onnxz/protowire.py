@@ -167,8 +167,8 @@ def _tensor(buf, start: int, end: int, context: str, out: List[TensorRef]) -> No
         try:
             offset = int(external.get("offset", "0") or 0)
             length = int(external["length"]) if external.get("length") else -1
-        except ValueError:
-            return
+        except ValueError:  # reported, not skipped: pack refuses it (it would leave its data file out)
+            offset, length = -1, -1
         out.append(TensorRef(name, dtype, dims, "external", offset, length, context, external.get("location"), external))
         return
     for fname, a, b in payloads:

@@ -206,6 +206,11 @@ def _locate_external(base, refs, model: _Source, externals: Dict[str, _Source]) 
             if not target.is_file():
                 raise InvalidModelError(f"external data file {location!r} of tensor {ref.name!r} is missing")
             src = externals[name] = _Source(name, path=target)
+        try:
+            int(ref.external.get("offset", "0") or 0)
+            int(ref.external["length"]) if ref.external.get("length") else 0
+        except ValueError:  # (load_model refuses it too; packed, its data file would be left out)
+            raise InvalidModelError(f"tensor {ref.name!r} has a malformed external data offset or length") from None
         if ref.length < 0:
             ref.length = src.size - ref.offset
         if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > src.size:

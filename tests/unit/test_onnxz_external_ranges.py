@@ -46,6 +46,7 @@ def _packed(tmp_path, ranges, data_bytes, monkeypatch=None):
             for r in refs:
                 if r.field == "external":
                     r.offset, r.length = 0, -1
+                    r.external = dict(r.external, offset="0", length="")
             return refs
 
         monkeypatch.setattr(writer, "find_tensors", whole_files)
@@ -76,8 +77,17 @@ def test_a_few_tensors_sharing_a_range_still_load(tmp_path):
     ("4096", "4096", r"declares external data bytes 4096\.\.8192 but 'w.bin' holds 4096"),
 ])
 def test_a_bad_range_is_an_invalid_model_from_the_pack_as_from_the_onnx(tmp_path, monkeypatch, offset, length, match):
-    # (W0 is right: pack's wire walk skips a malformed range, and a pack holds the files a range names)
     src, packed = _packed(tmp_path, [("0", "4096"), (offset, length)], 4096, monkeypatch)
     for path in (src, packed):
         with pytest.raises(InvalidModelError, match=match):
             passes.load(path)
+
+
+@pytest.mark.parametrize("offset,length", [("abc", "4096"), ("0", "x1")])
+def test_pack_refuses_a_malformed_range(tmp_path, offset, length):
+    """It skipped the tensor, and with it the data file only that tensor named: the pack then
+    restored the model without its data (H5 s21 F2)."""
+    src = _model(tmp_path, [(offset, length)], 4096)
+    with pytest.raises(InvalidModelError, match="'W0' has a malformed external data offset or length"):
+        passes.onnxz.pack(src, tmp_path / "p.onnxz")
+    assert not (tmp_path / "p.onnxz").exists()
