@@ -209,6 +209,30 @@ def test_a_slow_reader_gets_every_byte_in_order():
     assert b"".join(got) == joined(pieces)
 
 
+def test_the_pacer_refills_after_an_eighth_at_the_pace_it_saw(monkeypatch):
+    """A full pipe: the writer sleeps for the reader to take DRAIN_SHARE (1/8) of what is queued at
+    the rate it last saw (half let the pipe run dry: onnxruntime then blocked on it), within the
+    pacer's bounds; an emptied pipe is refilled at once."""
+    queued = iter([1 << 20, (1 << 20) - 200_000, 1 << 20, 1 << 20, 0, 10, 10])
+    sleeps = []
+    monkeypatch.setattr(runtime, "_queued_bytes", lambda fd: next(queued))
+    monkeypatch.setattr(runtime.time, "sleep", sleeps.append)
+    clock = iter([0.0, 1e-3, 5.0, 5.0, 6.0, 6.0])  # (the first sleep "took" 1 ms, the others nothing)
+    monkeypatch.setattr(runtime.time, "perf_counter", lambda: next(clock))
+    pacer = runtime._DrainPacer(-1)
+    assert runtime._DrainPacer.DRAIN_SHARE == 1 / 8
+    pacer.wait()
+    assert sleeps == [pytest.approx((1 << 20) / 8 / runtime._DrainPacer.FIRST_RATE)]
+    assert pacer.rate == pytest.approx(200_000 / 1e-3)  # (what the reader took meanwhile)
+    pacer.wait()
+    assert sleeps[1] == pytest.approx(max((1 << 20) / 8 / 2e8, runtime._DrainPacer.SHORTEST))
+    pacer.wait()  # (emptied meanwhile: no sleep)
+    assert len(sleeps) == 2
+    pacer.rate = 1.0  # (a stalled reader: looked at again after LONGEST)
+    pacer.wait()
+    assert sleeps[2] == runtime._DrainPacer.LONGEST
+
+
 def test_queued_bytes_reads_the_pipe_from_its_write_end():
     read_end, write_end = runtime.model_pipe()
     try:
