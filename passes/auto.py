@@ -1395,7 +1395,7 @@ class _Search:
                 raise InvalidArgumentError(f"the original model does not run on synthesised inputs ({exc}); "
                                            "pass real feeds (--feeds)") from None
             raise
-        require_measurable(self.ref, synthesized=self.synthesized)
+        require_measurable(self.ref, synthesized=self.synthesized, feeds=self.feeds)
         require_computable(self.reqs, self.ref)
         self._lap("reference")
 

@@ -1192,12 +1192,13 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
         cand = run_outputs(candidate, feeds, providers=providers, progress=step2)
     except InvalidModelError as exc:  # say which of the two models failed
         raise InvalidModelError(f"candidate model: {exc}") from None
-    require_measurable(ref, synthesized=synthesized)
+    require_measurable(ref, synthesized=synthesized, feeds=feeds)
     metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args)
     odd, total_values = _non_finite_count(ref)
     if odd:
         notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "
                      "equal where the candidate has the same, and left out of cosine and snr")
+    notes.extend(_empty_feeds_note(ref))
     names = [o.name for o in original_model.graph.output]
     notes.extend(_label_notes(_comparable(ref[:1]), names))
     notes.extend(_outputs_beside_output0(ref, cand, names))
@@ -1216,20 +1217,51 @@ def _label_notes(first_run, names: list[str]) -> list[str]:
     return [f"output(s) {named} hold class labels: {top1}they count in maxabs and are left out of snr{cosine}"]
 
 
-def require_measurable(ref, *, synthesized: bool = False) -> None:
-    """InvalidArgumentError when the original's outputs on the feeds hold no value a metric can use.
+def require_measurable(ref, *, synthesized: bool = False, feeds=None) -> None:
+    """InvalidArgumentError when the original's outputs on the feeds hold no value a metric can use:
+    every output of every feed empty (a feed whose batch has 0 rows; `feeds`, when given, lets the
+    message name an empty input), or every value NaN / infinite.
 
     Why: NaN and infinite reference values are left out of cosine / snr / maxabs and compared as
     equal where the candidate has the same, which is right for a few masked positions; but when
     every value is such (a NaN feed, an original that overflows on the user's data) the metrics are
-    computed over nothing and read perfect, and a CI gate would pass a model nobody measured."""
+    computed over nothing and read perfect, and a CI gate would pass a model nobody measured. Empty
+    outputs read perfect the same way (cosine 1, snr inf: 'compress --require' passed a 2-bit model
+    on a feed of shape [0, 64])."""
     odd, total = _non_finite_count(ref)
-    if total == 0 or odd < total:
+    if total == 0:
+        where = _empty_input(feeds)
+        raise InvalidArgumentError(
+            f"the original model's outputs on {'the synthesised inputs' if synthesized else 'these feeds'} hold no "
+            f"values (every output is empty{where}): there is nothing to measure fidelity on; "
+            "give feeds with at least one row")
+    if odd < total:
         return
     where = ("the synthesised inputs (pass real feeds: --feeds)" if synthesized
              else "these feeds (check them: a feed of NaN, or values the model overflows on)")
     raise InvalidArgumentError(f"every output value of the original model is NaN or infinite on {where}: "
                                "there is nothing to measure fidelity on")
+
+
+def _empty_input(feeds) -> str:
+    """'; feed 0 input 'x' has shape [0, 64]' for the first input of `feeds` holding no value ('' if none)."""
+    for i, feed in enumerate(feeds or ()):
+        for name, value in feed.items():
+            shape = np.shape(value)
+            if 0 in shape:
+                return f"; feed {i} input {name!r} has shape {list(shape)}, no values"
+    return ""
+
+
+def _empty_feeds_note(ref) -> list[str]:
+    """The feeds whose outputs are all empty, said: they count as full agreement in cosine (and add
+    nothing to snr or maxabs), so a mean over feeds holding some reads better than what was measured."""
+    empty = [i for i, outs in enumerate(_comparable(ref)) if all(np.asarray(o).size == 0 for o in outs)]
+    if not empty:
+        return []
+    shown = ", ".join(map(str, empty[:10])) + (f" (and {len(empty) - 10} more)" if len(empty) > 10 else "")
+    return [f"{len(empty)} of {len(ref)} feeds give only empty outputs (feed {shown}): nothing is measured on them, "
+            "and cosine counts each as full agreement; drop them from the feeds"]
 
 
 def require_computable(requirements, ref) -> None:

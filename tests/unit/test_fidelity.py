@@ -565,7 +565,8 @@ def test_require_measurable_counts_integer_outputs_as_measured():
     with pytest.raises(InvalidArgumentError, match="synthesised inputs"):
         F.require_measurable(nan, synthesized=True)
     F.require_measurable([[np.full(3, np.nan, np.float32), np.arange(3)]])  # an integer output is measured
-    F.require_measurable([[np.zeros(0, np.float32)]])  # nothing at all: other checks speak for empty outputs
+    with pytest.raises(InvalidArgumentError, match="hold no values"):  # nothing at all: nothing measured
+        F.require_measurable([[np.zeros(0, np.float32)]])
 
 
 def test_auto_target_refuses_feeds_with_nothing_to_measure(model):

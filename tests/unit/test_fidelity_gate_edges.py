@@ -1,0 +1,106 @@
+"""The fidelity gate and the command on edge cases: feeds that measure nothing, values that miss a
+requirement by less than the printed rounding, axes out of range, which model failed."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import passes
+from passes import fidelity as F
+from passes.errors import InvalidArgumentError
+from tools.surgeon_compress import main
+
+
+def linear_model(weight: np.ndarray, batch="batch") -> onnx.ModelProto:
+    """y = x @ W, x [batch, K] float32 -> y [batch, N]."""
+    k, n = weight.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, n])],
+        [numpy_helper.from_array(weight.astype(np.float32), "W")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture
+def weight():
+    return np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+
+
+@pytest.fixture
+def model_path(tmp_path, weight):
+    path = tmp_path / "lin.onnx"
+    onnx.save(linear_model(weight), str(path))
+    return path
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("surgeon-compress: error: "), err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ nothing measured
+
+
+@pytest.fixture
+def empty_feeds(tmp_path):
+    path = tmp_path / "empty.npz"
+    np.savez(path, **{"0/x": np.zeros((0, 64), np.float32)})
+    return path
+
+
+def test_evaluate_refuses_feeds_whose_outputs_hold_no_values(weight):
+    """A batch of 0 rows gives empty outputs: cosine 1 and snr inf over nothing, which passed any gate."""
+    candidate = linear_model(weight + np.float32(1.0))
+    with pytest.raises(InvalidArgumentError, match=r"nothing to measure.*|hold no values") as caught:
+        F.evaluate(linear_model(weight), candidate, feeds=[{"x": np.zeros((0, 64), np.float32)}])
+    assert "feed 0 input 'x' has shape [0, 64]" in str(caught.value)
+
+
+def test_require_measurable_refuses_empty_outputs():
+    with pytest.raises(InvalidArgumentError, match="hold no values"):
+        F.require_measurable([[np.zeros(0, np.float32)]])
+    F.require_measurable([[np.zeros(0, np.float32)], [np.ones(2, np.float32)]])  # one feed measured: fine
+
+
+def test_evaluate_notes_feeds_that_give_only_empty_outputs(weight):
+    rng = np.random.default_rng(0)
+    feeds = [{"x": np.zeros((0, 64), np.float32)}, {"x": rng.standard_normal((2, 64)).astype(np.float32)}]
+    result = F.evaluate(linear_model(weight), linear_model(weight * 1.01), feeds=feeds)
+    assert any("1 of 2 feeds give only empty outputs (feed 0)" in n for n in result.notes), result.notes
+
+
+def test_compress_require_refuses_an_empty_batch(tmp_path, capsys, model_path, empty_feeds):
+    out = tmp_path / "o.onnx"
+    code, _, err = run(capsys, "compress", model_path, "-o", out, "--bits", "2", "--feeds", empty_feeds,
+                       "--require", "cosine>=0.9999")
+    assert code == 1
+    assert "hold no values" in one_line_error(err)
+    assert not out.exists()
+
+
+def test_eval_refuses_an_empty_batch(tmp_path, capsys, model_path, empty_feeds):
+    out = tmp_path / "o.onnx"
+    assert main(["compress", str(model_path), "-o", str(out), "--bits", "2"]) == 0
+    capsys.readouterr()
+    code, _, err = run(capsys, "eval", model_path, out, "--feeds", empty_feeds, "--require", "cosine>=0.9999")
+    assert code == 1
+    assert "nothing to measure fidelity on" in one_line_error(err)
+
+
+def test_compress_target_refuses_an_empty_batch(tmp_path, capsys, model_path, empty_feeds):
+    out = tmp_path / "o.onnx"
+    code, _, err = run(capsys, "compress", model_path, "-o", out, "--feeds", empty_feeds, "--target", "cosine>=0.999")
+    assert code == 1
+    assert "hold no values" in one_line_error(err)
+    assert not out.exists()
