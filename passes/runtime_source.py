@@ -131,44 +131,40 @@ def _external_info(t: TensorProto) -> dict:
 def _map_external(model: onnx.ModelProto, base: Path, arrays: dict, attributes: bool = True) -> None:
     """Main-graph initializers in external data files become views of those files (mapped once);
     tensors elsewhere (subgraphs, attributes) are read into the skeleton (attributes=False: the
-    caller knows none names a file)."""
-    from ._fileio import external_tensors
+    caller knows none names a file). Every range passes _fileio.ExternalRanges' checks, as
+    load_model's: views cost nothing here, but onnxruntime makes its own copy of each, so a
+    thousand initializers naming one 4 MiB range took 4 GB."""
+    from ._fileio import ExternalRanges, external_tensors
 
     maps = {}
-    for t in model.graph.initializer:
-        if t.data_location != TensorProto.EXTERNAL:
-            continue
+    ranges = ExternalRanges()
+
+    def view(t):
         info = _external_info(t)
         target = _safe_external_path(base, info.get("location", ""))
-        if target not in maps:
+        buf = maps.get(target)
+        if buf is None:
             if not target.is_file():
                 raise InvalidModelError(f"external data file {info.get('location')!r} of tensor {t.name!r} is missing")
-            maps[target] = _map_file(target)
-        buf = maps[target]
-        array = _view_external(t, info, buf)
-        arrays[t.name] = array
+            buf = maps[target] = _map_file(target)
+        offset, length = ranges.check(t, info, target, len(buf))
+        return _view_external(t, offset, length, buf)
+
+    for t in model.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL:
+            arrays[t.name] = view(t)
     for t in model.graph.initializer:
         if t.name in arrays and t.data_location == TensorProto.EXTERNAL:
             t.CopyFrom(placeholder(t.name, arrays[t.name]))
     for t in external_tensors(model) if attributes else ():  # subgraph / attribute tensors: into the skeleton
         if is_placeholder(t):
             continue
-        info = _external_info(t)
-        target = _safe_external_path(base, info.get("location", ""))
-        if target not in maps:
-            maps[target] = _map_file(target)
-        value = _view_external(t, info, maps[target])
+        value = view(t)
         t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), t.name))
 
 
-def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
-    try:
-        offset = int(info.get("offset", 0) or 0)
-        length = int(info["length"]) if info.get("length") else len(buf) - offset
-    except ValueError:
-        raise InvalidModelError(f"tensor {t.name!r} has a malformed external data offset or length") from None
-    if offset < 0 or length < 0 or offset + length > len(buf):
-        raise InvalidModelError(f"tensor {t.name!r} declares external data beyond the end of its file")
+def _view_external(t: TensorProto, offset: int, length: int, buf) -> np.ndarray:
+    """The values of `t` from `buf[offset:offset + length]` (a range ExternalRanges checked)."""
     np_type = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
     count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
     if t.data_type in (TensorProto.INT4, TensorProto.UINT4) or count * np.dtype(np_type).itemsize != length:
@@ -177,7 +173,11 @@ def _view_external(t: TensorProto, info: dict, buf) -> np.ndarray:
         del proto.external_data[:]
         proto.data_location = TensorProto.DEFAULT
         proto.raw_data = bytes(buf[offset:offset + length])
-        return numpy_helper.to_array(proto)
+        try:
+            return numpy_helper.to_array(proto)
+        except ValueError:  # (its bytes are not what its dims and type need)
+            raise InvalidModelError(f"tensor {t.name!r} has {length} bytes of external data, "
+                                    f"which its type and shape {list(t.dims)} do not fit") from None
     return np.frombuffer(buf, dtype=np_type, count=count, offset=offset).reshape(tuple(t.dims))
 
 
@@ -441,28 +441,36 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
     together later), others are read from their range. Tensors elsewhere in the external files
     (subgraph initializers, Constant attributes: onnx's convert_attribute layout) are read into the
     skeleton, as _map_external does for a plain .onnx (onnxruntime cannot open the pack's files)."""
-    from ._fileio import external_tensors
+    from ._fileio import ExternalRanges, external_tensors
+    from .onnxz.format import normal_data_name
 
     names = {f.name: fi for fi, f in enumerate(pf.index.files)}
+    # load()'s checks of each range (inside its file, offset and length well formed) and of the
+    # bytes all ranges read (many tensors naming one range would each get a copy: a 1 MB pack of
+    # 1000 tensors naming one 4 MiB range took 8 GB here)
+    ranges = ExternalRanges()
 
     def where(t):
-        """(info, file index, offset, the pack's tensor entry there or None) of an external tensor."""
+        """(file index, offset, length, the pack's tensor entry of that range or None) of an external tensor."""
         info = _external_info(t)
-        fi = names.get(info.get("location", ""))
+        try:  # the index names each file by its normal name (FORMAT.md 4): "./w3.bin" is "w3.bin"
+            fi = names.get(normal_data_name(info.get("location", "")))
+        except CorruptFileError:  # ".." or absolute: no file of the pack has that name
+            fi = None
         if fi is None or fi == 0:
             raise CorruptFileError(f"damaged .onnxz file: external data {info.get('location')!r} of {t.name!r} is not in the pack")
-        offset = int(info.get("offset", 0) or 0)
-        return info, fi, offset, entries.get((fi, offset))
+        offset, length = ranges.check(t, info, fi, pf.index.files[fi].size)
+        entry = entries.get((fi, offset))
+        return fi, offset, length, entry if entry is not None and entry.length == length else None
 
-    def read_range(t, info, fi, offset):
-        """The tensor's values from its byte range (the range read starts at the tensor: offset 0 there)."""
-        length = int(info["length"]) if info.get("length") else pf.index.files[fi].size - offset
-        return _view_external(t, {**info, "offset": "0", "length": str(length)}, pf.read_range(fi, offset, length))
+    def read_range(t, fi, offset, length):
+        """The tensor's values from its byte range."""
+        return _view_external(t, 0, length, pf.read_range(fi, offset, length))
 
     for t in model.graph.initializer:
         if t.data_location != TensorProto.EXTERNAL:
             continue
-        info, fi, offset, entry = where(t)
+        fi, offset, length, entry = where(t)
         shape = list(t.dims)
         if entry is not None and _plain_layout(t, entry.length):
             coded.append((t.name, entry, helper.tensor_dtype_to_np_dtype(t.data_type), shape))
@@ -473,17 +481,17 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
             value = packed.get_tensor(entry.key)
             arrays[t.name] = (value if value.flags.writeable else value.copy()).reshape(shape)
         else:
-            arrays[t.name] = read_range(t, info, fi, offset)
+            arrays[t.name] = read_range(t, fi, offset, length)
         t.CopyFrom(placeholder(t.name, arrays[t.name]))
     # (a walk over every attribute of every node: only where the pack has external data files)
     for t in external_tensors(model) if len(names) > 1 else ():
         if is_placeholder(t):  # (the main graph's, made above or by _placeholder_for)
             continue
-        info, fi, offset, entry = where(t)
+        fi, offset, length, entry = where(t)
         if entry is not None and _plain_layout(t, entry.length):
             value = np.asarray(packed.get_tensor(entry.key)).reshape(list(t.dims))
         else:
-            value = read_range(t, info, fi, offset)
+            value = read_range(t, fi, offset, length)
         t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), t.name))
 
 
