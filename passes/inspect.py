@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 
 from ._fileio import load_model
+from .errors import InvalidModelError
 from .graph import type_name as dtype_name  # numpy-style: float32, float16, bfloat16, int8, int4, ...
 
 FLOAT_TYPES = {
@@ -63,8 +64,18 @@ def tensor_nbytes(tensor: onnx.TensorProto) -> int:
         return len(tensor.raw_data)
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         info = {e.key: e.value for e in tensor.external_data}
-        if info.get("length"):
-            return int(info["length"])
+        # parsed as every reader of the data parses them (_fileio.ExternalRanges), in the same
+        # words: the file is not read here, so a range beyond its end is not looked for
+        try:
+            offset = int(info.get("offset", 0) or 0)
+            length = int(info["length"]) if info.get("length") else None
+        except ValueError:
+            raise InvalidModelError(f"tensor {tensor.name!r} has a malformed external data offset or length") from None
+        if offset < 0 or (length is not None and length < 0):
+            raise InvalidModelError(f"tensor {tensor.name!r} declares external data bytes {offset}..{offset + (length or 0)}: "
+                                    "a negative offset or length")
+        if length is not None:
+            return length
     count = int(np.prod(tensor.dims, dtype=np.int64)) if len(tensor.dims) else 1
     bits = _BITS.get(tensor.data_type)
     if bits is None:
