@@ -922,14 +922,18 @@ def _margin(req, cosine_margin=None):
     return Requirement(req.metric, req.op, t)
 
 
-def _metrics(ref, cand, reqs, metric_args, n_out=None):
+def _metrics(ref, cand, reqs, metric_args, n_out=None, batch_outputs=frozenset()):
+    """The metrics of a candidate's outputs as fidelity.evaluate computes them (ctc only for a ctc target;
+    cosine_min per sample where the batch axis is known: batch_outputs, metric_args' batch_axis)."""
     from .fidelity import FidelityResult, compute_metrics
 
     if n_out is not None:
         ref = [r[:n_out] for r in ref]
         cand = [c[:n_out] for c in cand]
     ctc = any(r.metric == "ctc" for r in reqs)
-    out = compute_metrics(ref, cand, metric="ctc" if ctc else None, metric_args=metric_args if ctc else None)
+    args = metric_args if ctc else {k: v for k, v in (metric_args or {}).items() if k == "batch_axis"}
+    out = compute_metrics(ref, cand, metric="ctc" if ctc else None, metric_args=args or None,
+                          batch_outputs=batch_outputs)
     return FidelityResult(metrics=out, n_feeds=len(ref), synthesized=False)
 
 
@@ -1263,7 +1267,7 @@ class _Search:
                  min_elements, run_as, tighten, fused_matmul_form):
         """Checks the arguments and loads the model (sparse initializers stored dense, nodes sorted
         topologically), raising before any measuring."""
-        from .fidelity import RUN_AS, parse_requirements
+        from .fidelity import RUN_AS, declared_batch_outputs, parse_requirements
 
         self.started = time.perf_counter()
         self.reqs = parse_requirements(target)
@@ -1307,6 +1311,7 @@ class _Search:
             self.notes.append("candidates measured with their weights folded to float (run_as='fold')")
         self.src = src
         self.metric_args = metric_args
+        self.batch_outputs = declared_batch_outputs(src)  # (cosine_min per sample on these outputs)
         self.granularity = granularity
         self.error_feedback = error_feedback
         self.min_elements = min_elements
@@ -1448,7 +1453,8 @@ class _Search:
         """Whether the target is also met on the first self.gate_n feeds, where the command's gate measures."""
         if not 0 < self.gate_n < len(ref_outs):
             return True
-        return _meets(_metrics(ref_outs[:self.gate_n], outs[:self.gate_n], reqs, self.metric_args, self.n_out), reqs)
+        return _meets(_metrics(ref_outs[:self.gate_n], outs[:self.gate_n], reqs, self.metric_args, self.n_out,
+                               self.batch_outputs), reqs)
 
     def _tie_ok(self, sigma: float) -> bool:
         """Whether a margin error sigma keeps the expected held-out top-1 flips within the budget."""
@@ -1460,7 +1466,7 @@ class _Search:
         lose on inputs they were not fitted to."""
         from .fidelity import output_snr_db
 
-        res = _metrics(ref_outs, outs, reqs, self.metric_args, self.n_out)
+        res = _metrics(ref_outs, outs, reqs, self.metric_args, self.n_out, self.batch_outputs)
         px_cand = proxy_outputs(outs, self.proxy_plan)
         psnr = output_snr_db(proxy_outputs(ref_outs, self.proxy_plan), px_cand)
         res.metrics["proxy_snr"] = psnr

@@ -8,7 +8,9 @@
 
 Metrics, always on the outputs of the same feed run through both models:
   cosine      cosine similarity of the flattened output 0, per feed: "cosine" is the mean over
-              feeds, "cosine_min" the worst feed
+              feeds; "cosine_min" the worst sample where the output's batch axis is known (its first
+              dimension named as an input's first one is, e.g. 'batch', or metric_args batch_axis),
+              each row of a batched feed its own sample, else the worst feed
   top1        fraction of positions of output 0 whose argmax over the last axis agrees
   ctc         fraction of identical greedy-CTC index strings of output 0 (one per batch row);
               needs metric_args time_axis, class_axis and blank (as in the corpus MANIFEST.json)
@@ -845,24 +847,86 @@ def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence
     values = np.empty(len(ref))
     for i, (r, c) in enumerate(zip(ref, cand)):
         k = measured_output(r)
+        values[i] = _cosine(r[k], c[k]) if k < len(c) else 0.0
+    return values
+
+
+def cosine_per_sample(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence[np.ndarray]],
+                      batch_axis: int | None) -> np.ndarray:
+    """Cosine similarity of the measured output (as cosine_per_feed) per sample: one value per index
+    along `batch_axis` of each feed's output, where the feed holds more than one sample and each holds
+    more than one value; one value for the whole feed otherwise (and for every feed when batch_axis is
+    None, or where the two models' shapes differ: 0)."""
+    if batch_axis is None:
+        return cosine_per_feed(ref, cand)
+    values = []
+    for r, c in zip(ref, cand):
+        k = measured_output(r)
         if k >= len(c):
-            values[i] = 0.0
+            values.append(0.0)
             continue
         a, b = np.asarray(r[k]), np.asarray(c[k])
-        if a.shape != b.shape:
-            values[i] = 0.0
+        axis = check_axis(batch_axis, a.ndim, "batch_axis", k) if a.ndim else None
+        if a.shape != b.shape or axis is None or a.shape[axis] < 2 or a.size // a.shape[axis] < 2:
+            values.append(_cosine(a, b))
             continue
-        a, b, broken = _finite_pairs(a, b)
-        if broken:  # a NaN or infinity where the reference has something else
-            values[i] = 0.0
-            continue
-        a, b = _scaled_together(a, b)  # (float64 outputs past ~1e154 overflow the squares: NaN for equal runs)
-        na, nb = np.linalg.norm(a), np.linalg.norm(b)
-        if na == 0 or nb == 0:  # both zero: identical; one zero: nothing in common
-            values[i] = float(na == nb)
-        else:
-            values[i] = min(1.0, max(-1.0, float(a @ b / (na * nb))))  # (rounding may pass +-1)
-    return values
+        values.extend(_cosine(x, y) for x, y in zip(np.moveaxis(a, axis, 0), np.moveaxis(b, axis, 0)))
+    return np.asarray(values, dtype=np.float64)
+
+
+def check_axis(axis: int, rank: int, name: str, output) -> int:
+    """`axis` of an output of `rank` dimensions as a non-negative index (negative ones count from the end);
+    InvalidArgumentError naming the option, the output and its rank where it lies outside."""
+    if not -rank <= axis < rank:
+        raise InvalidArgumentError(f"{name}={axis} is out of range for output {output} of rank {rank} "
+                                   f"(axes {-rank}..{rank - 1})" if rank else
+                                   f"{name}={axis}: output {output} is a scalar (rank 0), it has no axes")
+    return axis % rank
+
+
+def _cosine(a, b) -> float:
+    """Cosine similarity of two outputs flattened: 0 where their shapes differ or a NaN / infinity of
+    one is not the other's; 1 where both are all zero."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return 0.0
+    a, b, broken = _finite_pairs(a, b)
+    if broken:  # a NaN or infinity where the reference has something else
+        return 0.0
+    a, b = _scaled_together(a, b)  # (float64 outputs past ~1e154 overflow the squares: NaN for equal runs)
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0 or nb == 0:  # both zero: identical; one zero: nothing in common
+        return float(na == nb)
+    return min(1.0, max(-1.0, float(a @ b / (na * nb))))  # (rounding may pass +-1)
+
+
+def declared_batch_outputs(model: onnx.ModelProto) -> set[int]:
+    """The indexes of the graph outputs whose first dimension is named as the first dimension of a graph
+    input is ('batch' in both, as torch and most exporters write a dynamic batch): their rows are the
+    samples of the feed's batch."""
+    batch_names = {vi.type.tensor_type.shape.dim[0].dim_param for vi in model_inputs(model)
+                   if vi.type.HasField("tensor_type") and len(vi.type.tensor_type.shape.dim)
+                   and vi.type.tensor_type.shape.dim[0].dim_param}
+    found = set()
+    for j, vi in enumerate(model.graph.output):
+        dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else ()
+        if len(dims) and dims[0].dim_param and dims[0].dim_param in batch_names:
+            found.add(j)
+    return found
+
+
+def sample_axis(ref, metric_args: dict | None, batch_outputs=frozenset()) -> int | None:
+    """The axis of the measured output that indexes samples: metric_args' batch_axis where given, else 0
+    where the model declares that output's first dimension a batch (declared_batch_outputs), else None."""
+    args = metric_args or {}
+    if "batch_axis" in args:
+        try:
+            return int(args["batch_axis"])
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"metric_args batch_axis must be an integer, got {args['batch_axis']!r}") from None
+    if not len(ref):
+        return None
+    return 0 if measured_output(_comparable(ref[:1])[0]) in batch_outputs else None
 
 
 def top1_agreement(ref, cand) -> float | None:
@@ -1026,15 +1090,20 @@ def _snr_db(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def compute_metrics(ref, cand, *, metric: str | None = None, metric_args: dict | None = None) -> dict[str, float]:
-    """Every metric that applies to these outputs; "ctc" only when asked for (it needs axes)."""
+def compute_metrics(ref, cand, *, metric: str | None = None, metric_args: dict | None = None,
+                    batch_outputs=frozenset()) -> dict[str, float]:
+    """Every metric that applies to these outputs; "ctc" only when asked for (it needs axes).
+    cosine_min is the worst sample's where the measured output's batch axis is known (metric_args'
+    batch_axis, or 0 for an output in `batch_outputs`: declared_batch_outputs), else the worst feed's."""
     if len(ref) != len(cand):
         raise InvalidArgumentError(f"cannot compare {len(ref)} reference runs with {len(cand)} candidate runs")
     ref, cand = _comparable(ref), _comparable(cand)  # outputs straight from a session: maps, strings
     cos = cosine_per_feed(ref, cand)
+    axis = sample_axis(ref, metric_args, batch_outputs)
+    per_sample = cos if axis is None else cosine_per_sample(ref, cand, axis)
     metrics: dict[str, float] = {
         "cosine": float(cos.mean()) if cos.size else 1.0,
-        "cosine_min": float(cos.min()) if cos.size else 1.0,
+        "cosine_min": float(per_sample.min()) if per_sample.size else 1.0,
     }
     top1 = top1_agreement(ref, cand)
     if top1 is not None:
@@ -1193,7 +1262,8 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
     except InvalidModelError as exc:  # say which of the two models failed
         raise InvalidModelError(f"candidate model: {exc}") from None
     require_measurable(ref, synthesized=synthesized, feeds=feeds)
-    metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args)
+    metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args,
+                              batch_outputs=declared_batch_outputs(original_model))
     odd, total_values = _non_finite_count(ref)
     if odd:
         notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "

@@ -907,7 +907,7 @@ def _decibels(text: str) -> float:
     return value
 
 
-METRIC_ARG_KEYS = ("time_axis", "class_axis", "blank")  # what the ctc metric reads
+METRIC_ARG_KEYS = ("time_axis", "class_axis", "blank", "batch_axis")  # what the ctc metric and cosine_min read
 
 
 def _metric_arg(text: str) -> tuple[str, int]:
@@ -946,12 +946,15 @@ def _add_fidelity_options(p: argparse.ArgumentParser) -> None:
                         "without it, random inputs are synthesised from the model's input specs")
     p.add_argument("--require", metavar="EXPR", type=_requirement, action=_ExtendRequirements, default=[],
                    help="fidelity gate, e.g. 'cosine>=0.999', 'top1>=0.99', 'maxabs<=0.01', 'snr>=30' "
-                        "(also cosine_min, snr_min: the worst feed / output; ctc with --metric ctc); repeat, or "
+                        "(also cosine_min: the worst sample, each row of a batched feed where the output's batch axis is "
+                        "known (named as an input's first dimension, or --metric-arg batch_axis=N), else the worst feed; "
+                        "snr_min: the worst output; ctc with --metric ctc); repeat, or "
                         "separate with commas; exit 3 when not met")
     p.add_argument("--metric", choices=METRICS, help="the metric that matters for this model, recorded in the JSON report; "
                                                      "ctc (greedy-CTC string agreement) is computed only when named, with --metric-arg")
     p.add_argument("--metric-arg", metavar="KEY=INT", action="append", type=_metric_arg,
-                   help="metric parameter, e.g. --metric-arg time_axis=0 --metric-arg class_axis=2 --metric-arg blank=0")
+                   help="metric parameter, e.g. --metric-arg time_axis=0 --metric-arg class_axis=2 --metric-arg blank=0 "
+                        "(ctc); --metric-arg batch_axis=0: the measured output's batch axis, for cosine_min per sample")
     p.add_argument("--provider", choices=("cpu", "cuda"), default=None, help="onnxruntime device for the runs (default cpu)")
     p.add_argument("--run-as", choices=("onnxruntime", "fold"), default="onnxruntime",
                    help="how the compressed model is run for the fidelity check: as onnxruntime runs the file "

@@ -104,3 +104,60 @@ def test_compress_target_refuses_an_empty_batch(tmp_path, capsys, model_path, em
     assert code == 1
     assert "hold no values" in one_line_error(err)
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ cosine_min per sample
+
+
+def _batched_feeds():
+    rng = np.random.default_rng(5)
+    return [{"x": rng.standard_normal((4, 64)).astype(np.float32)}]
+
+
+def _one_row_broken(weight):
+    """A candidate whose output row 2 (of 4) is far off and the others exact: y = x @ W, then row 2 scaled -1."""
+    k, n = weight.shape
+    flip = np.ones((4, 1), np.float32)
+    flip[2] = -1
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y0"]), helper.make_node("Mul", ["y0", "flip"], ["y"])], "broken",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        [numpy_helper.from_array(weight, "W"), numpy_helper.from_array(flip, "flip")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_cosine_min_is_per_sample_where_the_batch_axis_is_named(weight):
+    """One feed of 4 rows, one of them reversed: the whole-batch cosine is 0.5, the worst sample's -1."""
+    result = F.evaluate(linear_model(weight), _one_row_broken(weight), feeds=_batched_feeds())
+    assert result.metrics["cosine_min"] == pytest.approx(-1.0)
+    assert 0.3 < result.metrics["cosine"] < 0.7  # (the mean over feeds: one feed, the batch as a whole)
+    assert not F.parse_requirement("cosine_min>=0.9").check(result)
+
+
+def test_cosine_min_stays_per_feed_where_the_batch_axis_is_unknown(weight):
+    """Output dims unnamed: rows may be time steps, not samples; metric_args batch_axis names the axis."""
+    original, candidate = linear_model(weight, batch=None), _one_row_broken(weight)
+    candidate.graph.output[0].type.tensor_type.shape.dim[0].Clear()
+    whole = F.evaluate(original, candidate, feeds=_batched_feeds())
+    assert whole.metrics["cosine_min"] == pytest.approx(whole.metrics["cosine"])
+    rows = F.evaluate(original, candidate, feeds=_batched_feeds(), metric_args={"batch_axis": 0})
+    assert rows.metrics["cosine_min"] == pytest.approx(-1.0)
+
+
+def test_batch_axis_out_of_range_names_the_output_and_its_rank(weight):
+    with pytest.raises(InvalidArgumentError, match=r"batch_axis=5 is out of range for output 0 of rank 2"):
+        F.evaluate(linear_model(weight), linear_model(weight), feeds=_batched_feeds(), metric_args={"batch_axis": 5})
+
+
+def test_compress_require_cosine_min_per_sample(tmp_path, capsys, weight):
+    """The command's gate reads the per-sample cosine_min, and --metric-arg batch_axis is accepted."""
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    feeds = tmp_path / "f.npz"
+    onnx.save(linear_model(weight), str(a))
+    onnx.save(_one_row_broken(weight), str(b))
+    np.savez(feeds, **{"0/x": _batched_feeds()[0]["x"]})
+    code, out, err = run(capsys, "eval", a, b, "--feeds", feeds, "--require", "cosine_min>=0.9",
+                         "--metric-arg", "batch_axis=0")
+    assert code == 3, err
