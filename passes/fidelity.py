@@ -1159,7 +1159,7 @@ class FidelityResult:
             if name in m:
                 parts.append(f"{name} {m[name]:.4f}")
         if "cosine" in m:
-            parts.append(f"cosine {m['cosine']:.6f} (min {m['cosine_min']:.6f})")
+            parts.append(f"cosine {_below_one(m['cosine'])} (min {_below_one(m['cosine_min'])})")
         if "snr" in m:
             parts.append(f"snr {m['snr']:.1f} dB" + (f" (worst output {m['snr_min']:.1f})" if "snr_min" in m else ""))
         if "maxabs" in m:
@@ -1167,6 +1167,15 @@ class FidelityResult:
         where = f"{self.n_feeds} synthesised feed{'s' if self.n_feeds != 1 else ''} (no --feeds given: random inputs, not real data)" \
             if self.synthesized else f"{self.n_feeds} feed{'s' if self.n_feeds != 1 else ''}"
         return " | ".join(parts) + f" on {where}"
+
+
+def _below_one(value: float) -> str:
+    """A cosine with 6 decimals, more (up to 12) where 6 would round a value below 1 up to 1.000000."""
+    for decimals in range(6, 13):
+        text = f"{value:.{decimals}f}"
+        if not (value < 1 and float(text) >= 1):
+            return text
+    return text
 
 
 # an output this many dB below output 0 is named in a note: top1, cosine and ctc read output 0
@@ -1396,7 +1405,20 @@ class Requirement:
     def describe(self, result: FidelityResult) -> str:
         value = self.value(result)
         verdict = "ok" if self.check(result) else "FAILED"
-        return f"{self.metric} {value:.6g} (required {self.op}{self.threshold:.15g}): {verdict}"
+        return f"{self.metric} {self.shown(value)} (required {self.op}{self.threshold:.15g}): {verdict}"
+
+    def shown(self, value: float) -> str:
+        """`value` with 6 significant digits, or as many more as it takes for the printed number to
+        meet or miss this requirement as the value itself does: a miss by 1e-9 printed at 6 digits read
+        as the threshold itself ('cosine>=0.9999 (got 0.9999)') or above it ('got 1')."""
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{value}"
+        meets = bool(_OPS[self.op](value, self.threshold))
+        for digits in range(6, 18):
+            text = f"{value:.{digits}g}"
+            if bool(_OPS[self.op](float(text), self.threshold)) == meets and (meets or float(text) != self.threshold):
+                return text
+        return repr(float(value))
 
 
 def parse_requirement(text: str) -> Requirement:

@@ -339,11 +339,19 @@ def _gate_checks(result, requirements) -> tuple[list[dict], bool]:
     return checks, all(c["passed"] for c in checks)
 
 
+def _shown(check: dict) -> str:
+    """A gate check's measured value with the digits that show it meets or misses its requirement
+    (Requirement.shown: 6 significant digits, more where those would round a miss onto the threshold)."""
+    from passes.fidelity import parse_requirement
+
+    return parse_requirement(check["requirement"]).shown(check["value"])
+
+
 def _raise_if_gate_failed(checks, passed: bool, suffix: str = "") -> None:
     from passes import FidelityError
 
     if not passed:
-        failed = "; ".join(f"{c['requirement']} (got {c['value']:.6g})" for c in checks if not c["passed"])
+        failed = "; ".join(f"{c['requirement']} (got {_shown(c)})" for c in checks if not c["passed"])
         raise FidelityError(f"fidelity gate failed: {failed}{suffix}")
 
 
@@ -353,9 +361,7 @@ def _print_fidelity(result, checks) -> None:
         print(f"  note       {printable(note)}")
     for c in checks:
         verdict = "ok" if c["passed"] else "FAILED"
-        value = c["value"]
-        shown = f"{value:.6g}" if isinstance(value, float) else str(value)
-        print(f"  gate       {c['requirement']}: {shown} {verdict}")
+        print(f"  gate       {c['requirement']}: {_shown(c)} {verdict}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -161,3 +161,40 @@ def test_compress_require_cosine_min_per_sample(tmp_path, capsys, weight):
     code, out, err = run(capsys, "eval", a, b, "--feeds", feeds, "--require", "cosine_min>=0.9",
                          "--metric-arg", "batch_axis=0")
     assert code == 3, err
+
+
+# ------------------------------------------------------------------------------ values near the threshold
+
+
+@pytest.mark.parametrize("text, value, shown", [
+    ("cosine>=0.9999", 0.99989999999, "0.99989999999"),  # at 6 digits: 0.9999, the threshold itself
+    ("cosine>=0.9999999", 0.99999989, "0.99999989"),  # at 6 digits: 1
+    ("maxabs<=0.01", 0.0100000001, "0.0100000001"),
+    ("snr>=30", 29.9999999, "29.9999999"),
+    ("cosine>=0.999", 0.99951234567, "0.999512"),  # a clear pass or miss keeps 6 digits
+    ("cosine>=0.999", 0.5, "0.5"),
+])
+def test_a_value_is_shown_with_the_digits_that_show_its_verdict(text, value, shown):
+    assert F.parse_requirement(text).shown(value) == shown
+
+
+def test_the_command_shows_a_narrow_miss_as_a_miss(capsys):
+    from passes.errors import FidelityError
+    from tools import surgeon_compress as cli
+
+    checks = [{"requirement": "cosine>=0.9999999", "value": 0.99999989, "passed": False}]
+    result = F.FidelityResult(metrics={"cosine": 0.99999989, "cosine_min": 0.99999989}, n_feeds=1, synthesized=False)
+    cli._print_fidelity(result, checks)
+    assert "gate       cosine>=0.9999999: 0.99999989 FAILED" in capsys.readouterr().out
+    with pytest.raises(FidelityError, match=r"\(got 0\.99999989\)"):
+        cli._raise_if_gate_failed(checks, False)
+    req = F.parse_requirement("cosine>=0.9999999")
+    with pytest.raises(FidelityError, match=r"cosine 0\.99999989 \(required"):
+        F.enforce(result, [req])
+
+
+def test_the_summary_does_not_round_a_cosine_below_one_up_to_one():
+    result = F.FidelityResult(metrics={"cosine": 0.99999989, "cosine_min": 0.9999999996}, n_feeds=1, synthesized=False)
+    assert "cosine 0.9999999 (min 0.9999999996)" in result.summary()
+    exact = F.FidelityResult(metrics={"cosine": 1.0, "cosine_min": 0.9991234}, n_feeds=1, synthesized=False)
+    assert "cosine 1.000000 (min 0.999123)" in exact.summary()
