@@ -351,11 +351,14 @@ class atomic_fd:
     made three system calls, fstat, isatty's ioctl and lseek, ~6 us) or generator.
     `direct`: the file opened with O_DIRECT where the filesystem takes it (`out.direct` says
     whether it did; `out.flags` are the descriptor's status flags). `st`: os.stat(path) made by the
-    caller already (False: it failed), as _check_destination takes it."""
+    caller already (False: it failed), as _check_destination takes it. `staged`: on success the
+    temporary file is fsynced and closed but not renamed: `out.tmp` is the caller's, to hand to
+    replace_together with the other files of one output (or to remove)."""
 
-    def __init__(self, path: PathLike, force: bool = False, direct: bool = False, st=None):
+    def __init__(self, path: PathLike, force: bool = False, direct: bool = False, st=None, staged: bool = False):
         self.path = named_path(path)
         self.force = force
+        self.staged = staged
         self.want = getattr(os, "O_DIRECT", 0) if direct else 0
         self.st = st
         self.fd = -1
@@ -399,6 +402,8 @@ class atomic_fd:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if self.staged:
+                return False
             if not self.force and os.path.exists(p):  # appeared while we worked
                 raise FileAccessError(f"{p} exists (use --force / force=True to replace it)")
             old = _hold_replaced(p, self.st) if self.force else -1
@@ -416,6 +421,81 @@ class atomic_fd:
             self._abandon()
             raise
         return False
+
+
+def replace_together(moves: list, force: bool = False) -> None:
+    """Rename each complete temporary file over its path, [(temporary file, path)] in order (the
+    model last): the files of one output (a model and its external data files) replace the old set
+    as one change as far as any failure can tell. Each existing path is first hard-linked to a
+    hidden `.NAME.<random>.part` beside it (renamed there where the filesystem has no hard links);
+    a failure or interruption (an exception: Ctrl-C, SIGTERM, a full disk) during the renames puts
+    every old file back and removes the new ones, so the old model and its old data files are
+    left as they were, never one beside the other's data. Only a kill that Python cannot see
+    (SIGKILL, power loss) during the renames themselves, a few system calls after all the data is
+    written and synced, can leave a mixed set, the old files then kept under those hidden names.
+    Without `force` an existing path is refused before anything is renamed. The temporary files are
+    the caller's to remove on failure (those not renamed); once renamed, this function owns them."""
+    for tmp, target in moves:
+        if not force and os.path.lexists(target):
+            raise FileAccessError(f"{target} exists (use --force / force=True to replace it)")
+    done = []  # (path, its old file's hidden name or None, tmp) of each rename made
+    folders = []
+    target = moves[-1][1] if moves else None
+    try:
+        for tmp, target in moves:
+            target = named_path(target)
+            folder = os.path.dirname(os.fspath(target)) or "."
+            if folder not in folders:
+                folders.append(folder)
+            backup = _keep_old(target, folder)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                if backup is not None and not os.path.lexists(target):
+                    os.replace(backup, target)  # (the rename-away fallback moved it)
+                elif backup is not None:
+                    _remove_quietly(backup)
+                raise
+            done.append((target, backup, tmp))
+        for folder in folders:
+            _fsync_dir(folder)
+    except BaseException as exc:
+        for target, backup, tmp in reversed(done):
+            with contextlib.suppress(OSError):
+                if backup is not None:
+                    os.replace(backup, target)
+                else:
+                    os.unlink(target)
+        for folder in folders:
+            _fsync_dir(folder)
+        if isinstance(exc, OSError) and not isinstance(exc, FileAccessError):
+            raise FileAccessError(_describe_os_error(target, exc, "write")) from None
+        raise
+    for target, backup, _ in done:  # the old files' space comes back off the caller's path
+        if backup is not None:
+            old = _hold_replaced(backup)
+            _remove_quietly(backup)
+            _release_later(old)
+
+
+def _keep_old(target: Path, folder: str) -> str | None:
+    """A hidden second name for the file at `target` (None: nothing there), so that it can be put
+    back: a hard link (the file stays at `target` too), or where links are refused the file renamed."""
+    if not os.path.lexists(target):
+        return None
+    for _ in range(100):
+        backup = os.path.join(folder, f".{target.name}.{os.urandom(6).hex()}.part")
+        try:
+            os.link(target, backup, follow_symlinks=False)
+            return backup
+        except FileExistsError:
+            continue
+        except OSError:
+            if os.path.lexists(backup):
+                continue
+            os.rename(target, backup)
+            return backup
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", folder)
 
 
 def write_bytes_atomic(path: PathLike, data: bytes, force: bool = False) -> None:

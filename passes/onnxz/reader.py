@@ -34,7 +34,8 @@ import xxhash
 
 from .._cpus import worker_count
 from .._pages import huge_page_budget
-from .._fileio import atomic_fd, check_readable, check_writable, load_external_data, named_path, parse_model_bytes, same_file
+from .._fileio import (_remove_quietly, atomic_fd, check_readable, check_writable, load_external_data, named_path,
+                       parse_model_bytes, replace_together, same_file)
 from ..errors import CorruptFileError, FileAccessError, InvalidArgumentError, InvalidModelError, SurgeonError
 from . import codecs
 from .protowire import write_varint
@@ -1204,10 +1205,26 @@ def _unpack_files(src, dst: Path, threads, max_bytes, mode: str, direct_io: bool
             targets += [folder / f.name for f in files[1:]]
             for t in targets[1:]:
                 _prepare_data_path(folder, t, None if in_memory else src, dst, force)
-        # data files first: the model file never appears pointing at missing data
-        for fi in list(range(1, len(files))) + [0]:
-            with atomic_fd(targets[fi], force, _direct_wanted(files[fi].size, direct_io), st if len(files) == 1 else None) as out:
-                _write_restored(pf, fi, out, mode, direct_io)
+        if len(files) == 1:
+            with atomic_fd(dst, force, _direct_wanted(files[0].size, direct_io), st) as out:
+                _write_restored(pf, 0, out, mode, direct_io)
+            return
+        # every file is restored to a temporary file beside its path first, then all are renamed
+        # together, data files first and the model last (replace_together): a failure or Ctrl-C
+        # at any point leaves the model that was there with its own data files, never beside
+        # new ones (files renamed one by one as each was restored did)
+        staged, done = [], False
+        try:
+            for fi in list(range(1, len(files))) + [0]:
+                with atomic_fd(targets[fi], force, _direct_wanted(files[fi].size, direct_io), staged=True) as out:
+                    _write_restored(pf, fi, out, mode, direct_io)
+                staged.append((out.tmp, targets[fi]))
+            replace_together(staged, force)
+            done = True
+        finally:
+            if not done:  # (those renamed and put back are gone from their temporary names)
+                for tmp, _ in staged:
+                    _remove_quietly(tmp)
 
 
 ALIGN = 4096  # what O_DIRECT asks of a write's memory, file offset and length on the filesystems we meet
