@@ -852,7 +852,7 @@ def cosine_per_feed(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence
 
 
 def cosine_per_sample(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequence[np.ndarray]],
-                      batch_axis: int | None) -> np.ndarray:
+                      batch_axis: int | None, output_names: Sequence[str] = ()) -> np.ndarray:
     """Cosine similarity of the measured output (as cosine_per_feed) per sample: one value per index
     along `batch_axis` of each feed's output, where the feed holds more than one sample and each holds
     more than one value; one value for the whole feed otherwise (and for every feed when batch_axis is
@@ -866,12 +866,17 @@ def cosine_per_sample(ref: Sequence[Sequence[np.ndarray]], cand: Sequence[Sequen
             values.append(0.0)
             continue
         a, b = np.asarray(r[k]), np.asarray(c[k])
-        axis = check_axis(batch_axis, a.ndim, "batch_axis", k) if a.ndim else None
+        axis = check_axis(batch_axis, a.ndim, "batch_axis", _output_label(k, output_names)) if a.ndim else None
         if a.shape != b.shape or axis is None or a.shape[axis] < 2 or a.size // a.shape[axis] < 2:
             values.append(_cosine(a, b))
             continue
         values.extend(_cosine(x, y) for x, y in zip(np.moveaxis(a, axis, 0), np.moveaxis(b, axis, 0)))
     return np.asarray(values, dtype=np.float64)
+
+
+def _output_label(k: int, names: Sequence[str]) -> str:
+    """How messages call output k: "0 ('logits')" where its name is known."""
+    return f"{k} ({names[k]!r})" if k < len(names) else str(k)
 
 
 def check_axis(axis: int, rank: int, name: str, output) -> int:
@@ -951,13 +956,15 @@ def top1_agreement(ref, cand) -> float | None:
     return agree / total if total else None
 
 
-def ctc_strings(y: np.ndarray, time_axis: int, class_axis: int, blank: int = 0) -> list[tuple]:
+def ctc_strings(y: np.ndarray, time_axis: int, class_axis: int, blank: int = 0, output="0") -> list[tuple]:
     """Greedy CTC decode of one output: argmax per step, repeats merged, blanks dropped; one
-    index string per batch row (every axis other than time and class counts as batch)."""
+    index string per batch row (every axis other than time and class counts as batch). An axis outside
+    y's rank is an InvalidArgumentError naming `output` (how the message calls the output) and its rank."""
     y = np.asarray(y)
     if y.ndim < 2:
         raise InvalidArgumentError(f"ctc metric needs an output with time and class axes, got shape {list(y.shape)}")
-    time_axis, class_axis = time_axis % y.ndim, class_axis % y.ndim
+    time_axis = check_axis(time_axis, y.ndim, "time_axis", output)
+    class_axis = check_axis(class_axis, y.ndim, "class_axis", output)
     if time_axis == class_axis:
         raise InvalidArgumentError("ctc metric: time_axis and class_axis must differ")
     best = y.argmax(axis=class_axis)
@@ -971,13 +978,13 @@ def ctc_strings(y: np.ndarray, time_axis: int, class_axis: int, blank: int = 0) 
     return [tuple(row[mask].tolist()) for row, mask in zip(rows, keep)]
 
 
-def ctc_agreement(ref, cand, time_axis: int, class_axis: int, blank: int = 0) -> float:
+def ctc_agreement(ref, cand, time_axis: int, class_axis: int, blank: int = 0, output="0") -> float:
     agree = total = 0
     for r, c in zip(ref, cand):
-        sr = ctc_strings(r[0], time_axis, class_axis, blank)
+        sr = ctc_strings(r[0], time_axis, class_axis, blank, output)
         total += len(sr)
         if np.shape(r[0]) == np.shape(c[0]):
-            sc = ctc_strings(c[0], time_axis, class_axis, blank)
+            sc = ctc_strings(c[0], time_axis, class_axis, blank, output)
             agree += sum(x == y for x, y in zip(sr, sc))
     return agree / total if total else 1.0
 
@@ -1091,16 +1098,17 @@ def _snr_db(signal: float, noise: float) -> float:
 
 
 def compute_metrics(ref, cand, *, metric: str | None = None, metric_args: dict | None = None,
-                    batch_outputs=frozenset()) -> dict[str, float]:
+                    batch_outputs=frozenset(), output_names: Sequence[str] = ()) -> dict[str, float]:
     """Every metric that applies to these outputs; "ctc" only when asked for (it needs axes).
     cosine_min is the worst sample's where the measured output's batch axis is known (metric_args'
-    batch_axis, or 0 for an output in `batch_outputs`: declared_batch_outputs), else the worst feed's."""
+    batch_axis, or 0 for an output in `batch_outputs`: declared_batch_outputs), else the worst feed's.
+    output_names: the model's output names, for the messages about an axis outside an output's rank."""
     if len(ref) != len(cand):
         raise InvalidArgumentError(f"cannot compare {len(ref)} reference runs with {len(cand)} candidate runs")
     ref, cand = _comparable(ref), _comparable(cand)  # outputs straight from a session: maps, strings
     cos = cosine_per_feed(ref, cand)
     axis = sample_axis(ref, metric_args, batch_outputs)
-    per_sample = cos if axis is None else cosine_per_sample(ref, cand, axis)
+    per_sample = cos if axis is None else cosine_per_sample(ref, cand, axis, output_names)
     metrics: dict[str, float] = {
         "cosine": float(cos.mean()) if cos.size else 1.0,
         "cosine_min": float(per_sample.min()) if per_sample.size else 1.0,
@@ -1119,7 +1127,7 @@ def compute_metrics(ref, cand, *, metric: str | None = None, metric_args: dict |
             time_axis, class_axis, blank = int(args["time_axis"]), int(args["class_axis"]), int(args.get("blank", 0))
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"ctc metric_args must be integers, got {args}") from None
-        metrics["ctc"] = ctc_agreement(ref, cand, time_axis, class_axis, blank)
+        metrics["ctc"] = ctc_agreement(ref, cand, time_axis, class_axis, blank, _output_label(0, output_names))
     return metrics
 
 
@@ -1272,7 +1280,8 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
         raise InvalidModelError(f"candidate model: {exc}") from None
     require_measurable(ref, synthesized=synthesized, feeds=feeds)
     metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args,
-                              batch_outputs=declared_batch_outputs(original_model))
+                              batch_outputs=declared_batch_outputs(original_model),
+                              output_names=[o.name for o in original_model.graph.output])
     odd, total_values = _non_finite_count(ref)
     if odd:
         notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "

@@ -147,7 +147,7 @@ def test_cosine_min_stays_per_feed_where_the_batch_axis_is_unknown(weight):
 
 
 def test_batch_axis_out_of_range_names_the_output_and_its_rank(weight):
-    with pytest.raises(InvalidArgumentError, match=r"batch_axis=5 is out of range for output 0 of rank 2"):
+    with pytest.raises(InvalidArgumentError, match=r"batch_axis=5 is out of range for output 0 \('y'\) of rank 2"):
         F.evaluate(linear_model(weight), linear_model(weight), feeds=_batched_feeds(), metric_args={"batch_axis": 5})
 
 
@@ -198,3 +198,48 @@ def test_the_summary_does_not_round_a_cosine_below_one_up_to_one():
     assert "cosine 0.9999999 (min 0.9999999996)" in result.summary()
     exact = F.FidelityResult(metrics={"cosine": 1.0, "cosine_min": 0.9991234}, n_feeds=1, synthesized=False)
     assert "cosine 1.000000 (min 0.999123)" in exact.summary()
+
+
+# ------------------------------------------------------------------------------ axes out of range
+
+
+def ctc_model(weight) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["logits"])], "ctc",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 20, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 20, 10])],
+        [numpy_helper.from_array(weight, "W")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"time_axis": 1, "class_axis": 99}, "class_axis=99 is out of range for output 0 ('logits') of rank 3 (axes -3..2)"),
+    ({"time_axis": -4, "class_axis": 2}, "time_axis=-4 is out of range for output 0 ('logits') of rank 3"),
+])
+def test_ctc_axes_outside_the_output_are_refused(args, message):
+    """class_axis=99 wrapped to 99 % 3 = 0 (the batch axis) and was measured without a word."""
+    w = np.random.default_rng(2).standard_normal((16, 10)).astype(np.float32)
+    feeds = [{"x": np.random.default_rng(3).standard_normal((1, 20, 16)).astype(np.float32)}]
+    with pytest.raises(InvalidArgumentError) as caught:
+        F.evaluate(ctc_model(w), ctc_model(w * 1.01), feeds=feeds, metric="ctc", metric_args=args)
+    assert message in str(caught.value)
+    ok = F.evaluate(ctc_model(w), ctc_model(w), feeds=feeds, metric="ctc", metric_args={"time_axis": -2, "class_axis": -1})
+    assert ok.metrics["ctc"] == 1.0
+
+
+def test_ctc_strings_refuses_an_axis_outside_the_rank():
+    with pytest.raises(InvalidArgumentError, match=r"class_axis=3 is out of range for output 0 of rank 3"):
+        F.ctc_strings(np.zeros((1, 4, 5)), time_axis=1, class_axis=3)
+
+
+def test_the_command_names_the_output_for_an_axis_out_of_range(tmp_path, capsys):
+    w = np.random.default_rng(2).standard_normal((16, 10)).astype(np.float32)
+    a, b, feeds = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "f.npz"
+    onnx.save(ctc_model(w), str(a))
+    onnx.save(ctc_model(w * 1.01), str(b))
+    np.savez(feeds, **{"0/x": np.ones((1, 20, 16), np.float32)})
+    code, _, err = run(capsys, "eval", a, b, "--feeds", feeds, "--metric", "ctc", "--metric-arg", "time_axis=1",
+                       "--metric-arg", "class_axis=99")
+    assert code == 1
+    assert "class_axis=99 is out of range for output 0 ('logits') of rank 3" in one_line_error(err)
