@@ -1272,12 +1272,13 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
                           providers=providers, progress=step)
     except InvalidModelError as exc:
         if synthesized:
-            raise InvalidArgumentError(f"the original model does not run on synthesised inputs ({exc}); pass real feeds (--feeds)") from None
-        raise InvalidModelError(f"original model: {exc}") from None
+            raise InvalidArgumentError(f"the original model{_path_of(original, exc)} does not run on synthesised "
+                                       f"inputs ({exc}); pass real feeds (--feeds)") from None
+        raise InvalidModelError(f"original model{_path_of(original, exc)}: {exc}") from None
     try:
         cand = run_outputs(candidate, feeds, providers=providers, progress=step2)
-    except InvalidModelError as exc:  # say which of the two models failed
-        raise InvalidModelError(f"candidate model: {exc}") from None
+    except InvalidModelError as exc:  # say which of the two models failed, and its file
+        raise InvalidModelError(f"candidate model{_path_of(candidate, exc)}: {exc}") from None
     require_measurable(ref, synthesized=synthesized, feeds=feeds)
     metrics = compute_metrics(ref, cand, metric=metric, metric_args=metric_args,
                               batch_outputs=declared_batch_outputs(original_model),
@@ -1287,6 +1288,7 @@ def evaluate(original, candidate, *, feeds=None, metric: str | None = None, metr
         notes.append(f"{odd:,} of the original's {total_values:,} output values are NaN or infinite: compared as "
                      "equal where the candidate has the same, and left out of cosine and snr")
     notes.extend(_empty_feeds_note(ref))
+    notes.extend(_shape_mismatch_notes(ref, cand, [o.name for o in original_model.graph.output]))
     names = [o.name for o in original_model.graph.output]
     notes.extend(_label_notes(_comparable(ref[:1]), names))
     notes.extend(_outputs_beside_output0(ref, cand, names))
@@ -1329,6 +1331,31 @@ def require_measurable(ref, *, synthesized: bool = False, feeds=None) -> None:
              else "these feeds (check them: a feed of NaN, or values the model overflows on)")
     raise InvalidArgumentError(f"every output value of the original model is NaN or infinite on {where}: "
                                "there is nothing to measure fidelity on")
+
+
+def _path_of(source, exc) -> str:
+    """' (PATH)' for a model given as a file, where the error does not name it already ('' for a ModelProto)."""
+    if isinstance(source, (str, os.PathLike)) and str(source) not in str(exc):
+        return f" ({source})"
+    return ""
+
+
+def _shape_mismatch_notes(ref, cand, names: Sequence[str]) -> list[str]:
+    """Where the candidate's outputs differ from the original's in number or shape: the metrics count such a
+    feed as total disagreement (cosine 0, maxabs inf), and the shapes say why."""
+    count = next(((i, len(r), len(c)) for i, (r, c) in enumerate(zip(ref, cand)) if len(r) != len(c)), None)
+    if count is not None:
+        i, nr, nc = count
+        return [f"the candidate gives {nc} output(s) on feed {i}, the original {nr}: compared as total disagreement"]
+    found = [(i, j, np.shape(a), np.shape(b)) for i, (r, c) in enumerate(zip(ref, cand))
+             for j, (a, b) in enumerate(zip(_comparable([r])[0], _comparable([c])[0])) if np.shape(a) != np.shape(b)]
+    if not found:
+        return []
+    i, j, sa, sb = found[0]
+    feeds = len({f[0] for f in found})
+    more = f" (shapes differ on {feeds} of {len(ref)} feeds)" if len(found) > 1 else ""
+    return [f"output {_output_label(j, names)} has shape {list(sa)} in the original and {list(sb)} in the candidate "
+            f"on feed {i}{more}: compared as total disagreement (cosine 0, top1 0, maxabs and snr infinitely bad)"]
 
 
 def _empty_input(feeds) -> str:

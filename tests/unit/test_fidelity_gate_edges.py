@@ -243,3 +243,39 @@ def test_the_command_names_the_output_for_an_axis_out_of_range(tmp_path, capsys)
                        "--metric-arg", "class_axis=99")
     assert code == 1
     assert "class_axis=99 is out of range for output 0 ('logits') of rank 3" in one_line_error(err)
+
+
+# ------------------------------------------------------------------------------ which model failed
+
+
+def _reshape_fails(weight) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y0"]), helper.make_node("Reshape", ["y0", "s"], ["y"])], "bad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", weight.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight, "W"), numpy_helper.from_array(np.array([7, 5], np.int64), "s")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("failing", ["original", "candidate"])
+def test_eval_names_the_model_that_fails_to_run_and_its_file(tmp_path, capsys, weight, model_path, failing):
+    bad = tmp_path / "fails.onnx"
+    onnx.save(_reshape_fails(weight), str(bad))
+    feeds = tmp_path / "f.npz"
+    np.savez(feeds, **{"0/x": np.ones((1, 64), np.float32)})
+    pair = (bad, model_path) if failing == "original" else (model_path, bad)
+    code, _, err = run(capsys, "eval", *pair, "--feeds", feeds)
+    assert code == 1
+    assert f"{failing} model ({bad}): onnxruntime failed on feed 0" in one_line_error(err)
+
+
+def test_eval_says_the_shapes_where_the_two_models_outputs_differ(tmp_path, capsys, weight, model_path):
+    other = tmp_path / "narrow.onnx"
+    onnx.save(linear_model(weight[:, :31]), str(other))
+    feeds = tmp_path / "f.npz"
+    np.savez(feeds, **{"0/x": np.ones((2, 64), np.float32), "1/x": np.ones((1, 64), np.float32)})
+    code, out, err = run(capsys, "eval", model_path, other, "--feeds", feeds)
+    assert code == 0, err
+    assert ("output 0 ('y') has shape [2, 32] in the original and [2, 31] in the candidate on feed 0 "
+            "(shapes differ on 2 of 2 feeds)") in out
