@@ -233,7 +233,7 @@ class PackedRead:
     def finish(self) -> SplitModel:
         pf, early = self._pf, self._early
         try:
-            model, stripped, buf = _packed_skeleton(pf, str(self.path), self._big.get(0, []), self._buf)
+            model, stripped, buf, names_files = _packed_skeleton(pf, str(self.path), self._big.get(0, []), self._buf)
             self._buf = None
             entries = _entries(pf)
             arrays, coded = {}, []
@@ -244,7 +244,7 @@ class PackedRead:
                 else:  # payload kept in the pack's skeleton: already restored in `buf`
                     arrays[s.name] = s.view(buf).copy()
             del buf
-            _packed_external(model, pf, self._packed, entries, arrays, coded)
+            _packed_external(model, pf, self._packed, entries, arrays, coded, names_files)
             if early is not None:
                 coded = early.take(coded, arrays)
             _decode_together(pf, coded, arrays)
@@ -402,8 +402,9 @@ def _restored_model_file(pf, big) -> np.ndarray:
 
 
 def _packed_skeleton(pf, name: str, big, buf=None):
-    """(skeleton ModelProto, stripped tensors, restored buffer) of the pack's model file (`buf`:
-    already restored by _restored_model_file).
+    """(skeleton ModelProto, stripped tensors, restored buffer, whether any tensor may name an
+    external data file: see _cut_skeleton) of the pack's model file (`buf`: already restored by
+    _restored_model_file).
 
     File 0 is restored into fresh zero pages without the payloads of its big tensors
     (`restore_file(skip=)`): untouched pages of anonymous memory (huge pages refused, see
@@ -423,7 +424,7 @@ def _packed_skeleton(pf, name: str, big, buf=None):
         if not missing or attempt:
             break
         pf.tensors_bytes(missing, [buf[t.offset:t.offset + t.length] for t in missing])
-    return parse_model_bytes(skeleton_bytes, name), stripped, buf
+    return parse_model_bytes(skeleton_bytes, name), stripped, buf, b"location" in skeleton_bytes
 
 
 def _sparse_zeros(size: int) -> np.ndarray:
@@ -436,11 +437,14 @@ def _sparse_zeros(size: int) -> np.ndarray:
     return anonymous_array(size, huge_pages=False)
 
 
-def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
+def _packed_external(model, pf, packed, entries, arrays, coded, attributes: bool = True) -> None:
     """Main-graph initializers in the pack's external data files: coded ones join `coded` (decoded
     together later), others are read from their range. Tensors elsewhere in the external files
     (subgraph initializers, Constant attributes: onnx's convert_attribute layout) are read into the
-    skeleton, as _map_external does for a plain .onnx (onnxruntime cannot open the pack's files)."""
+    skeleton, as _map_external does for a plain .onnx (onnxruntime cannot open the pack's files;
+    attributes=False: the caller knows none names a file). A tensor naming a file the pack does not
+    hold (a pack of one file too: onnxruntime, given the model's bytes, would look for it beside
+    the process's working folder) is refused as load refuses it."""
     from ._fileio import ExternalRanges, external_tensors
     from .onnxz.format import normal_data_name
 
@@ -458,7 +462,7 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
         except CorruptFileError:  # ".." or absolute: no file of the pack has that name
             fi = None
         if fi is None or fi == 0:
-            raise CorruptFileError(f"damaged .onnxz file: external data {info.get('location')!r} of {t.name!r} is not in the pack")
+            raise InvalidModelError(f"tensor {t.name!r} references external data {info.get('location')!r} not in the packed file")
         offset, length = ranges.check(t, info, fi, pf.index.files[fi].size)
         entry = entries.get((fi, offset))
         return fi, offset, length, entry if entry is not None and entry.length == length else None
@@ -483,8 +487,8 @@ def _packed_external(model, pf, packed, entries, arrays, coded) -> None:
         else:
             arrays[t.name] = read_range(t, fi, offset, length)
         t.CopyFrom(placeholder(t.name, arrays[t.name]))
-    # (a walk over every attribute of every node: only where the pack has external data files)
-    for t in external_tensors(model) if len(names) > 1 else ():
+    # (a walk over every attribute of every node: only where some tensor may name a file)
+    for t in external_tensors(model) if attributes else ():
         if is_placeholder(t):  # (the main graph's, made above or by _placeholder_for)
             continue
         fi, offset, length, entry = where(t)
