@@ -207,7 +207,7 @@ def _print_pack_note(stats) -> None:
     saves), so that a size above 100% is not taken for a fault."""
     note = getattr(stats, "note", None)
     if note:
-        print(f"  note       {note}")
+        print(f"  note       {printable(note)}")
 
 
 def _verification_failed(written: Sequence[Path], what: str):
@@ -510,12 +510,12 @@ def _print_compressed(args, pack: bool, in_bytes: int, out_bytes: int | None, st
     # with --target and no feeds, every weight kept float: '63 tensor(s) rewritten: 4.66 MB ->
     # 3.87 MB' beside a file 99.9% of the input). The sums cover the rewritten tensors only.
     quantized = [t for t in report.tensors if t.bytes_after != t.bytes_before and t.scheme != "float"]
-    print(f"{'compressed' if written else 'NOT written'}: {args.input} -> {args.output}{' (packed)' if pack else ''}")
+    print(printable(f"{'compressed' if written else 'NOT written'}: {args.input} -> {args.output}{' (packed)' if pack else ''}"))
     if written:
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}% of the input)")
         _print_pack_note(stats)
         if args.verify:
-            print(f"  verified   re-read {args.output}: " + ("every checksum ok" if pack else "loads and passes onnx.checker"))
+            print(printable(f"  verified   re-read {args.output}: ") + ("every checksum ok" if pack else "loads and passes onnx.checker"))
     before, after = sum(t.bytes_before for t in quantized), sum(t.bytes_after for t in quantized)
     print(f"  weights    {len(quantized)} tensor(s) rewritten: {human_bytes(before)} -> {human_bytes(after)}"
           f"; {len(report.tensors) - len(quantized)} kept as they were")
@@ -580,7 +580,7 @@ def cmd_fold(args) -> int:
         print_json({"command": "fold", "input": args.input, "output": args.output, "dtype": args.dtype,
                     "input_bytes": in_bytes, "output_bytes": out_bytes, "report": report.to_dict(), **_pack_fields(stats)})
     else:
-        print(f"folded: {args.input} -> {args.output}")
+        print(printable(f"folded: {args.input} -> {args.output}"))
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}")
         _print_pack_note(stats)
         # DequantizeLinear nodes, palettes and Cast -> Mul levels alike; a weight that sat in a
@@ -655,7 +655,7 @@ def _print_packed_metadata(meta: Any, show_all: bool = False) -> None:
     """The pack stage's metadata: scalar fields as lines, the tensor table by codec and per tensor."""
     meta = _jsonable(meta)
     if not isinstance(meta, dict):
-        print(f"  packed: {meta}")
+        print(printable(f"  packed: {meta}"))
         return
     print("  packed file")
     tables = {}
@@ -663,13 +663,13 @@ def _print_packed_metadata(meta: Any, show_all: bool = False) -> None:
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             tables[key] = value
         elif isinstance(value, dict):
-            print(f"    {key}: " + ", ".join(f"{k}={v}" for k, v in value.items()))
+            print(printable(f"    {key}: " + ", ".join(f"{k}={v}" for k, v in value.items())))
         else:
-            print(f"    {key}: {value}")
+            print(printable(f"    {key}: {value}"))
     tensors = tables.pop("tensors", None)
     for key, records in tables.items():
         print()
-        print(f"  packed {key}")
+        print(printable(f"  packed {key}"))
         _print_records(records, [k for r in records for k in r])
     if tensors:
         has_sizes = all(isinstance(r.get("bytes"), int) for r in tensors)
@@ -741,7 +741,7 @@ def cmd_eval(args) -> int:
                     "fidelity": result.to_dict(),
                     "gate": None if not args.require else {"passed": passed, "checks": checks}})
     else:
-        print(f"eval: {args.candidate} against {args.original}")
+        print(printable(f"eval: {args.candidate} against {args.original}"))
         print(f"  file       {human_bytes(file_size(args.original))} -> {human_bytes(file_size(args.candidate))}")
         _print_fidelity(result, checks)
     _raise_if_gate_failed(checks, passed)
@@ -766,11 +766,11 @@ def cmd_pack(args) -> int:
                     "output_bytes": out_bytes, "ratio": out_bytes / max(in_bytes, 1), "stats": _jsonable(stats),
                     "verified": bool(args.verify)})
     else:
-        print(f"packed: {args.input} -> {args.output}")
+        print(printable(f"packed: {args.input} -> {args.output}"))
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}  ({100 * out_bytes / max(in_bytes, 1):.1f}%)")
         _print_pack_note(stats)
         if args.verify:
-            print(f"  verified   re-read {args.output}: restores {args.input} byte for byte")
+            print(printable(f"  verified   re-read {args.output}: restores {args.input} byte for byte"))
     return EXIT_OK
 
 
@@ -816,10 +816,10 @@ def cmd_unpack(args) -> int:
                     "input_bytes": in_bytes, "output_bytes": out_bytes, "verified": bool(args.verify),
                     "digest": "sha256" if args.sha256 else "fast"})
     else:
-        print(f"unpacked: {args.input} -> {out}")
+        print(printable(f"unpacked: {args.input} -> {out}"))
         print(f"  file       {human_bytes(in_bytes)} -> {human_bytes(out_bytes)}")
         if args.verify:
-            print(f"  verified   re-read {out}: the sha256 the pack records")
+            print(printable(f"  verified   re-read {out}: the sha256 the pack records"))
     return EXIT_OK
 
 
@@ -843,9 +843,9 @@ def cmd_verify(args) -> int:
         print_json({"command": "verify", "file": args.file, "against": args.against, "ok": ok, "result": details})
     else:
         what = f", restores {args.against} byte for byte" if args.against and ok else ""
-        print(f"verify: {args.file}: {'ok' + what if ok else 'FAILED'}")
-        for c in checks:
-            print(f"  {'ok    ' if c.get('ok') else 'FAILED'}  {c.get('check', '')}: {c.get('detail', '')}")
+        print(printable(f"verify: {args.file}: {'ok' + what if ok else 'FAILED'}"))
+        for c in checks:  # (the details name the files the pack stores: names from the file, not from the user)
+            print(f"  {'ok    ' if c.get('ok') else 'FAILED'}  " + printable(f"{c.get('check', '')}: {c.get('detail', '')}"))
     if not ok:
         raise CorruptFileError(f"{args.file}: verification failed: {_failed_checks(checks) or details}")
     return EXIT_OK

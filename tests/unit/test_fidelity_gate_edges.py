@@ -279,3 +279,23 @@ def test_eval_says_the_shapes_where_the_two_models_outputs_differ(tmp_path, caps
     assert code == 0, err
     assert ("output 0 ('y') has shape [2, 32] in the original and [2, 31] in the candidate on feed 0 "
             "(shapes differ on 2 of 2 feeds)") in out
+
+
+# ------------------------------------------------------------------------------ names from the file, printed
+
+
+def test_verify_prints_a_stored_name_with_its_escapes_visible(tmp_path, capsys, model_path):
+    """The pack records the model's file name; a crafted one holding terminal escape sequences reached
+    the terminal as it was (verify's checks name the restored files)."""
+    crafted = tmp_path / "x\x1b[31mred\x07.onnx"
+    crafted.write_bytes(model_path.read_bytes())
+    pack = tmp_path / "p.onnxz"
+    assert main(["pack", str(crafted), "-o", str(pack)]) == 0
+    capsys.readouterr()
+    code, out, err = run(capsys, "verify", pack)
+    assert code == 0, err
+    assert "\x1b" not in out and "\x07" not in out
+    assert "x\\x1b[31mred\\x07.onnx" in out
+    code, out, err = run(capsys, "info", pack)
+    assert code == 0, err
+    assert "\x1b" not in out and "\x07" not in out
