@@ -6,6 +6,7 @@ returns a model that passes `onnx.checker.check_model(full_check=True)`, and, wh
 
     import passes
     q = passes.quantize_weights(model, bits=8)          # float weights -> int8 + DequantizeLinear
+    d = passes.dedupe_initializers(model)               # byte-identical weights stored once (lossless)
     f = passes.fold_dequantize(q, dtype="float16")      # back to float weights, at load time
     passes.pack(q, "model.onnxz")                       # lossless entropy-coded file
     m = passes.load("model.onnxz")                      # the .onnx back, byte for byte
@@ -57,6 +58,7 @@ _LAZY = {
     "compress": "auto",
     "palettize": "palette",
     "fold_palettes": "palette",
+    "dedupe_initializers": "dedupe",
     "encode_array": "tensorcodec",
     "decode_array": "tensorcodec",
     "load_model": "_fileio",

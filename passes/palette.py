@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from . import dedupe as _dedupe
 from . import graph
 from ._fileio import load_model
 from .errors import InvalidArgumentError
@@ -120,7 +121,7 @@ def palette_array(w: np.ndarray, bits: int, group_rows: int | None):
 
 
 def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elements: int = 1024,
-              include=None, exclude=None, report: Report | None = None) -> onnx.ModelProto:
+              include=None, exclude=None, dedupe: bool = True, report: Report | None = None) -> onnx.ModelProto:
     """A new model whose float weights (>= 2-D, >= min_elements, not biases nor tensors read as
     exact values), initializers and Constant nodes of the main graph and of If/Loop/Scan bodies,
     are palettized in their own graph (see the module docstring), bits 1..8 per index. Tensors a
@@ -128,6 +129,8 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     include/exclude: patterns as quantize_weights takes them (an op type's name selects the
     tensors that op reads, any other pattern matches names with fnmatch). group_rows: one table per
     that many rows along axis 0. Weights inside model-local functions stay float (a note).
+    dedupe: byte-identical weights palettize treats alike get one table and one index tensor
+    (passes.dedupe; the report names each merge).
     Returns the new model. Raises InvalidModelError for a model that is not valid ONNX
     (graph.refuse_invalid names the problem), InvalidArgumentError for bad options (also when
     groups x 2**bits do not fit the uint8 indices)."""
@@ -148,6 +151,8 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
     # must, not to make it overridable; left listed, none of them would be palettized, without a word)
     graph.standard_form(out, report, rewritten="palettized")
     graph.refuse_invalid(out)  # an input the checker refuses: the output would be refused too
+    if dedupe:
+        _store_duplicates_once(out, inc, exc, report)
     # children before parents: rewriting a graph's node list copies the subgraphs inside it
     infos = graph.iter_graphs(out)
     hoisted = sum(_hoist_constants(info.graph, min_elements) for info in reversed(infos))
@@ -195,6 +200,38 @@ def palettize(model, *, bits: int = 4, group_rows: int | None = None, min_elemen
         out.ir_version = 4
     graph.drop_stale_training_info(out, "palettized", report)
     return out
+
+
+def _store_duplicates_once(out: onnx.ModelProto, inc: list, exc: list, report: Report | None) -> list:
+    """Byte-identical weights that palettize would treat alike (the same include / exclude match,
+    bias, exact-value and quantized-op readers) merged into one, in place (passes.dedupe): a weight
+    stored twice gets one table and one index tensor. Returns the merges (each reported)."""
+    from .quantize import _QUANTIZED_OPS, _exact_use, _op_types
+
+    ops = _op_types() if inc or exc else frozenset()
+    weights, _ = graph.find_weights(out)
+    by_name: dict[str, list[graph.Weight]] = {}
+    for w in weights:
+        by_name.setdefault(w.name, []).append(w)
+
+    def treated(name: str):
+        found = by_name.get(name, [])
+        if len(found) != 1:
+            return None
+        w = found[0]
+        uses = [(u.node.op_type, u.index) for u in w.uses]
+        return (bool(uses), bool(uses) and all(i == 2 and op in ("Conv", "Gemm", "ConvTranspose") for op, i in uses),
+                bool(_exact_use(w)), any(op in _QUANTIZED_OPS for op, _ in uses),
+                _named(name, uses, inc, ops) if inc else None, _named(name, uses, exc, ops))
+
+    def accept(dropped: str, kept: str) -> bool:
+        return treated(dropped) is not None and treated(dropped) == treated(kept)
+
+    merges = _dedupe.find_duplicates(out, accept=accept)
+    if merges:
+        _dedupe.apply_merges(out, merges)
+        _dedupe.report_merges(merges, report)
+    return merges
 
 
 def _palettize_graph(info: graph.GraphInfo, consumers, exact, names, bits, group_rows, min_elements, inc, exc,

@@ -80,6 +80,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from . import dedupe as _dedupe
 from . import forms, graph
 from . import rounding as _rounding
 from ._cpus import usable_cpus
@@ -390,7 +391,7 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                      rd_max_snr_loss_db: float | None = None, rd_target_snr_db: float | None = None,
                      rd_step_scale: float | None = None, rd_distortion: str | None = None,
                      rd_levels: str | None = None, importance: dict | None = None,
-                     scale_mantissa_bits: int | None = None,
+                     scale_mantissa_bits: int | None = None, dedupe: bool = False,
                      report: Report | None = None, progress=None) -> onnx.ModelProto:
     """A new model whose float weights are n-bit integers expanded by DequantizeLinear nodes.
 
@@ -418,6 +419,13 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     scale_mantissa_bits: float32 weights' scales rounded to that many mantissa bits before their
     levels are chosen (forms.quantize_linear; 8: bfloat16 values, which the pack stores in two
     bytes instead of four). None keeps full float32 scales.
+
+    dedupe: byte-identical weights that would get the same form (tied embeddings and lm_head, a
+    weight exported once per reader) are merged first (passes.dedupe), so that each is quantized
+    once, stored once and dequantized by one node read by all its readers; the report names each
+    merge ("2 identical weights stored once: B -> A (1.0 MB less)"). Off by default: the merged
+    names are gone from the result, and callers that look weights up by name in it (the auto search
+    builds its plans so) merge first (passes.dedupe_initializers) or not at all.
 
     Returns the new model. Its default-domain opset is raised where the chosen form needs a newer
     DequantizeLinear (per channel 13, float16 scales 19, 4-bit or blocks 21; per tensor float32
@@ -458,6 +466,8 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     out = _standard_copy(source, payloads, report)
     if include_p:
         _unlist_included(out, include_p, exclude_p, ops, min_elements, report)
+    if dedupe:
+        _store_duplicates_once(out, payloads, include_p, exclude_p, ops, min_elements, report)
     weights, _ = graph.find_weights(out)
     chosen = [w for w in weights if _keep_reason(w, include_p, exclude_p, ops, min_elements) is None]
     out = _with_opset_for(out, chosen, bits, granularity, payloads, report,
@@ -559,6 +569,43 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
                              helper.find_min_ir_version_for(list(out.opset_import), True))
     graph.drop_stale_training_info(out, "quantized", report)
     return out
+
+
+def _store_duplicates_once(out: onnx.ModelProto, payloads: dict, include_p, exclude_p, ops, min_elements: int,
+                           report: Report | None) -> list:
+    """Byte-identical weights that would get the same form (the same reason to stay as they are,
+    or quantized along the same axes) merged into one, in place, before any is quantized
+    (passes.dedupe): a weight stored twice (tied embeddings and lm_head, a weight exported once per
+    reader) is quantized once, stored once and dequantized by one node that all its readers read.
+    Weights whose forms would differ (one excluded or not included, read along another axis) stay
+    apart. Returns the merges (each reported)."""
+    weights, graphs = graph.find_weights(out)
+    by_name: dict[str, list[graph.Weight]] = {}
+    for w in weights:
+        by_name.setdefault(w.name, []).append(w)
+    consumers_of = graph.consumers_index(graphs)
+    forms_of: dict[str, tuple | None] = {}
+
+    def form(name: str) -> tuple | None:
+        if name not in forms_of:
+            found = by_name.get(name, [])
+            if len(found) != 1:  # (function bodies, repeated names: left as they are)
+                forms_of[name] = None
+            else:
+                w = found[0]
+                reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
+                axis = graph.choose_axis(w, consumers_of) if reason is None else None
+                forms_of[name] = (reason,) if axis is None else (None, axis.channel, axis.reduce)
+        return forms_of[name]
+
+    def accept(dropped: str, kept: str) -> bool:
+        return form(dropped) is not None and form(dropped) == form(kept)
+
+    merges = _dedupe.find_duplicates(out, accept=accept, payloads=payloads)
+    if merges:
+        _dedupe.apply_merges(out, merges)
+        _dedupe.report_merges(merges, report)
+    return merges
 
 
 def _function_constants(fn: onnx.FunctionProto):
