@@ -373,7 +373,8 @@ def dedupe_initializers(model, *, min_bytes: int = DEFAULT_MIN_BYTES, base_dir=N
     src = load_model(model)
     if report is not None:
         report.pass_name = report.pass_name or "dedupe_initializers"
-    out = graph.copy_model(src)
+    # a model read from a path is this call's own: changed in place, without a second copy of its weights
+    out = src if src is not model else graph.copy_model(src)
     # what every pass leaves (nodes sorted, IR 3 initializers no longer listed as inputs: they would
     # count as overridable, and nothing would merge), each change noted
     graph.standard_form(out, report, rewritten="merged")

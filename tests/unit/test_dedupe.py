@@ -328,3 +328,21 @@ def test_palettize_stores_once():
     assert "2 identical weights stored once: B -> A (16.4 kB less)" in rep.notes
     _same_outputs(p, passes.palettize(m, dedupe=False))
 
+
+
+def test_quantize_tied_embedding_and_lm_head_store_once():
+    """Gather(E, ids) and MatMul(h, Transpose(E2)), E2 == E: both want per-row steps, so they merge."""
+    v, h = 256, N
+    e = _w(shape=(v, h))
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("Transpose", ["E2"], ["Et"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Et"], ["y"])]
+    m = _model(nodes, [numpy_helper.from_array(e, "E"), numpy_helper.from_array(e, "E2")],
+               inputs=[helper.make_tensor_value_info("ids", TP.INT64, [1, 8])],
+               outputs=[helper.make_tensor_value_info("y", TP.FLOAT, [1, 8, v])])
+    rep = passes.Report()
+    q = passes.quantize_weights(m, dedupe=True, report=rep)
+    onnx.checker.check_model(q, full_check=True)
+    assert _names(q) == ["E_quantized", "E_scale"]
+    assert [t.scheme for t in rep.tensors] == ["stored once: same bytes as E", "int8/channel(axis=0)/sym"]
+    feed = {"ids": np.array([[0, 5, 9, 255, 17, 3, 3, 100]], np.int64)}
+    _same_outputs(q, passes.quantize_weights(m), feed)
