@@ -346,3 +346,24 @@ def test_quantize_tied_embedding_and_lm_head_store_once():
     assert [t.scheme for t in rep.tensors] == ["stored once: same bytes as E", "int8/channel(axis=0)/sym"]
     feed = {"ids": np.array([[0, 5, 9, 255, 17, 3, 3, 100]], np.int64)}
     _same_outputs(q, passes.quantize_weights(m), feed)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(bits=4)])
+def test_ir3_listed_weights_and_opset_raise(options):
+    """IR 3 lists every initializer as an input (because it must, not to make it overridable): the
+    passes unlist them first, so they merge; an opset-9 model raised for DequantizeLinear still merges."""
+    w = _w()
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "A"], ["h"]), helper.make_node("MatMul", ["h", "B"], ["y"])],
+                          "g", [helper.make_tensor_value_info(n, TP.FLOAT, [1, N] if n == "x" else [N, N]) for n in "xAB"],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [1, N])],
+                          [numpy_helper.from_array(w, "A"), numpy_helper.from_array(w, "B")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
+    m.ir_version = 3
+    onnx.checker.check_model(m, full_check=True)
+    d = passes.dedupe_initializers(m)
+    assert _names(d) == ["A"] and d.ir_version == 4
+    _same_outputs(m, d)
+    q = passes.quantize_weights(m, dedupe=True, **options)
+    onnx.checker.check_model(q, full_check=True)
+    assert _names(q) == ["A_quantized", "A_scale"]
+    _same_outputs(q, passes.quantize_weights(m, **options))
