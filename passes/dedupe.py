@@ -33,7 +33,7 @@ stored twice is quantized once and stored once.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -68,7 +68,6 @@ class _Def:
     location: str
     payload: TensorProto | None = None  # where the values are when `tensor` lacks them
     digest: bytes | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _values_tensor(d: _Def) -> TensorProto:
