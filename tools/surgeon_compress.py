@@ -16,6 +16,25 @@ from __future__ import annotations
 
 import sys
 
+
+def _interrupted_quietly(kind, value, tb):
+    """sys.excepthook while the command starts: a Ctrl-C that reaches the top level before main() catches
+    it (while this module's own definitions load, after the imports below) says the one line and exits
+    130; anything else is reported as Python would."""
+    if issubclass(kind, KeyboardInterrupt):
+        sys.stderr.write("surgeon-compress: interrupted\n")
+        sys.stderr.flush()
+        import os as _os
+
+        _os._exit(130)
+    sys.__excepthook__(kind, value, tb)
+
+
+# only for the command itself (the console script, python -m / the file), never for a program importing this module
+if sys.excepthook is sys.__excepthook__ and (__name__ == "__main__"
+                                             or sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] == "surgeon-compress"):
+    sys.excepthook = _interrupted_quietly
+
 try:  # Ctrl-C while the console script imports this module: the one line and 130, not a traceback
     import argparse
     import dataclasses
@@ -1119,6 +1138,9 @@ def _main(argv: Sequence[str] | None) -> int:
     import contextlib
     import io
 
+    if _interrupted_while_importing(["passes"]):  # (the parser reads its version; a Ctrl-C inside its dataclasses
+        print(f"{PROG}: interrupted", file=sys.stderr)  # came out as a RuntimeError and a traceback)
+        return EXIT_INTERRUPTED
     from passes import SurgeonError
 
     global _json_printed
@@ -1139,8 +1161,13 @@ def _main(argv: Sequence[str] | None) -> int:
             _print_json_failure(command, last.split(": error: ", 1)[-1], code)
         return code
     sys.stderr.write(said.getvalue())
-    restore = _sigterm_unwinds()
     as_json = bool(getattr(args, "json", False))
+    if _interrupted_while_importing(_heavy_modules(args)):
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        if as_json:
+            _print_json_failure(args.command, "interrupted", EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+    restore = _sigterm_unwinds()
     try:
         return args.func(args)
     except SurgeonError as exc:
@@ -1178,6 +1205,44 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_INTERNAL
     finally:
         restore()
+
+
+def _heavy_modules(args) -> list[str]:
+    """The extension-heavy modules the command will import: numpy and onnx for every one, onnxruntime where
+    it runs models (eval; compress measuring or searching)."""
+    names = ["numpy", "onnx"]
+    if args.command == "eval" or (args.command == "compress" and (args.require or args.feeds or args.metric
+                                                                  or args.target)):
+        names.append("onnxruntime")
+    return names
+
+
+def _interrupted_while_importing(names: Sequence[str]) -> bool:
+    """Import `names` with Ctrl-C held until they are in; True when one came meanwhile (the caller then
+    stops with the one line and 130). Why: a KeyboardInterrupt raised inside an extension module's
+    initialisation leaves it half made, and the command then crashed (SIGSEGV, no message) or failed on
+    the broken module (exit 70) instead of stopping. Only in the main thread with Python's own handler
+    (an embedding program keeps its own); a module that cannot be imported is the command's to report."""
+    import importlib
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return False
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        for name in names:
+            if held:
+                break
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return bool(held)
 
 
 def _sigterm_unwinds():
