@@ -457,6 +457,7 @@ def cmd_compress(args) -> int:
     _check_distinct(args.input, args.output, feeds=args.feeds)
     _check_output(args.output, args.force)  # fail before the long work, not after
     _check_option_combinations(args)
+    _check_restored_size(args.input, args.max_bytes)
     pack = _wants_pack(args.output, args.pack)
     model = passes.load_model(args.input)
     feeds = passes.load_feeds(args.feeds, model) if args.feeds else None
@@ -579,6 +580,7 @@ def cmd_fold(args) -> int:
     check_readable(args.input)
     _check_distinct(args.input, args.output)
     _check_output(args.output, args.force)
+    _check_restored_size(args.input, args.max_bytes)
     model = passes.load_model(args.input)
     report = passes.Report()
     pack = _wants_pack(args.output, False)
@@ -1047,6 +1049,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (-o must end in .onnxz, which alone implies it)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     verify_option(p)
+    max_bytes_option(p)
     _add_fidelity_options(p)
     p.set_defaults(func=cmd_compress)
 
@@ -1057,6 +1060,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.add_argument("--dtype", choices=("float16", "float32"), help="float type of the folded weights (default: what the node produced)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
+    max_bytes_option(p)
     p.set_defaults(func=cmd_fold)
 
     p = sub.add_parser("info", help="weights by dtype and scheme, sizes, per-tensor table",
