@@ -29,7 +29,8 @@ from . import codecs as _codecs
 from .codecs import MAX_CHUNK_BYTES, check_params, plane_sizes
 
 MAGIC = b"ONNXZ\r\n\x1a"
-VERSION = (1, 3)  # 1.1: codec `ans` (FORMAT.md 3.1); 1.2: `ans_shared` (3.2); 1.3: the catalog (4.1); older files still read
+VERSION = (1, 4)  # 1.1: codec `ans` (FORMAT.md 3.1); 1.2: `ans_shared` (3.2); 1.3: the catalog (4.1); 1.4: `same` (3.3); older files still read
+SAME = "same"  # 1.4: a tensor's stream that is an earlier tensor's stream (byte-identical payloads stored once, FORMAT.md 3.3)
 FLAG_CATALOG = 2  # header flag (1.3): the index has a `catalog` (FORMAT.md 4.1); other flags are refused as newer
 MAX_SHARED_TABLES = 4096
 MAX_TABLE_BYTES = 1 + 32 + 256 * 3  # count, bitmap, 255 frequencies of at most 23 + 11 bits
@@ -569,12 +570,16 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
     lo, hi, spans = extents.lo, extents.hi, extents.spans
     for ti, row in coded_rows:
         key, length = row[0], row[7]
-        # _stream's C path inline (its frame and the label, made only where Python takes over:
-        # ~10% of parsing a small model's index of 45 coded tensors)
-        stream = fast(row[8], lo, hi, spans, resolved, Chunk, Stream, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + (1 << 16)) \
-            if fast is not None else None
-        if stream is None:
-            stream = _stream(row[8], extents, f"tensor {key!r}", tables, resolved)
+        entry = row[8]
+        if type(entry) is dict and entry.get("codec") == SAME:  # 1.4: an earlier tensor's stream (3.3)
+            stream = _same_stream(entry, coded, ti, key)
+        else:
+            # _stream's C path inline (its frame and the label, made only where Python takes over:
+            # ~10% of parsing a small model's index of 45 coded tensors)
+            stream = fast(entry, lo, hi, spans, resolved, Chunk, Stream, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + (1 << 16)) \
+                if fast is not None else None
+            if stream is None:
+                stream = _stream(entry, extents, f"tensor {key!r}", tables, resolved)
         if stream.raw_length != length:
             raise _bad(f"tensor {key!r} stream decodes to {stream.raw_length} bytes, payload is {length}")
         coded[ti] = TensorEntry(*row[:8], stream) if _record is None else _record(TensorEntry, *row[:8], stream)
@@ -627,6 +632,24 @@ def parse_index(obj: dict, header: Header, max_output_bytes: int) -> Index:
     extents.check()
     writer = obj.get("writer", "")
     return Index(tuple(fmt), writer if isinstance(writer, str) else "", files, tensors_in, coded, obj, catalog)
+
+
+def _same_stream(obj: dict, coded: dict, ti: int, key: str) -> Stream:
+    """The stream {"codec": "same", "params": {"tensor": j}} of tensor `ti` (FORMAT.md 3.3): a
+    Stream over the chunks of the earlier coded tensor j (decoded again for this one; its chunks
+    lie in the data area once), marked `same_as` = j. Damaged when j is not an earlier coded
+    tensor, or the object holds anything else."""
+    params = obj.get("params")
+    j = params.get("tensor") if type(params) is dict and len(params) == 1 else None
+    if set(obj) - {"codec", "params", "chunks"} or obj.get("chunks", []) != [] or type(j) is not int:
+        raise _bad(f"tensor {key!r}: same stream")
+    original = coded.get(j) if 0 <= j < ti else None
+    if original is None:
+        raise _bad(f"tensor {key!r}: same names tensor {j}, not an earlier coded tensor")
+    base = original.stream
+    stream = Stream(base.codec, base.params, base.chunks, base.raw_length, base.tables)
+    stream.same_as = getattr(base, "same_as", j)
+    return stream
 
 
 def _checked_cuts(cuts_in: list, coded: dict, i: int, size: int, last_tensor: int, tensors_in: list) -> tuple:

@@ -1101,13 +1101,19 @@ class PackedModel:
         file's size and digests, and per tensor its key, name, dtype, shape, codec and chunks."""
         idx = self._pf.index
         tensors = []
+        coded = {ti: t.key for ti, t in idx.coded.items()}
         for t in idx.tensors:
             s = t.stream
+            same = getattr(s, "same_as", None)
+            if same is not None:  # (1.4: stored once, under the earlier tensor named)
+                s = None
             tensors.append({
                 "key": t.key, "name": t.name, "dtype": onnx.TensorProto.DataType.Name(t.dtype) if t.dtype in onnx.TensorProto.DataType.values() else t.dtype,
                 "shape": t.shape, "field": t.field, "file": idx.files[t.file].name, "bytes": t.length,
-                "stored": s.stored if s else None, "codec": s.codec if s else "skeleton",
-                "params": s.params if s else {}, "chunks": len(s.chunks) if s else 0,
+                "stored": 0 if same is not None else s.stored if s else None,
+                "codec": "same" if same is not None else s.codec if s else "skeleton",
+                "params": {"tensor": coded.get(same)} if same is not None else s.params if s else {},
+                "chunks": len(s.chunks) if s else 0,
             })
         return {
             "format_version": "%d.%d" % idx.version, "writer": idx.writer, "path": self._pf.label,

@@ -23,7 +23,7 @@ from .._cpus import worker_count
 from .._fileio import _safe_external_path, atomic_output, check_readable, check_writable, parse_model_bytes
 from ..errors import FileAccessError, InvalidArgumentError, InvalidModelError
 from . import codecs
-from .format import FLAG_CATALOG, HEADER_SIZE, MAGIC, VERSION, encode_catalog, encode_index, normal_data_name, pack_header
+from .format import FLAG_CATALOG, HEADER_SIZE, MAGIC, SAME, VERSION, encode_catalog, encode_index, normal_data_name, pack_header
 from .protowire import LEN, TensorRef, WireError, _skip, find_tensors, read_varint, write_varint
 
 MIN_CUT = 1024  # smaller payloads stay in the skeleton: frame and index overhead would eat the gain
@@ -462,6 +462,31 @@ def _payload(sources, ref_file, all_refs, i) -> np.ndarray:
     return sources[ref_file[i]].read(r.offset, r.length)
 
 
+def _same_payloads(sources, ref_file, all_refs, cut: List[int]) -> Dict[int, int]:
+    """{tensor i: the earlier tensor j whose payload is byte for byte i's} among the cut tensors
+    `cut` (indexes into all_refs, in file order): each such payload is stored once (FORMAT.md 3.3).
+    Only payloads whose length another cut payload has are read and hashed (XXH3-128), and equal
+    digests are confirmed byte for byte. A model without such payloads packs as before."""
+    by_length: Dict[int, List[int]] = {}
+    for i in cut:
+        by_length.setdefault(all_refs[i].length, []).append(i)
+    same: Dict[int, int] = {}
+    for group in by_length.values():
+        if len(group) < 2:
+            continue
+        first: Dict[bytes, List[int]] = {}
+        for i in sorted(group):  # (the original is the earliest entry of the index)
+            data = _payload(sources, ref_file, all_refs, i)
+            digest = xxhash.xxh3_128(data).digest()
+            for j in first.get(digest, ()):
+                if np.array_equal(_payload(sources, ref_file, all_refs, j), data):
+                    same[i] = j
+                    break
+            else:
+                first.setdefault(digest, []).append(i)
+    return same
+
+
 def _used_tables(tensor_streams: Dict[int, dict], shared) -> List[str]:
     """The shared tables the streams use, in order of first use (base64), with the streams'
     table numbers rewritten to their place in that list."""
@@ -514,10 +539,13 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
         keys = _keys(all_refs)
         ref_index = {id(r): i for i, r in enumerate(all_refs)}
         plans = [_plan_cuts(src, MIN_CUT if fi == 0 else 1) for fi, src in enumerate(sources)]
+        # a cut payload byte for byte the same as an earlier one is stored once (1.4, FORMAT.md 3.3)
+        same = _same_payloads(sources, ref_file, all_refs, [ref_index[id(r)] for cuts in plans for r in cuts])
         jobs = []  # (kind, index, raw bytes) in the order chunks are written
         for fi, cuts in enumerate(plans):
             for r in cuts:
-                jobs.append(("tensor", ref_index[id(r)], r.length))
+                if ref_index[id(r)] not in same:
+                    jobs.append(("tensor", ref_index[id(r)], r.length))
             jobs.append(("skeleton", fi, sources[fi].size - sum(r.length for r in cuts)))
         total = sum(s.size for s in sources)
         done = 0
@@ -592,6 +620,14 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
                 done += raw
                 if progress is not None:
                     progress(done, total)
+            for i, j in same.items():
+                tensor_streams[i] = {"codec": SAME, "params": {"tensor": j}}
+                b = by_codec.setdefault(SAME, {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0})
+                b["tensors"] += 1
+                b["raw_bytes"] += all_refs[i].length
+                done += all_refs[i].length
+            if same and progress is not None:
+                progress(done, total)
             for done_sha in shas:
                 done_sha.result()
             for src in sources:  # (before the index: a refusal leaves no output)
@@ -617,14 +653,16 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
             # 1.2: every file carries `xxh3_128` (and `ans_tables` where a shared table is used); a 1.1
             # reader still reads those without `ans_shared` (it checks only the major version)
             # 1.3: the codec `transpose`, or a catalog (header flag); else a file a 1.2 reader reads
-            version = VERSION if any(s["codec"] == "transpose" for s in tensor_streams.values()) else (1, 2)
+            version = (1, 3) if any(s["codec"] == "transpose" for s in tensor_streams.values()) else (1, 2)
+            if same:  # 1.4: a reader of 1.3 or before refuses the codec `same` as newer
+                version = (1, 4)
             flags = 0
             catalog = None
             if len(tensor_streams) < len(tensors) and not os.environ.get("ONNXZ_NO_CATALOG"):
                 # 1.3 (FORMAT.md 4.1): the entries of the tensors left in the skeleton go to the
                 # catalog, which an unpack never parses (the index of a small model is mostly such
                 # entries: parsing and freeing them was ~0.3-0.4 ms of a 2-3 ms unpack)
-                version, flags = VERSION, FLAG_CATALOG
+                version, flags = max(version, (1, 3)), FLAG_CATALOG
                 at = {}
                 for i in range(len(tensors)):
                     if i in tensor_streams:
@@ -633,6 +671,8 @@ def pack(model_or_path, dst, *, threads: Optional[int] = None, force: bool = Fal
                 tensors = [t for i, t in enumerate(tensors) if i in at]
                 for fe in files:
                     fe["cuts"] = [[off, ln, at[ti]] for off, ln, ti in fe["cuts"]]
+                for i, j in same.items():  # (the tensor named: its place in the list the index keeps)
+                    tensor_streams[i]["params"]["tensor"] = at[j]
                 cat_text, cat_frame = encode_catalog(items)
                 f.write(cat_frame)
                 catalog = [pos, len(cat_frame), len(cat_text), _chunk_digest([cat_frame])]
