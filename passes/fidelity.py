@@ -78,12 +78,14 @@ def feed_list(feeds, model, why: str, *, check: bool = False) -> list[Feed]:
     return feeds
 
 
-def load_feeds(path, model=None) -> list[Feed]:
+def load_feeds(path, model=None, *, max_bytes: int | None = None) -> list[Feed]:
     """Feeds from an `.npz`: keys "i/NAME" (input NAME of feed i; shapes may differ between
     feeds) or plain "NAME" (one feed). With `model`, the names are checked against its inputs.
+    Each array's size, as its header declares it, is checked before it is read: no more than its
+    entry in the archive holds, and all of them together no more than `max_bytes` (when given).
     Returns a list of {input name: array}. Raises FileAccessError for a file that cannot be read,
-    InvalidArgumentError for a file that is not an .npz of arrays or whose names or dtypes do not
-    fit the model."""
+    InvalidArgumentError for a file that is not an .npz of arrays, whose arrays declare more bytes than
+    they hold, than max_bytes or than memory takes, or whose names or dtypes do not fit the model."""
     p = check_readable(path)
     _check_npz_magic(p)
     try:
@@ -91,7 +93,11 @@ def load_feeds(path, model=None) -> list[Feed]:
         if not isinstance(archive, np.lib.npyio.NpzFile):
             raise InvalidArgumentError(f"{p}: feeds must be an .npz archive of arrays, not a single .npy array")
         with archive:
-            arrays = {key: archive[key] for key in archive.files}
+            declared = _check_declared_sizes(p, archive, max_bytes)
+            try:
+                arrays = {key: archive[key] for key in archive.files}
+            except MemoryError:
+                raise InvalidArgumentError(f"{p}: the feeds' arrays ({declared:,} bytes) do not fit in memory") from None
     except SurgeonError:
         raise
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
@@ -120,6 +126,37 @@ def load_feeds(path, model=None) -> list[Feed]:
     if model is not None:
         check_feeds(model, feeds, source=str(p))
     return feeds
+
+
+def _check_declared_sizes(p, archive, max_bytes: int | None) -> int:
+    """The bytes the archive's arrays declare in their .npy headers, all together; InvalidArgumentError for
+    an array declaring more than its entry holds (a crafted header: numpy allocates the declared size before
+    it reads a byte, 373 GiB for 10^11 float32 values in a 256-byte file) or arrays beyond max_bytes.
+    Entries whose header numpy's own reader refuses are left to it (its error is reported as unreadable)."""
+    total = 0
+    for key in archive.files:
+        name = key if key in archive.zip.namelist() else key + ".npy"
+        try:
+            info = archive.zip.getinfo(name)
+            with archive.zip.open(name) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
+                    else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+                header = f.tell()
+        except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile):
+            continue
+        if dtype.hasobject:
+            continue  # (refused as pickled data when read)
+        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+        held = info.file_size - header
+        if nbytes > held:
+            raise InvalidArgumentError(f"{p}: array {key!r} declares shape {list(shape)} {dtype} ({nbytes:,} bytes) but "
+                                       f"its entry holds {max(held, 0):,} bytes: a damaged or crafted .npz")
+        total += nbytes
+        if max_bytes is not None and total > max_bytes:
+            raise InvalidArgumentError(f"{p}: the feeds' arrays declare more than {max_bytes:,} bytes (--max-bytes)")
+    return total
 
 
 def _input_elem_types(model: onnx.ModelProto) -> dict:

@@ -460,7 +460,7 @@ def cmd_compress(args) -> int:
     _check_restored_size(args.input, args.max_bytes)
     pack = _wants_pack(args.output, args.pack)
     model = passes.load_model(args.input)
-    feeds = passes.load_feeds(args.feeds, model) if args.feeds else None
+    feeds = passes.load_feeds(args.feeds, model, max_bytes=args.max_bytes) if args.feeds else None
 
     report = passes.Report()
     auto = None
@@ -744,7 +744,7 @@ def cmd_eval(args) -> int:
 
     # a plain file is read without its external data: onnxruntime reads the original from the file (H7 F13)
     original = model_structure(args.original)
-    feeds = passes.load_feeds(args.feeds, original) if args.feeds else None
+    feeds = passes.load_feeds(args.feeds, original, max_bytes=args.max_bytes) if args.feeds else None
     if 0 < default_opset(original) < _oldest_runnable_opset():
         original = passes.load_model(args.original)
     original, notes = _measurable(original, feeds, "the original")
@@ -1013,10 +1013,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--verify", action="store_true",
                        help="re-read OUT after writing it before reporting success (exit 4 and OUT removed when it fails)")
 
-    def max_bytes_option(p):
+    def max_bytes_option(p, feeds=False):
         p.add_argument("--max-bytes", type=_non_negative_int, metavar="N",
-                       help="refuse a .onnxz that restores to more than N bytes, before decoding it "
-                            "(for untrusted files; default: 1 TiB)")
+                       help="refuse a .onnxz that restores to more than N bytes, before decoding it (default: 1 TiB)"
+                            + (", and --feeds whose arrays declare more than N bytes, before reading them (default: "
+                               "no bound beyond what each array's entry in the .npz holds)" if feeds else "")
+                            + "; for untrusted files")
 
     def common(p, output=True, output_required=True, output_help="output file"):
         if output:
@@ -1049,7 +1051,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack", action="store_true", help="write a lossless .onnxz pack (-o must end in .onnxz, which alone implies it)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     verify_option(p)
-    max_bytes_option(p)
+    max_bytes_option(p, feeds=True)
     _add_fidelity_options(p)
     p.set_defaults(func=cmd_compress)
 
@@ -1076,7 +1078,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("original", metavar="ORIGINAL", type=_path, help="the reference model (.onnx or .onnxz)")
     p.add_argument("candidate", metavar="CANDIDATE", type=_path, help="the model to compare with it (.onnx or .onnxz)")
     common(p, output=False)
-    max_bytes_option(p)
+    max_bytes_option(p, feeds=True)
     _add_fidelity_options(p)
     p.set_defaults(func=cmd_eval)
 
