@@ -3,6 +3,7 @@
     python tests/golden/make_golden.py --dest tests/golden/v1.1   # writes v1.1/*.onnxz + MANIFEST.json
     python tests/golden/make_golden.py --dest tests/golden/v1.2   # ans_shared (format 1.2)
     python tests/golden/make_golden.py --dest tests/golden/v1.3   # catalog, transpose (format 1.3)
+    python tests/golden/make_golden.py --dest tests/golden/v1.4   # same: a payload stored once (format 1.4)
     python tests/golden/make_golden.py --check                     # only checks that v1.0 decodes to its manifest
 
 v1.0/ was written by the 1.0 writer from `cases()`; v1.1/ (codec `ans`) from `cases_v11()`; v1.2/
@@ -205,6 +206,21 @@ def cases_v13():
     }
 
 
+def cases_v14():
+    """Format 1.4 (FORMAT.md 3.3): the codec `same`, a payload equal to an earlier one stored once
+    (a tied weight: float32 twice, int8 twice beside a different one; and the same in external data)."""
+    rng = np.random.default_rng(20261204)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    q = np.clip(np.round(rng.laplace(0, 9, 4000)), -127, 127).astype(np.int8)
+    other = np.clip(np.round(rng.laplace(0, 5, 4000)), -127, 127).astype(np.int8)
+    tied = [numpy_helper.from_array(w, "embed"), numpy_helper.from_array(w.copy(), "lm_head"),
+            numpy_helper.from_array(q, "q_a"), numpy_helper.from_array(other, "q_b"), numpy_helper.from_array(q.copy(), "q_c")]
+    return {
+        "same-tied": (tied, {"same"}, {}, False),
+        "same-external": ([numpy_helper.from_array(w, "embed"), numpy_helper.from_array(w.copy(), "lm_head")], {"same"}, {}, True),
+    }
+
+
 @contextlib.contextmanager
 def shared_long():
     """The writer with short blobs allowed to reach the plane's size once their table is put back."""
@@ -244,7 +260,7 @@ def build(dest: Path) -> dict:
     dest.mkdir(parents=True, exist_ok=True)
     version = dest.name.lstrip("v")
     manifest = {"format": version, "generator": "tests/golden/make_golden.py", "files": {}}
-    case_sets = {"1.1": cases_v11, "1.2": cases_v12, "1.3": cases_v13}
+    case_sets = {"1.1": cases_v11, "1.2": cases_v12, "1.3": cases_v13, "1.4": cases_v14}
     for name, (inits, want_codecs, opts, external) in case_sets.get(version, cases)().items():
         opts = dict(opts)
         model = _model(inits, opts.pop("extra_nodes", ()))
