@@ -1317,6 +1317,14 @@ class _Search:
             self.notes.append("nodes sorted topologically (the input graph was not)")
         # a model the checker refuses is named here, not later as "does not run on synthesised inputs"
         graph.refuse_invalid(src)
+        from .dedupe import apply_merges, find_duplicates, merges_note
+
+        merges = find_duplicates(src)
+        if merges:  # a weight stored twice (tied embeddings, one copy per reader) is searched, quantized and stored once
+            merged = graph.copy_model(src, {m.name for m in merges if not m.scope}) if src is model else src
+            apply_merges(merged, merges)  # (the caller's model is never changed: a copy without the dropped payloads)
+            src = merged
+            self.notes.append(merges_note(merges))
         if run_as == "fold":
             self.notes.append("candidates measured with their weights folded to float (run_as='fold')")
         self.src = src

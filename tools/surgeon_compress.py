@@ -473,7 +473,8 @@ def cmd_compress(args) -> int:
     else:
         options = _quantize_options(args)
         with _progress("quantize") as bar:
-            compressed = passes.quantize_weights(model, report=report, progress=bar, **options)
+            # (dedupe outside `options`: the --json "options" are those the user chose)
+            compressed = passes.quantize_weights(model, report=report, progress=bar, dedupe=True, **options)
     if measuring:
         notes += _random_notes(model)
 
