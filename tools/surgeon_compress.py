@@ -31,8 +31,9 @@ def _interrupted_quietly(kind, value, tb):
 
 
 # only for the command itself (the console script, python -m / the file), never for a program importing this module
-if sys.excepthook is sys.__excepthook__ and (__name__ == "__main__"
-                                             or sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] == "surgeon-compress"):
+# (Windows launchers: surgeon-compress.exe, surgeon-compress-script.py)
+if sys.excepthook is sys.__excepthook__ and (__name__ == "__main__" or sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1]
+                                             in ("surgeon-compress", "surgeon-compress.exe", "surgeon-compress-script.py")):
     sys.excepthook = _interrupted_quietly
 
 try:  # Ctrl-C while the console script imports this module: the one line and 130, not a traceback

@@ -17,11 +17,12 @@ from tools.surgeon_compress import main
 from conftest import REPO
 
 
-def test_an_interrupt_before_main_runs_exits_130_with_one_line(tmp_path):
+@pytest.mark.parametrize("launcher", ["surgeon-compress", "surgeon-compress-script.py"])
+def test_an_interrupt_before_main_runs_exits_130_with_one_line(tmp_path, launcher):
     """The console script imports this module and then calls main(): a KeyboardInterrupt reaching the
     top level in between (as one arriving while the module's definitions load does) printed Python's
     traceback."""
-    script = tmp_path / "surgeon-compress"
+    script = tmp_path / launcher
     script.write_text(textwrap.dedent("""
         import sys
         from tools.surgeon_compress import main
