@@ -223,8 +223,9 @@ class _Finder:
             return
         key = (t.data_type, tuple(t.dims))
         for k in self.kept.get(key, []):
-            if k.name in visible and (self.accept is None or self.accept(d.name, k.name)) \
-                    and _same_values(d, k, self.base_dir):
+            # the caller's veto is asked about equal tensors only (it may report what it kept apart)
+            if k.name in visible and _same_values(d, k, self.base_dir) \
+                    and (self.accept is None or self.accept(d.name, k.name)):
                 self.merges.append(Merge(d.name, k.name, tuple(int(x) for x in t.dims), graph.type_name(t.data_type),
                                          nbytes, self.prefix + d.location, self.scope_key))
                 return
@@ -268,7 +269,7 @@ def find_duplicates(model: onnx.ModelProto, *, min_bytes: int = DEFAULT_MIN_BYTE
     """The merges that store each set of identical tensors once (the module docstring says which
     tensors take part), first kept, in walk order. Reads, never changes, `model`.
 
-    accept(dropped, kept): a caller's veto on one merge (quantize_weights: both weights must get
+    accept(dropped, kept): a caller's veto on one merge of two equal tensors (quantize_weights: both weights must get
     the same form). payloads: {main-graph initializer name: TensorProto holding its values} for a
     copy made without them (graph.copy_model's without_payload)."""
     if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:

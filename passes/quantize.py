@@ -598,13 +598,34 @@ def _store_duplicates_once(out: onnx.ModelProto, payloads: dict, include_p, excl
                 forms_of[name] = (reason,) if axis is None else (None, axis.channel, axis.reduce)
         return forms_of[name]
 
-    def accept(dropped: str, kept: str) -> bool:
-        return form(dropped) is not None and form(dropped) == form(kept)
+    def fused_alone(name: str) -> bool:
+        # A quantized weight whose one reader is a MatMul's weight input: onnxruntime fuses its
+        # DequantizeLinear + MatMul into MatMulNBits (int8 in memory, faster than float) only
+        # while the levels have no other reader. Merged, two such weights would be dequantized
+        # at every run instead (a 512x512 MatMul: 0.04 -> 2.2 ms a run), so they stay apart
+        # here; a pack stores their equal payloads once anyway (FORMAT.md, codec same).
+        w = by_name[name][0]
+        return (form(name) or (0,))[0] is None and len(w.uses) == 1 and \
+            w.uses[0].node.op_type == "MatMul" and w.uses[0].node.domain in ("", "ai.onnx") and w.uses[0].index == 1
 
+    def accept(dropped: str, kept: str) -> bool:
+        if form(dropped) is None or form(dropped) != form(kept):
+            return False
+        if fused_alone(dropped) or fused_alone(kept):
+            kept_apart.append(dropped)
+            return False
+        return True
+
+    kept_apart: list[str] = []
     merges = _dedupe.find_duplicates(out, accept=accept, payloads=payloads)
     if merges:
         _dedupe.apply_merges(out, merges)
         _dedupe.report_merges(merges, report)
+    if kept_apart and report is not None:
+        apart = sorted(set(kept_apart))
+        report.note(f"{len(apart)} weight(s) equal to another kept apart ({', '.join(apart[:5])}"
+                    f"{', ...' if len(apart) > 5 else ''}): each is a MatMul weight that onnxruntime runs as "
+                    "MatMulNBits only while its levels are read once; a .onnxz stores equal payloads once")
     return merges
 
 

@@ -27,11 +27,13 @@ def _model(nodes, inits, inputs=None, outputs=None, opset=17, functions=()):
     return m
 
 
-def _dup_model(b_typed=False):
-    """y = x @ A @ B with A and B the same values (B in float_data when b_typed)."""
+def _dup_model(b_typed=False, op="MatMul"):
+    """y = x @ A @ B with A and B the same values (B in float_data when b_typed); op="Gemm": two
+    Gemm(transB=1) nodes instead of MatMul."""
     w = _w()
     b = helper.make_tensor("B", TP.FLOAT, [N, N], w.ravel().tolist()) if b_typed else numpy_helper.from_array(w, "B")
-    return _model([helper.make_node("MatMul", ["x", "A"], ["h"]), helper.make_node("MatMul", ["h", "B"], ["y"])],
+    attrs = {"transB": 1} if op == "Gemm" else {}
+    return _model([helper.make_node(op, ["x", "A"], ["h"], **attrs), helper.make_node(op, ["h", "B"], ["y"], **attrs)],
                   [numpy_helper.from_array(w, "A"), b])
 
 
@@ -132,23 +134,28 @@ def _branches(node):
     return attrs["then_branch"], attrs["else_branch"]
 
 
-def _if_model(shadow=False):
+def _if_model(shadow=False, op="MatMul"):
     """y = If(c, then: x @ T, else: x @ E) @ A, T and E identical to A (Constant / initializer of the branch).
-    shadow: the else branch also defines its own 'A' (other values) and reads it."""
+    shadow: the else branch also defines its own 'A' (other values) and reads it. op="Gemm": every
+    product a Gemm(transB=1)."""
     w = _w()
+    attrs = {"transB": 1} if op == "Gemm" else {}
+
+    def mm(a, b, y):
+        return helper.make_node(op, [a, b], [y], **attrs)
+
     out_vi = [helper.make_tensor_value_info("r", TP.FLOAT, [1, N])]
     then_g = helper.make_graph([helper.make_node("Constant", [], ["T"], value=numpy_helper.from_array(w, "T")),
-                                helper.make_node("MatMul", ["x", "T"], ["r"])], "then", [], out_vi)
-    else_nodes = [helper.make_node("MatMul", ["x", "E"], ["r0"])]
+                                mm("x", "T", "r")], "then", [], out_vi)
+    else_nodes = [mm("x", "E", "r0")]
     else_inits = [numpy_helper.from_array(w, "E")]
     if shadow:
-        else_nodes.append(helper.make_node("MatMul", ["r0", "A"], ["r"]))
+        else_nodes.append(mm("r0", "A", "r"))
         else_inits.append(numpy_helper.from_array(_w(5), "A"))
     else:
         else_nodes.append(helper.make_node("Identity", ["r0"], ["r"]))
     else_g = helper.make_graph(else_nodes, "else", [], out_vi, else_inits)
-    return _model([helper.make_node("If", ["c"], ["h"], then_branch=then_g, else_branch=else_g),
-                   helper.make_node("MatMul", ["h", "A"], ["y"])],
+    return _model([helper.make_node("If", ["c"], ["h"], then_branch=then_g, else_branch=else_g), mm("h", "A", "y")],
                   [numpy_helper.from_array(w, "A")],
                   inputs=[helper.make_tensor_value_info("x", TP.FLOAT, [1, N]),
                           helper.make_tensor_value_info("c", TP.BOOL, [])])
@@ -263,7 +270,7 @@ def test_invalid_model_is_refused():
 
 
 def test_quantize_stores_a_duplicated_weight_once_and_fold_still_works():
-    m = _dup_model()
+    m = _dup_model(op="Gemm")
     rep = passes.Report()
     q = passes.quantize_weights(m, dedupe=True, report=rep)
     onnx.checker.check_model(q, full_check=True)
@@ -271,7 +278,7 @@ def test_quantize_stores_a_duplicated_weight_once_and_fold_still_works():
     assert _names(plain) == ["A_quantized", "A_scale", "B_quantized", "B_scale"]  # the default is unchanged
     assert _names(q) == ["A_quantized", "A_scale"]
     assert len(q.SerializeToString()) < 0.55 * len(plain.SerializeToString())
-    assert [n.op_type for n in q.graph.node] == ["DequantizeLinear", "MatMul", "MatMul"]
+    assert [n.op_type for n in q.graph.node] == ["DequantizeLinear", "Gemm", "Gemm"]
     assert "2 identical weights stored once: B -> A (16.4 kB less)" in rep.notes
     assert [(t.name, t.bytes_after) for t in rep.tensors if t.name == "B"] == [("B", 0)]
     _same_outputs(q, plain)  # the same levels for both readers
@@ -283,15 +290,40 @@ def test_quantize_stores_a_duplicated_weight_once_and_fold_still_works():
 
 @pytest.mark.parametrize("options", [dict(bits=4, granularity="block", block_size=32), dict(bits=4)])
 def test_quantize_int4_and_blocked_store_once(options):
-    m = _dup_model()
+    m = _dup_model(op="Gemm")
     q = passes.quantize_weights(m, dedupe=True, **options)
     onnx.checker.check_model(q, full_check=True)
-    assert _names(q) == ["A_quantized", "A_scale"]
+    assert {"A_quantized", "A_scale"} <= set(_names(q)) and not {"B", "B_quantized"} & set(_names(q))
     _same_outputs(q, passes.quantize_weights(m, **options))
 
 
-def test_quantize_keeps_apart_duplicates_that_would_get_different_forms():
+@pytest.mark.parametrize("options", [dict(), dict(bits=4, granularity="block", block_size=32)])
+def test_quantize_keeps_apart_matmul_weights_onnxruntime_fuses(options):
+    """Each of two equal MatMul weights is read by its own DequantizeLinear + MatMul, which
+    onnxruntime fuses into MatMulNBits only while the levels have one reader: merged, both would
+    be dequantized at every run. They stay apart, with a note (a pack stores them once)."""
     m = _dup_model()
+    rep = passes.Report()
+    q = passes.quantize_weights(m, dedupe=True, report=rep, **options)
+    assert q.SerializeToString() == passes.quantize_weights(m, **options).SerializeToString()
+    assert any(n.startswith("1 weight(s) equal to another kept apart (B)") for n in rep.notes), rep.notes
+    # merged into one DequantizeLinear, onnxruntime would run float MatMul nodes instead
+    fused = [n.op_type for n in _optimized(q).graph.node]
+    assert fused.count("MatMulNBits") == 2, fused
+
+
+def _optimized(model):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = f"{tmp}/opt.onnx"
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return onnx.load(f"{tmp}/opt.onnx")
+
+
+def test_quantize_keeps_apart_duplicates_that_would_get_different_forms():
+    m = _dup_model(op="Gemm")
     assert _names(passes.quantize_weights(m, dedupe=True, exclude=["B"])) == ["B", "A_quantized", "A_scale"]
     # read along other axes: MatMul's B (channels on axis 1) and Gemm(transB=1) (channels on axis 0)
     w = _w()
@@ -309,7 +341,7 @@ def test_quantize_without_duplicates_is_unchanged():
 
 
 def test_quantize_merges_subgraph_duplicates():
-    m = _if_model()
+    m = _if_model(op="Gemm")
     q = passes.quantize_weights(m, dedupe=True)
     onnx.checker.check_model(q, full_check=True)
     then_g, else_g = _branches(next(n for n in q.graph.node if n.op_type == "If"))
@@ -353,17 +385,19 @@ def test_ir3_listed_weights_and_opset_raise(options):
     """IR 3 lists every initializer as an input (because it must, not to make it overridable): the
     passes unlist them first, so they merge; an opset-9 model raised for DequantizeLinear still merges."""
     w = _w()
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "A"], ["h"]), helper.make_node("MatMul", ["h", "B"], ["y"])],
-                          "g", [helper.make_tensor_value_info(n, TP.FLOAT, [1, N] if n == "x" else [N, N]) for n in "xAB"],
+    g = helper.make_graph([helper.make_node("Gemm", ["x", "A", "C"], ["h"], transB=1),
+                           helper.make_node("Gemm", ["h", "B", "C"], ["y"], transB=1)],
+                          "g", [helper.make_tensor_value_info(n, TP.FLOAT, {"x": [1, N], "C": [N]}.get(n, [N, N])) for n in "xABC"],
                           [helper.make_tensor_value_info("y", TP.FLOAT, [1, N])],
-                          [numpy_helper.from_array(w, "A"), numpy_helper.from_array(w, "B")])
+                          [numpy_helper.from_array(w, "A"), numpy_helper.from_array(w, "B"),
+                           numpy_helper.from_array(np.zeros(N, np.float32), "C")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
     m.ir_version = 3
     onnx.checker.check_model(m, full_check=True)
     d = passes.dedupe_initializers(m)
-    assert _names(d) == ["A"] and d.ir_version == 4
+    assert _names(d) == ["A", "C"] and d.ir_version == 4
     _same_outputs(m, d)
     q = passes.quantize_weights(m, dedupe=True, **options)
     onnx.checker.check_model(q, full_check=True)
-    assert _names(q) == ["A_quantized", "A_scale"]
+    assert {"A_quantized", "A_scale"} <= set(_names(q)) and not {"B", "B_quantized"} & set(_names(q))
     _same_outputs(q, passes.quantize_weights(m, **options))
