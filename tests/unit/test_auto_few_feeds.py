@@ -72,3 +72,17 @@ def test_the_command_prints_the_few_feeds_note(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "note       target met on 1 feed(s) only" in printed
     assert "pass 16 or more representative feeds" in printed
+
+
+def test_a_high_top1_target_on_few_feeds_also_keeps_a_logit_snr_floor():
+    """TieRisk judges held-out flips from the calibration decisions' margin errors: on one or two decisions
+    that said little (open_nsfw, top1>=0.99 on one feed: 0.979 on all 48); the raised TOP1_SNR_DB floor holds too."""
+    from modelgen import conv_model
+
+    m = conv_model()
+    out, record = passes.compress(m, target="top1>=0.99", feeds=feeds(m, n=2))
+    floor = auto.TOP1_SNR_DB - 10 * np.log10(auto.FEW_FEEDS_ERROR_SHARE)
+    tie = [n for n in record["notes"] if "top-1 agreement held by" in n]
+    assert tie and f"on 2 feed(s), a {floor:.3g} dB floor on the centred logits" in tie[0]
+    out8, record8 = passes.compress(m, target="top1>=0.99", feeds=feeds(m, n=auto.FEW_FEEDS_NOTE))
+    assert not _notes(record8, "dB floor on the centred logits")
