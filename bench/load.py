@@ -9,9 +9,13 @@ generated model also runs plain without onnxruntime's weight prepacking ("plain-
 mode turns prepacking off for it (over runtime.PREPACK_AUTO_LIMIT of shared weights), and
 onnxruntime's MatMul then sums in another order; its fold row gives max |difference| against both
 plain sessions (0 against the one that prepacks as it does). `--session-config KEY=VALUE` sets an
-onnxruntime config entry on every session, the plain rows' included. `--ab-env KEY=VALUE` runs every
+onnxruntime config entry on every session, the plain rows' included (BENCH_LOAD_SET in the environment sets
+runtime constants in the workers: see _apply_settings). `--ab-env KEY=VALUE` runs every
 passes row twice, as it is and with KEY=VALUE in its environment ("+ab" in the mode column), their
-rounds interleaved with the others: an A/B of an environment switch of the runtime in one run.
+rounds interleaved with the others: an A/B of an environment switch of the runtime in one run, or
+of a constant with --ab-env BENCH_LOAD_SET=module.NAME=value; the two are then also compared round
+by round (as-is / +ab per round: median and quartiles, below the table), which cancels a burst of
+load that hits both of a pair alike.
 
     python bench/load.py                                  # corpus models + ~3 GB model
     python bench/load.py --models minilm_fp32 --big-gb 0  # one model, no big one
@@ -93,6 +97,7 @@ def worker(spec: dict) -> dict:
     import passes.fold  # noqa: F401
     import passes.onnxz  # noqa: F401
 
+    _apply_settings(os.environ.get("BENCH_LOAD_SET", ""))
     feeds = _load_feeds(spec)
     options = ort.SessionOptions()
     options.intra_op_num_threads = spec["threads"]
@@ -134,6 +139,36 @@ def worker(spec: dict) -> dict:
             "run_ms_min_sum": 1000 * float(per_feed.sum()), "mode": getattr(session, "mode", "plain"),
             "fold_route": getattr(session, "fold_route", None), "prepack": getattr(session, "prepack", None),
             "imported_in_clock": imported}
+
+
+def _apply_settings(text: str) -> None:
+    """BENCH_LOAD_SET="a.b.NAME=value[;...]" (e.g. through --ab-env): constants of the runtime set in
+    the worker before the clock, each a Python literal; the dotted path is a module, then attributes
+    (a class constant too), so a threshold or a switch is A/B-compared without an environment hook
+    in the library: --ab-env BENCH_LOAD_SET=passes.runtime._DrainPacer.DRAIN_SHARE=0.5"""
+    import ast
+    import importlib
+
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        target, sep, value = item.partition("=")
+        names = target.strip().split(".")
+        if not sep or len(names) < 2:
+            raise SystemExit(f"BENCH_LOAD_SET: want module.NAME=value, got {item!r}")
+        owner = None
+        for cut in range(len(names) - 1, 0, -1):  # the longest module prefix
+            try:
+                owner = importlib.import_module(".".join(names[:cut]))
+            except ImportError:
+                continue
+            try:
+                for name in names[cut:-1]:
+                    owner = getattr(owner, name)
+            except AttributeError:
+                owner = None
+            break
+        if owner is None or not hasattr(owner, names[-1]):
+            raise SystemExit(f"BENCH_LOAD_SET: nothing named {target.strip()!r}")
+        setattr(owner, names[-1], ast.literal_eval(value.strip()))
 
 
 def _load_feeds(spec):
@@ -272,6 +307,9 @@ def best_of_many(specs: list, rounds: int) -> list:
         for key in ("ready_s", "ready_cpu_s", "ready_sleeps", "ready_main_sleeps"):
             if all(key in r for r in ok):
                 best[key + "_median"] = float(np.median([r[key] for r in ok]))
+        # every round's figures, in round order (None: a failed round), for paired comparisons
+        for key in ("ready_s", "ready_cpu_s"):
+            best[key + "_rounds"] = [r.get(key) if "error" not in r else None for r in spec_runs]
         best["imported_in_clock"] = sorted(set().union(*(r.get("imported_in_clock") or () for r in ok)))
         # (the float16 fold's route depends on the machine's load: rounds may differ)
         best["fold_route"] = "+".join(sorted({str(r.get("fold_route")) for r in ok})) if ok[0].get("fold_route") else None
@@ -380,6 +418,8 @@ def main(argv=None) -> int:
     if config:
         print("onnxruntime session config on every row: " + ", ".join(f"{k}={v}" for k, v in config.items()))
     _print_table(rows)
+    if ab_env:
+        _print_paired(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args), "time": time.strftime("%Y-%m-%d %H:%M:%S")},
                                          indent=1))
@@ -411,7 +451,7 @@ def _summarise(name, metric, results, rows):
             rows.append(row)
             continue
         row.update({k: r[k] for k in BEST_KEYS + ("mode", "ready_s_median", "ready_cpu_s_median", "ready_sleeps_median",
-                                             "ready_main_sleeps_median")
+                                             "ready_main_sleeps_median", "ready_s_rounds", "ready_cpu_s_rounds")
                     if k in r})
         row["mode"] = how if how != "auto" else f"auto->{r['mode']}"
         row["mode"] = row["mode"].replace("fold:float", "fold->f")
@@ -495,6 +535,29 @@ def _big(args, tmp, provider, rows, config):
 
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
+
+
+def _print_paired(rows):
+    """Each passes row against its +ab twin round by round (the rounds are interleaved, so a burst
+    of load hits both of a pair alike): the median and quartiles of as-is / +ab ready time and CPU."""
+    twins = {(r["model"], r["file"], r["mode"][:-3]): r for r in rows if r.get("ab_env")}
+    lines = []
+    for r in rows:
+        twin = twins.get((r["model"], r["file"], r.get("mode")))
+        if r.get("ab_env") or twin is None:
+            continue
+        parts, counts = [], []
+        for key in ("ready_s", "ready_cpu_s"):
+            pairs = [a / b for a, b in zip(r.get(key + "_rounds") or (), twin.get(key + "_rounds") or ()) if a and b]
+            counts.append(len(pairs))
+            if pairs:
+                q1, med, q3 = np.percentile(pairs, [25, 50, 75])
+                parts.append(f"{key[:-2].replace('_', ' ')} {med:.2f} ({q1:.2f}-{q3:.2f})")
+        if parts:
+            lines.append(f"  {r['model']:14s} {r['file']:15s} {r['mode']:12s} " + ", ".join(parts) + f"  [{counts[0]} rounds]")
+    if lines:
+        print("as-is / +ab, paired by round: median (quartiles)")
+        print("\n".join(lines))
 
 
 def _print_table(rows):
