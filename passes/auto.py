@@ -92,7 +92,7 @@ GPTQ_MAX_NOISE_GAIN = 4.0  # error feedback moves weights where the calibration 
 GPTQ_DAMP = 0.3  # error feedback's diagonal loading (relative to H's mean diagonal) for MatMul/Gemm weights,
 GPTQ_CONV_DAMP = 0.01  # ... for Conv weights, and act-order (False / True / "conv"). Damped (1.0 / 0.3 / "conv",
 GPTQ_CONV_DAMP_PER_INPUT = None  # not None: a Conv weight's damping is gptq.sample_damp (per_input x inputs / rows
-# its Hessian was summed over, at least GPTQ_CONV_DAMP; H5's ask). Measured at 0.5 and left off (bench/auto_split.py's
+# its Hessian was summed over, at least GPTQ_CONV_DAMP). Measured at 0.5 and left off (bench/auto_split.py's
 # run_split, first / reversed split, all met held out; load 11-17): silero_vad_v6 15.95 / 16.23% -> 15.02 / 15.96%,
 # but rapidocr_cls 23.08 / 27.20% -> 24.09 / 27.38% and open_nsfw 17.58 / 19.53% -> 17.87 / 19.75%
 GPTQ_DAMP_PER_INPUT = 0.5  # not None: a MatMul/Gemm weight's damping is gptq.sample_damp (per_input x inputs / rows
@@ -255,7 +255,7 @@ AFFINE_FOLD_OPS = affine_fold.AFFINE_OPS  # per-channel affine nodes after a Con
 # The arithmetic ones too (open_nsfw's Add/Sub/Mul/Add by per-channel vectors after each Conv, 213 KB of float32):
 # under the old 40 dB top-1 floor they measured mixed (open_nsfw 17.74 -> 17.30%, but calibrated on the second half
 # 40.19 -> 40.59%: one more Conv weight kept float where the search ended at the floor); under TieRisk with the fit
-# optimism they help on every split measured (lead, quiet, held-out top1 1.0): open_nsfw first 19.48 -> 18.61%,
+# optimism they help on every split measured (quiet machine, held-out top1 1.0): open_nsfw first 19.48 -> 18.61%,
 # second 20.42 -> 19.93%, open_nsfw_fp16 first 37.33 -> 33.50%; rapidocr_cls and silero_vad_v6 unchanged.
 AFFINE_FOLD_MIN_SNR_DB = 50.0  # the fold is kept only where the folded float model's worst output stays this close
 # to the model's on the feeds: well above the targets' floors (TOP1_SNR_DB), well below float32 rounding (125-136 dB)
@@ -264,17 +264,17 @@ AUTO_SCALE_MANTISSA_BITS = None  # float32 weights' per-channel scales rounded t
 # widths of AUTO_SCALE_MANTISSA_WIDTHS (None: every width); None: full float32 scales
 AUTO_SCALE_MANTISSA_WIDTHS = None
 AUTO_FLOAT16_VALUED = True  # the plan's float weights (float32) hold their nearest float16 values where the check
-# still passes. H5 (bench/auto_split.py, calibrated on one half of the corpus feeds, packed and measured on the other;
+# still passes. bench/auto_split.py (calibrated on one half of the corpus feeds, packed and measured on the other;
 # all met held out): rapidocr_cls first / second / even / odd 23.08 / 27.20 / 23.17 / 24.34% -> 22.88 / 25.05 / 22.84 /
 # 23.19%, open_nsfw first / second 17.58 / 19.53% -> 17.50 / 19.13%; silero_vad_v6 unchanged (no float weight)
 AUTO_FLOAT16_PARAMETERS = True  # ... and so do the float parameters only arithmetic reads (quantize.float_parameters:
 # biases, unfolded BatchNormalization Sub/Mul/Add vectors, LayerNorm scale/shift), tried apart after the weights.
-# bench/auto_split.py (all met held out): rapidocr_cls first / second 23.41 / 24.09% -> 22.83 / 23.51% (H5 on the tree
+# bench/auto_split.py (all met held out): rapidocr_cls first / second 23.41 / 24.09% -> 22.83 / 23.51% (on the tree
 # before the fit optimism: 22.91 / 24.92 -> 22.34 / 24.29%); silero_vad_v6 even / odd 14.65 / 15.24% unchanged
 AUTO_ROUND_SCALES = 11  # the finished model's float32 scales rounded to this many significant bits (None: kept), where
 # the check still passes. Why: per-channel float32 scales pack at ~25-29 bits each (their low mantissa bits are noise),
 # at 11 bits ~15 (quantize.round_scales). Done once at the end: inside the search (AUTO_SCALE_MANTISSA_BITS 11) it moved
-# the search's path (H5: rapidocr_cls even split 23.04 -> 26.11%). bench/auto_split.py (first / second / even / odd;
+# the search's path (rapidocr_cls even split 23.04 -> 26.11%). bench/auto_split.py (first / second / even / odd;
 # load 15-17; held-out values unchanged, all met): silero_vad_v6 14.60 / 14.26 / 14.41 / 15.13% -> 14.40 / 14.07 /
 # 14.22 / 14.94%; rapidocr_cls (with TOP1_FULL_FIT_OPTIMISM) 21.98 / 23.11 / 22.72 / 22.03% -> 21.23 / 22.41 / 21.89 /
 # 21.23%
@@ -301,9 +301,9 @@ TOP1_FULL_FIT_OPTIMISM = True  # where every target is a top-1 agreement held by
 # held-out / calibration margin sigma 1.44 at a plan optimism of 2.55, where 1.5 x root(2.55) = 2.4 was charged).
 # Not for cosine targets: silero_vad_v6 needs the halves' factor at the output (see sensitivity.full_fit_optimism).
 # bench/auto_split.py through a driver setting the constant (load 12-17; top1 1.0 held out in every row): open_nsfw
-# first 18.60 -> 18.10%, second (lead's 19.93% at 344270c, whose first split read 18.61) -> 19.33%; rapidocr_cls first / second / even / odd
+# first 18.60 -> 18.10%, second (19.93% at 344270c, whose first split read 18.61) -> 19.33%; rapidocr_cls first / second / even / odd
 # 22.59 / 23.28 / 23.04 / 21.87% -> 21.98 / 23.11 / 22.72 / 22.03%. Cosine targets unchanged (not run through it).
-# With AUTO_ROUND_SCALES too (first split): open_nsfw 18.01%, open_nsfw_fp16 (lead's 33.50% at 344270c) 30.31%
+# With AUTO_ROUND_SCALES too (first split): open_nsfw 18.01%, open_nsfw_fp16 (33.50% at 344270c) 30.31%
 FEW_FEEDS = 4  # fewer feeds than this: no error feedback, and the search keeps FEW_FEEDS_ERROR_SHARE of its margined
 # error. Why: error-fed levels fit the rows of so few feeds, and their fit optimism (sensitivity.fit_optimism, from two
 # halves of the feeds) cannot be measured on one. compress --target 'cosine>=0.999' on the first n corpus feeds, then
@@ -841,7 +841,7 @@ def strip_outputs(model: onnx.ModelProto, n_out: int) -> onnx.ModelProto:
 
 def _without_value_info(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model without the value_info of any graph: shape hints onnxruntime infers again at load,
-    which the pack stores as bytes (H5, bench/auto_split.py: rapidocr_cls's auto model carries 336
+    which the pack stores as bytes (bench/auto_split.py: rapidocr_cls's auto model carries 336
     entries, 1630 B packed, 0.28 points of its size)."""
     if not any(len(i.graph.value_info) for i in graph.iter_graphs(model)):
         return model
@@ -2084,8 +2084,8 @@ class _Search:
 
     def _float16_values(self, plan, candidate):
         """AUTO_FLOAT16_VALUED: the weights kept float hold float16 values (~70 dB of weight SNR; the pack's
-        narrow codec stores them in two bytes a value), where the same check still passes (H5's
-        quantize.float16_valued); then, tried apart so that a miss there keeps the weights' rounding, the
+        narrow codec stores them in two bytes a value), where the same check still passes
+        (quantize.float16_valued); then, tried apart so that a miss there keeps the weights' rounding, the
         float parameters only arithmetic reads (biases, unfolded normalisations' vectors:
         quantize.float_parameters; AUTO_FLOAT16_PARAMETERS)."""
         if not AUTO_FLOAT16_VALUED:
@@ -2107,8 +2107,8 @@ class _Search:
         return candidate
 
     def _rounded_scales(self, plan, candidate):
-        """AUTO_ROUND_SCALES: the finished model's float32 scales at that many significant bits (H5's
-        quantize.round_scales: levels untouched, each weight moves by <= 2**-bits of itself), where the same
+        """AUTO_ROUND_SCALES: the finished model's float32 scales at that many significant bits
+        (quantize.round_scales: levels untouched, each weight moves by <= 2**-bits of itself), where the same
         check still passes."""
         if not AUTO_ROUND_SCALES:
             return candidate

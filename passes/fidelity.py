@@ -620,7 +620,7 @@ def model_structure(source) -> onnx.ModelProto:
     ModelProto as it is; a plain ONNX file without its external data, which onnxruntime then reads from
     the file itself (memory-mapped: only the pages a run touches are resident); a packed file decoded.
     Why: the command's --require check loaded a model's external data into protobuf and handed
-    onnxruntime a serialised copy of it (a 563 MB table: the check's peak 2.4 GB; H7 F13)."""
+    onnxruntime a serialised copy of it (a 563 MB table: the check's peak 2.4 GB)."""
     if not runs_from_file(source):
         return load_model(source)
     model = load_model(source, load_external=False)

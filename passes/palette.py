@@ -52,7 +52,7 @@ def kmeans_1d(values: np.ndarray, k: int, iters: int = 20) -> np.ndarray:
     # does not leave: 8-bit tables reached 17-33 dB of weight SNR on real models (silero VAD,
     # PP-LCNet, YOLOv8, magika), below int8's uniform levels; with range seeds 34-48 dB, and
     # 4-bit tables gain 0.5-6 dB. But beside one far outlier most range seeds start in its empty
-    # gap: a 16-entry table lost 1.6-2.7 dB against quantile seeds alone (review H6), hence both.
+    # gap: a 16-entry table lost 1.6-2.7 dB against quantile seeds alone, hence both.
     n_q = k - k // 2
     mixed = np.concatenate([np.quantile(v, (np.arange(n_q) + 0.5) / n_q), np.linspace(v[0], v[-1], k // 2)])
     runs = [_lloyd(v, csum, seeds, iters) for seeds in (np.quantile(v, (np.arange(k) + 0.5) / k), mixed)]
@@ -253,7 +253,7 @@ def _palettize_graph(info: graph.GraphInfo, consumers, exact, names, bits, group
                   and (not inc or _named(t.name, uses, inc, ops))
                   and not _named(t.name, uses, exc, ops))
         # a quantized op's float inputs are its parameters (a blocked DequantizeLinear's [blocks, N]
-        # scales, MatMulNBits' scales): a palette of them moved every weight they scale (H7: a
+        # scales, MatMulNBits' scales): a palette of them moved every weight they scale (a
         # 4-bit palette of blocked scales took a model from 42.4 to 25.2 dB), as quantize keeps them
         if chosen and any(op in _QUANTIZED_OPS for op, _ in uses):
             quantized_inputs += 1

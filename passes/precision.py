@@ -173,7 +173,7 @@ def _float_container(type_proto) -> str | None:
 
 def _refuse_what_the_float16_converter_breaks(model, keep_io_types: bool, notes: list | None) -> None:
     """UnsupportedFormError before a float16 conversion onnxruntime's converter gets wrong, naming
-    what and saying to load the model without dtype= (H7 s20 F12; before, onnxruntime refused the
+    what and saying to load the model without dtype= (before, onnxruntime refused the
     converted model and the error blamed the model itself):
     - optional values holding float (a graph input or output, or made / read by Optional /
       OptionalGetElement anywhere): the converter makes the tensors read from them float16 and

@@ -343,7 +343,7 @@ def _required_opset(dtype: int, bits: int, granularity: str) -> int:
     if dtype == TensorProto.FLOAT16:
         return 19  # float16 scales (bfloat16 and float64 weights get float32 scales and a Cast)
     if granularity == "tensor" and dtype in (TensorProto.FLOAT, TensorProto.DOUBLE):
-        return 10  # DequantizeLinear-10 takes a per-tensor scale: no conversion of an opset 10-12 model (H7 F16)
+        return 10  # DequantizeLinear-10 takes a per-tensor scale: no conversion of an opset 10-12 model
     return 13  # axis attribute (per channel); bfloat16's Cast (Cast to double: any opset)
 
 
@@ -814,7 +814,7 @@ def _note_graph_input_weights(weights: list, reasons: list, min_elements: int, r
     """A note on the weights kept because they are also graph inputs (IR >= 4: the caller may feed
     another value, so they are no constants; torch's keep_initializers_as_inputs=True and many older
     exports list every weight so): without it a model made only of such weights came out at 100% of
-    its size with no word why (H7 s20 F4)."""
+    its size with no word why."""
     listed = [w for w, r in zip(weights, reasons) if r == "also a graph input (overridable)"
               and len(w.shape) >= 2 and math.prod(w.shape) >= max(min_elements, 2)]
     if listed:
@@ -828,7 +828,7 @@ def _note_graph_input_weights(weights: list, reasons: list, min_elements: int, r
 def _unlist_included(out: onnx.ModelProto, include_p, exclude_p, ops, min_elements: int,
                      report: Report | None) -> list[str]:
     """Main-graph initializers also listed as graph inputs (IR >= 4) that include= names by name
-    leave the graph's inputs, in place, so that they can be quantized (H7 s20 F4): the user asked
+    leave the graph's inputs, in place, so that they can be quantized: the user asked
     for them, and a weight given by a DequantizeLinear can be no input. The model's interface
     changes (a caller can no longer feed another value), which the note says. Only those named:
     an op-type pattern ("MatMul") or no include= leaves every listing as it is. Returns the names."""
@@ -930,7 +930,7 @@ class _Job:
             return None
         # a vector (one axis holds every value: a weight named by include= that the rules would keep
         # as 1-D) has no channels: per channel it would take one scale per value and outgrow the
-        # float tensor (H7 s20 F7: 65536 -> 81920 bytes); it is quantized per tensor
+        # float tensor (65536 -> 81920 bytes); it is quantized per tensor
         vector = self.granularity == "channel" and arr.size > 0 and max(arr.shape) == arr.size
         if self.granularity == "tensor" or arr.ndim == 0 or vector:
             axis, blk = None, 0

@@ -325,7 +325,7 @@ def one_step_forms(infos: dict[str, TensorInfo], axes: dict[str, int], *, scale_
 SEEN_ROW_STEP = 0.25  # the step of the table rows the calibration feeds gather, relative to the other rows'
 # the rows no calibration lookup reached: step x (row norm / geometric mean)**-2 (forms.row_norm_steps;
 # None: one step for all). Why: a trained row's norm tracks how often it was trained on, which is how
-# often text looks it up. minilm_fp32 through the auto search (H5, bench/auto_split.py, on the fit-optimism
+# often text looks it up. minilm_fp32 through the auto search (bench/auto_split.py, on the fit-optimism
 # search): first split 18.07% -> 17.73%, second 17.56% -> 17.37%, held out met (cosine 0.99949 / 0.99938)
 SEEN_ROW_NORM_EXPONENT = 2.0
 PAD_ROW_SEEN = True  # row 0 (what zero-padded batches gather: BERT's [PAD]) takes the seen rows' step too. Why:

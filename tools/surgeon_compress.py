@@ -109,7 +109,7 @@ def print_json(obj: dict) -> None:
 
 def _print_json_failure(command: str | None, message: str, code: int) -> None:
     """--json and a failure before any report: one JSON object on stdout all the same, so that a CI
-    step parsing it (`--json > report.json`) reads why instead of an empty file (H7 F15)."""
+    step parsing it (`--json > report.json`) reads why instead of an empty file."""
     if not _json_printed:
         sys.stdout.flush()
         print_json({"command": command, "error": message, "exit_code": code})
@@ -487,7 +487,7 @@ def cmd_compress(args) -> int:
         original = measured
         if measured is model and not looks_packed(args.input):
             # the check runs the original from its file (onnxruntime memory-maps external data) and the
-            # loaded copy goes: it and onnxruntime's copy of it were the peak (H7 F13)
+            # loaded copy goes: it and onnxruntime's copy of it were the peak
             original = args.input
         model = measured = None
         result = _evaluate(original, candidate, args, feeds)
@@ -744,7 +744,7 @@ def cmd_eval(args) -> int:
     from passes.fidelity import model_structure, runs_from_file
     from passes.graph import default_opset
 
-    # a plain file is read without its external data: onnxruntime reads the original from the file (H7 F13)
+    # a plain file is read without its external data: onnxruntime reads the original from the file
     original = model_structure(args.original)
     feeds = passes.load_feeds(args.feeds, original, max_bytes=args.max_bytes) if args.feeds else None
     if 0 < default_opset(original) < _oldest_runnable_opset():

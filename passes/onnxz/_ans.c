@@ -896,7 +896,7 @@ PyObject *onnxz_py_ans_decode(PyObject *self, PyObject *args) {
 /* Decode tables of the shared tables met in one ans_decode_batch call, by the address and size
  * of the table's bytes (the reader hands one bytes object per shared table, so small tensors naming
  * the same table list find it built): read_table + the 4096-slot fill once per table instead of per
- * chunk (H2: 42 chunks of rapidocr_cls.int8 naming 2 table lists, ~11 us each). Only a table whose
+ * chunk (42 chunks of rapidocr_cls.int8 naming 2 table lists, ~11 us each). Only a table whose
  * read ends exactly at the end of its bytes is kept (a well-formed one): any other is decoded from
  * the spliced blob as before, so a damaged table gets the same verdict either way. */
 #define CACHED_TABLES 16

@@ -29,7 +29,7 @@ def lanes_log2_for(n: int) -> int:
     smaller planes (4 bytes of state per lane). 32 lanes from 16K symbols (was 64K): 4 lanes
     decode latency-bound at ~0.45 G symbols/s; measured on fresh packs, decode from memory at
     1 thread 1.01-1.29x faster on piper_joe, silero_vad_v6, open_nsfw and their int8 outputs,
-    sizes +0.001..0.008% (silero_vad_v6.int8: +0.084%, 416 bytes). Then (session 18) 32 lanes
+    sizes +0.001..0.008% (silero_vad_v6.int8: +0.084%, 416 bytes). Then 32 lanes
     from 8K symbols and 4 from 256 (was 1 lane below 1024: one serial chain, ~0.15 G symbols/s):
     silero_vad_v6.int8's two 12288-symbol planes and twelve 512-symbol shared-table planes decoded
     at 0.5 / 0.2 GB/s; its ans batch (the C call alone, 300 interleaved rounds) 274 -> 208 us

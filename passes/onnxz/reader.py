@@ -563,7 +563,7 @@ class PackedFile:
         """Tasks (fn, *args) for chunk jobs (stream, chunk, out slice). With a pool, largest
         first (the last task to start is a small one: the threads finish together) and small
         `ans` chunks grouped into batches of ~BATCH_BYTES; on one thread, every `ans` chunk in
-        one batch (`ans_shared` chunks, H2's codec for small tensors sharing a table, too). Other
+        one batch (`ans_shared` chunks, the codec for small tensors sharing a table, too). Other
         codecs: one task per chunk. `cached`: the output is read again right away
         (a restore window, hashed and written): large chunks then skip the non-temporal stores
         that keep a decoded tensor from evicting the cache."""
@@ -1268,7 +1268,7 @@ class _Buffers:
             # pools, 60-100 rounds of 5, load 2-3), its first unpack in a fresh process ~5.0 ->
             # ~3.3 ms (12 processes each). Buffers under 2 MiB stay shared: private measured no
             # better there (silero_vad_v6.int8, rapidocr_cls.int8: +14-17% min, +1-2% median, at
-            # load 12-17; session 19, mapped up to one whole huge page: 0.97-1.0, within the spread)
+            # load 12-17; mapped up to one whole huge page: 0.97-1.0, within the spread)
             # The window starts on a huge-page boundary (HUGE_PAGE more mapped, never touched):
             # from a page-aligned start only the huge pages wholly inside the map are huge, about
             # one of a 4 MiB window's two. Measured (6 windows of a 22.9 MB file written with
