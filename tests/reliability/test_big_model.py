@@ -1,7 +1,7 @@
 """A model past protobuf's 2 GiB limit, through the public paths (opt-in: SURGEON_BIG_MODEL=1).
 
 Two float32 Gather tables of 1.125 GiB each in one external data file (2.42 GB; a sparse file, so
-~8 MB on disk: a random head, zeros after). Measured on the 2-core, 23 GB host (session 14):
+~8 MB on disk: a random head, zeros after). Measured on a 2-core, 23 GB host:
 pack 15 s / 2.4 GB peak RSS (0.3% of the input), verify 9 s, unpack 2 s, compress int8 48 s / 5.4 GB,
 fold back to float with external data 59 s / 5.7 GB, InferenceSession 22 s / 5.1 GB. Off by default:
 minutes and ~6 GB of memory, more than the unit suite may take.

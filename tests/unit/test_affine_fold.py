@@ -245,7 +245,7 @@ def _ir3(model, opset=9):
 
 def test_an_ir3_model_folds_with_its_initializers_unlisted():
     """IR 3 lists every initializer as an input (classic model-zoo CNNs, PyTorch <= 1.0): they are the
-    model's constants there, not overridable inputs (H3's repro: BatchNormalization kept)."""
+    model's constants there, not overridable inputs (before, BatchNormalization was kept)."""
     inits = [onnx.numpy_helper.from_array(_arr((C, K, 3, 3), 5), "W")] + [
         onnx.numpy_helper.from_array(_arr((C,), seed, lo, hi), n)
         for n, seed, lo, hi in (("s", 1, 0.5, 2.0), ("o", 2, -1.0, 1.0), ("m", 3, -1.0, 1.0), ("v", 4, 0.1, 2.0))]

@@ -1,4 +1,4 @@
-"""--json: a failure prints one JSON object on stdout too (H7 F15): a CI step that writes the report
+"""--json: a failure prints one JSON object on stdout too: a CI step that writes the report
 to a file (`--json > report.json`) and parses it reads why, instead of an empty file."""
 from __future__ import annotations
 

@@ -516,7 +516,7 @@ def test_evaluate_run_as_fold_measures_the_folded_weights():
 
 def test_a_model_past_one_protobuf_goes_through_external_data():
     """protobuf's ByteSize raises EncodeError past 2 GiB (upb): such a model is not one protobuf, so the
-    session is built from a file with external data (H3: a 2.42 GB model's --require failed to load)."""
+    session is built from a file with external data (a 2.42 GB model's --require failed to load)."""
     from google.protobuf.message import EncodeError
 
     class Huge:

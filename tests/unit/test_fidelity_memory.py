@@ -1,6 +1,6 @@
 """evaluate / runnable_feeds given a model's path read its structure without the external data and let
 onnxruntime load the file itself (it memory-maps external data), and the compress command's --require check
-runs the original from its file after letting its loaded copy go (H7 F13: a 2.25 GB table peaked at 6.35 GB,
+runs the original from its file after letting its loaded copy go (before, a 2.25 GB table peaked at 6.35 GB,
 the original's serialised copy and onnxruntime's copy of it beside the loaded model)."""
 from __future__ import annotations
 

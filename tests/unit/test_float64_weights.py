@@ -1,4 +1,4 @@
-"""float64 weights are quantized (H7 s20 F9): DequantizeLinear has no float64 output, so they take
+"""float64 weights are quantized: DequantizeLinear has no float64 output, so they take
 bfloat16's form, levels + float32 scale -> DequantizeLinear -> W_dequantized -> Cast(to=DOUBLE) -> W
 (float32 -> float64 is exact). Checked: onnx.checker's full check, onnxruntime runs it, the output
 SNR against the float64 model, and fold_dequantize gives back float64 weights equal to what

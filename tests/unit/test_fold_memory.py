@@ -1,4 +1,4 @@
-"""save_model's spliced writing of big payloads (H7 F13): the file holds exactly the bytes
+"""save_model's spliced writing of big payloads: the file holds exactly the bytes
 model.SerializeToString() gives, without building them in one piece; fold's output is unchanged."""
 import hashlib
 

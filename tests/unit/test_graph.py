@@ -97,7 +97,7 @@ def test_raise_opset_keeps_weights():
 def test_raise_opset_restores_tensors_as_they_were_serialised():
     """Payloads set aside during the conversion come back without an explicit data_location:
     DEFAULT was written into every restored tensor (2 bytes each, and a tensor that no longer
-    serialised as it had: H3's sweep compared MatMulNBits inputs byte for byte after --bits 4)."""
+    serialised as it had: found comparing MatMulNBits inputs byte for byte after --bits 4)."""
     m = mg.conv_model("float32", 11)
     big = [t for t in m.graph.initializer if len(t.raw_data) > 1024]
     assert big
@@ -479,7 +479,7 @@ def test_the_payload_free_view_types_large_weights_as_inputs_once():
 def test_a_grouped_conv_transpose_weight_is_scaled_along_its_input_channels(group, shape, axis):
     """ConvTranspose's weight is [C_in, C_out/group, k..]: with group > 1 axis 1 mixes the groups, and
     a depthwise one (C_out/group = 1) got one scale for all channels (per tensor in effect): axis 0.
-    (H7 F5: a depthwise [128, 1, 4, 4] with a per-channel spread, int8: 34.1 -> 46.1 dB.)"""
+    (A depthwise [128, 1, 4, 4] with a per-channel spread, int8: 34.1 -> 46.1 dB.)"""
     rng = np.random.default_rng(0)
     spread = np.exp(rng.uniform(-4, 2, size=(shape[0], 1, 1, 1))).astype(np.float32)
     w = (rng.standard_normal(shape).astype(np.float32) * spread)

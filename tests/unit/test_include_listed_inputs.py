@@ -1,7 +1,7 @@
 """include= / --include naming a weight that is also a graph input (IR >= 4; torch's
 keep_initializers_as_inputs=True) quantizes it: its input listing is removed, with a note saying the
 model's interface changed (a feed can no longer override it). Only weights named by name; an op-type
-pattern or no include= leaves every listing as it is (H7 s20 F4)."""
+pattern or no include= leaves every listing as it is."""
 import numpy as np
 import onnx
 import onnxruntime as ort

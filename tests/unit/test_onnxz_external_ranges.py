@@ -1,5 +1,5 @@
-"""passes.load of a pack checks its external tensors' ranges as the .onnx path does (H5 s21 F1,
-F2): many tensors naming one range, a malformed offset / length and a negative offset are refused
+"""passes.load of a pack checks its external tensors' ranges as the .onnx path does: many
+tensors naming one range, a malformed offset / length and a negative offset are refused
 with InvalidModelError, not given a copy each, a bare ValueError or an empty tensor."""
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_a_bad_range_is_an_invalid_model_from_the_pack_as_from_the_onnx(tmp_path
 @pytest.mark.parametrize("offset,length", [("abc", "4096"), ("0", "x1")])
 def test_pack_refuses_a_malformed_range(tmp_path, offset, length):
     """It skipped the tensor, and with it the data file only that tensor named: the pack then
-    restored the model without its data (H5 s21 F2)."""
+    restored the model without its data."""
     src = _model(tmp_path, [(offset, length)], 4096)
     with pytest.raises(InvalidModelError, match="'W0' has a malformed external data offset or length"):
         passes.onnxz.pack(src, tmp_path / "p.onnxz")

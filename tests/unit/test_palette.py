@@ -181,7 +181,7 @@ def _blocked_q8():
 
 def test_a_quantized_ops_scales_are_not_palettized():
     """A blocked DequantizeLinear's scales are [blocks, N] floats: palettize took them for a weight
-    and moved every weight they scale (H7 F6: 42.4 -> 25.2 dB, no note). Kept now, with a note."""
+    and moved every weight they scale (42.4 -> 25.2 dB, no note). Kept now, with a note."""
     import passes
 
     _, q = _blocked_q8()

@@ -1,4 +1,4 @@
-"""dtype="float16" on models with optional or sequence values (H7 s20 F12). onnxruntime's float16
+"""dtype="float16" on models with optional or sequence values. onnxruntime's float16
 converter converts the tensors read from an optional value but not the optional type, and with
 keep_io_types it keeps tensor inputs float32 but not sequence inputs. Where the converted model
 cannot work the session is refused before the conversion with an UnsupportedFormError naming the
@@ -39,7 +39,7 @@ def _save(nodes, inputs, outputs, inits, tmp_path, name) -> str:
 
 
 def optional_input_model(tmp_path) -> str:
-    """H7's seq_optional, smaller: an optional(tensor(float)) input added inside an If branch when present."""
+    """A small model with an optional(tensor(float)) input added inside an If branch when present."""
     then_g = helper.make_graph([helper.make_node("OptionalGetElement", ["bias"], ["b"]),
                                 helper.make_node("Add", ["p", "b"], ["t"])], "then", [], [_vi("t", None)])
     else_g = helper.make_graph([helper.make_node("Identity", ["p"], ["e"])], "else", [], [_vi("e", None)])

@@ -740,7 +740,7 @@ def test_round_scales_rounds_the_scales_alone():
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_per_tensor_weights_keep_an_opset_10_to_12_model_at_its_opset(opset, symmetric):
     """DequantizeLinear-10 takes a per-tensor scale (and uint8 zero point): no raise to 13, which
-    converted the whole model for nothing (H7 F16). Per channel still raises to 13."""
+    converted the whole model for nothing. Per channel still raises to 13."""
     from onnx import TensorProto, helper, numpy_helper
 
     from passes.fidelity import output_snr_db, run_outputs

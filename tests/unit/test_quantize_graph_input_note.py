@@ -1,5 +1,5 @@
 """Weights that are also graph inputs (IR >= 4: overridable, so no constants) stay float; the
-report says so in a note, with their bytes and what would let them be quantized (H7 s20 F4: a
+report says so in a note, with their bytes and what would let them be quantized (before, a
 model made only of such weights came out at 100% of its size without a word)."""
 import onnx
 

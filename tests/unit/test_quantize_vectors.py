@@ -1,6 +1,6 @@
 """A weight include= names that the rules would keep as 1-D (a vector: one axis holds every value)
 has no channels: granularity="channel" quantizes it per tensor, not with one scale per value, which
-made the tensor larger than its float original (H7 s20 F7). Blocks, when asked, still apply."""
+made the tensor larger than its float original (65536 -> 81920 bytes). Blocks, when asked, still apply."""
 import numpy as np
 import onnx
 import onnxruntime as ort

@@ -1,6 +1,5 @@
 """InferenceSession(mode="fold") folds the DequantizeLinear nodes of model-local function bodies as
-fold_dequantize folds them (quantize_weights writes them there), from a .onnx and from a pack.
-(H2's test, .notes/H2_to_H1.md item 1.)"""
+fold_dequantize folds them (quantize_weights writes them there), from a .onnx and from a pack."""
 import sys
 from pathlib import Path
 

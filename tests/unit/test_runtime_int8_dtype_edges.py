@@ -1,15 +1,15 @@
 """mode="int8" / "int4" (and the dtype= conversion) on models whose float type or layout the
-quantized load-time rewrite used to get wrong (H7's session-20 review, findings F1 F2 F3 F6 F8):
+quantized load-time rewrite used to get wrong:
 
-- F1: a DequantizeLinear left inside an If/Loop/Scan body that computes in float16 (dtype="float16",
+- a DequantizeLinear left inside an If/Loop/Scan body that computes in float16 (dtype="float16",
   or a float16 model): onnxruntime (1.32, EXTENDED level) fuses it with its MatMul into a
   MatMulNBits whose branch then yields zeros. Such weights are folded to float at load, with a note.
-- F2: dtype="float16" on an opset 13-18 model whose DequantizeLinear stays in the main graph: the
+- dtype="float16" on an opset 13-18 model whose DequantizeLinear stays in the main graph: the
   converter made its scale float16, which DequantizeLinear takes from opset 19 only.
-- F3: a float64 model: MatMulNBits takes no double; its weights stay float, with a note.
-- F6: weights also listed as graph inputs (IR >= 4, torch keep_initializers_as_inputs=True): left
+- a float64 model: MatMulNBits takes no double; its weights stay float, with a note.
+- weights also listed as graph inputs (IR >= 4, torch keep_initializers_as_inputs=True): left
   float (overridable by the caller), with a note; the session needs no weight fed.
-- F8: a float64 model: `dtype` says float64, a conversion to float16 / float32 is refused.
+- a float64 model: `dtype` says float64, a conversion to float16 / float32 is refused.
 
 Every case is checked against onnxruntime on the float model (output SNR / cosine), in each mode /
 dtype pair it concerns.
@@ -53,7 +53,7 @@ def _save(model, tmp_path, name: str) -> str:
     return path
 
 
-# ---------------------------------------------------------------------- control flow (F1, F2)
+# ---------------------------------------------------------------------- control flow
 
 def control_flow_model(kind: str, dtype=np.float32, opset: int = 16) -> onnx.ModelProto:
     """x [4, D] -> a body holding a D x D MatMul weight of its own -> MatMul(Wout). kind: "if" (the
@@ -126,7 +126,7 @@ _MIN_SNR = {("q8", "int8"): 30.0, ("q8", "int4"): 30.0, ("q4", "int8"): 10.0, ("
 @pytest.mark.parametrize("model_dtype, dtype", [(np.float32, "float16"), (np.float16, None), (np.float16, "float16")])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_body_weights_computed_in_float16_are_right(tmp_path, form, kind, model_dtype, dtype, mode):
-    """F1 (and F2 in bodies): a float16 body's DequantizeLinear nodes are folded at load, with a
+    """A float16 body's DequantizeLinear nodes are folded at load (below opset 19 too), with a
     note; before, `if` / `loop` bodies gave all-zero outputs (onnxruntime's float16 QDQ fusion)
     or the session was refused (a float16 scale below opset 19)."""
     path, model = _control_flow_file(tmp_path, kind, model_dtype, form)
@@ -148,7 +148,7 @@ def test_body_weights_computed_in_float16_are_right(tmp_path, form, kind, model_
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_float32_bodies_keep_their_dequantize(tmp_path, kind, mode):
     """Without float16 nothing is folded: the body's weights stay int8 in memory (the note of
-    F1's fold is absent), outputs as before."""
+    the float16 bodies' fold is absent), outputs as before."""
     path, model = _control_flow_file(tmp_path, kind, np.float32, "q8")
     feeds = _x()
     sess = passes.InferenceSession(path, mode=mode)
@@ -170,7 +170,7 @@ def test_body_weights_quantized_at_load_beside_fed_weights(tmp_path, kind):
     assert _snr_db(_reference(model, feeds), sess.run(None, feeds)[0]) >= 30.0
 
 
-# ---------------------------------------------------------------------- main-graph DequantizeLinear, old opset (F2)
+# ---------------------------------------------------------------------- main-graph DequantizeLinear, old opset
 
 def transposed_weight_model(opset: int) -> onnx.ModelProto:
     """x [2, 5, 64] -> MatMul(x, Transpose(Wqkv [192, 64])) -> Relu -> Conv-free projection
@@ -192,7 +192,7 @@ def transposed_weight_model(opset: int) -> onnx.ModelProto:
 @pytest.mark.parametrize("opset", [13, 17, 21])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_main_graph_dequantize_converted_to_float16(tmp_path, opset, mode):
-    """F2: dtype="float16" on a compressed model whose DequantizeLinear stays in the main graph:
+    """dtype="float16" on a compressed model whose DequantizeLinear stays in the main graph:
     below opset 19 the node is kept float32 (its scale too) with a Cast to float16 after it;
     before, onnxruntime refused the session (a float16 scale needs DequantizeLinear-19)."""
     model = transposed_weight_model(opset)
@@ -208,7 +208,7 @@ def test_main_graph_dequantize_converted_to_float16(tmp_path, opset, mode):
     assert _cosine(ref, got) >= 0.999
 
 
-# ---------------------------------------------------------------------- float64 models (F3, F8)
+# ---------------------------------------------------------------------- float64 models
 
 def float64_model() -> onnx.ModelProto:
     """x [3, 96] float64 -> MatMul(W1 [96, 96]) -> Tanh -> MatMul(W2 [96, 48]): float64 throughout."""
@@ -232,10 +232,10 @@ def _float64_feeds():
 @pytest.mark.parametrize("compressed", [False, True])
 @pytest.mark.parametrize("mode", ["fold", "int8", "int4", "auto"])
 def test_float64_model_runs_in_float64(tmp_path, compressed, mode):
-    """F3 / F8: int8 / int4 keep main-graph float64 weights float (MatMulNBits takes no double;
+    """int8 / int4 keep main-graph float64 weights float (MatMulNBits takes no double;
     before, the session was refused), with a note; every mode says dtype float64 and gives the float
     model's outputs exactly (nothing is quantized). `compressed`: quantize_weights' output (the default
-    compress command), which quantizes float64 weights (H7 s20 F9: DequantizeLinear with a float32
+    compress command), which quantizes float64 weights (DequantizeLinear with a float32
     scale -> Cast(DOUBLE)): every mode still says float64 and runs it, within int8's error."""
     model = float64_model()
     written = passes.quantize_weights(model, bits=8) if compressed else model
@@ -257,7 +257,7 @@ def test_float64_model_runs_in_float64(tmp_path, compressed, mode):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("mode", ["fold", "int8"])
 def test_float64_model_conversion_refused(tmp_path, dtype, mode):
-    """F8: dtype= cannot convert a float64 model (onnxruntime's converter and ours take float32 /
+    """dtype= cannot convert a float64 model (onnxruntime's converter and ours take float32 /
     float16 only): refused naming why; before, the session ran in float64 and said float16."""
     path = _save(float64_model(), tmp_path, "double.onnx")
     with pytest.raises(InvalidArgumentError, match="float64"):
@@ -288,7 +288,7 @@ def float64_body_model(weight_in_body: bool) -> onnx.ModelProto:
 @pytest.mark.parametrize("weight_in_body", [True, False])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_float64_weights_of_subgraphs_are_quantized_at_load(tmp_path, weight_in_body, mode):
-    """F9: a float64 weight in a body, or read in one, is quantized at load like a float32 one there
+    """A float64 weight in a body, or read in one, is quantized at load like a float32 one there
     (quantize_weights' DequantizeLinear -> Cast(DOUBLE), dequantized per run), also when it is the
     model's only weight: before, the pass ran only when some other weight called it."""
     model = float64_body_model(weight_in_body)
@@ -303,7 +303,7 @@ def test_float64_weights_of_subgraphs_are_quantized_at_load(tmp_path, weight_in_
     assert not any("stay float" in line for line in sess.notes), sess.notes
 
 
-# ---------------------------------------------------------------------- weights listed as graph inputs (F6)
+# ---------------------------------------------------------------------- weights listed as graph inputs
 
 def listed_weights_model() -> onnx.ModelProto:
     """torch's keep_initializers_as_inputs=True export of Linear(64, 256)-ReLU-Linear(256, 10), IR 7:
@@ -326,7 +326,7 @@ def listed_weights_model() -> onnx.ModelProto:
 @pytest.mark.parametrize("dtype", [None, "float16"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_weights_listed_as_inputs_stay_float(tmp_path, mode, dtype):
-    """F6: a float weight also listed as a graph input stays float and overridable, with a note;
+    """A float weight also listed as a graph input stays float and overridable, with a note;
     before, it became a DequantizeLinear output and its listing a required input (run() failed)."""
     model = listed_weights_model()
     path = _save(model, tmp_path, "kiai.onnx")
@@ -398,7 +398,7 @@ def constant_weight_model() -> onnx.ModelProto:
 @pytest.mark.parametrize("dtype", [None, "float16", "float32"])
 @pytest.mark.parametrize("mode", ["fold", "int8"])
 def test_converted_float16_model_with_constant_weights(tmp_path, mode, dtype):
-    """The lead's B1 / B2 (README example on rapidocr_cls_fp16): a quantized float16 model whose
+    """The README example on rapidocr_cls_fp16: a quantized float16 model whose
     scales are Constant nodes is a float16 model (dtype said float32: the scales were counted only
     as initializers), and converting a model onnxruntime's converter made does not give two nodes
     one name (graph_input_cast0: onnxruntime refused the session)."""

@@ -1,4 +1,4 @@
-"""mode="int8" / "int4" on "float16 storage, float32 compute" models (H7 s20 F14): float16 weights read
+"""mode="int8" / "int4" on "float16 storage, float32 compute" models: float16 weights read
 only through Cast(to=FLOAT), in the main graph and as Constant nodes in a Loop body (what onnxruntime's
 float16 converter writes around its blocked ops, and some exporters for every weight).
 
@@ -148,7 +148,7 @@ def shared_scale_body_model() -> onnx.ModelProto:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_body_read_as_float_is_not_folded_as_a_float16_body(tmp_path, mode):
-    """F14 second half: the guard that folds a float16 body's DequantizeLinear nodes (onnxruntime's
+    """The guard that folds a float16 body's DequantizeLinear nodes (onnxruntime's
     float16 fusion there yields zeros) looks at the type the body computes in: these read through a
     Cast to float stay DequantizeLinear (int8 in memory)."""
     model = shared_scale_body_model()

@@ -1,7 +1,7 @@
 """mode="int8" on a model that quantizes its activations itself (onnxruntime's static QDQ:
 QuantizeLinear -> DequantizeLinear before a MatMul): such a MatMul keeps its weight's
 DequantizeLinear for onnxruntime's int8 QDQ kernels instead of becoming MatMulNBits, which would
-quantize the activation a second time (H3's find: a QDQ decoder's logits at 19.5 dB)."""
+quantize the activation a second time (a QDQ decoder's logits came out at 19.5 dB)."""
 from __future__ import annotations
 
 import numpy as np

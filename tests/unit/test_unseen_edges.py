@@ -255,7 +255,7 @@ def test_weight_values_at_the_corners(made):
 
 def test_fold_to_float16_keeps_a_weight_float16_cannot_hold(made):
     """A weight of denormals (~1e-40) stored as float16 was all zeros (that output 44 -> 0 dB); it
-    stays in its own type, with a note (the lead's ae3a75d)."""
+    stays in its own type, with a note (ae3a75d)."""
     src, feeds = made["values"]
     rep = passes.Report()
     f = passes.fold_dequantize(passes.quantize_weights(str(src), min_elements=0), dtype="float16", report=rep)
@@ -344,7 +344,7 @@ def test_degenerate_shapes(made, tmp_path):
 
 
 def test_palettize_an_empty_weight(made):
-    """palette_array crashed on a [0, 64] weight at min_elements=0 (H5's 2e8646b keeps it float)."""
+    """palette_array crashed on a [0, 64] weight at min_elements=0 (2e8646b keeps it float)."""
     src, feeds = made["degenerate"]
     out = passes.palettize(str(src), bits=4, min_elements=0)
     onnx.checker.check_model(out, full_check=True)
@@ -353,7 +353,7 @@ def test_palettize_an_empty_weight(made):
 
 
 def test_synthesised_feeds_keep_a_zero_long_axis(made):
-    """A declared 0 was fed 1 and the auto mode refused the model on its own feeds (H2's 4c210c0)."""
+    """A declared 0 was fed 1 and the auto mode refused the model on its own feeds (fixed in 4c210c0)."""
     from passes.fidelity import synthesize_feeds
 
     src, _ = made["degenerate"]

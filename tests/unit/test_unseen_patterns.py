@@ -739,7 +739,7 @@ def test_synthesised_feeds_grow_until_the_model_runs():
 
 
 def test_float64_weights_are_quantized():
-    """float64 weights take bfloat16's form (H7 s20 F9): DequantizeLinear (float32 scale) -> Cast(DOUBLE)."""
+    """float64 weights take bfloat16's form: DequantizeLinear (float32 scale) -> Cast(DOUBLE)."""
     m, feeds = PATTERNS["float64"]()
     rep = passes.Report()
     q = passes.quantize_weights(m, report=rep)

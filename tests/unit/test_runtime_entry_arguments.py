@@ -1,8 +1,8 @@
-"""passes.InferenceSession's entry (review H7 F7, F11, F12; the diff in .notes/H2_to_H1.md):
-- F12: a ModelProto or bytes as `path` raise InvalidArgumentError naming what it takes;
-- F11: a provider this onnxruntime lacks is left out with a warning (onnxruntime does the same),
+"""passes.InferenceSession's entry arguments:
+- a ModelProto or bytes as `path` raise InvalidArgumentError naming what it takes;
+- a provider this onnxruntime lacks is left out with a warning (onnxruntime does the same),
   refused only when no listed provider is available;
-- F7: custom_op_libraries= registers custom-op libraries on the private options copy, and a load
+- custom_op_libraries= registers custom-op libraries on the private options copy, and a load
   that fails for an unknown custom op says so."""
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""mode="int8"/"int4" findings of H7's user's-eye review (session 19):
-- F9: the caller's session.qdq_matmulnbits_accuracy_level is honoured (config entry and the
+"""passes.InferenceSession at load, mode="int8" / "int4" (and the options it builds):
+- the caller's session.qdq_matmulnbits_accuracy_level is honoured (config entry and the
   MatMulNBits attribute), not overwritten with 4;
-- F10: a float model's tied embedding / output projection table is quantized at load (per row) and
+- a float model's tied embedding / output projection table is quantized at load (per row) and
   gets an integer form for each reader, as from a quantized file;
-- F13: the notes say what load-time quantization did; a batched MatMul weight is described as
+- the notes say what load-time quantization did; a batched MatMul weight is described as
   such; a quantized weight's float scale is not a "float weight left float";
-- F5: a grouped (depthwise) ConvTranspose weight is quantized along axis 0, not axis 1 (which mixes
-  the groups: one scale for a depthwise weight)."""
+- a grouped (depthwise) ConvTranspose weight is quantized along axis 0, not axis 1 (which mixes
+  the groups: one scale for a depthwise weight);
+- custom_op_libraries= registers on a copy of the caller's options, and a load that fails for an
+  unknown custom op names the keyword."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,7 +54,7 @@ def _matmul_model(k=256, n=256):
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", n])], {"W": w})
 
 
-# ---------------------------------------------------------------------- F9
+# ---------------------------------------------------------------------- accuracy level
 
 def test_the_callers_accuracy_level_is_used_not_overwritten(tmp_path, monkeypatch, capfd):
     path = _save(tmp_path, _matmul_model())
@@ -89,7 +91,7 @@ def test_session_config_adds_the_default_only_when_the_caller_set_nothing():
         runtime_int8.session_config(OptionsDraft(caller))
 
 
-# ---------------------------------------------------------------------- F10
+# ---------------------------------------------------------------------- tied tables
 
 def _tied_models(vocabulary=3000, width=128):
     table = (np.random.default_rng(2).standard_normal((vocabulary, width)) * 0.1).astype(np.float32)
@@ -128,7 +130,7 @@ def test_a_float_tied_table_gets_an_integer_form_for_each_reader(tmp_path, form,
     assert abs(_snr_db(reference, from_file.run(None, feed)[0]) - _snr_db(reference, got)) < 3
 
 
-# ---------------------------------------------------------------------- F13
+# ---------------------------------------------------------------------- notes
 
 def test_the_notes_say_what_was_quantized_at_load(tmp_path):
     rng = np.random.default_rng(3)
@@ -174,7 +176,7 @@ def test_a_quantized_weights_float_scale_is_not_a_float_weight_left_float(tmp_pa
     assert not [line for line in session.notes if "float" in line], session.notes
 
 
-# ---------------------------------------------------------------------- F5
+# ---------------------------------------------------------------------- grouped ConvTranspose
 
 def _depthwise_conv_transpose(channels=128, kernel=8):
     rng = np.random.default_rng(6)
@@ -207,7 +209,7 @@ def test_a_depthwise_conv_transpose_keeps_its_channels_apart(tmp_path, mode):
     assert _snr_db(reference, got) >= 42
 
 
-# ---------------------------------------------------------------------- F7 (the options part)
+# ---------------------------------------------------------------------- custom-op libraries (the options part)
 
 def test_custom_op_libraries_are_registered_on_a_copy_never_on_the_callers(tmp_path):
     from passes import runtime_options

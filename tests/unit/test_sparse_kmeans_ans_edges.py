@@ -1,4 +1,5 @@
-"""Regression tests for bugs found in the session-5 review (H6): each failed before its fix."""
+"""Regression tests of hostile sparse initializer dims and float indices, kmeans_1d's seeds beside
+outliers, and ans_encode's checks of the counts it is given: each failed before its fix."""
 from __future__ import annotations
 
 import numpy as np
