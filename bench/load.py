@@ -501,7 +501,7 @@ def _big(args, tmp, provider, rows, config):
                           outputs=str(tmp / f"big.{how}.npz")))
     # rounds interleaved, as for the corpus models: on these hosts the cost of fresh memory swings
     # several-fold from one process to the next (how much of it the kernel has handed back to the
-    # hypervisor), the plain row's CPU 2.2 s in one run and 9.7 s in the next (H4, session 20)
+    # hypervisor), the plain row's CPU 2.2 s in one run and 9.7 s in the next
     print(f"[big] {len(specs)} variants x {args.rounds} rounds, interleaved", file=sys.stderr, flush=True)
     for (key, how), spec, r in zip(keys, specs, best_of_many(specs, args.rounds)):
         if "error" not in r:

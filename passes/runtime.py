@@ -774,8 +774,8 @@ class InferenceSession(ort.InferenceSession):
                 # constant DequantizeLinear nodes inside model-local function bodies (quantize_weights
                 # writes them there): folded as fold_dequantize folds them, so that the session runs
                 # what fold_dequantize writes (left to onnxruntime, its inlined copies are not folded
-                # alike on every route: bench/unseen_edges fn_in_subgraphs, 0.019 max abs apart;
-                # H2's change). The bodies hold their Constant values: nothing to wait for
+                # alike on every route: bench/unseen_edges fn_in_subgraphs, 0.019 max abs apart).
+                # The bodies hold their Constant values: nothing to wait for
                 from .fold import fold_function_bodies
 
                 fold_function_bodies(split.skeleton)

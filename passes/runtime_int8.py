@@ -177,7 +177,7 @@ def prepare_quantized(split: SplitModel, bits: int, options, notes: list | None 
     # DequantizeLinear before a MatMul): onnxruntime fuses such a MatMul with its weight's
     # DequantizeLinear into its int8 kernels, weights int8 in memory; as MatMulNBits the activation
     # would be quantized a second time (accuracy level 4: a 2-layer QDQ decoder's logits 19.5 dB
-    # against the model itself, H3's find)
+    # against the model itself)
     dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output}
     left_to_qdq = 0
     replaced = {}
@@ -909,7 +909,7 @@ def _quantize_with_pass(split: SplitModel, notes: list) -> None:
     # pass neither reads nor quantizes them, in O(1) each, and its validity check (onnx.checker,
     # strict shape inference) sees a valid model. (Typed uint8 placeholders were used before: the
     # checker refused their external-data location and a MatMul reading uint8, so no subgraph weight
-    # of a model with any other fed weight was ever quantized: H3, session 20.)
+    # of a model with any other fed weight was ever quantized.)
     stub_names = [graph.initializer[i].name for i in stubbed]
     for i in reversed(stubbed):
         del graph.initializer[i]
