@@ -223,7 +223,7 @@ def fold_facts(split: SplitModel, table: NodeTable | None = None) -> tuple[bool,
     against 140 ms for onnxruntime on the same file, 134 ms for the plain float16 model).
     Folding the big ones on a worker thread (passes.forms, bit-exact) while the skeleton is
     prepared and parsed, each float16 weight streamed as soon as folded, was measured slower too
-    (session 5; 2 cores, 9 fresh processes, min, against the plain float16 model): at load 0.9,
+    (2 cores, 9 fresh processes, min, against the plain float16 model): at load 0.9,
     minilm_fp16 q8.onnxz ready wall 1.62x (onnxruntime's fold 1.38x), CPU 1.57x (1.31x);
     open_nsfw_fp16 1.31x (1.25x). onnxruntime's own initialisation of the float16 model keeps
     both cores busy (its CPU is 1.5x its wall), and the fold (~47 ms on MiniLM, as much per value

@@ -265,7 +265,7 @@ def fold_float16_subgraph_dequantize(split: SplitModel, notes: list | None, reas
 
     Why: onnxruntime 1.32 at its EXTENDED level fuses a float16 DequantizeLinear + MatMul inside
     a body into MatMulNBits, and that body then yields zeros (float32, or optimisations off:
-    right; reproduced with onnxruntime alone, H7's session-20 F1); and below opset 19 a float16
+    right; reproduced with onnxruntime alone); and below opset 19 a float16
     scale is not valid at all, while the float16 converter misplaces the Cast it puts after a
     blocked node in a body. Such weights are float in memory (the body's own tensors: small in
     the models seen, e.g. silero-vad). A DequantizeLinear reading a tensor from outside its body
