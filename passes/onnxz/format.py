@@ -392,6 +392,11 @@ def _stream(obj, extents: _Extents, what: str, tables: Optional[List[str]] = Non
     params = obj.get("params", {})
     if type(codec) is not str:
         raise _bad(f"{what}: codec")
+    if codec == SAME or codec == "narrow" and type(params) is dict and type(params.get("inner")) is dict \
+            and params["inner"].get("codec") == SAME:
+        # (1.4 knows `same`: only ever a tensor's stream, parsed by _same_stream; never a skeleton
+        # or a narrow's inner, FORMAT.md 3.3, so a damaged file rather than a newer one)
+        raise _bad(f"{what}: same is only a tensor's stream")
     check_params(codec, params)  # NewerFormatError for unknown codecs
     flags = batch_tables = None
     if codec == "ans_shared":  # the tables it names, resolved for the decoder
