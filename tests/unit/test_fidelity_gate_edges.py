@@ -10,19 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 import passes
 from passes import fidelity as F
 from passes.errors import InvalidArgumentError
+from test_fidelity import linear_model
 from tools.surgeon_compress import main
-
-
-def linear_model(weight: np.ndarray, batch="batch") -> onnx.ModelProto:
-    """y = x @ W, x [batch, K] float32 -> y [batch, N]."""
-    k, n = weight.shape
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["y"])], "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, n])],
-        [numpy_helper.from_array(weight.astype(np.float32), "W")],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 @pytest.fixture

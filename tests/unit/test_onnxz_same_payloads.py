@@ -4,21 +4,19 @@ restored byte for byte. Packs without such payloads are unchanged (1.2 / 1.3, no
 reader refuses the codec as newer; a `same` naming anything but an earlier coded tensor is damage."""
 from __future__ import annotations
 
-import json
 import os
 import struct
-import zlib
 
 import numpy as np
 import onnx
 import pytest
-import zstandard as zstd
 from onnx import TensorProto, helper, numpy_helper
 
 import passes
 import passes.onnxz
+from onnxz_helpers import first_stream, rewrite_index
 from passes.errors import CorruptFileError, NewerFormatError
-from passes.onnxz import codecs, format as fmt
+from passes.onnxz import codecs
 from passes.onnxz.reader import PackedFile
 
 N = 128  # a 128 x 128 float32 weight: 64 KiB
@@ -102,22 +100,6 @@ def test_a_reader_of_1_3_refuses_the_codec_as_newer():
         codecs.check_params("same", {"tensor": 0})
 
 
-def _rewrite(data: bytes, mutate) -> bytes:
-    """The file with its index changed (every checksum valid again)."""
-    fields = struct.unpack_from("<8sHHIQQQQI", data)
-    ioff, ilen = fields[4], fields[5]
-    obj = json.loads(zstd.ZstdDecompressor().decompress(data[ioff:ioff + ilen]))
-    mutate(obj)
-    text = json.dumps(obj).encode()
-    frame = zstd.ZstdCompressor(write_checksum=True, write_content_size=True).compress(text)
-    return fmt.pack_header(ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame), (1, 4), fields[3]) \
-        + data[64:ioff] + frame
-
-
-def _same_entry(obj):
-    return next(t["stream"] for t in obj["tensors"] if t.get("stream") and t["stream"]["codec"] == "same")
-
-
 @pytest.mark.parametrize("mutate,match", [
     (lambda s: s["params"].update(tensor=len(s) + 99), "not an earlier coded tensor"),
     (lambda s: s["params"].update(tensor=-1), "not an earlier coded tensor"),
@@ -130,7 +112,7 @@ def test_a_bad_same_is_damage(tmp_path, mutate, match):
     passes.onnxz.pack(src, tmp_path / "m.onnxz")
     data = (tmp_path / "m.onnxz").read_bytes()
     bad = tmp_path / "bad.onnxz"
-    bad.write_bytes(_rewrite(data, lambda obj: mutate(_same_entry(obj))))
+    bad.write_bytes(rewrite_index(data, lambda obj: mutate(first_stream(obj, "same")), (1, 4)))
     with pytest.raises(CorruptFileError, match=match):
         passes.onnxz.unpack(bad, tmp_path / "r.onnx")
 
@@ -145,6 +127,6 @@ def test_same_naming_itself_or_a_later_tensor_is_damage(tmp_path):
         obj["tensors"][i]["stream"]["params"]["tensor"] = i
 
     bad = tmp_path / "bad.onnxz"
-    bad.write_bytes(_rewrite(data, point_at_itself))
+    bad.write_bytes(rewrite_index(data, point_at_itself, (1, 4)))
     with pytest.raises(CorruptFileError, match="not an earlier coded tensor"):
         passes.onnxz.unpack(bad, tmp_path / "r.onnx")

@@ -3,18 +3,14 @@ column by column, LZ-coded, where that is smaller than every other coding (an ST
 round trips (one and several chunks, raw_data and float_data), its parameters checked, damage refused."""
 from __future__ import annotations
 
-import json
-import struct
-import zlib
-
 import numpy as np
 import pytest
-import zstandard as zstd
 from onnx import TensorProto, helper, numpy_helper
 
 import passes
+from onnxz_helpers import first_stream, rewrite_index
 from passes import CorruptFileError
-from passes.onnxz import codecs, format as fmt
+from passes.onnxz import codecs
 from passes.onnxz.reader import PackedFile
 
 
@@ -82,22 +78,6 @@ def test_no_transpose_where_it_does_not_pay_or_cannot(tmp_path):
     assert codecs.transpose_cols([3, 1, 7], 84) == (4, 7) and codecs.transpose_cols([3, 7], 85) is None
 
 
-def _rewrite(data: bytes, mutate) -> bytes:
-    """The file with its index changed (every checksum valid again)."""
-    fields = struct.unpack_from("<8sHHIQQQQI", data)
-    ioff, ilen = fields[4], fields[5]
-    obj = json.loads(zstd.ZstdDecompressor().decompress(data[ioff:ioff + ilen]))
-    mutate(obj)
-    text = json.dumps(obj).encode()
-    frame = zstd.ZstdCompressor(write_checksum=True, write_content_size=True).compress(text)
-    return fmt.pack_header(ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame), (1, 3), fields[3]) \
-        + data[64:ioff] + frame
-
-
-def _stream(obj):
-    return next(t["stream"] for t in obj["tensors"] if t.get("stream") and t["stream"]["codec"] == "transpose")
-
-
 @pytest.mark.parametrize("change", [
     lambda s: s["params"].update(cols=3),        # rows no longer whole
     lambda s: s["params"].update(cols=1),
@@ -109,7 +89,7 @@ def _stream(obj):
 def test_bad_parameters_are_refused(tmp_path, change):
     _, dst = _packed(tmp_path, [numpy_helper.from_array(_basis(), "basis")])
     bad = tmp_path / "bad.onnxz"
-    bad.write_bytes(_rewrite(dst.read_bytes(), lambda o: change(_stream(o))))
+    bad.write_bytes(rewrite_index(dst.read_bytes(), lambda o: change(first_stream(o, "transpose")), (1, 3)))
     with pytest.raises(CorruptFileError):
         with passes.open_packed(bad) as pm:
             pm.get_tensor("basis")
@@ -120,7 +100,7 @@ def test_other_columns_decode_to_other_bytes_never_silently(tmp_path):
     its digest: the whole-file check catches what the per-chunk checksum cannot."""
     src, dst = _packed(tmp_path, [numpy_helper.from_array(_basis(), "basis")])
     bad = tmp_path / "bad.onnxz"
-    bad.write_bytes(_rewrite(dst.read_bytes(), lambda o: _stream(o)["params"].update(cols=64)))
+    bad.write_bytes(rewrite_index(dst.read_bytes(), lambda o: first_stream(o, "transpose")["params"].update(cols=64), (1, 3)))
     with pytest.raises(CorruptFileError):
         passes.unpack(bad, tmp_path / "r.onnx")
 

@@ -70,6 +70,23 @@ def _check(out, values, digests):
         np.testing.assert_array_equal(got[name], want)
 
 
+def _fail_a_rename(monkeypatch, out, fail_at, error):
+    """os.replace (as _fileio calls it) raising `error` at the fail_at-th rename of a restored
+    temporary file (.part) into `out`; the renames after it (those that put the old files back)
+    are not counted and go through. Returns the destinations of the renames counted."""
+    real, calls = os.replace, []
+
+    def replace(a, b, *args, **kwargs):
+        if os.fspath(a).endswith(".part") and str(out) in os.fspath(b) and len(calls) < fail_at:
+            calls.append(b)
+            if len(calls) == fail_at:
+                raise error
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(fileio.os, "replace", replace)
+    return calls
+
+
 def test_a_failed_restore_of_the_model_leaves_the_old_set(setup, monkeypatch):
     out, old_values, new_pack, _ = setup
     before = _digests(out)
@@ -92,16 +109,7 @@ def test_a_failure_between_the_renames_puts_the_old_set_back(setup, monkeypatch,
     """fail_at: the rename that fails (1: a.bin, 2: sub/b.bin, after a.bin was renamed; 3: the model)."""
     out, old_values, new_pack, _ = setup
     before = _digests(out)
-    real, calls = os.replace, []
-
-    def replace(a, b, *args, **kwargs):
-        if os.fspath(a).endswith(".part") and str(out) in os.fspath(b) and len(calls) < fail_at:
-            calls.append(b)  # (the renames that put the old files back are not counted)
-            if len(calls) == fail_at:
-                raise error
-        return real(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(fileio.os, "replace", replace)
+    calls = _fail_a_rename(monkeypatch, out, fail_at, error)
     with pytest.raises((FileAccessError, KeyboardInterrupt)):
         passes.onnxz.unpack(new_pack, out / "model.onnx", force=True)
     monkeypatch.undo()
@@ -131,16 +139,7 @@ def test_a_data_file_where_none_was_is_removed_on_failure(setup, monkeypatch):
     out, old_values, new_pack, _ = setup
     os.unlink(out / "sub" / "b.bin")
     before = _digests(out)
-    real, calls = os.replace, []
-
-    def replace(a, b, *args, **kwargs):
-        if os.fspath(a).endswith(".part") and str(out) in os.fspath(b) and len(calls) < 3:
-            calls.append(b)
-            if len(calls) == 3:
-                raise OSError(5, "Input/output error")
-        return real(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(fileio.os, "replace", replace)
+    _fail_a_rename(monkeypatch, out, 3, OSError(5, "Input/output error"))
     with pytest.raises(FileAccessError):
         passes.onnxz.unpack(new_pack, out / "model.onnx", force=True)
     assert _digests(out) == before
@@ -155,16 +154,8 @@ def test_without_hard_links_the_old_files_are_renamed_aside_and_put_back(setup, 
         raise OSError(1, "Operation not permitted")
 
     monkeypatch.setattr(fileio.os, "link", no_links)
-    real, calls = os.replace, []
-
-    def replace(a, b, *args, **kwargs):
-        if os.fspath(a).endswith(".part") and str(out) in os.fspath(b) and len(calls) < 3:
-            calls.append(b)
-            if len(calls) == 3:
-                raise OSError(5, "Input/output error")
-        return real(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(fileio.os, "replace", replace)
+    real = os.replace
+    _fail_a_rename(monkeypatch, out, 3, OSError(5, "Input/output error"))
     with pytest.raises(FileAccessError):
         passes.onnxz.unpack(new_pack, out / "model.onnx", force=True)
     _check(out, old_values, before)

@@ -6,62 +6,17 @@ naming one 4 MiB range loaded, taking 4 GB from an .onnx, 8 GB from its 1 MB pac
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
 
 import passes
-import passes.onnxz
+from onnxz_helpers import external_ranges_packed
 from passes.errors import InvalidModelError
-from passes.onnxz import writer
 from passes.runtime_source import read_split
-
-
-def _model(folder, ranges, data_bytes: int, location: str = "w.bin"):
-    """Initializers W0..Wn of float32 (each data_bytes / 4 values), stored in w.bin at the
-    (offset, length) strings given, each read by an Identity node."""
-    (folder / "w.bin").write_bytes(np.arange(data_bytes // 4, dtype=np.float32).tobytes())
-    inits, nodes, outs = [], [], []
-    for i, (offset, length) in enumerate(ranges):
-        t = TensorProto(name=f"W{i}", data_type=TensorProto.FLOAT, dims=[data_bytes // 4],
-                        data_location=TensorProto.EXTERNAL)
-        for k, v in (("location", location), ("offset", offset), ("length", length)):
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        inits.append(t)
-        nodes.append(helper.make_node("Identity", [f"W{i}"], [f"y{i}"]))
-        outs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
-    m = helper.make_model(helper.make_graph(nodes, "g", [], outs, inits), opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 9
-    onnx.save_model(m, folder / "model.onnx")
-    return folder / "model.onnx"
-
-
-def _packed(tmp_path, ranges, data_bytes, monkeypatch=None, location="w.bin"):
-    """The model and its pack; with `monkeypatch`, pack's wire walk is told every range is the
-    whole file (pack refuses a bad range itself), so the pack holds what another writer could write."""
-    src = _model(tmp_path, ranges, data_bytes, location)
-    if monkeypatch is not None:
-        real = writer.find_tensors
-
-        def whole_files(data):
-            refs = real(data)
-            for r in refs:
-                if r.field == "external":
-                    r.offset, r.length = 0, -1
-                    r.external = dict(r.external, offset="0", length="")
-            return refs
-
-        monkeypatch.setattr(writer, "find_tensors", whole_files)
-    passes.onnxz.pack(src, tmp_path / "p.onnxz")
-    if monkeypatch is not None:
-        monkeypatch.undo()
-    return src, tmp_path / "p.onnxz"
 
 
 def test_many_tensors_naming_one_range_are_refused_by_the_session(tmp_path):
     size = 2 << 20
-    src, packed = _packed(tmp_path, [("0", str(size))] * 40, size)  # 80 MiB named in a 2 MiB file
+    src, packed = external_ranges_packed(tmp_path, [("0", str(size))] * 40, size)  # 80 MiB named in a 2 MiB file
     for path in (src, packed):
         with pytest.raises(InvalidModelError, match="external data ranges overlap") as load_error:
             passes.load(path)
@@ -74,7 +29,7 @@ def test_many_tensors_naming_one_range_are_refused_by_the_session(tmp_path):
 
 def test_a_few_tensors_sharing_a_range_still_run(tmp_path):
     size = 64 << 10
-    src, packed = _packed(tmp_path, [("0", str(size)), ("0", str(size))], size)
+    src, packed = external_ranges_packed(tmp_path, [("0", str(size)), ("0", str(size))], size)
     want = np.arange(size // 4, dtype=np.float32)
     for path in (src, packed):
         split = read_split(path)
@@ -86,7 +41,7 @@ def test_a_few_tensors_sharing_a_range_still_run(tmp_path):
 
 def test_a_range_its_dims_do_not_fit_is_an_invalid_model(tmp_path):
     """Not a bare ValueError from numpy's reshape (the pack's reader words it its own way)."""
-    src, packed = _packed(tmp_path, [("0", "4096"), ("4096", "4096")], 16384)
+    src, packed = external_ranges_packed(tmp_path, [("0", "4096"), ("4096", "4096")], 16384)
     for path in (src, packed):
         with pytest.raises(InvalidModelError, match=r"'W0'.*shape \[4096\]"):
             read_split(path)
@@ -99,7 +54,7 @@ def test_a_range_its_dims_do_not_fit_is_an_invalid_model(tmp_path):
     ("4096", "4096", r"declares external data bytes 4096\.\.8192 but 'w.bin' holds 4096"),
 ])
 def test_a_bad_range_is_refused_by_the_session_as_by_load(tmp_path, monkeypatch, offset, length, match):
-    src, packed = _packed(tmp_path, [("0", "4096"), (offset, length)], 4096, monkeypatch)
+    src, packed = external_ranges_packed(tmp_path, [("0", "4096"), (offset, length)], 4096, monkeypatch)
     for path in (src, packed):
         with pytest.raises(InvalidModelError, match=match):
             passes.load(path)
@@ -111,6 +66,6 @@ def test_a_bad_range_is_refused_by_the_session_as_by_load(tmp_path, monkeypatch,
 
 def test_a_dotted_location_is_found_in_the_pack(tmp_path):
     """The index names each file by its normal name: "./w.bin" is "w.bin" there (as load reads it)."""
-    src, packed = _packed(tmp_path, [("0", "4096")], 4096, location="./w.bin")
+    src, packed = external_ranges_packed(tmp_path, [("0", "4096")], 4096, location="./w.bin")
     out = passes.InferenceSession(str(packed)).run(None, {})[0]
     np.testing.assert_array_equal(out, np.arange(1024, dtype=np.float32))
