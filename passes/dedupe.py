@@ -18,7 +18,8 @@ Which tensors take part, and where their readers may be repointed:
   of the graph that calls it);
 - never: a tensor that is also a graph input (the caller may feed another value), a graph output
   (its name is the model's interface), a name defined more than once anywhere (a subgraph that
-  shadows an outer name: repointing a read there could reach the wrong tensor), sparse
+  shadows an outer name: repointing a read there could reach the wrong tensor), a name the
+  model's training_info binds or reads (training updates it by name), sparse
   initializers, strings, tensors below `min_bytes`.
 
 Large models: the values are compared only among tensors of the same type and shape, by a hash
@@ -208,6 +209,7 @@ class _Finder:
     def __init__(self, min_bytes: int, base_dir: Path | None, accept, payloads: dict):
         self.min_bytes, self.base_dir, self.accept, self.payloads = min_bytes, base_dir, accept, payloads
         self.merges: list[Merge] = []
+        self.pinned: set[str] = set()  # names a training algorithm updates or reads: left as they are
 
     def scope(self, counts: dict[str, int], scope: tuple, prefix: str):
         self.counts, self.scope_key, self.prefix = counts, scope, prefix
@@ -216,7 +218,7 @@ class _Finder:
     def consider(self, d: _Def, visible: set[str], droppable: bool) -> None:
         """`d` merges into an identical kept tensor visible here, or becomes one others may merge into."""
         t = d.tensor
-        if self.counts.get(d.name, 0) != 1 or not droppable:
+        if self.counts.get(d.name, 0) != 1 or not droppable or d.name in self.pinned:
             return
         nbytes = _nbytes(t)
         if nbytes is None or nbytes < max(self.min_bytes, 1) or not _consistent(d):
@@ -260,6 +262,30 @@ class _Finder:
             visible.update(node.output)
 
 
+def _training_names(model: onnx.ModelProto) -> set[str]:
+    """Every name model.training_info binds or reads: a training algorithm updates main-graph
+    initializers by name (update_binding, initialization_binding) and reads any of them, so such
+    a tensor is neither dropped (the algorithm would name a tensor that is gone) nor the one
+    others are repointed to (training it would change its twins' readers too)."""
+    names: set[str] = set()
+    for info in getattr(model, "training_info", ()):  # (a caller may pass a stand-in of one scope)
+        for binding in [*info.update_binding, *info.initialization_binding]:
+            names.update((binding.key, binding.value))
+        for g in (info.algorithm, info.initialization):
+            names |= _names_read([g])
+    return names
+
+
+def _names_read(graphs) -> set[str]:
+    names: set[str] = set()
+    for g in graphs:
+        for node in g.node:
+            names.update(node.input)
+            names |= _names_read(graph.node_subgraphs(node))
+        names.update(o.name for o in g.output)
+    return names
+
+
 def _function_key(fn: onnx.FunctionProto) -> tuple:
     return (fn.domain, fn.name, getattr(fn, "overload", ""))
 
@@ -277,6 +303,7 @@ def find_duplicates(model: onnx.ModelProto, *, min_bytes: int = DEFAULT_MIN_BYTE
     finder = _Finder(min_bytes, Path(base_dir) if base_dir is not None else None, accept, payloads or {})
     graphs = [model.graph, *_graphs_below(model.graph.node)]
     finder.scope(_defined_counts(graphs), (), "")
+    finder.pinned = _training_names(model)
     finder.graph(model.graph, "", set())
     for fn in model.functions:
         counts: dict[str, int] = {}
