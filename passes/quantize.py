@@ -421,7 +421,8 @@ def quantize_weights(model, *, bits: int = 8, granularity: str = "channel", bloc
     bytes instead of four). None keeps full float32 scales.
 
     dedupe: byte-identical weights that would get the same form (tied embeddings and lm_head, a
-    weight exported once per reader) are merged first (passes.dedupe), so that each is quantized
+    weight exported once per reader; equal Constants of one model-local function body among
+    themselves) are merged first (passes.dedupe), so that each is quantized
     once, stored once and dequantized by one node read by all its readers; the report names each
     merge ("2 identical weights stored once: B -> A (1.0 MB less)"). Off by default: the merged
     names are gone from the result, and callers that look weights up by name in it (the auto search
@@ -578,46 +579,29 @@ def _store_duplicates_once(out: onnx.ModelProto, payloads: dict, include_p, excl
     (passes.dedupe): a weight stored twice (tied embeddings and lm_head, a weight exported once per
     reader) is quantized once, stored once and dequantized by one node that all its readers read.
     Weights whose forms would differ (one excluded or not included, read along another axis) stay
-    apart. Returns the merges (each reported)."""
-    weights, graphs = graph.find_weights(out)
-    by_name: dict[str, list[graph.Weight]] = {}
-    for w in weights:
-        by_name.setdefault(w.name, []).append(w)
-    consumers_of = graph.consumers_index(graphs)
-    forms_of: dict[str, tuple | None] = {}
-
-    def form(name: str) -> tuple | None:
-        if name not in forms_of:
-            found = by_name.get(name, [])
-            if len(found) != 1:  # (function bodies, repeated names: left as they are)
-                forms_of[name] = None
-            else:
-                w = found[0]
-                reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
-                axis = graph.choose_axis(w, consumers_of) if reason is None else None
-                forms_of[name] = (reason,) if axis is None else (None, axis.channel, axis.reduce)
-        return forms_of[name]
-
-    def fused_alone(name: str) -> bool:
-        # A quantized weight whose one reader is a MatMul's weight input: onnxruntime fuses its
-        # DequantizeLinear + MatMul into MatMulNBits (int8 in memory, faster than float) only
-        # while the levels have no other reader. Merged, two such weights would be dequantized
-        # at every run instead (a 512x512 MatMul: 0.04 -> 2.2 ms a run), so they stay apart
-        # here; a pack stores their equal payloads once anyway (FORMAT.md, codec same).
-        w = by_name[name][0]
-        return (form(name) or (0,))[0] is None and len(w.uses) == 1 and \
-            w.uses[0].node.op_type == "MatMul" and w.uses[0].node.domain in ("", "ai.onnx") and w.uses[0].index == 1
-
-    def accept(dropped: str, kept: str) -> bool:
-        if form(dropped) is None or form(dropped) != form(kept):
-            return False
-        if fused_alone(dropped) or fused_alone(kept):
-            kept_apart.append(dropped)
-            return False
-        return True
-
+    apart. The Constants of one model-local function body merge among themselves the same way
+    (a function sees no name of the graph that calls it), their forms as _quantize_function_weights
+    would give them. Returns the merges (each reported)."""
     kept_apart: list[str] = []
-    merges = _dedupe.find_duplicates(out, accept=accept, payloads=payloads)
+    weights, graphs = graph.find_weights(out)
+    consumers_of = graph.consumers_index(graphs)
+
+    def graph_form(w: graph.Weight):
+        reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
+        return reason, graph.choose_axis(w, consumers_of) if reason is None else None
+
+    merges = _dedupe.find_duplicates(_OneScope(out, main=out.graph), payloads=payloads,
+                                     accept=_same_form(weights, graph_form, kept_apart, ""))
+    for fn in out.functions:
+        def body_form(w: graph.Weight, fn=fn):
+            # (a body's weights all stay float under include patterns; one whose body imports too old an
+            # opset may still be quantized once the model is raised: equal ones share the dtype that decides it)
+            reason = _keep_reason(w, [], exclude_p, ops, min_elements) or ("not included" if include_p else None)
+            return reason, graph.choose_axis(w, lambda name, _key: _body_uses(fn, name)) if reason is None else None
+
+        merges += _dedupe.find_duplicates(_OneScope(out, functions=[fn]),
+                                          accept=_same_form(_function_weights(fn, ""), body_form, kept_apart,
+                                                            f" in {_function_location(fn)}"))
     if merges:
         _dedupe.apply_merges(out, merges)
         _dedupe.report_merges(merges, report)
@@ -627,6 +611,62 @@ def _store_duplicates_once(out: onnx.ModelProto, payloads: dict, include_p, excl
                     f"{', ...' if len(apart) > 5 else ''}): each is a MatMul weight that onnxruntime runs as "
                     "MatMulNBits only while its levels are read once; a .onnxz stores equal payloads once")
     return merges
+
+
+class _OneScope:
+    """`model` as _dedupe.find_duplicates sees it, holding one of its scopes only: the main graph
+    (no functions) or one function (an empty main graph), so that a caller's veto knows which
+    scope the names it is asked about belong to. Every other field is the model's own (training
+    bindings, say); nothing is copied."""
+
+    def __init__(self, model: onnx.ModelProto, main: onnx.GraphProto | None = None, functions=()):
+        self._model = model
+        self.graph = main if main is not None else onnx.GraphProto()
+        self.functions = list(functions)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+def _same_form(weights: list[graph.Weight], form_of, kept_apart: list[str], where: str):
+    """A find_duplicates veto for one scope whose weights are `weights`: two equal weights merge
+    when form_of(weight) -> (reason kept or None, axis or None) gives both the same form, and
+    neither is a weight onnxruntime fuses alone (below; its name + `where` goes to kept_apart)."""
+    by_name: dict[str, list[graph.Weight]] = {}
+    for w in weights:
+        by_name.setdefault(w.name, []).append(w)
+    forms_of: dict[str, tuple | None] = {}
+
+    def form(name: str) -> tuple | None:
+        if name not in forms_of:
+            found = by_name.get(name, [])
+            if len(found) != 1:  # (repeated names: left as they are)
+                forms_of[name] = None
+            else:
+                reason, axis = form_of(found[0])
+                forms_of[name] = (reason,) if axis is None else (None, axis.channel, axis.reduce)
+        return forms_of[name]
+
+    def fused_alone(name: str) -> bool:
+        # A quantized weight whose one reader is a MatMul's weight input: onnxruntime fuses its
+        # DequantizeLinear + MatMul into MatMulNBits (int8 in memory, faster than float) only
+        # while the levels have no other reader (function bodies are inlined first). Merged, two
+        # such weights would be dequantized at every run instead (a 512x512 MatMul: 0.04 -> 2.2 ms
+        # a run), so they stay apart here; a pack stores their equal payloads once anyway
+        # (FORMAT.md, codec same).
+        w = by_name[name][0]
+        return (form(name) or (0,))[0] is None and len(w.uses) == 1 and \
+            w.uses[0].node.op_type == "MatMul" and w.uses[0].node.domain in ("", "ai.onnx") and w.uses[0].index == 1
+
+    def accept(dropped: str, kept: str) -> bool:
+        if form(dropped) is None or form(dropped) != form(kept):
+            return False
+        if fused_alone(dropped) or fused_alone(kept):
+            kept_apart.append(dropped + where)
+            return False
+        return True
+
+    return accept
 
 
 def _function_constants(fn: onnx.FunctionProto):

@@ -401,3 +401,76 @@ def test_ir3_listed_weights_and_opset_raise(options):
     onnx.checker.check_model(q, full_check=True)
     assert {"A_quantized", "A_scale"} <= set(_names(q)) and not {"B", "B_quantized"} & set(_names(q))
     _same_outputs(q, passes.quantize_weights(m, **options))
+
+
+def _function_model(op="Gemm"):
+    """y = Twice(x): a model-local function whose body holds two Constants of the same values,
+    K1 and K2, each read by its own `op` (Gemm: transB=1, both per-row steps)."""
+    w = _w()
+    attrs = {"transB": 1} if op == "Gemm" else {}
+    fn = helper.make_function("local", "Twice", ["x"], ["y"], [
+        helper.make_node("Constant", [], ["K1"], value=numpy_helper.from_array(w, "K1")),
+        helper.make_node(op, ["x", "K1"], ["h"], **attrs),
+        helper.make_node("Constant", [], ["K2"], value=numpy_helper.from_array(w, "K2")),
+        helper.make_node(op, ["h", "K2"], ["y"], **attrs)], [helper.make_opsetid("", 17)])
+    return _model([helper.make_node("Twice", ["x"], ["y"], domain="local")], [], functions=[fn])
+
+
+def _body_constants(model):
+    return [n.output[0] for n in model.functions[0].node if n.op_type == "Constant"]
+
+
+def test_quantize_stores_equal_function_body_constants_once():
+    m = _function_model()
+    rep = passes.Report()
+    q = passes.quantize_weights(m, dedupe=True, report=rep)
+    onnx.checker.check_model(q, full_check=True)
+    plain = passes.quantize_weights(m)
+    assert _body_constants(plain) == ["K1_quantized", "K1_scale", "K2_quantized", "K2_scale"]
+    assert _body_constants(q) == ["K1_quantized", "K1_scale"]
+    assert [n.op_type for n in q.functions[0].node] == ["Constant", "Constant", "DequantizeLinear", "Gemm", "Gemm"]
+    assert [n.input[1] for n in q.functions[0].node if n.op_type == "Gemm"] == ["K1", "K1"]
+    assert "2 identical weights stored once: K2 -> K1 (16.4 kB less)" in rep.notes
+    assert [(t.name, t.bytes_after, t.location) for t in rep.tensors if t.name == "K2"] == [
+        ("K2", 0, "function local.Twice: Constant node")]
+    assert len(q.SerializeToString()) < 0.55 * len(plain.SerializeToString())
+    _same_outputs(q, plain)  # the same levels for both readers
+    f = passes.fold_dequantize(q)
+    onnx.checker.check_model(f, full_check=True)
+    _same_outputs(f, passes.fold_dequantize(plain))
+
+
+def test_quantize_keeps_equal_function_body_constants_apart_where_forms_differ():
+    """One of them excluded by name: it stays float, the other is quantized; they are not merged."""
+    m = _function_model()
+    q = passes.quantize_weights(m, dedupe=True, exclude=["K2"])
+    onnx.checker.check_model(q, full_check=True)
+    assert _body_constants(q) == ["K1_quantized", "K1_scale", "K2"]
+    assert q.SerializeToString() == passes.quantize_weights(m, exclude=["K2"]).SerializeToString()
+
+
+def test_quantize_keeps_apart_function_body_matmul_weights_onnxruntime_fuses():
+    """As in a graph: two equal Constants each a MatMul's only weight input stay apart, with the note."""
+    m = _function_model(op="MatMul")
+    rep = passes.Report()
+    q = passes.quantize_weights(m, dedupe=True, report=rep)
+    onnx.checker.check_model(q, full_check=True)
+    assert q.SerializeToString() == passes.quantize_weights(m).SerializeToString()
+    assert _body_constants(q) == ["K1_quantized", "K1_scale", "K2_quantized", "K2_scale"]
+    assert any(n.startswith("1 weight(s) equal to another kept apart (K2 in function local:Twice)")
+               for n in rep.notes), rep.notes
+    fused = [n.op_type for n in _optimized(q).graph.node]
+    assert fused.count("MatMulNBits") == 2, fused
+
+
+def test_quantize_merges_function_body_constants_named_like_graph_weights():
+    """The body's names are its own: a main-graph weight also named K2 (read by a MatMul alone,
+    so kept apart were its name looked up there) does not decide the body's merge."""
+    fn = _function_model().functions[0]
+    m = _model([helper.make_node("Twice", ["x"], ["h"], domain="local"), helper.make_node("MatMul", ["h", "K2"], ["y"])],
+               [numpy_helper.from_array(_w(5), "K2")], functions=[fn])
+    q = passes.quantize_weights(m, dedupe=True)
+    onnx.checker.check_model(q, full_check=True)
+    assert _body_constants(q) == ["K1_quantized", "K1_scale"]
+    assert _names(q) == ["K2_quantized", "K2_scale"]
+    _same_outputs(q, passes.quantize_weights(m))
