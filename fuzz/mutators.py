@@ -202,9 +202,15 @@ def mutate_value(rng: random.Random, value):
 
 def random_crafted(rng: random.Random, data: bytes) -> Tuple[str, bytes]:
     """One crafted mutation of an intact file; (description, bytes with checksums recomputed)."""
-    kind = rng.choices(["index", "index2", "delete_key", "header", "frame_swap", "frame_bomb", "dup_tensor"],
-                       weights=[40, 15, 10, 10, 10, 10, 5])[0]
     index, fields = read_index(data)
+    kinds, weights = ["index", "index2", "delete_key", "header", "frame_swap", "frame_bomb", "dup_tensor"], [40, 15, 10, 10, 10, 10, 5]
+    if any(_is_same(t) for t in index.get("tensors", [])):
+        # (format 1.4 files only: the specs of older samples draw as before)
+        kinds, weights = kinds + ["same"], weights + [30]
+    kind = rng.choices(kinds, weights=weights)[0]
+    if kind == "same":
+        desc = _retarget_same(rng, index)
+        return desc, write_with_index(data, index)
     if kind in ("index", "index2"):
         desc = []
         for _ in range(1 if kind == "index" else rng.randint(2, 4)):
@@ -262,6 +268,47 @@ def random_crafted(rng: random.Random, data: bytes) -> Tuple[str, bytes]:
     planes[k] = len(replacement)
     _set(index, path, [offset, raw, planes])
     return desc, write_with_index(data, index, body=new_body)
+
+
+def _is_same(t) -> bool:
+    return isinstance(t, dict) and isinstance(t.get("stream"), dict) and t["stream"].get("codec") == "same"
+
+
+def _retarget_same(rng: random.Random, index: dict) -> str:
+    """One hostile edit of the codec `same` (FORMAT.md 3.3), in place: a `same` naming itself, a
+    later tensor, one out of range, one of another length, a non-integer; a coded stream turned
+    into `same`; `same` as a skeleton or inside `narrow`; `same` with chunks of its own."""
+    tensors = index["tensors"]
+    at = [i for i, t in enumerate(tensors) if _is_same(t)]
+    i = rng.choice(at)
+    stream = tensors[i]["stream"]
+    choice = rng.choice(["self", "later", "range", "other_length", "odd", "make_same", "skeleton", "narrow",
+                         "chunks", "chain"])
+    if choice == "self":
+        stream["params"]["tensor"] = i
+    elif choice == "later":
+        stream["params"]["tensor"] = rng.choice([j for j in range(i + 1, len(tensors) + 1)] or [i + 1])
+    elif choice == "range":
+        stream["params"]["tensor"] = rng.choice([-1, len(tensors), 1 << 31, 1 << 63, -(1 << 63)])
+    elif choice == "other_length":
+        others = [j for j, t in enumerate(tensors) if j < i and t.get("length") != tensors[i].get("length")]
+        stream["params"]["tensor"] = rng.choice(others) if others else 0
+    elif choice == "odd":
+        stream["params"]["tensor"] = rng.choice(ODD_VALUES + [True, False, 0.0, "0", [0]])
+    elif choice == "make_same":  # a coded tensor (maybe the one others name) turned into `same`
+        coded = [j for j, t in enumerate(tensors) if isinstance(t.get("stream"), dict) and not _is_same(t)]
+        j = rng.choice(coded) if coded else i
+        tensors[j]["stream"] = {"codec": "same", "params": {"tensor": rng.choice([0, max(j - 1, 0), j])}}
+        i = j
+    elif choice == "skeleton":
+        index["files"][rng.randrange(len(index["files"]))]["skeleton"] = {"codec": "same", "params": {"tensor": 0}}
+    elif choice == "narrow":
+        tensors[i]["stream"] = {"codec": "narrow", "params": {"from": 11, "to": 1, "inner": dict(stream)}}
+    elif choice == "chunks":
+        stream["chunks"] = [[64, tensors[i].get("length", 4), [4], 0]]
+    else:  # chain: name another `same` (legal when it is earlier: FORMAT.md 3.3)
+        stream["params"]["tensor"] = rng.choice(at)
+    return f"same {choice} at tensor {i}"
 
 
 def _short(v) -> str:

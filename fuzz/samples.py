@@ -303,9 +303,25 @@ def shared_samples(seed: int = 6) -> List[Sample]:
     return samples
 
 
+def same_samples(seed: int = 7) -> List[Sample]:
+    """Format 1.4 (`same`, FORMAT.md 3.3): payloads stored once. A float32 weight held three times
+    and an int8 one twice (one file), and a weight whose copy lies in the external data file."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(400).astype(np.float32)
+    q = np.clip(np.round(rng.laplace(0, 10, 1500)), -127, 127).astype(np.int8)
+    inits = [numpy_helper.from_array(w, "same_w"), numpy_helper.from_array(q, "same_q"),
+             numpy_helper.from_array(w.copy(), "same_w2"), numpy_helper.from_array(q.copy(), "same_q2"),
+             numpy_helper.from_array(w.copy(), "same_w3")]
+    samples = [_sample("same_payloads", _graph_with(inits))]
+    ext = [numpy_helper.from_array(w, "same_ext_a"), numpy_helper.from_array(w.copy(), "same_ext_b"),
+           numpy_helper.from_array(q, "same_ext_q")]
+    samples.append(_sample("same_external", _graph_with(ext), external=True))
+    return samples
+
+
 def build_all() -> List[Sample]:
     return ([all_families(), ans_families()] + per_family() + odd_layouts() + fpairs_samples() + quantized_samples()
-            + shared_samples())
+            + shared_samples() + same_samples())
 
 
 SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
@@ -315,6 +331,7 @@ SAMPLE_BUILDERS: Dict[str, Callable[[], List[Sample]]] = {
     "fpairs": fpairs_samples,
     "quantized": quantized_samples,
     "shared": shared_samples,
+    "same": same_samples,
     "real": real_models,
 }
 
