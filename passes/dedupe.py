@@ -19,7 +19,8 @@ Which tensors take part, and where their readers may be repointed:
 - never: a tensor that is also a graph input (the caller may feed another value), a graph output
   (its name is the model's interface), a name defined more than once anywhere (a subgraph that
   shadows an outer name: repointing a read there could reach the wrong tensor), a name the
-  model's training_info binds or reads (training updates it by name), sparse
+  model's training_info binds or reads (training updates it by name) or a quantization_annotation
+  names, sparse
   initializers, strings, tensors below `min_bytes`.
 
 Large models: the values are compared only among tensors of the same type and shape, by a hash
@@ -276,6 +277,17 @@ def _training_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
+def _annotated_names(graphs) -> set[str]:
+    """The tensors the graphs' quantization_annotation entries name (annotated, or a parameter):
+    left as they are, or an annotation would name a tensor that is gone."""
+    names: set[str] = set()
+    for g in graphs:
+        for qa in g.quantization_annotation:
+            names.add(qa.tensor_name)
+            names.update(e.value for e in qa.quant_parameter_tensor_names)
+    return names
+
+
 def _names_read(graphs) -> set[str]:
     names: set[str] = set()
     for g in graphs:
@@ -303,7 +315,7 @@ def find_duplicates(model: onnx.ModelProto, *, min_bytes: int = DEFAULT_MIN_BYTE
     finder = _Finder(min_bytes, Path(base_dir) if base_dir is not None else None, accept, payloads or {})
     graphs = [model.graph, *_graphs_below(model.graph.node)]
     finder.scope(_defined_counts(graphs), (), "")
-    finder.pinned = _training_names(model)
+    finder.pinned = _training_names(model) | _annotated_names(graphs)
     finder.graph(model.graph, "", set())
     for fn in model.functions:
         counts: dict[str, int] = {}
