@@ -142,7 +142,9 @@ def test_a_fan_out_beyond_max_bytes_is_refused_from_the_index(tmp_path):
     for read in (lambda: passes.onnxz.unpack(tmp_path / "m.onnxz", tmp_path / "r.onnx", max_bytes=limit),
                  lambda: passes.load(tmp_path / "m.onnxz", max_bytes=limit),
                  lambda: passes.onnxz.open_packed(tmp_path / "m.onnxz", max_bytes=limit),
-                 lambda: passes.onnxz.verify(tmp_path / "m.onnxz", max_bytes=limit)):
+                 lambda: passes.onnxz.verify(tmp_path / "m.onnxz", max_bytes=limit),
+                 lambda: passes.InferenceSession(str(tmp_path / "m.onnxz"), max_bytes=limit),
+                 lambda: passes.InferenceSession(str(tmp_path / "m.onnxz"), mode="int8", max_bytes=limit)):
         with pytest.raises(LimitExceededError, match="more than 8388608 bytes"):
             read()
     with passes.onnxz.open_packed(tmp_path / "m.onnxz") as pm:
