@@ -451,7 +451,11 @@ def replace_together(moves: list, force: bool = False) -> None:
             try:
                 os.replace(tmp, target)
             except BaseException:
-                if backup is not None and not os.path.lexists(target):
+                if not os.path.lexists(tmp):
+                    # renamed after all: an exception (Ctrl-C) raised as the call returned; the
+                    # rollback below must put the old file back, not lose it
+                    done.append((target, backup, tmp))
+                elif backup is not None and not os.path.lexists(target):
                     os.replace(backup, target)  # (the rename-away fallback moved it)
                 elif backup is not None:
                     _remove_quietly(backup)

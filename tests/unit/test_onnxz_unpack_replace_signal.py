@@ -42,9 +42,6 @@ def _digests(folder):
     return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
 
 
-@pytest.mark.xfail(strict=True, reason="replace_together: an exception raised right after os.replace returned is "
-                                       "taken for a failed rename; the old file's backup is removed (fix proposed "
-                                       "to the owner of passes/_fileio.py)")
 @pytest.mark.parametrize("at", [1, 2, 3])
 def test_ctrl_c_right_after_a_rename_puts_the_whole_old_set_back(tmp_path, monkeypatch, at):
     passes.onnxz.pack(_model(tmp_path / "old", 1), tmp_path / "old.onnxz")
