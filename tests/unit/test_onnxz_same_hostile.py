@@ -3,34 +3,17 @@ each is refused with a documented error before anything is decoded, or (a chain,
 tensor of another dtype) restored byte for byte; never a wrong tensor."""
 from __future__ import annotations
 
-import json
-import struct
-import zlib
-
 import numpy as np
 import onnx
 import pytest
-import zstandard as zstd
 from onnx import helper, numpy_helper
 
 import passes
 import passes.onnxz
+from onnxz_helpers import rewrite_index
 from passes.errors import CorruptFileError, LimitExceededError, NewerFormatError
-from passes.onnxz import format as fmt
 
 N = 64
-
-
-def _rewrite(data: bytes, mutate) -> bytes:
-    """The pack with its index changed by `mutate(obj)` (header and index checksums valid again)."""
-    fields = struct.unpack_from("<8sHHIQQQQI", data)
-    ioff, ilen = fields[4], fields[5]
-    obj = json.loads(zstd.ZstdDecompressor().decompress(data[ioff:ioff + ilen]))
-    mutate(obj)
-    text = json.dumps(obj).encode()
-    frame = zstd.ZstdCompressor(write_checksum=True, write_content_size=True).compress(text)
-    return fmt.pack_header(ioff, len(frame), len(text), ioff + len(frame), zlib.crc32(frame), (fields[1], fields[2]), fields[3]) \
-        + data[64:ioff] + frame
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +68,7 @@ def test_same_outside_a_tensors_stream_is_damage_not_a_newer_format(packed, tmp_
     skeleton or a narrow's inner naming it is a damaged file, not one 'written by a newer version'."""
     folder, data, _ = packed
     bad = tmp_path / "bad.onnxz"
-    bad.write_bytes(_rewrite(data, mutate))
+    bad.write_bytes(rewrite_index(data, mutate))
     for name, read in _readers(bad, tmp_path / "r.onnx").items():
         with pytest.raises(CorruptFileError, match="same") as info:
             read()
@@ -96,7 +79,7 @@ def test_a_chain_of_same_means_the_first_tensor(packed, tmp_path):
     """W3 names W2, itself `same` as W1: W3 is W1's payload (FORMAT.md 3.3), byte for byte."""
     folder, data, w = packed
     good = tmp_path / "chain.onnxz"
-    good.write_bytes(_rewrite(data, lambda o: o["tensors"][_at(o, "W3")]["stream"]["params"].update(tensor=_at(o, "W2"))))
+    good.write_bytes(rewrite_index(data, lambda o: o["tensors"][_at(o, "W3")]["stream"]["params"].update(tensor=_at(o, "W2"))))
     passes.onnxz.unpack(good, tmp_path / "r.onnx")
     assert (tmp_path / "r.onnx").read_bytes() == (folder / "m.onnx").read_bytes()
     with passes.onnxz.open_packed(good) as pm:
@@ -120,7 +103,7 @@ def test_a_lying_same_is_refused_by_every_reader(packed, tmp_path, case):
             o["tensors"][_at(o, "W3")]["length"] -= 4
 
     bad = tmp_path / "bad.onnxz"
-    bad.write_bytes(_rewrite(data, mutate))
+    bad.write_bytes(rewrite_index(data, mutate))
     for name, read in _readers(bad, tmp_path / "r.onnx").items():
         with pytest.raises(CorruptFileError):
             read()
