@@ -24,7 +24,7 @@ bytes beyond the graph's own structure), the graph protobuf alone (the skeleton 
 cut out: nodes, names, tensor headers) and the pack's index + header. --keep DIR saves each auto
 model and its report there, to break it down again without a new search.
 
-    SURGEON_CORPUS=/tmp/h2/corpus python bench/auto_split.py --only open_nsfw,rapidocr_cls \
+    python bench/auto_split.py --only open_nsfw,rapidocr_cls \
         [--splits first,second] [--top 12] [--json bench/out/auto_split.json]
 
 --target 'cosine>=0.9868' runs the auto mode at that target instead of part b's (on the models whose metric

@@ -12,7 +12,7 @@ bench/out/int8/):
   baseline packs in the same rounds, order alternating, and the table shows both, the packed sizes
   and whether the bytes are identical.
 
-  SURGEON_CORPUS=/tmp/h2/corpus OPENBLAS_NUM_THREADS=1 nice -n 5 python bench/pack_speed.py [--baseline DIR] [--extra BIG.onnx]
+  OPENBLAS_NUM_THREADS=1 nice -n 5 python bench/pack_speed.py [--baseline DIR] [--extra BIG.onnx]
 
 Writes bench/out/pack_speed.json. Needs `pip install zipnn` for the ZipNN column (else blank).
 """

@@ -56,7 +56,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/tmp/h2/corpus"))
+CORPUS = Path(os.environ.get("SURGEON_CORPUS", "/work/shared/corpus"))
 
 HIDDEN, HEADS, LAYERS, VOCAB, FFN, MAX_POS = 384, 6, 2, 2048, 1536, 256
 HEAD_DIM = HIDDEN // HEADS
