@@ -453,7 +453,7 @@ def ort_optimized(dst: Path, float16: bool) -> None:
     from onnxruntime.transformers.optimizer import optimize_model
 
     opt = optimize_model(str(CORPUS / "minilm_fp32" / "minilm_fp32.onnx"), model_type="bert", num_heads=12,
-                         hidden_size=384, opt_level=1)
+                         hidden_size=384, opt_level=0)  # (its Python fusions only: opt_level >= 1 imports torch)
     if float16:
         opt.convert_float_to_float16(keep_io_types=True)
     opt.save_model_to_file(str(dst))
