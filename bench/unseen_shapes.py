@@ -828,8 +828,10 @@ def build(out: Path) -> dict[str, Path]:
         "dec_mha": lambda p: onnx.save(mha, str(p)),
         # onnx's own per-tensor layout: every tensor over 64 bytes in a file named after it (or a uuid
         # where the name is no file name: '/const_3'), as size_threshold writes models past 2 GB
-        "dec_mha_pertensor": lambda p: onnx.save_model(mha, str(p), save_as_external_data=True,
-                                                       all_tensors_to_one_file=False, size_threshold=64),
+        # (a copy: onnx.save_model moves the saved model's tensors out to those files in place)
+        "dec_mha_pertensor": lambda p: onnx.save_model(onnx.ModelProto.FromString(mha.SerializeToString()), str(p),
+                                                       save_as_external_data=True, all_tensors_to_one_file=False,
+                                                       size_threshold=64),
         "dec_mha16": lambda p: onnx.save(float16_keep_io(mha), str(p)),
         "bert_fused": lambda p: onnx.save(bert_fused(w), str(p)),
         "opset23": lambda p: onnx.save(opset23(), str(p)),
