@@ -163,16 +163,23 @@ def _narrowing_snr_db(value: np.ndarray, narrow: np.dtype) -> float:
     # the squares of ~1e-40 values are 0 in float32, so both sides are scaled first by the power of
     # two that brings the peak to [0.5, 1) (exact: the ratio is unchanged). Block by block (the
     # narrow copy too), the blocks' sums added in float64.
+    # infinities and NaNs (a -inf attention mask) narrow to themselves: they count as neither
+    # signal nor noise (inf - inf would make the SNR NaN, which passed every threshold)
     peak = 0.0
     for (v,) in _blocks(value):
-        peak = max(peak, float(np.max(np.abs(v), initial=0.0)))
+        finite = np.abs(v[np.isfinite(v)])
+        peak = max(peak, float(np.max(finite, initial=0.0)))
     if peak == 0.0:
         return math.inf
     shift = -math.frexp(peak)[1]
     signal = noise = 0.0
     for (v,) in _blocks(value):
         exact = np.ldexp(v.astype(np.float32, copy=False), shift)
-        error = np.ldexp(v.astype(narrow).astype(np.float32), shift) - exact
+        with np.errstate(invalid="ignore"):
+            error = np.ldexp(v.astype(narrow).astype(np.float32), shift) - exact
+        if not np.all(np.isfinite(exact)):
+            kept = np.isfinite(exact)
+            exact, error = np.where(kept, exact, 0.0), np.where(kept, error, 0.0)
         signal += float(np.dot(exact, exact))
         noise += float(np.dot(error, error))
     if noise == 0.0:
