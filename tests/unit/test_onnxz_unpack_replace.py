@@ -70,16 +70,20 @@ def _check(out, values, digests):
         np.testing.assert_array_equal(got[name], want)
 
 
-def _fail_a_rename(monkeypatch, out, fail_at, error):
+def _fail_a_rename(monkeypatch, out, fail_at, error, renamed=False):
     """os.replace (as _fileio calls it) raising `error` at the fail_at-th rename of a restored
     temporary file (.part) into `out`; the renames after it (those that put the old files back)
-    are not counted and go through. Returns the destinations of the renames counted."""
+    are not counted and go through. `renamed`: that rename is made before `error` is raised (a
+    Ctrl-C delivered while the call was in the kernel is raised as it returns). Returns the
+    destinations of the renames counted."""
     real, calls = os.replace, []
 
     def replace(a, b, *args, **kwargs):
         if os.fspath(a).endswith(".part") and str(out) in os.fspath(b) and len(calls) < fail_at:
             calls.append(b)
             if len(calls) == fail_at:
+                if renamed:
+                    real(a, b, *args, **kwargs)
                 raise error
         return real(a, b, *args, **kwargs)
 
@@ -111,6 +115,19 @@ def test_a_failure_between_the_renames_puts_the_old_set_back(setup, monkeypatch,
     before = _digests(out)
     calls = _fail_a_rename(monkeypatch, out, fail_at, error)
     with pytest.raises((FileAccessError, KeyboardInterrupt)):
+        passes.onnxz.unpack(new_pack, out / "model.onnx", force=True)
+    monkeypatch.undo()
+    assert len(calls) == fail_at
+    _check(out, old_values, before)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_ctrl_c_raised_as_a_rename_returns_puts_the_whole_old_set_back(setup, monkeypatch, fail_at):
+    """The rename took place: its old file must come back too, not be lost beside the old others."""
+    out, old_values, new_pack, _ = setup
+    before = _digests(out)
+    calls = _fail_a_rename(monkeypatch, out, fail_at, KeyboardInterrupt(), renamed=True)
+    with pytest.raises(KeyboardInterrupt):
         passes.onnxz.unpack(new_pack, out / "model.onnx", force=True)
     monkeypatch.undo()
     assert len(calls) == fail_at
