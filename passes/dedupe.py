@@ -303,21 +303,30 @@ def _function_key(fn: onnx.FunctionProto) -> tuple:
 
 
 def find_duplicates(model: onnx.ModelProto, *, min_bytes: int = DEFAULT_MIN_BYTES, base_dir=None,
-                    accept: Callable[[str, str], bool] | None = None, payloads: dict | None = None) -> list[Merge]:
+                    accept: Callable[[str, str], bool] | None = None, payloads: dict | None = None,
+                    scope=None) -> list[Merge]:
     """The merges that store each set of identical tensors once (the module docstring says which
     tensors take part), first kept, in walk order. Reads, never changes, `model`.
 
     accept(dropped, kept): a caller's veto on one merge of two equal tensors (quantize_weights: both weights must get
     the same form). payloads: {main-graph initializer name: TensorProto holding its values} for a
-    copy made without them (graph.copy_model's without_payload)."""
+    copy made without them (graph.copy_model's without_payload). scope: None, every scope; "main",
+    the main graph and the bodies below it only; one of model.functions, that function only (so
+    that a veto knows which scope the names it is asked about belong to)."""
     if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
         raise InvalidArgumentError(f"min_bytes must be a non-negative integer, got {min_bytes!r}")
     finder = _Finder(min_bytes, Path(base_dir) if base_dir is not None else None, accept, payloads or {})
     graphs = [model.graph, *_graphs_below(model.graph.node)]
     finder.scope(_defined_counts(graphs), (), "")
     finder.pinned = _training_names(model) | _annotated_names(graphs)
-    finder.graph(model.graph, "", set())
+    if isinstance(scope, str) and scope != "main":
+        raise InvalidArgumentError(f"scope must be None, 'main' or one of the model's functions, got {scope!r}")
+    only = None if scope is None or isinstance(scope, str) else _function_key(scope)
+    if scope is None or scope == "main":
+        finder.graph(model.graph, "", set())
     for fn in model.functions:
+        if scope is not None and _function_key(fn) != only:
+            continue
         counts: dict[str, int] = {}
         for name in [*fn.input, *(o for n in fn.node for o in n.output)]:
             counts[name] = counts.get(name, 0) + 1

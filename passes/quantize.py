@@ -590,7 +590,7 @@ def _store_duplicates_once(out: onnx.ModelProto, payloads: dict, include_p, excl
         reason = _keep_reason(w, include_p, exclude_p, ops, min_elements)
         return reason, graph.choose_axis(w, consumers_of) if reason is None else None
 
-    merges = _dedupe.find_duplicates(_OneScope(out, main=out.graph), payloads=payloads,
+    merges = _dedupe.find_duplicates(out, scope="main", payloads=payloads,
                                      accept=_same_form(weights, graph_form, kept_apart, ""))
     for fn in out.functions:
         def body_form(w: graph.Weight, fn=fn):
@@ -599,7 +599,7 @@ def _store_duplicates_once(out: onnx.ModelProto, payloads: dict, include_p, excl
             reason = _keep_reason(w, [], exclude_p, ops, min_elements) or ("not included" if include_p else None)
             return reason, graph.choose_axis(w, lambda name, _key: _body_uses(fn, name)) if reason is None else None
 
-        merges += _dedupe.find_duplicates(_OneScope(out, functions=[fn]),
+        merges += _dedupe.find_duplicates(out, scope=fn,
                                           accept=_same_form(_function_weights(fn, ""), body_form, kept_apart,
                                                             f" in {_function_location(fn)}"))
     if merges:
@@ -611,21 +611,6 @@ def _store_duplicates_once(out: onnx.ModelProto, payloads: dict, include_p, excl
                     f"{', ...' if len(apart) > 5 else ''}): each is a MatMul weight that onnxruntime runs as "
                     "MatMulNBits only while its levels are read once; a .onnxz stores equal payloads once")
     return merges
-
-
-class _OneScope:
-    """`model` as _dedupe.find_duplicates sees it, holding one of its scopes only: the main graph
-    (no functions) or one function (an empty main graph), so that a caller's veto knows which
-    scope the names it is asked about belong to. Every other field is the model's own (training
-    bindings, say); nothing is copied."""
-
-    def __init__(self, model: onnx.ModelProto, main: onnx.GraphProto | None = None, functions=()):
-        self._model = model
-        self.graph = main if main is not None else onnx.GraphProto()
-        self.functions = list(functions)
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
 
 
 def _same_form(weights: list[graph.Weight], form_of, kept_apart: list[str], where: str):
