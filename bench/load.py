@@ -27,7 +27,9 @@ runs; "min x" sums, per feed, the fastest of the repeats (load from other proces
 time) and compares those sums. "sleeps": the median number of times the process's threads blocked
 (voluntary context switches) while the session was made; "main": those of the calling thread
 alone, where onnxruntime parses and initialises the model (a streamed model: its waits on our
-decode and writer; the writer's own paced sleeps are in "sleeps" only). The rounds of a model's variants are interleaved. Artefacts (compressed, packed, the big model) go to a
+decode and writer; the writer's own paced sleeps are in "sleeps" only). "ort ms": the median CPU
+that threads Python did not start (onnxruntime's thread pools) used while the session was made:
+its intra-op worker spins through the parse, on the core a packed file's decode needs. The rounds of a model's variants are interleaved. Artefacts (compressed, packed, the big model) go to a
 temporary folder, removed at the end. Subprocesses run one at a time (the big one needs room).
 """
 from __future__ import annotations
@@ -79,6 +81,49 @@ def _thread_sleeps() -> int:
     return 0
 
 
+class NativeThreadsCpu:
+    """CPU seconds of this process's threads that Python did not start: onnxruntime's thread pools
+    (and C helpers). An intra-op worker spins for a while after its pool starts, which is while the
+    model is parsed: on 2 cores it holds the core a packed file's decode would use. Python's threads
+    are left out: those alive when this is made, and each one started later (threading.setprofile
+    runs in every new thread as it begins, and notes its id: a thread that has just ended may still
+    be listed by Linux, and no longer by threading). /proc/self/task/*/schedstat (0 where Linux
+    does not say)."""
+
+    def __init__(self):
+        import threading
+
+        self._python = {t.native_id for t in threading.enumerate()}
+        threading.setprofile(self._note)
+
+    def _note(self, *_):
+        import threading
+
+        self._python.add(threading.get_native_id())
+        sys.setprofile(None)  # (this thread only: noted once)
+
+    def close(self) -> None:
+        import threading
+
+        threading.setprofile(None)
+
+    def seconds(self) -> float:
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            return 0.0
+        total = 0
+        for tid in tids:
+            if int(tid) in self._python:
+                continue
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):  # (a thread that ended meanwhile)
+                pass
+        return total / 1e9
+
+
 def worker(spec: dict) -> dict:
     import onnxruntime as ort
 
@@ -110,6 +155,8 @@ def worker(spec: dict) -> dict:
     sleeps0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
     main_sleeps0 = _thread_sleeps()
     modules0 = set(sys.modules)
+    native_clock = NativeThreadsCpu()
+    native0 = native_clock.seconds()
     c0 = time.process_time()  # CPU time of all threads: robust to other processes' load
     t0 = time.perf_counter()
     if spec["how"] == "plain":
@@ -119,6 +166,8 @@ def worker(spec: dict) -> dict:
                                           dtype=spec.get("dtype"))
     ready = time.perf_counter() - t0
     ready_cpu = time.process_time() - c0
+    native = native_clock.seconds() - native0
+    native_clock.close()
     sleeps = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sleeps0
     main_sleeps = _thread_sleeps() - main_sleeps0
     imported = sorted(set(sys.modules) - modules0)
@@ -134,7 +183,7 @@ def worker(spec: dict) -> dict:
     np.savez(spec["outputs"], **{f"{i}/{j}": o for i, out in enumerate(outputs) for j, o in enumerate(out)})
     # per feed, the fastest of the repeats (load from other processes only ever adds time), summed
     per_feed = np.asarray(times).reshape(spec["repeat"], len(feeds)).min(axis=0)
-    return {"ready_s": ready, "ready_cpu_s": ready_cpu, "ready_sleeps": sleeps, "ready_main_sleeps": main_sleeps, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
+    return {"ready_s": ready, "ready_cpu_s": ready_cpu, "ready_native_cpu_s": native, "ready_sleeps": sleeps, "ready_main_sleeps": main_sleeps, "added_mb": hwm - rss0, "after_runs_mb": rss_runs - rss0,
             "run_ms": 1000 * float(np.mean(times)), "run_ms_median": 1000 * float(np.median(times)),
             "run_ms_min_sum": 1000 * float(per_feed.sum()), "mode": getattr(session, "mode", "plain"),
             "fold_route": getattr(session, "fold_route", None), "prepack": getattr(session, "prepack", None),
@@ -304,7 +353,7 @@ def best_of_many(specs: list, rounds: int) -> list:
             best[key] = min(r[key] for r in ok)
         # the median beside the best: a fresh-process load on this kind of machine spreads by
         # +-40% round to round, so the best of a few rounds alone can land either side of a target
-        for key in ("ready_s", "ready_cpu_s", "ready_sleeps", "ready_main_sleeps"):
+        for key in ("ready_s", "ready_cpu_s", "ready_native_cpu_s", "ready_sleeps", "ready_main_sleeps"):
             if all(key in r for r in ok):
                 best[key + "_median"] = float(np.median([r[key] for r in ok]))
         # every round's figures, in round order (None: a failed round), for paired comparisons
@@ -451,7 +500,7 @@ def _summarise(name, metric, results, rows):
             rows.append(row)
             continue
         row.update({k: r[k] for k in BEST_KEYS + ("mode", "ready_s_median", "ready_cpu_s_median", "ready_sleeps_median",
-                                             "ready_main_sleeps_median", "ready_s_rounds", "ready_cpu_s_rounds")
+                                             "ready_main_sleeps_median", "ready_native_cpu_s_median", "ready_s_rounds", "ready_cpu_s_rounds")
                     if k in r})
         row["mode"] = how if how != "auto" else f"auto->{r['mode']}"
         row["mode"] = row["mode"].replace("fold:float", "fold->f")
@@ -562,7 +611,7 @@ def _print_paired(rows):
 
 def _print_table(rows):
     head = f"{'model':<13} {'file':<15} {'mode':<12} {'ready s':>8} {'x':>5} {'med x':>5} {'cpu s':>6} {'x':>5} {'med x':>5} {'added MB':>9} {'x':>5} {'after MB':>9} " \
-           f"{'run ms':>8} {'x':>5} {'min x':>5} {'cosine':>8} {'top1':>6} {'vs fold':>8} {'sleeps':>6} {'main':>5}"
+           f"{'run ms':>8} {'x':>5} {'min x':>5} {'cosine':>8} {'top1':>6} {'vs fold':>8} {'sleeps':>6} {'main':>5} {'ort ms':>6}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -575,7 +624,8 @@ def _print_table(rows):
               f"{_fmt(r.get('ready_cpu_median_x'), '5.2f')} {r['added_mb']:9.1f} {_fmt(r.get('added_x'), '5.2f')} {r['after_runs_mb']:9.1f} {r['run_ms_median']:8.2f} "
               f"{_fmt(r.get('run_x'), '5.2f')} {_fmt(r.get('run_min_x'), '5.2f')} {_fmt(r.get('cosine'), '8.5f')} {_fmt(r.get('top1'), '6.3f')} "
               f"{_fmt(extra, '8.1e')} {_fmt(r.get('ready_sleeps_median'), '6.0f')} "
-              f"{_fmt(r.get('ready_main_sleeps_median'), '5.0f')}")
+              f"{_fmt(r.get('ready_main_sleeps_median'), '5.0f')} "
+              f"{_fmt(None if r.get('ready_native_cpu_s_median') is None else 1000 * r['ready_native_cpu_s_median'], '6.1f')}")
     for r in rows:
         if r.get("imported_in_clock"):  # (their import, compiled from source without a .pyc, is in the ready time)
             print(f"{r['model']} {r['file']} {r['mode']}: modules imported while the session was made: "

@@ -52,3 +52,47 @@ def test_rounds_are_kept_and_paired_with_the_ab_twin(load, monkeypatch, capsys):
     load._print_paired(rows)
     out = capsys.readouterr().out
     assert "ready 0.60 (0.55-1.05)" in out and "[3 rounds]" in out
+
+
+_NATIVE_PROBE = r"""
+import importlib.util, sys, threading, time
+import numpy as np, onnx, onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+spec = importlib.util.spec_from_file_location("bench_load_probe", sys.argv[1])
+load = importlib.util.module_from_spec(spec); spec.loader.exec_module(load)
+
+def burn():  # a Python thread busy for 0.2 s of its own CPU
+    end = time.thread_time() + 0.2
+    while time.thread_time() < end:
+        pass
+clock = load.NativeThreadsCpu()
+before = clock.seconds()
+t = threading.Thread(target=burn); t.start(); t.join()
+python_thread = clock.seconds() - before
+
+w = numpy_helper.from_array(np.ones((512, 512), np.float32), "w")
+graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])], initializer=[w])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+options = ort.SessionOptions(); options.intra_op_num_threads = 2
+before = clock.seconds()
+session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+for _ in range(20):
+    session.run(None, {"x": np.ones((256, 512), np.float32)})
+onnxruntime_threads = clock.seconds() - before
+clock.close()
+print(python_thread, onnxruntime_threads)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU is read from Linux /proc")
+def test_native_thread_cpu_counts_onnxruntime_pools_not_python_threads():
+    import subprocess
+    import sys
+
+    # (a fresh interpreter: no worker of an earlier test's session spins meanwhile)
+    out = subprocess.run([sys.executable, "-c", _NATIVE_PROBE, str(BENCH)], capture_output=True, text=True, check=True)
+    python_thread, onnxruntime_threads = map(float, out.stdout.split())
+    assert python_thread < 0.05  # (the 0.2 s a Python thread burned is not counted)
+    assert onnxruntime_threads > 0  # (the intra-op worker's spin and work are)
