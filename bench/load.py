@@ -29,7 +29,8 @@ time) and compares those sums. "sleeps": the median number of times the process'
 alone, where onnxruntime parses and initialises the model (a streamed model: its waits on our
 decode and writer; the writer's own paced sleeps are in "sleeps" only). "ort ms": the median CPU
 that threads Python did not start (onnxruntime's thread pools) used while the session was made:
-its intra-op worker spins through the parse, on the core a packed file's decode needs. The rounds of a model's variants are interleaved. Artefacts (compressed, packed, the big model) go to a
+its intra-op worker spins through the parse, on the core a packed file's decode needs. The rounds
+of a model's variants are interleaved. Artefacts (compressed, packed, the big model) go to a
 temporary folder, removed at the end. Subprocesses run one at a time (the big one needs room).
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -91,20 +93,14 @@ class NativeThreadsCpu:
     does not say)."""
 
     def __init__(self):
-        import threading
-
         self._python = {t.native_id for t in threading.enumerate()}
         threading.setprofile(self._note)
 
     def _note(self, *_):
-        import threading
-
         self._python.add(threading.get_native_id())
         sys.setprofile(None)  # (this thread only: noted once)
 
     def close(self) -> None:
-        import threading
-
         threading.setprofile(None)
 
     def seconds(self) -> float:

@@ -56,7 +56,7 @@ def test_rounds_are_kept_and_paired_with_the_ab_twin(load, monkeypatch, capsys):
 
 _NATIVE_PROBE = r"""
 import importlib.util, sys, threading, time
-import numpy as np, onnx, onnxruntime as ort
+import numpy as np, onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 spec = importlib.util.spec_from_file_location("bench_load_probe", sys.argv[1])
 load = importlib.util.module_from_spec(spec); spec.loader.exec_module(load)
